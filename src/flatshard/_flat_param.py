@@ -1,0 +1,205 @@
+"""FlatParameter: one flattened group of a unit's original parameters, and its storage.
+
+A unit has one FlatParameter per (requires_grad, dtype) group of its parameters, so frozen
+parameters never get gradient memory or a reduce-scatter.
+
+[Note: FlatParameter tensors and their lifetimes]
+- ``shard`` (C,): this rank's chunk; persistent. Every original parameter's ``.data`` is a
+  view of its rows in it, so the optimizer updates the shard in place.
+- ``_unsharded`` (C * W,): the autograd leaf that forward uses; original parameters are
+  swapped for ``split`` + ``view`` views of it while the unit runs, so autograd accumulates
+  one flat gradient for the whole group. Its storage is freed (resized to 0) while resharded
+  and re-allocated by the next unshard. The storage object itself lives as long as the
+  FlatParameter, so views saved by autograd for backward stay valid across reshard/unshard.
+- ``_unsharded_data``: the same storage without autograd's version counter. The all-gather
+  writes through it; writing through ``_unsharded`` would bump the version that autograd
+  checks on saved views and make backward fail.
+- The reduce-scatter output (C,) becomes the original parameters' ``.grad`` (views of it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flatshard._collectives import (
+    PendingReduction,
+    all_gather_into,
+    start_reduce_scatter,
+    wait_reduction,
+)
+from flatshard._layout import FlatLayout, ParamSlot, plan_layout
+
+
+@dataclass
+class OriginalParam:
+    """One of the user's parameters, with every place a module registers it (ties)."""
+
+    param: nn.Parameter
+    fqn: str  # its first name in the model
+    usages: list[tuple[nn.Module, str]] = field(default_factory=list)
+
+
+class FlatParameter:
+    """A group of original parameters flattened into one row-aligned buffer and sharded."""
+
+    def __init__(self, originals: list[OriginalParam], group: dist.ProcessGroup) -> None:
+        first = originals[0].param
+        self.originals = originals
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.requires_grad = first.requires_grad
+        self.layout: FlatLayout = plan_layout([o.param.shape for o in originals], self.world_size)
+        # Persistent: this rank's shard; original parameters are views of it.
+        self.shard = self._copy_out_shard(first.dtype, first.device)  # (C,)
+        # Alive only while unsharded (see the note above).
+        self._unsharded = torch.empty(
+            self.layout.unsharded_numel, dtype=first.dtype, device=first.device
+        ).requires_grad_(self.requires_grad)  # (C * W,)
+        self._unsharded_data = self._unsharded.data
+        self._unsharded_nbytes = self._unsharded.untyped_storage().nbytes()
+        self._unsharded_data.untyped_storage().resize_(0)
+        self.is_unsharded = False
+        # Per backward pass: the reduce-scatter in flight and whether this pass issued it.
+        self.pending: PendingReduction | None = None
+        self.reduced_in_backward = False
+        self.use_sharded_data()
+
+    # ------------------------------------------------------------------ storage
+    def unshard(self) -> None:
+        """All-gather the shards (unless unsharded) and register fresh views in the modules.
+
+        Views are made anew on every call so that they follow the current grad mode.
+        """
+        if not self.is_unsharded:
+            self._unsharded_data.untyped_storage().resize_(self._unsharded_nbytes)
+            all_gather_into(self._unsharded_data, self.shard, self.group)
+            self.is_unsharded = True
+        self.register_views(self.unsharded_views())
+
+    def reshard(self) -> None:
+        """Free the unsharded buffer and register the original parameters again.
+
+        Views of the buffer that autograd saved stay valid objects (see the note above).
+        """
+        if not self.is_unsharded:
+            return
+        self._unsharded_data.untyped_storage().resize_(0)
+        self.is_unsharded = False
+        self.register_views(None)
+
+    @property
+    def unsharded_storage_nbytes(self) -> int:
+        """Bytes the unsharded buffer holds right now (0 while resharded)."""
+        return self._unsharded_data.untyped_storage().nbytes()
+
+    # ------------------------------------------------------------------ views
+    def unsharded_views(self) -> list[torch.Tensor]:
+        """Autograd-visible full-shape views of the unsharded buffer, one per original."""
+        segments = torch.split(self._unsharded, self.layout.segment_sizes())
+        return [segments[2 * i + 1].view(s.shape) for i, s in enumerate(self.layout.slots)]
+
+    def shard_views(self, flat_shard: torch.Tensor) -> list[torch.Tensor]:
+        """Views of each original's rows in a (C,) tensor laid out like ``shard``."""
+        return [self._rows_view(flat_shard, slot) for slot in self.layout.slots]
+
+    def _rows_view(self, flat_shard: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
+        held = self.layout.shard_range(slot, self.rank)
+        rows = flat_shard[held.local_offset : held.local_offset + held.numel]
+        if len(slot.shape) == 0:
+            # A scalar is one row: shape () on the rank that holds it, (0,) elsewhere.
+            return rows.view(()) if held.rows else rows
+        return rows.view(held.rows, *slot.shape[1:])
+
+    def use_sharded_data(self) -> None:
+        """Point every original parameter's ``.data`` at its rows of the shard."""
+        for orig, view in zip(self.originals, self.shard_views(self.shard), strict=True):
+            orig.param.data = view
+
+    def register_views(self, views: list[torch.Tensor] | None) -> None:
+        """Put ``views`` (or, with None, the original parameters) in their modules.
+
+        Writing ``module._parameters`` directly keeps the registration order, so
+        ``named_parameters()`` and ``state_dict()`` keys never move.
+        """
+        for i, orig in enumerate(self.originals):
+            value = orig.param if views is None else views[i]
+            for module, name in orig.usages:
+                cast(dict[str, torch.Tensor], module._parameters)[name] = value
+
+    # ------------------------------------------------------------------ gradients
+    def start_reduction(self) -> None:
+        """Reduce-scatter the accumulated unsharded gradient (zeros if none arrived).
+
+        Zeros keep every rank issuing the same collectives when a unit's gradient did not
+        reach it on this rank (its outputs were unused in the loss here).
+        """
+        grad = self._unsharded.grad
+        self._unsharded.grad = None
+        if grad is None:
+            grad = torch.zeros_like(self._unsharded_data, memory_format=torch.contiguous_format)
+        if self.pending is not None:
+            self.finish_reduction()
+        self.pending = start_reduce_scatter(grad.contiguous(), self.group)
+        self.reduced_in_backward = True
+
+    def finish_reduction(self) -> None:
+        """Wait for the reduce-scatter and add the result to the originals' ``.grad``."""
+        if self.pending is None:
+            return
+        reduced = wait_reduction(self.pending)  # (C,)
+        self.pending = None
+        for orig, view in zip(self.originals, self.shard_views(reduced), strict=True):
+            if orig.param.grad is None:
+                orig.param.grad = view
+            else:
+                orig.param.grad.add_(view)
+
+    def register_post_accumulate_hook(self, hook: Callable[[torch.Tensor], None]) -> None:
+        """Call ``hook(tensor)`` once autograd has accumulated the flat gradient."""
+        # torch's stub leaves this method unannotated; the cast states its real signature.
+        register = cast(
+            Callable[[Callable[[torch.Tensor], None]], object],
+            self._unsharded.register_post_accumulate_grad_hook,
+        )
+        register(hook)
+
+    # ------------------------------------------------------------------ full parameters
+    @contextmanager
+    def full_params(self, writeback: bool) -> Iterator[None]:
+        """Give every original parameter its full shape and value on every rank."""
+        full = self.shard.new_empty(self.layout.unsharded_numel)  # (C * W,)
+        all_gather_into(full, self.shard, self.group)
+        segments = torch.split(full, self.layout.segment_sizes())
+        views = [segments[2 * i + 1].view(s.shape) for i, s in enumerate(self.layout.slots)]
+        for orig, view in zip(self.originals, views, strict=True):
+            orig.param.data = view
+        try:
+            yield
+        finally:
+            if writeback:
+                self._write_back(full, views)
+            self.use_sharded_data()
+
+    def _write_back(self, full: torch.Tensor, views: list[torch.Tensor]) -> None:
+        for orig, view in zip(self.originals, views, strict=True):
+            if orig.param.data_ptr() != view.data_ptr():  # the user replaced ``.data``
+                view.copy_(orig.param.data)
+        chunk = self.layout.shard_numel
+        self.shard.copy_(full[self.rank * chunk : (self.rank + 1) * chunk])
+
+    def _copy_out_shard(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        shard = torch.zeros(self.layout.shard_numel, dtype=dtype, device=device)
+        for orig, slot in zip(self.originals, self.layout.slots, strict=True):
+            held = self.layout.shard_range(slot, self.rank)
+            start = held.first_row * slot.row_numel
+            source = orig.param.detach().reshape(-1)[start : start + held.numel]
+            shard[held.local_offset : held.local_offset + held.numel].copy_(source)
+        return shard

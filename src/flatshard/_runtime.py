@@ -1,0 +1,198 @@
+"""The runtime: the only place flatshard registers hooks (paper section "autograd integration").
+
+Per unit:
+- pre-forward: unshard (all-gather), swap the original parameters for views of the unsharded
+  buffer; wrap the inputs so that autograd tells us when their gradients are done.
+- post-forward: put the original parameters back; reshard, except the root when a backward
+  will follow (it would all-gather again at once); register the pre-backward hook on the
+  outputs.
+- pre-backward (first gradient reaching any output): unshard again; queue the final callback
+  once per backward pass.
+- post-backward (autograd accumulated a FlatParameter's flat gradient): start its
+  reduce-scatter and free the unsharded buffer.
+- final callback (end of the backward pass): reduce what did not reach the hook, wait for
+  every reduction, put the sharded gradients in ``.grad``, reshard everything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any, cast
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+from torch.autograd.graph import register_multi_grad_hook
+from torch.profiler import record_function
+from torch.utils import _pytree as pytree
+
+from flatshard._flat_param import FlatParameter
+from flatshard._unit import TrainingState, Unit
+
+STATE_ATTR = "_flatshard_unit"  # attribute of a unit's module holding its UnitRuntime
+TREE_ATTR = "_flatshard_tree"  # attribute of a module fully_shard was called on
+
+
+class ShardTree:
+    """The units sharded together under one ``fully_shard`` call (bottom-up calls merge)."""
+
+    def __init__(self, root: nn.Module) -> None:
+        self.root = root
+        self.units: list[UnitRuntime] = []  # inner units first; forward order is not assumed
+        self.callback_queued = False  # the final callback of this backward pass is queued
+
+    def adopt(self, other: ShardTree, prefix: str) -> None:
+        """Take over the units of an earlier call on the submodule named ``prefix``."""
+        for runtime in other.units:
+            runtime.tree = self
+            runtime.unit.rename(prefix)
+            self.units.append(runtime)
+        other.units = []
+
+
+class UnitRuntime:
+    """A unit as the hooks see it: the unit and the tree it belongs to now."""
+
+    def __init__(self, unit: Unit, tree: ShardTree) -> None:
+        self.unit = unit
+        self.tree = tree
+
+    @property
+    def is_root(self) -> bool:
+        return self.unit.module is self.tree.root
+
+
+def unit_runtime(module: nn.Module) -> UnitRuntime | None:
+    """The runtime of the unit rooted at ``module``, if any."""
+    found = module.__dict__.get(STATE_ATTR)
+    return found if isinstance(found, UnitRuntime) else None
+
+
+def shard_tree(module: nn.Module) -> ShardTree | None:
+    """The tree of the ``fully_shard`` call made on ``module``, if any."""
+    found = module.__dict__.get(TREE_ATTR)
+    return found if isinstance(found, ShardTree) else None
+
+
+def install(unit: Unit, tree: ShardTree) -> UnitRuntime:
+    """Register the hooks of ``unit``; the only place flatshard registers hooks."""
+    runtime = UnitRuntime(unit, tree)
+    tree.units.append(runtime)
+    unit.module.__dict__[STATE_ATTR] = runtime
+    unit.module.register_forward_pre_hook(partial(_pre_forward, runtime), with_kwargs=True)
+    unit.module.register_forward_hook(partial(_post_forward, runtime))
+    for flat in unit.trainable:
+        flat.register_post_accumulate_hook(partial(_post_backward, runtime, flat))
+    return runtime
+
+
+def _pre_forward(
+    runtime: UnitRuntime, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    unit = runtime.unit
+    with record_function(f"flatshard::pre_forward {unit.label}"):
+        if unit.state is not TrainingState.BACKWARD:
+            unit.state = TrainingState.FORWARD
+        unit.unshard()
+        if torch.is_grad_enabled() and unit.state is TrainingState.FORWARD:
+            args, kwargs = _watch_input_grads(runtime, args, kwargs)
+    return args, kwargs
+
+
+def _post_forward(runtime: UnitRuntime, module: nn.Module, args: Any, output: Any) -> Any:
+    unit = runtime.unit
+    with record_function(f"flatshard::post_forward {unit.label}"):
+        needs_grad = [t for t in _tensors(output) if t.requires_grad]
+        if needs_grad:
+            unit.expects_backward = True
+            register_multi_grad_hook(needs_grad, partial(_pre_backward, runtime), mode="any")
+        if unit.state is TrainingState.BACKWARD:
+            return output  # recomputation inside backward: keep the parameters
+        unit.state = TrainingState.IDLE
+        if not (runtime.is_root and needs_grad):
+            unit.reshard()
+    return output
+
+
+def _pre_backward(runtime: UnitRuntime, *unused: Any) -> None:
+    unit, tree = runtime.unit, runtime.tree
+    with record_function(f"flatshard::pre_backward {unit.label}"):
+        if not tree.callback_queued:
+            tree.callback_queued = True
+            Variable._execution_engine.queue_callback(partial(_finish_backward, tree))
+        unit.state = TrainingState.BACKWARD
+        # Autograd runs hooks with grad disabled; views made so would not require grad, and
+        # checkpoint recomputation reading them would save other tensors than forward did.
+        with torch.enable_grad():
+            unit.unshard()
+
+
+def _post_backward(runtime: UnitRuntime, flat: FlatParameter, *unused: Any) -> None:
+    unit = runtime.unit
+    with record_function(f"flatshard::post_backward {unit.label}"):
+        flat.start_reduction()
+        flat.reshard()
+        _reshard_frozen_if_done(unit)
+
+
+def _inputs_grad_done(runtime: UnitRuntime) -> None:
+    runtime.unit.pending_input_grads -= 1
+    _reshard_frozen_if_done(runtime.unit)
+
+
+def _reshard_frozen_if_done(unit: Unit) -> None:
+    if unit.frozen and unit.frozen_safe_to_reshard():
+        for flat in unit.frozen:
+            flat.reshard()
+
+
+def _finish_backward(tree: ShardTree) -> None:
+    """The final callback of a backward pass; runs once autograd has done everything else."""
+    with record_function("flatshard::finish_backward"):
+        for runtime in tree.units:
+            unit = runtime.unit
+            if unit.expects_backward:
+                for flat in unit.trainable:
+                    if not flat.reduced_in_backward:
+                        flat.start_reduction()
+        for runtime in tree.units:
+            for flat in runtime.unit.flat_params:
+                flat.finish_reduction()
+            runtime.unit.reshard()
+            runtime.unit.reset_backward_state()
+        tree.callback_queued = False
+
+
+class _InputGradWatch(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward reports that their gradients are done."""
+
+    @staticmethod
+    def forward(ctx: Any, runtime: UnitRuntime, *inputs: torch.Tensor) -> Any:
+        ctx.runtime = runtime
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        _inputs_grad_done(ctx.runtime)
+        return (None, *grads)
+
+
+def _watch_input_grads(
+    runtime: UnitRuntime, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not positions:
+        return args, kwargs
+    runtime.unit.pending_input_grads += 1
+    apply = cast(Callable[..., tuple[torch.Tensor, ...]], _InputGradWatch.apply)  # untyped stub
+    watched = apply(runtime, *(leaves[i] for i in positions))
+    for i, tensor in zip(positions, watched, strict=True):
+        leaves[i] = tensor
+    new_args, new_kwargs = pytree.tree_unflatten(leaves, spec)
+    return new_args, new_kwargs
+
+
+def _tensors(output: Any) -> list[torch.Tensor]:
+    return [x for x in pytree.tree_leaves(output) if isinstance(x, torch.Tensor)]

@@ -1,0 +1,71 @@
+"""A report of how a sharded model is laid out: units, FlatParameters, padding."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from flatshard._summon import units_of
+
+
+@dataclass(frozen=True)
+class FlatParamSummary:
+    """One FlatParameter of one unit, in elements."""
+
+    unit: str  # the unit's module name ("<root>" for the top)
+    param_names: tuple[str, ...]  # original names, in layout order
+    requires_grad: bool
+    dtype: str
+    param_numel: int  # the originals' elements
+    shard_numel: int  # C: elements each rank stores
+    world_size: int
+    padding_numel: int  # C * W - param_numel
+    alignment_padding_numel: int  # the part of the padding that keeps rows whole
+
+
+@dataclass(frozen=True)
+class ShardingSummary:
+    """Every FlatParameter of a sharded model."""
+
+    flat_params: tuple[FlatParamSummary, ...]
+
+    @property
+    def shard_numel(self) -> int:
+        """Parameter elements each rank stores."""
+        return sum(f.shard_numel for f in self.flat_params)
+
+    @property
+    def alignment_padding_numel(self) -> int:
+        return sum(f.alignment_padding_numel for f in self.flat_params)
+
+    def __str__(self) -> str:
+        lines = [f"{'unit':<28} {'grad':>5} {'params':>12} {'per rank':>10} {'align pad':>9}"]
+        for f in self.flat_params:
+            lines.append(
+                f"{f.unit:<28} {'yes' if f.requires_grad else 'no':>5} {f.param_numel:>12,} "
+                f"{f.shard_numel:>10,} {f.alignment_padding_numel:>9,}"
+            )
+        return "\n".join(lines)
+
+
+def sharding_summary(model: nn.Module) -> ShardingSummary:
+    """How ``model``'s parameters are flattened, padded and sharded on this rank."""
+    entries = []
+    for runtime in units_of(model, "sharding_summary"):
+        for flat in runtime.unit.flat_params:
+            layout = flat.layout
+            entries.append(
+                FlatParamSummary(
+                    unit=runtime.unit.label,
+                    param_names=tuple(o.fqn for o in flat.originals),
+                    requires_grad=flat.requires_grad,
+                    dtype=str(flat.shard.dtype).removeprefix("torch."),
+                    param_numel=layout.param_numel,
+                    shard_numel=layout.shard_numel,
+                    world_size=layout.world_size,
+                    padding_numel=layout.padding_numel,
+                    alignment_padding_numel=layout.alignment_padding_numel,
+                )
+            )
+    return ShardingSummary(flat_params=tuple(entries))

@@ -1,0 +1,80 @@
+"""One FSDP unit: a module whose parameters are sharded, unsharded and reduced together."""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+
+from torch import nn
+
+from flatshard._flat_param import FlatParameter
+
+
+class TrainingState(Enum):
+    """Where a unit is in the step. Only the runtime's hooks change it."""
+
+    IDLE = auto()  # outside forward and backward: parameters are shard views
+    FORWARD = auto()  # between the unit's pre-forward and post-forward hooks
+    BACKWARD = auto()  # the unit's pre-backward ran in the current backward pass
+
+
+class Unit:
+    """A module plus the FlatParameters that hold the parameters assigned to it."""
+
+    def __init__(self, module: nn.Module, fqn: str, flat_params: list[FlatParameter]) -> None:
+        self.module = module
+        self.fqn = fqn  # the module's name in the model passed to fully_shard ("" = root)
+        self.flat_params = flat_params
+        self.state = TrainingState.IDLE
+        # Per backward pass, reset by the final callback:
+        self.expects_backward = False  # a forward with grad ran: every rank must reduce
+        self.pending_input_grads = 0  # forwards whose inputs' gradients are still to come
+
+    @property
+    def label(self) -> str:
+        """The unit's name for messages and profiler ranges."""
+        return self.fqn or "<root>"
+
+    def rename(self, prefix: str) -> None:
+        """Name the unit and its parameters as seen from a parent ``prefix`` module."""
+        self.fqn = f"{prefix}.{self.fqn}" if self.fqn else prefix
+        for flat in self.flat_params:
+            for orig in flat.originals:
+                orig.fqn = f"{prefix}.{orig.fqn}"
+
+    @property
+    def trainable(self) -> list[FlatParameter]:
+        return [f for f in self.flat_params if f.requires_grad]
+
+    @property
+    def frozen(self) -> list[FlatParameter]:
+        return [f for f in self.flat_params if not f.requires_grad]
+
+    @property
+    def is_unsharded(self) -> bool:
+        return any(f.is_unsharded for f in self.flat_params)
+
+    def unshard(self) -> None:
+        """All-gather every FlatParameter; the modules then hold views of the buffers."""
+        for flat in self.flat_params:
+            flat.unshard()
+
+    def reshard(self) -> None:
+        """Free the unsharded buffers; the modules then hold the original parameters."""
+        for flat in self.flat_params:
+            flat.reshard()
+
+    def frozen_safe_to_reshard(self) -> bool:
+        """Whether backward can no longer read the frozen FlatParameters.
+
+        Any backward op that reads a frozen parameter computes a gradient for something:
+        this unit's inputs or its trainable parameters. Once both are done, none is left.
+        """
+        trainable_done = all(f.reduced_in_backward for f in self.trainable)
+        return trainable_done and self.pending_input_grads == 0
+
+    def reset_backward_state(self) -> None:
+        self.state = TrainingState.IDLE
+        self.expects_backward = False
+        self.pending_input_grads = 0
+        for flat in self.flat_params:
+            flat.reduced_in_backward = False

@@ -1,0 +1,238 @@
+"""Small reference models that exercise what sharding can get wrong.
+
+Each model has ``make_batch(generator, batch_size)`` and ``loss(batch)`` so that one training
+loop serves all of them, and ``UNIT_CLASSES``: the module classes that become units.
+Sizes are deliberately odd (7, 13, 37, ...) so that nothing divides the world size.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, dim_in: int, dim_out: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim_in, dim_out)
+        self.norm = nn.LayerNorm(dim_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = F.gelu(self.norm(self.fc(x)))
+        return out
+
+
+class MLPStack(nn.Module):
+    """Linear blocks of odd widths, a scalar temperature parameter and a head."""
+
+    UNIT_CLASSES = frozenset({MLPBlock})
+
+    def __init__(self, dims: tuple[int, ...] = (7, 13, 11, 13)) -> None:
+        super().__init__()
+        self.dim_in = dims[0]
+        self.blocks = nn.Sequential(*(MLPBlock(a, b) for a, b in itertools.pairwise(dims)))
+        self.head = nn.Linear(dims[-1], 5)
+        self.temperature = nn.Parameter(torch.tensor(1.5))  # a 0-dim parameter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.blocks(x)) / self.temperature
+        return out
+
+    def make_batch(self, gen: torch.Generator, batch_size: int) -> Batch:
+        x = torch.randn(batch_size, self.dim_in, generator=gen)
+        return x, torch.randint(0, 5, (batch_size,), generator=gen)
+
+    def loss(self, batch: Batch) -> torch.Tensor:
+        x, y = batch
+        out: torch.Tensor = F.cross_entropy(self(x), y)
+        return out
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int, seq_len: int) -> None:
+        super().__init__()
+        self.heads = heads
+        # No bias: the key bias has an exactly zero gradient (softmax ignores a shift), and
+        # AdamW would turn its rounding noise into full-size steps that no parity survives.
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim)
+        mask = torch.tril(torch.ones(seq_len, seq_len, dtype=torch.bool))
+        self.register_buffer("causal_mask", mask)  # a buffer: never sharded
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)  # (B, T, C) each
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(c // self.heads)  # (B, nh, T, T)
+        mask = cast(torch.Tensor, self.causal_mask)[:t, :t]
+        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        y = (att @ v).transpose(1, 2).reshape(b, t, c)  # (B, T, C)
+        out: torch.Tensor = self.proj(y)
+        return out
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, seq_len: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads, seq_len)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        out: torch.Tensor = x + self.mlp(self.ln2(x))
+        return out
+
+
+class TinyGPT(nn.Module):
+    """A GPT with its LM head tied to the token embedding."""
+
+    UNIT_CLASSES = frozenset({GPTBlock})
+
+    def __init__(
+        self, vocab: int = 37, dim: int = 16, heads: int = 2, layers: int = 2, seq_len: int = 9
+    ) -> None:
+        super().__init__()
+        self.seq_len = seq_len
+        self.vocab = vocab
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(seq_len, dim)
+        self.blocks = nn.ModuleList(GPTBlock(dim, heads, seq_len) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tok.weight  # tied
+        self.checkpoint_blocks = False  # recompute each block (hooks included) in backward
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))  # (B, T, C)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpoint_blocks else block(x)
+        out: torch.Tensor = self.head(self.ln_f(x))  # (B, T, vocab)
+        return out
+
+    def make_batch(self, gen: torch.Generator, batch_size: int) -> Batch:
+        idx = torch.randint(0, self.vocab, (batch_size, self.seq_len + 1), generator=gen)
+        return idx[:, :-1], idx[:, 1:]
+
+    def loss(self, batch: Batch) -> torch.Tensor:
+        x, y = batch
+        out: torch.Tensor = F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+        return out
+
+
+class LoRALinear(nn.Module):
+    """A frozen base weight plus a trainable low-rank update: one unit, both kinds."""
+
+    def __init__(self, dim_in: int, dim_out: int, rank: int = 3) -> None:
+        super().__init__()
+        self.base = nn.Linear(dim_in, dim_out)
+        self.base.requires_grad_(False)
+        self.lora_a = nn.Parameter(torch.randn(rank, dim_in) / dim_in)
+        self.lora_b = nn.Parameter(torch.randn(dim_out, rank) / rank)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.base(x) + (x @ self.lora_a.t()) @ self.lora_b.t()
+        return out
+
+
+class FrozenParts(nn.Module):
+    """A frozen embedding submodule, LoRA units mixing frozen and trainable, a head."""
+
+    UNIT_CLASSES = frozenset({LoRALinear})
+
+    def __init__(self, vocab: int = 29, dim: int = 11) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.embed = nn.Embedding(vocab, dim)
+        self.embed.requires_grad_(False)
+        self.layers = nn.ModuleList([LoRALinear(dim, dim), LoRALinear(dim, dim)])
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        out: torch.Tensor = self.head(x)
+        return out
+
+    def make_batch(self, gen: torch.Generator, batch_size: int) -> Batch:
+        idx = torch.randint(0, self.vocab, (batch_size, 5), generator=gen)
+        return idx, torch.roll(idx, 1, dims=1)
+
+    def loss(self, batch: Batch) -> torch.Tensor:
+        x, y = batch
+        out: torch.Tensor = F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+        return out
+
+
+class Inner(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.relu(self.lin(x))
+        return out
+
+
+class Outer(nn.Module):
+    """A unit with its own parameters around two inner units."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.pre = nn.Linear(dim, dim)
+        self.inner = nn.Sequential(Inner(dim), Inner(dim))
+        self.scale = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.inner(self.pre(x)) * self.scale
+        return out
+
+
+class Nested(nn.Module):
+    """Units inside units: Outer blocks, each holding Inner units."""
+
+    UNIT_CLASSES = frozenset({Outer, Inner})
+
+    def __init__(self, dim: int = 10) -> None:
+        super().__init__()
+        self.dim = dim
+        self.outers = nn.Sequential(Outer(dim), Outer(dim))
+        self.out = nn.Linear(dim, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.out(self.outers(x))
+        return out
+
+    def make_batch(self, gen: torch.Generator, batch_size: int) -> Batch:
+        x = torch.randn(batch_size, self.dim, generator=gen)
+        return x, torch.randint(0, 3, (batch_size,), generator=gen)
+
+    def loss(self, batch: Batch) -> torch.Tensor:
+        x, y = batch
+        out: torch.Tensor = F.cross_entropy(self(x), y)
+        return out
+
+
+MODELS: dict[str, type[nn.Module]] = {
+    "mlp": MLPStack,
+    "gpt": TinyGPT,
+    "frozen": FrozenParts,
+    "nested": Nested,
+}
+
+
+def build(name: str, seed: int = 0) -> nn.Module:
+    """The named reference model, initialized from ``seed`` (identical on every rank)."""
+    torch.manual_seed(seed)
+    return MODELS[name]()
