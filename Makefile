@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 NPROC ?= 2
-STEPS ?= 20
+STEPS ?= 40
 
 .PHONY: train test lint typecheck unit clean
 

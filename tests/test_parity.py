@@ -23,6 +23,13 @@ def test_parity_per_model(pool: WorkerPool, model: str, world_size: int) -> None
     pool.run(parity_job, config, model in FSDP2_MODELS)
 
 
+@pytest.mark.parametrize("model", ["mlp", "gpt", "frozen", "nested"])
+def test_parity_sgd(pool: WorkerPool, model: str) -> None:
+    # Adam is nearly blind to a gradient's scale; SGD with momentum is not.
+    config = ParityConfig(model=model, world_size=3, optimizer="sgd")
+    pool.run(parity_job, config, model in FSDP2_MODELS)
+
+
 @pytest.mark.parametrize("policy", ["size", "none", "bottom_up"])
 @pytest.mark.parametrize("model", ["gpt", "nested"])
 def test_parity_per_policy(pool: WorkerPool, model: str, policy: str) -> None:

@@ -1,11 +1,11 @@
 """The runtime: the only place flatshard registers hooks (paper section "autograd integration").
 
 Per unit:
-- pre-forward: unshard (all-gather), swap the original parameters for views of the unsharded
-  buffer; wrap the inputs so that autograd tells us when their gradients are done.
-- post-forward: put the original parameters back; reshard, except the root when a backward
-  will follow (it would all-gather again at once); register the pre-backward hook on the
-  outputs.
+- pre-forward: unshard (all-gather; the modules then hold views of the unsharded buffer);
+  wrap the inputs so that autograd tells us when their gradients are done.
+- post-forward: register the pre-backward hook on the outputs; reshard (the modules get the
+  original parameters back), except the root when a backward will follow (it would
+  all-gather again at once) and except during checkpoint recomputation inside backward.
 - pre-backward (first gradient reaching any output): unshard again; queue the final callback
   once per backward pass.
 - post-backward (autograd accumulated a FlatParameter's flat gradient): start its

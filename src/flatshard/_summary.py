@@ -15,6 +15,7 @@ class FlatParamSummary:
 
     unit: str  # the unit's module name ("<root>" for the top)
     param_names: tuple[str, ...]  # original names, in layout order
+    held_rows: tuple[tuple[int, int], ...]  # per name: (first row, row count) on this rank
     requires_grad: bool
     dtype: str
     param_numel: int  # the originals' elements
@@ -29,6 +30,13 @@ class ShardingSummary:
     """Every FlatParameter of a sharded model."""
 
     flat_params: tuple[FlatParamSummary, ...]
+
+    def held_rows(self, name: str) -> tuple[int, int]:
+        """(first row, row count) of parameter ``name`` that this rank holds."""
+        for flat in self.flat_params:
+            if name in flat.param_names:
+                return flat.held_rows[flat.param_names.index(name)]
+        raise KeyError(f"no sharded parameter named '{name}'")
 
     @property
     def shard_numel(self) -> int:
@@ -59,6 +67,10 @@ def sharding_summary(model: nn.Module) -> ShardingSummary:
                 FlatParamSummary(
                     unit=runtime.unit.label,
                     param_names=tuple(o.fqn for o in flat.originals),
+                    held_rows=tuple(
+                        (held.first_row, held.rows)
+                        for held in (layout.shard_range(s, flat.rank) for s in layout.slots)
+                    ),
                     requires_grad=flat.requires_grad,
                     dtype=str(flat.shard.dtype).removeprefix("torch."),
                     param_numel=layout.param_numel,

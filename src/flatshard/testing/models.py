@@ -8,13 +8,12 @@ Sizes are deliberately odd (7, 13, 37, ...) so that nothing divides the world si
 from __future__ import annotations
 
 import itertools
-import math
-from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+
+from flatshard.models.gpt import GPT, GPTBlock
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -56,69 +55,15 @@ class MLPStack(nn.Module):
         return out
 
 
-class Attention(nn.Module):
-    def __init__(self, dim: int, heads: int, seq_len: int) -> None:
-        super().__init__()
-        self.heads = heads
-        # No bias: the key bias has an exactly zero gradient (softmax ignores a shift), and
-        # AdamW would turn its rounding noise into full-size steps that no parity survives.
-        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
-        self.proj = nn.Linear(dim, dim)
-        mask = torch.tril(torch.ones(seq_len, seq_len, dtype=torch.bool))
-        self.register_buffer("causal_mask", mask)  # a buffer: never sharded
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)  # (B, T, C) each
-        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(c // self.heads)  # (B, nh, T, T)
-        mask = cast(torch.Tensor, self.causal_mask)[:t, :t]
-        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-        y = (att @ v).transpose(1, 2).reshape(b, t, c)  # (B, T, C)
-        out: torch.Tensor = self.proj(y)
-        return out
-
-
-class GPTBlock(nn.Module):
-    def __init__(self, dim: int, heads: int, seq_len: int) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(dim)
-        self.attn = Attention(dim, heads, seq_len)
-        self.ln2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        out: torch.Tensor = x + self.mlp(self.ln2(x))
-        return out
-
-
-class TinyGPT(nn.Module):
-    """A GPT with its LM head tied to the token embedding."""
+class TinyGPT(GPT):
+    """A small GPT with its LM head tied to the token embedding."""
 
     UNIT_CLASSES = frozenset({GPTBlock})
 
     def __init__(
-        self, vocab: int = 37, dim: int = 16, heads: int = 2, layers: int = 2, seq_len: int = 9
+        self, vocab: int = 37, dim: int = 16, heads: int = 2, layers: int = 3, seq_len: int = 9
     ) -> None:
-        super().__init__()
-        self.seq_len = seq_len
-        self.vocab = vocab
-        self.tok = nn.Embedding(vocab, dim)
-        self.pos = nn.Embedding(seq_len, dim)
-        self.blocks = nn.ModuleList(GPTBlock(dim, heads, seq_len) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-        self.head.weight = self.tok.weight  # tied
-        self.checkpoint_blocks = False  # recompute each block (hooks included) in backward
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        t = idx.shape[1]
-        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))  # (B, T, C)
-        for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False) if self.checkpoint_blocks else block(x)
-        out: torch.Tensor = self.head(self.ln_f(x))  # (B, T, vocab)
-        return out
+        super().__init__(vocab, dim, heads, layers, seq_len)
 
     def make_batch(self, gen: torch.Generator, batch_size: int) -> Batch:
         idx = torch.randint(0, self.vocab, (batch_size, self.seq_len + 1), generator=gen)

@@ -36,6 +36,7 @@ class ParityConfig:
     forwards_per_backward: int = 1  # forwards whose losses are summed before one backward
     checkpoint: str = ""  # "" | "inside" (a unit's forward body) | "around" (the unit call)
     lr: float = 1e-3
+    optimizer: str = "adamw"  # adamw | sgd (SGD exposes gradient-scale errors Adam hides)
 
     def __post_init__(self) -> None:
         if self.checkpoint not in ("", "inside", "around"):
@@ -54,8 +55,8 @@ class RunResult:
     params: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def make_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
-    """AdamW with weight decay by name and ndim, as training scripts usually do."""
+def make_optimizer(model: nn.Module, lr: float, kind: str = "adamw") -> torch.optim.Optimizer:
+    """Weight decay by name and ndim, as training scripts usually do; AdamW or SGD."""
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
     for name, param in model.named_parameters():
@@ -64,7 +65,11 @@ def make_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
         wants_decay = param.dim() >= 2 and "norm" not in name and "ln" not in name
         (decay if wants_decay else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr)
+    if kind == "sgd":
+        return torch.optim.SGD(groups, lr=lr * 100, momentum=0.9)
+    if kind == "adamw":
+        return torch.optim.AdamW(groups, lr=lr)
+    raise ValueError(f"unknown optimizer {kind!r}")
 
 
 def batches(model: nn.Module, steps: int) -> Iterator[Batch]:
@@ -90,7 +95,7 @@ def train(
     group: dist.ProcessGroup | None,
 ) -> list[float]:
     """Train ``config.steps`` steps on this rank's slice; returns the global loss per step."""
-    optim = make_optimizer(model, config.lr)
+    optim = make_optimizer(model, config.lr, config.optimizer)
     loss_fn = cast(Callable[[Batch], torch.Tensor], cast(Any, model).loss)
     losses = []
     for global_batch in batches(model, config.steps):

@@ -1,0 +1,30 @@
+"""``flatshard``: the command-line entry point."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from flatshard.cli import train
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flatshard", description="Fully sharded data parallel training for PyTorch."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    train.add_parser(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args))
+    except train.ConfigError as error:
+        print(f"flatshard {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

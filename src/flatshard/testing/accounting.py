@@ -1,0 +1,80 @@
+"""Exact accounting on CPU: which collectives ran, and what storage they left alive.
+
+Both work at the dispatcher, below flatshard, so they count what really happened rather
+than what flatshard believes it did.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import Counter
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ALL_GATHER = "all_gather"
+REDUCE_SCATTER = "reduce_scatter"
+ALL_REDUCE = "all_reduce"
+
+_KINDS = {
+    "c10d._allgather_base_": ALL_GATHER,
+    "c10d.allgather_": ALL_GATHER,
+    "c10d._reduce_scatter_base_": REDUCE_SCATTER,
+    "c10d.reduce_scatter_": REDUCE_SCATTER,
+    "c10d.allreduce_": ALL_REDUCE,
+}
+
+
+# torch ships TorchDispatchMode without annotations; subclassing it is an untyped call.
+class CollectiveTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Counts collectives by kind and watches the storage every all-gather writes.
+
+    ``peak_gathered_bytes`` is the most bytes that all-gather outputs held at once, sampled
+    right after each all-gather: the unsharded-parameter peak.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.counts: Counter[str] = Counter()
+        self._gathered: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        self.peak_gathered_bytes = 0
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        kind = _KINDS.get(str(func.overloadpacket))
+        if kind is not None:
+            self.counts[kind] += 1
+        if kind == ALL_GATHER:
+            target = args[0]
+            tensors = target if isinstance(target, list | tuple) else [target]
+            for tensor in tensors:
+                for t in tensor if isinstance(tensor, list) else [tensor]:
+                    storage = t.untyped_storage()
+                    self._gathered[storage.data_ptr()] = weakref.ref(storage)
+            self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
+        return out
+
+    def gathered_bytes(self) -> int:
+        """Bytes still held by storages that all-gathers wrote into."""
+        total = 0
+        for ref in self._gathered.values():
+            storage = ref()
+            if storage is not None:
+                total += storage.nbytes()
+        return total
+
+
+def distinct_storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views counted once)."""
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())

@@ -1,0 +1,44 @@
+"""``flatshard train`` end to end, and its one-line errors."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from flatshard.cli.main import main
+
+
+def test_train_runs_at_two_ranks_and_loss_falls() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "flatshard.cli.main", "train", "--nproc", "2", "--steps", "12"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    losses = [float(x) for x in re.findall(r"^step +\d+ +loss (\d+\.\d+)", result.stdout, re.M)]
+    assert len(losses) == 12, result.stdout
+    assert losses[-1] < losses[0] - 0.3, losses
+    assert "2 ranks (gloo)" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--steps", "0"], "--steps must be >= 1, got 0"),
+        (["--dim", "10", "--heads", "3"], "--dim (10) must be a multiple of --heads (3)"),
+        (["--lr", "-1"], "--lr must be > 0"),
+    ],
+)
+def test_bad_options_give_one_line(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"flatshard train: error: {message}" or err.startswith(
+        f"flatshard train: error: {message}"
+    )
+    assert "\n" not in err

@@ -1,0 +1,94 @@
+"""Misuse gives a clear error naming what was expected, what was found and the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import flatshard
+from flatshard.testing.models import GPTBlock, MLPBlock, TinyGPT, build
+
+
+def test_needs_an_initialized_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    with pytest.raises(RuntimeError, match=r"init_process_group"):
+        flatshard.fully_shard(nn.Linear(2, 2))
+
+
+def test_twice_on_one_module(local_group: dist.ProcessGroup) -> None:
+    model = flatshard.fully_shard(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"already sharded.*once per module"):
+        flatshard.fully_shard(model)
+
+
+@pytest.mark.parametrize("policy", [42, "GPTBlock", {GPTBlock, "x"}])
+def test_bad_policy(local_group: dist.ProcessGroup, policy: object) -> None:
+    with pytest.raises(TypeError, match=r"auto_wrap_policy must be a set of nn.Module classes"):
+        flatshard.fully_shard(build("gpt"), auto_wrap_policy=policy)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("min_params", [0, -3, 2.5])
+def test_bad_size_policy(min_params: object) -> None:
+    with pytest.raises(ValueError, match=r"positive int"):
+        flatshard.SizePolicy(min_params=min_params)  # type: ignore[arg-type]
+
+
+def test_meta_parameters_name_the_parameter(local_group: dist.ProcessGroup) -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(3, 3))
+    with pytest.raises(ValueError, match=r"'0\.weight' is on the meta device.*to_empty"):
+        flatshard.fully_shard(model)
+
+
+def test_tie_reaching_out_of_an_earlier_unit(local_group: dist.ProcessGroup) -> None:
+    model = TinyGPT()
+    flatshard.fully_shard(model.tok)  # holds the weight the head also uses
+    with pytest.raises(ValueError, match=r"'head.weight' is tied to a parameter of 'tok'"):
+        flatshard.fully_shard(model)
+
+
+def test_unimplemented_strategy(local_group: dist.ProcessGroup) -> None:
+    with pytest.raises(NotImplementedError, match=r"HYBRID_SHARD is not implemented"):
+        flatshard.fully_shard(build("mlp"), strategy=flatshard.ShardingStrategy.HYBRID_SHARD)
+
+
+def test_summon_on_an_unsharded_model(local_group: dist.ProcessGroup) -> None:
+    with (
+        pytest.raises(ValueError, match=r"holds no flatshard unit.*fully_shard"),
+        flatshard.summon_full_params(nn.Linear(2, 2)),
+    ):
+        pass
+
+
+class SummonsInForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = MLPBlock(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with flatshard.summon_full_params(self):
+            pass
+        out: torch.Tensor = self.block(x)
+        return out
+
+
+def test_summon_inside_forward(local_group: dist.ProcessGroup) -> None:
+    model = flatshard.fully_shard(SummonsInForward())
+    with pytest.raises(RuntimeError, match=r"forward pass.*between steps"):
+        model(torch.randn(2, 3))
+
+
+def test_one_process_trains_like_the_plain_model(local_group: dist.ProcessGroup) -> None:
+    """World size 1 through the whole runtime, in this process."""
+    plain = build("gpt")
+    model = flatshard.fully_shard(build("gpt"), auto_wrap_policy={GPTBlock})
+    gen = torch.Generator().manual_seed(0)
+    batch = plain.make_batch(gen, 2)  # type: ignore[operator]
+    for m in (plain, model):
+        m.loss(batch).backward()  # type: ignore[operator]
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, q.grad)
+    print(flatshard.sharding_summary(model))
