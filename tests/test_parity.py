@@ -13,17 +13,17 @@ import pytest
 from flatshard.testing.parity import ParityConfig, parity_job
 from flatshard.testing.workers import WorkerPool
 
-FSDP2_MODELS = {"gpt", "frozen", "nested"}
+FSDP2_MODELS = {"gpt", "frozen", "nested", "reuse"}
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
-@pytest.mark.parametrize("model", ["mlp", "gpt", "frozen", "nested"])
+@pytest.mark.parametrize("model", ["mlp", "gpt", "frozen", "nested", "reuse"])
 def test_parity_per_model(pool: WorkerPool, model: str, world_size: int) -> None:
     config = ParityConfig(model=model, world_size=world_size)
     pool.run(parity_job, config, model in FSDP2_MODELS)
 
 
-@pytest.mark.parametrize("model", ["mlp", "gpt", "frozen", "nested"])
+@pytest.mark.parametrize("model", ["mlp", "gpt", "frozen", "nested", "reuse"])
 def test_parity_sgd(pool: WorkerPool, model: str) -> None:
     # Adam is nearly blind to a gradient's scale; SGD with momentum is not.
     config = ParityConfig(model=model, world_size=3, optimizer="sgd")

@@ -335,3 +335,65 @@ def accumulate_job(ctx: WorkerContext) -> None:
 
 def test_gradients_accumulate_without_zero_grad(pool: WorkerPool) -> None:
     pool.run(accumulate_job)
+
+
+# ---------------------------------------------------------------- opaque outputs
+class Opaque:
+    """An output type that torch's pytree does not know."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+
+class OpaqueBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> Opaque:
+        return Opaque(torch.tanh(self.lin(x)))
+
+
+class OpaqueModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = OpaqueBlock()
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.block(x).value)
+        return out
+
+
+def opaque_job(ctx: WorkerContext, only_unit: bool) -> None:
+    group = ctx.group(2)
+    if group is None:
+        return None
+    torch.manual_seed(0)
+    model: nn.Module = OpaqueBlock() if only_unit else OpaqueModel()
+    reference = type(model)()
+    reference.load_state_dict(model.state_dict())
+    flatshard.fully_shard(model, auto_wrap_policy={OpaqueBlock}, process_group=group)
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
+    with pytest.warns(UserWarning, match="returned Opaque with no tensor"):
+        out = model(x[ctx.rank * 2 : ctx.rank * 2 + 2])
+    loss = (out.value if only_unit else out).sum() / 4 * 2  # sum over the global batch
+    loss.backward()
+    ref_out = reference(x)
+    (ref_out.value if only_unit else ref_out).sum().div(4).backward()
+    summary = flatshard.sharding_summary(model)
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
+        first, count = summary.held_rows(name)
+        assert param.grad is not None, name
+        torch.testing.assert_close(param.grad, ref.grad[first : first + count])
+    tracker = CollectiveTracker()
+    with torch.no_grad(), tracker:
+        model(x)
+    assert tracker.gathered_bytes() == 0
+    return None
+
+
+@pytest.mark.parametrize("only_unit", [False, True])
+def test_output_flatshard_cannot_see_into(pool: WorkerPool, only_unit: bool) -> None:
+    """The unit stays unsharded until its backward instead of reading freed storage."""
+    pool.run(opaque_job, only_unit)

@@ -16,6 +16,7 @@ Per unit:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from functools import partial
 from typing import Any, cast
@@ -110,17 +111,33 @@ def _post_forward(runtime: UnitRuntime, module: nn.Module, args: Any, output: An
         if unit.state is TrainingState.BACKWARD:
             return output  # recomputation inside backward: keep the parameters
         unit.state = TrainingState.IDLE
-        if not (runtime.is_root and needs_grad):
+        hidden_graph = not needs_grad and _may_hide_graph(unit, output)
+        if not ((runtime.is_root and needs_grad) or hidden_graph):
             unit.reshard()
     return output
 
 
+def _may_hide_graph(unit: Unit, output: Any) -> bool:
+    """Whether the output may carry a graph through tensors flatshard cannot find.
+
+    Without them there is no pre-backward hook to unshard again, so the unit must stay
+    unsharded until its gradient is reduced (or the backward pass ends).
+    """
+    if not (torch.is_grad_enabled() and unit.trainable) or _tensors(output):
+        return False
+    warnings.warn(
+        f"flatshard: unit '{unit.label}' returned {type(output).__name__} with no tensor "
+        "flatshard can find, so it stays unsharded until its backward. Return tensors in "
+        "tuples, lists or dicts, or register the type with torch.utils._pytree.",
+        stacklevel=3,
+    )
+    return True
+
+
 def _pre_backward(runtime: UnitRuntime, *unused: Any) -> None:
-    unit, tree = runtime.unit, runtime.tree
+    unit = runtime.unit
     with record_function(f"flatshard::pre_backward {unit.label}"):
-        if not tree.callback_queued:
-            tree.callback_queued = True
-            Variable._execution_engine.queue_callback(partial(_finish_backward, tree))
+        _queue_finish_backward(runtime.tree)
         unit.state = TrainingState.BACKWARD
         # Autograd runs hooks with grad disabled; views made so would not require grad, and
         # checkpoint recomputation reading them would save other tensors than forward did.
@@ -131,9 +148,16 @@ def _pre_backward(runtime: UnitRuntime, *unused: Any) -> None:
 def _post_backward(runtime: UnitRuntime, flat: FlatParameter, *unused: Any) -> None:
     unit = runtime.unit
     with record_function(f"flatshard::post_backward {unit.label}"):
+        _queue_finish_backward(runtime.tree)  # in case no pre-backward hook could fire
         flat.start_reduction()
         flat.reshard()
         _reshard_frozen_if_done(unit)
+
+
+def _queue_finish_backward(tree: ShardTree) -> None:
+    if not tree.callback_queued:
+        tree.callback_queued = True
+        Variable._execution_engine.queue_callback(partial(_finish_backward, tree))
 
 
 def _inputs_grad_done(runtime: UnitRuntime) -> None:

@@ -169,7 +169,48 @@ class Nested(nn.Module):
         return out
 
 
+class DictBlock(nn.Module):
+    """A unit whose output is a dict, not a tensor."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        hidden = torch.tanh(self.lin(x))
+        return {"hidden": hidden, "energy": hidden.square().mean()}
+
+
+class Reuse(nn.Module):
+    """One unit called twice per forward (shared weights) around a dict-returning unit."""
+
+    UNIT_CLASSES = frozenset({MLPBlock, DictBlock})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 9)
+        self.shared = MLPBlock(9, 9)
+        self.middle = DictBlock(9)
+        self.out = nn.Linear(9, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.shared(self.inp(x))
+        mid = self.middle(h)
+        out: torch.Tensor = self.out(self.shared(mid["hidden"])) + mid["energy"]
+        return out
+
+    def make_batch(self, gen: torch.Generator, batch_size: int) -> Batch:
+        x = torch.randn(batch_size, 6, generator=gen)
+        return x, torch.randint(0, 4, (batch_size,), generator=gen)
+
+    def loss(self, batch: Batch) -> torch.Tensor:
+        x, y = batch
+        out: torch.Tensor = F.cross_entropy(self(x), y)
+        return out
+
+
 MODELS: dict[str, type[nn.Module]] = {
+    "reuse": Reuse,
     "mlp": MLPStack,
     "gpt": TinyGPT,
     "frozen": FrozenParts,
