@@ -30,7 +30,7 @@ class ParityConfig:
 
     model: str  # a name in flatshard.testing.models.MODELS
     world_size: int
-    policy: str = "classes"  # classes | size | none | bottom_up
+    policy: str = "classes"  # classes | callable | size | none | bottom_up
     steps: int = 5
     micro_batches: int = 1  # backward passes per step, grads accumulated (no zeroing)
     forwards_per_backward: int = 1  # forwards whose losses are summed before one backward
@@ -149,6 +149,10 @@ def shard_with_flatshard(model: nn.Module, config: ParityConfig, group: dist.Pro
     classes = set(cast(Any, model).UNIT_CLASSES)
     if config.policy == "classes":
         flatshard.fully_shard(model, auto_wrap_policy=classes, process_group=group)
+    elif config.policy == "callable":
+        flatshard.fully_shard(
+            model, auto_wrap_policy=lambda m, name: type(m) in classes, process_group=group
+        )
     elif config.policy == "size":
         flatshard.fully_shard(
             model, auto_wrap_policy=flatshard.SizePolicy(min_params=200), process_group=group
