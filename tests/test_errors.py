@@ -49,9 +49,34 @@ def test_tie_reaching_out_of_an_earlier_unit(local_group: dist.ProcessGroup) -> 
         flatshard.fully_shard(model)
 
 
-def test_unimplemented_strategy(local_group: dist.ProcessGroup) -> None:
-    with pytest.raises(NotImplementedError, match=r"HYBRID_SHARD is not implemented"):
-        flatshard.fully_shard(build("mlp"), strategy=flatshard.ShardingStrategy.HYBRID_SHARD)
+@pytest.mark.parametrize("factor", [2, 0, -1])
+def test_sharding_factor_must_divide_the_world(local_group: dist.ProcessGroup, factor: int) -> None:
+    with pytest.raises(ValueError, match=rf"sharding_factor F={factor} .* world size W=1"):
+        flatshard.fully_shard(
+            build("mlp"),
+            strategy=flatshard.ShardingStrategy.HYBRID_SHARD,
+            sharding_factor=factor,
+        )
+
+
+def test_sharding_factor_needs_a_hybrid_strategy(local_group: dist.ProcessGroup) -> None:
+    with pytest.raises(ValueError, match=r"sharding_factor only applies to HYBRID_SHARD"):
+        flatshard.fully_shard(build("mlp"), sharding_factor=1)
+
+
+def test_one_hybrid_option_at_a_time(local_group: dist.ProcessGroup) -> None:
+    with pytest.raises(ValueError, match=r"not sharding_factor and hybrid_groups"):
+        flatshard.fully_shard(
+            build("mlp"),
+            strategy=flatshard.ShardingStrategy.HYBRID_SHARD,
+            sharding_factor=1,
+            hybrid_groups=(local_group, local_group),
+        )
+
+
+def test_strategy_must_be_the_enum(local_group: dist.ProcessGroup) -> None:
+    with pytest.raises(TypeError, match=r"strategy must be a flatshard.ShardingStrategy"):
+        flatshard.fully_shard(build("mlp"), strategy="FULL_SHARD")  # type: ignore[arg-type]
 
 
 def test_summon_on_an_unsharded_model(local_group: dist.ProcessGroup) -> None:

@@ -15,6 +15,8 @@ parameters never get gradient memory or a reduce-scatter.
   writes through it; writing through ``_unsharded`` would bump the version that autograd
   checks on saved views and make backward fail.
 - The reduce-scatter output (C,) becomes the original parameters' ``.grad`` (views of it).
+- With F = 1 (NO_SHARD, or a world of one) there is nothing to gather: ``_unsharded`` is a
+  leaf sharing the shard's storage, never freed, and unshard/reshard only swap views.
 """
 
 from __future__ import annotations
@@ -25,16 +27,24 @@ from dataclasses import dataclass, field
 from typing import cast
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from flatshard._collectives import (
     PendingReduction,
     all_gather_into,
-    start_reduce_scatter,
+    start_reduction,
     wait_reduction,
 )
 from flatshard._layout import FlatLayout, ParamSlot, plan_layout
+from flatshard._mesh import ShardGroups
+
+CommHook = Callable[[torch.Tensor, ShardGroups], torch.Tensor]
+"""Replaces a FlatParameter's gradient reduction: ``hook(grad, groups) -> shard``.
+
+``grad`` is the unsharded flat gradient (C * F,) summed over this rank's backward passes;
+the hook returns this rank's chunk (C,), averaged over all ``groups.world_size`` ranks, in
+``grad``'s dtype. It must issue the same collectives on every rank.
+"""
 
 
 @dataclass
@@ -49,28 +59,41 @@ class OriginalParam:
 class FlatParameter:
     """A group of original parameters flattened into one row-aligned buffer and sharded."""
 
-    def __init__(self, originals: list[OriginalParam], group: dist.ProcessGroup) -> None:
+    def __init__(self, originals: list[OriginalParam], groups: ShardGroups) -> None:
         first = originals[0].param
         self.originals = originals
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        self.groups = groups
+        self.rank = groups.shard_rank
+        self.world_size = groups.shard_size  # F: ranks the buffer is cut across
         self.requires_grad = first.requires_grad
         self.layout: FlatLayout = plan_layout([o.param.shape for o in originals], self.world_size)
+        self.comm_hook: CommHook | None = None
         # Persistent: this rank's shard; original parameters are views of it.
         self.shard = self._copy_out_shard(first.dtype, first.device)  # (C,)
         # Alive only while unsharded (see the note above).
-        self._unsharded = torch.empty(
-            self.layout.unsharded_numel, dtype=first.dtype, device=first.device
-        ).requires_grad_(self.requires_grad)  # (C * W,)
+        self._unsharded = self._new_unsharded()  # (C * F,)
         self._unsharded_data = self._unsharded.data
         self._unsharded_nbytes = self._unsharded.untyped_storage().nbytes()
-        self._unsharded_data.untyped_storage().resize_(0)
-        self.is_unsharded = False
-        # Per backward pass: the reduce-scatter in flight and whether this pass issued it.
+        self.is_unsharded = not self.gathers
+        if self.gathers:
+            self._unsharded_data.untyped_storage().resize_(0)
+        # Per backward pass: the reduction in flight, and whether this pass's gradient
+        # has been dealt with (reduced, or kept for later under no_sync).
         self.pending: PendingReduction | None = None
-        self.reduced_in_backward = False
+        self.grad_done_in_backward = False
         self.use_sharded_data()
+
+    @property
+    def gathers(self) -> bool:
+        """Whether unsharding needs an all-gather (F > 1)."""
+        return self.groups.shard is not None
+
+    def _new_unsharded(self) -> torch.Tensor:
+        if not self.gathers:
+            return self.shard.detach().requires_grad_(self.requires_grad)
+        return torch.empty(
+            self.layout.unsharded_numel, dtype=self.shard.dtype, device=self.shard.device
+        ).requires_grad_(self.requires_grad)
 
     # ------------------------------------------------------------------ storage
     def unshard(self) -> None:
@@ -79,8 +102,9 @@ class FlatParameter:
         Views are made anew on every call so that they follow the current grad mode.
         """
         if not self.is_unsharded:
+            assert self.groups.shard is not None  # F = 1 is always unsharded
             self._unsharded_data.untyped_storage().resize_(self._unsharded_nbytes)
-            all_gather_into(self._unsharded_data, self.shard, self.group)
+            all_gather_into(self._unsharded_data, self.shard, self.groups.shard)
             self.is_unsharded = True
         self.register_views(self.unsharded_views())
 
@@ -89,10 +113,9 @@ class FlatParameter:
 
         Views of the buffer that autograd saved stay valid objects (see the note above).
         """
-        if not self.is_unsharded:
-            return
-        self._unsharded_data.untyped_storage().resize_(0)
-        self.is_unsharded = False
+        if self.gathers and self.is_unsharded:
+            self._unsharded_data.untyped_storage().resize_(0)
+            self.is_unsharded = False
         self.register_views(None)
 
     @property
@@ -136,7 +159,7 @@ class FlatParameter:
 
     # ------------------------------------------------------------------ gradients
     def start_reduction(self) -> None:
-        """Reduce-scatter the accumulated unsharded gradient (zeros if none arrived).
+        """Reduce the accumulated unsharded gradient (zeros if none arrived).
 
         Zeros keep every rank issuing the same collectives when a unit's gradient did not
         reach it on this rank (its outputs were unused in the loss here).
@@ -147,8 +170,17 @@ class FlatParameter:
             grad = torch.zeros_like(self._unsharded_data, memory_format=torch.contiguous_format)
         if self.pending is not None:
             self.finish_reduction()
-        self.pending = start_reduce_scatter(grad.contiguous(), self.group)
-        self.reduced_in_backward = True
+        grad = grad.contiguous()
+        if self.comm_hook is not None:
+            reduced = self.comm_hook(grad, self.groups)
+            self.pending = PendingReduction(work=None, input=grad, output=reduced)
+        else:
+            self.pending = start_reduction(grad, self.groups)
+        self.grad_done_in_backward = True
+
+    def keep_unreduced(self) -> None:
+        """no_sync: leave the flat gradient to accumulate until a synchronized backward."""
+        self.grad_done_in_backward = True
 
     def finish_reduction(self) -> None:
         """Wait for the reduce-scatter and add the result to the originals' ``.grad``."""
@@ -175,8 +207,11 @@ class FlatParameter:
     @contextmanager
     def full_params(self, writeback: bool) -> Iterator[None]:
         """Give every original parameter its full shape and value on every rank."""
-        full = self.shard.new_empty(self.layout.unsharded_numel)  # (C * W,)
-        all_gather_into(full, self.shard, self.group)
+        full = self.shard.new_empty(self.layout.unsharded_numel)  # (C * F,)
+        if self.groups.shard is None:
+            full.copy_(self.shard)
+        else:
+            all_gather_into(full, self.shard, self.groups.shard)
         segments = torch.split(full, self.layout.segment_sizes())
         views = [segments[2 * i + 1].view(s.shape) for i, s in enumerate(self.layout.slots)]
         for orig, view in zip(self.originals, views, strict=True):

@@ -42,6 +42,7 @@ class ShardTree:
         self.root = root
         self.units: list[UnitRuntime] = []  # inner units first; forward order is not assumed
         self.callback_queued = False  # the final callback of this backward pass is queued
+        self.sync_gradients = True  # False inside no_sync: keep unsharded gradients
 
     def adopt(self, other: ShardTree, prefix: str) -> None:
         """Take over the units of an earlier call on the submodule named ``prefix``."""
@@ -111,8 +112,11 @@ def _post_forward(runtime: UnitRuntime, module: nn.Module, args: Any, output: An
         if unit.state is TrainingState.BACKWARD:
             return output  # recomputation inside backward: keep the parameters
         unit.state = TrainingState.IDLE
+        # Kept until backward: the root (it would be gathered again at once) and units whose
+        # strategy keeps parameters from forward to backward (SHARD_GRAD_OP, ZERO2).
+        keep = needs_grad and (runtime.is_root or not unit.strategy.reshard_after_forward)
         hidden_graph = not needs_grad and _may_hide_graph(unit, output)
-        if not ((runtime.is_root and needs_grad) or hidden_graph):
+        if not (keep or hidden_graph):
             unit.reshard()
     return output
 
@@ -149,7 +153,10 @@ def _post_backward(runtime: UnitRuntime, flat: FlatParameter, *unused: Any) -> N
     unit = runtime.unit
     with record_function(f"flatshard::post_backward {unit.label}"):
         _queue_finish_backward(runtime.tree)  # in case no pre-backward hook could fire
-        flat.start_reduction()
+        if runtime.tree.sync_gradients:
+            flat.start_reduction()
+        else:
+            flat.keep_unreduced()
         flat.reshard()
         _reshard_frozen_if_done(unit)
 
@@ -176,9 +183,9 @@ def _finish_backward(tree: ShardTree) -> None:
     with record_function("flatshard::finish_backward"):
         for runtime in tree.units:
             unit = runtime.unit
-            if unit.expects_backward:
+            if unit.expects_backward and tree.sync_gradients:
                 for flat in unit.trainable:
-                    if not flat.reduced_in_backward:
+                    if not flat.grad_done_in_backward:
                         flat.start_reduction()
         for runtime in tree.units:
             for flat in runtime.unit.flat_params:

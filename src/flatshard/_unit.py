@@ -7,6 +7,7 @@ from enum import Enum, auto
 from torch import nn
 
 from flatshard._flat_param import FlatParameter
+from flatshard._mesh import ShardingStrategy
 
 
 class TrainingState(Enum):
@@ -20,10 +21,17 @@ class TrainingState(Enum):
 class Unit:
     """A module plus the FlatParameters that hold the parameters assigned to it."""
 
-    def __init__(self, module: nn.Module, fqn: str, flat_params: list[FlatParameter]) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        fqn: str,
+        flat_params: list[FlatParameter],
+        strategy: ShardingStrategy,
+    ) -> None:
         self.module = module
         self.fqn = fqn  # the module's name in the model passed to fully_shard ("" = root)
         self.flat_params = flat_params
+        self.strategy = strategy
         self.state = TrainingState.IDLE
         # Per backward pass, reset by the final callback:
         self.expects_backward = False  # a forward with grad ran: every rank must reduce
@@ -49,10 +57,6 @@ class Unit:
     def frozen(self) -> list[FlatParameter]:
         return [f for f in self.flat_params if not f.requires_grad]
 
-    @property
-    def is_unsharded(self) -> bool:
-        return any(f.is_unsharded for f in self.flat_params)
-
     def unshard(self) -> None:
         """All-gather every FlatParameter; the modules then hold views of the buffers."""
         for flat in self.flat_params:
@@ -69,7 +73,7 @@ class Unit:
         Any backward op that reads a frozen parameter computes a gradient for something:
         this unit's inputs or its trainable parameters. Once both are done, none is left.
         """
-        trainable_done = all(f.reduced_in_backward for f in self.trainable)
+        trainable_done = all(f.grad_done_in_backward for f in self.trainable)
         return trainable_done and self.pending_input_grads == 0
 
     def reset_backward_state(self) -> None:
@@ -77,4 +81,4 @@ class Unit:
         self.expects_backward = False
         self.pending_input_grads = 0
         for flat in self.flat_params:
-            flat.reduced_in_backward = False
+            flat.grad_done_in_backward = False

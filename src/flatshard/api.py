@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from enum import Enum
 from typing import TypeVar
 
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from flatshard._flat_param import FlatParameter
+from flatshard._mesh import ShardingStrategy, resolve_groups
 from flatshard._partition import partition
 from flatshard._policy import AutoWrapPolicy, is_within, select_unit_roots
 from flatshard._runtime import TREE_ATTR, ShardTree, install, shard_tree, unit_runtime
@@ -17,31 +18,22 @@ from flatshard._unit import Unit
 M = TypeVar("M", bound=nn.Module)
 
 
-class ShardingStrategy(Enum):
-    """How far a unit's parameters are sharded (paper: sharding factor F)."""
-
-    FULL_SHARD = "full_shard"  # F = W; reshard after forward and after backward (ZeRO-3)
-    SHARD_GRAD_OP = "shard_grad_op"  # F = W; keep unsharded from forward to backward
-    NO_SHARD = "no_shard"  # F = 1; gradients all-reduced (DDP)
-    HYBRID_SHARD = "hybrid_shard"  # 1 < F < W; shard in groups of F, replicate across
-    HYBRID_SHARD_ZERO2 = "hybrid_shard_zero2"  # hybrid, kept unsharded until backward
-
-
-SUPPORTED_STRATEGIES = (ShardingStrategy.FULL_SHARD,)
-
-
 def fully_shard(
     module: M,
     *,
     auto_wrap_policy: AutoWrapPolicy = None,
     process_group: dist.ProcessGroup | None = None,
     strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
+    sharding_factor: int | None = None,
+    hybrid_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None,
+    device_mesh: DeviceMesh | None = None,
 ) -> M:
     """Shard ``module``'s parameters over ``process_group`` in place and return it.
 
     Each submodule chosen by ``auto_wrap_policy`` becomes a unit; ``module`` itself holds
     the parameters left over. ``fully_shard`` may be called on submodules first and then on
-    the root. Parameter names stay exactly as written. Build the optimizer afterwards: the
+    the root, also with different strategies per call (e.g. blocks FULL_SHARD, root
+    NO_SHARD). Parameter names stay exactly as written. Build the optimizer afterwards: the
     parameters it must see are the sharded ones.
 
     Args:
@@ -50,21 +42,26 @@ def fully_shard(
         auto_wrap_policy: a set of module classes (e.g. ``{Block}``), a callable
             ``(module, name) -> bool``, ``flatshard.SizePolicy(min_params=N)``, or None
             (``module`` is the only unit).
-        process_group: the ranks to shard over; default the world.
-        strategy: ``ShardingStrategy.FULL_SHARD`` (the only one implemented so far).
+        process_group: the W ranks that train together; default the world.
+        strategy: FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2: no second all-gather in
+            backward), NO_SHARD (DDP), HYBRID_SHARD / HYBRID_SHARD_ZERO2 (shard inside
+            groups of F ranks, replicate across the W / F groups).
+        sharding_factor: F for the hybrid strategies; by default torchrun's
+            LOCAL_WORLD_SIZE (shard inside a host), else W.
+        hybrid_groups: for the hybrid strategies, an explicit (shard_group,
+            replicate_group) pair instead of ``sharding_factor``.
+        device_mesh: for the hybrid strategies, a 2-D mesh of (replicate, shard) dims.
     """
     _check_distributed()
-    if strategy not in SUPPORTED_STRATEGIES:
-        raise NotImplementedError(
-            f"flatshard.fully_shard: strategy={strategy} is not implemented yet; use "
-            "ShardingStrategy.FULL_SHARD."
-        )
     group = process_group if process_group is not None else dist.group.WORLD
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"process_group must be a torch.distributed ProcessGroup, got {group!r}")
+    if not isinstance(strategy, ShardingStrategy):
+        raise TypeError(f"strategy must be a flatshard.ShardingStrategy, got {strategy!r}")
     rank = dist.get_rank()
     _check_not_sharded(module, rank)
     _check_one_device(module, rank)
+    groups = resolve_groups(strategy, group, sharding_factor, hybrid_groups, device_mesh)
     earlier = _earlier_trees(module)
     unit_names = select_unit_roots(module, auto_wrap_policy, skip=earlier.keys())
     managed = {name: _managed_param_ids(tree) for name, tree in earlier.items()}
@@ -73,8 +70,8 @@ def fully_shard(
     for name, sub_tree in earlier.items():
         tree.adopt(sub_tree, prefix=name)
     for plan in plans:
-        flat_params = [FlatParameter(group_params, group) for group_params in plan.groups]
-        install(Unit(plan.module, plan.fqn, flat_params), tree)
+        flat_params = [FlatParameter(group_params, groups) for group_params in plan.groups]
+        install(Unit(plan.module, plan.fqn, flat_params, strategy), tree)
     module.__dict__[TREE_ATTR] = tree
     return module
 

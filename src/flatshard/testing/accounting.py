@@ -39,6 +39,7 @@ class CollectiveTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.counts: Counter[str] = Counter()
         self._gathered: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self.peak_gathered_bytes = 0
+        self.timeline: list[tuple[str, int]] = []  # (kind, gathered bytes after it)
 
     def __torch_dispatch__(
         self,
@@ -57,8 +58,11 @@ class CollectiveTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
             for tensor in tensors:
                 for t in tensor if isinstance(tensor, list) else [tensor]:
                     storage = t.untyped_storage()
-                    self._gathered[storage.data_ptr()] = weakref.ref(storage)
+                    # Keyed by the storage object: a resized storage changes its data_ptr.
+                    self._gathered[id(storage)] = weakref.ref(storage)
             self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
+        if kind is not None:
+            self.timeline.append((kind, self.gathered_bytes()))
         return out
 
     def gathered_bytes(self) -> int:
