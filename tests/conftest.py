@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from flatshard.testing.workers import WorkerPool
 
-POOL_SIZE = 3  # world sizes 1, 2 and 3 run as subgroups of one pool
+POOL_SIZE = 4  # world sizes 1 to 4 run as subgroups of one pool
 
 
 @pytest.fixture(scope="session")

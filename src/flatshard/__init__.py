@@ -4,21 +4,31 @@ model = flatshard.fully_shard(model, auto_wrap_policy={Block})
 optim = torch.optim.AdamW(model.parameters(), lr=3e-4)  # built after sharding
 """
 
+from flatshard._clip import clip_grad_norm_
+from flatshard._flat_param import CommHook
 from flatshard._layout import FlatLayout, plan_layout
-from flatshard._mesh import ShardingStrategy
+from flatshard._mesh import ShardGroups, ShardingStrategy
+from flatshard._no_sync import no_sync
 from flatshard._policy import SizePolicy
 from flatshard._summary import FlatParamSummary, ShardingSummary, sharding_summary
 from flatshard._summon import summon_full_params
 from flatshard.api import fully_shard
+from flatshard.comm_hooks import LowPrecisionHook, register_comm_hook
 
 __all__ = [
+    "CommHook",
     "FlatLayout",
     "FlatParamSummary",
+    "LowPrecisionHook",
+    "ShardGroups",
     "ShardingStrategy",
     "ShardingSummary",
     "SizePolicy",
+    "clip_grad_norm_",
     "fully_shard",
+    "no_sync",
     "plan_layout",
+    "register_comm_hook",
     "sharding_summary",
     "summon_full_params",
 ]

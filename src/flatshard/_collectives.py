@@ -58,3 +58,14 @@ def wait_reduction(pending: PendingReduction) -> torch.Tensor:
     if pending.work is not None:
         pending.work.wait()
     return pending.output
+
+
+def sum_reduce(grad: torch.Tensor, groups: ShardGroups) -> torch.Tensor:
+    """Sum ``grad`` (C * F,) over all W ranks and return this rank's chunk (C,); blocking."""
+    output = grad
+    if groups.shard is not None:
+        output = grad.new_empty(grad.numel() // groups.shard_size)
+        _REDUCE_SCATTER(output, grad, group=groups.shard)
+    if groups.replicate is not None:
+        dist.all_reduce(output, group=groups.replicate)
+    return output

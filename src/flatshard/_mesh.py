@@ -122,19 +122,36 @@ def _factor_groups(process_group: dist.ProcessGroup, factor: int) -> ShardGroups
             f"flatshard.fully_shard: sharding_factor F={factor!r} must be a positive divisor "
             f"of the world size W={world} (rank {dist.get_rank()}); e.g. F = ranks per host."
         )
-    me = dist.get_rank(process_group)
+    if factor == world:
+        return _groups(process_group, None)
+    if factor == 1:
+        return _groups(None, process_group)
+    if world != dist.get_world_size():
+        # new_group must be called by every rank of the world, and only the ranks of
+        # process_group are here.
+        raise ValueError(
+            f"flatshard.fully_shard: hybrid sharding with F={factor} over a process group of "
+            f"{world} of the {dist.get_world_size()} ranks cannot create its groups (rank "
+            f"{dist.get_rank()}); create them on every rank and pass "
+            "hybrid_groups=(shard_group, replicate_group)."
+        )
+    return _world_factor_groups(ranks, factor)
+
+
+def _world_factor_groups(ranks: list[int], factor: int) -> ShardGroups:
+    """Create every shard and replicate group (all ranks, same order); keep this rank's."""
+    me = dist.get_rank()
     # Shard groups are consecutive ranks (one host under torchrun); replicas are strided.
-    shard_ranks = ranks[(me // factor) * factor : (me // factor + 1) * factor]
-    replicate_ranks = ranks[me % factor :: factor]
-    return _groups(_new_group(shard_ranks), _new_group(replicate_ranks))
-
-
-def _new_group(ranks: list[int]) -> dist.ProcessGroup | None:
-    if len(ranks) == 1:
-        return None
-    # Only the members create it, so groups of other ranks need not be created here.
-    group: dist.ProcessGroup = dist.new_group(ranks, use_local_synchronization=True)
-    return group
+    shard_blocks = [ranks[i : i + factor] for i in range(0, len(ranks), factor)]
+    replicate_blocks = [ranks[i::factor] for i in range(factor)]
+    shard = replicate = None
+    for block in shard_blocks:
+        group = dist.new_group(block)
+        shard = group if me in block else shard
+    for block in replicate_blocks:
+        group = dist.new_group(block)
+        replicate = group if me in block else replicate
+    return _groups(shard, replicate)
 
 
 def _explicit_groups(

@@ -1,0 +1,78 @@
+"""Communication hooks: replace how a unit's gradient is reduced (paper mechanism 13).
+
+A hook is any callable ``hook(grad, groups) -> shard`` (see ``flatshard.CommHook``);
+``register_comm_hook(model, hook)`` installs it on every unit inside ``model`` (call it on a
+submodule afterwards to override those units).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from flatshard._collectives import sum_reduce
+from flatshard._flat_param import CommHook
+from flatshard._mesh import ShardGroups
+from flatshard._summon import units_of
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def register_comm_hook(model: nn.Module, hook: CommHook | None) -> None:
+    """Reduce the gradients of every unit inside ``model`` with ``hook`` (None: built-in)."""
+    if hook is not None and not callable(hook):
+        raise TypeError(f"flatshard.register_comm_hook: hook must be callable, got {hook!r}")
+    for runtime in units_of(model, "register_comm_hook"):
+        for flat in runtime.unit.trainable:
+            flat.comm_hook = hook
+
+
+def split_division(world_size: int) -> tuple[int, int]:
+    """(pre, post) with pre * post = W: divide by ``pre`` before summing, ``post`` after.
+
+    Dividing by all of W first can underflow small low-precision gradients; not dividing
+    first can overflow the sum. ``pre`` is the smallest power of two >= sqrt(W) that
+    divides W (as FSDP does), splitting the range between the two risks.
+    """
+    pre = 1
+    while world_size % (pre * 2) == 0 and world_size / pre > pre:
+        pre *= 2
+    return pre, world_size // pre
+
+
+@dataclass(frozen=True)
+class LowPrecisionHook:
+    """Communicate gradients in ``dtype`` (bf16/fp16) and give them back in their own dtype.
+
+    Halves the bytes of every reduction at the cost of low-precision summation.
+    ``predivide`` is the factor divided before the sum (the rest after); None chooses
+    ``split_division(W)``.
+    """
+
+    dtype: torch.dtype = torch.bfloat16
+    predivide: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in LOW_PRECISION:
+            raise ValueError(
+                f"LowPrecisionHook(dtype=...) must be torch.bfloat16 or torch.float16, "
+                f"got {self.dtype}"
+            )
+        if self.predivide is not None and (
+            not isinstance(self.predivide, int) or self.predivide < 1
+        ):
+            raise ValueError(
+                f"LowPrecisionHook(predivide=...) must be a positive int or None, "
+                f"got {self.predivide!r}"
+            )
+
+    def __call__(self, grad: torch.Tensor, groups: ShardGroups) -> torch.Tensor:
+        world = groups.world_size
+        pre = split_division(world)[0] if self.predivide is None else self.predivide
+        low = grad.to(self.dtype)  # (C * F,)
+        if pre != 1:
+            low.div_(pre)
+        shard = sum_reduce(low, groups)  # (C,)
+        return shard.to(grad.dtype).div_(world / pre)

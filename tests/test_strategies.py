@@ -1,0 +1,277 @@
+"""Sharding strategies, hybrid sharding, no_sync, clip_grad_norm_ and communication hooks.
+
+Parity cases compare per-step losses, gradient norms and final parameters with the
+non-sharded reference (fp32, rtol 1e-5); FULL_SHARD and SHARD_GRAD_OP also with FSDP2.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+import flatshard
+from flatshard.testing.accounting import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    REDUCE_SCATTER,
+    CollectiveTracker,
+    distinct_storage_bytes,
+)
+from flatshard.testing.models import build
+from flatshard.testing.parity import (
+    ParityConfig,
+    batches,
+    parity_job,
+    shard_with_flatshard,
+    slice_batch,
+)
+from flatshard.testing.workers import WorkerContext, WorkerPool
+
+FSDP2_STRATEGIES = {"FULL_SHARD", "SHARD_GRAD_OP"}
+
+# (strategy, world size, sharding factor F); hybrid at 4 as 2x2, 1x4 (F = 4) and 4x1 (F = 1).
+STRATEGIES = [
+    ("FULL_SHARD", 2, None),
+    ("FULL_SHARD", 4, None),
+    ("SHARD_GRAD_OP", 2, None),
+    ("SHARD_GRAD_OP", 4, None),
+    ("NO_SHARD", 2, None),
+    ("NO_SHARD", 4, None),
+    ("HYBRID_SHARD", 2, 2),
+    ("HYBRID_SHARD", 4, 2),
+    ("HYBRID_SHARD", 4, 4),
+    ("HYBRID_SHARD", 4, 1),
+    ("HYBRID_SHARD_ZERO2", 4, 2),
+    ("HYBRID_SHARD_ZERO2", 4, 1),
+]
+
+
+def _id(case: tuple[str, int, int | None]) -> str:
+    strategy, world, factor = case
+    return f"{strategy}-w{world}" + (f"-F{factor}" if factor else "")
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.parametrize("case", STRATEGIES, ids=_id)
+def test_strategy_parity(
+    pool: WorkerPool, case: tuple[str, int, int | None], optimizer: str
+) -> None:
+    strategy, world, factor = case
+    config = ParityConfig(
+        model="gpt",
+        world_size=world,
+        strategy=strategy,
+        sharding_factor=factor,
+        optimizer=optimizer,
+    )
+    pool.run(parity_job, config, strategy in FSDP2_STRATEGIES)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        ParityConfig(model="gpt", world_size=4, root_strategy="NO_SHARD"),
+        ParityConfig(
+            model="nested",
+            world_size=4,
+            strategy="HYBRID_SHARD",
+            sharding_factor=2,
+            root_strategy="SHARD_GRAD_OP",
+        ),
+        ParityConfig(
+            model="frozen", world_size=3, strategy="SHARD_GRAD_OP", root_strategy="FULL_SHARD"
+        ),
+        ParityConfig(model="mlp", world_size=4, strategy="NO_SHARD", root_strategy="FULL_SHARD"),
+    ],
+    ids=lambda c: f"{c.model}-{c.strategy}-root-{c.root_strategy}-w{c.world_size}",
+)
+def test_mixed_strategy_parity(pool: WorkerPool, config: ParityConfig) -> None:
+    pool.run(parity_job, config, False)
+
+
+# ---------------------------------------------------------------- collective counts
+def strategy_counts_job(
+    ctx: WorkerContext, config: ParityConfig, micro_batches: int
+) -> dict[str, Any] | None:
+    group = ctx.group(config.world_size)
+    if group is None:
+        return None
+    model: Any = build(config.model)
+    shard_with_flatshard(model, config, group)
+    local = slice_batch(next(batches(model, 1)), ctx.rank, config.world_size)
+    with CollectiveTracker() as tracker:
+        for micro in range(micro_batches):
+            part = slice_batch(local, micro, micro_batches)
+            if config.no_sync and micro < micro_batches - 1:
+                with flatshard.no_sync(model):
+                    model.loss(part).backward()
+            else:
+                model.loss(part).backward()
+    flats = flatshard.sharding_summary(model).flat_params
+    return {"counts": dict(tracker.counts), "flats": [(f.unit, f.requires_grad) for f in flats]}
+
+
+@pytest.mark.parametrize("case", STRATEGIES, ids=_id)
+def test_collectives_per_step_by_strategy(
+    pool: WorkerPool, case: tuple[str, int, int | None]
+) -> None:
+    strategy, world, factor = case
+    config = ParityConfig(model="gpt", world_size=world, strategy=strategy, sharding_factor=factor)
+    result = pool.run(strategy_counts_job, config, 1)[0]
+    units = len(result["flats"])  # TinyGPT: one trainable FlatParameter per unit
+    blocks = units - 1  # every unit but the root
+    F = world if factor is None else factor
+    if strategy == "NO_SHARD":
+        F = 1
+    replicas = world // F
+    gathers = 0 if F == 1 else units + (blocks if strategy in ("FULL_SHARD", "HYBRID_SHARD") else 0)
+    expected = {
+        # F = 1: nothing to gather. FULL_SHARD / HYBRID_SHARD gather each block again in
+        # backward; SHARD_GRAD_OP / ZERO2 and the root keep parameters until backward.
+        ALL_GATHER: gathers,
+        # One reduce-scatter per unit inside the shard group, then one all-reduce per unit
+        # across the replicas.
+        REDUCE_SCATTER: units if F > 1 else 0,
+        ALL_REDUCE: units if replicas > 1 else 0,
+    }
+    assert result["counts"] == {k: v for k, v in expected.items() if v}
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD", "HYBRID_SHARD"])
+def test_no_sync_reduces_once_per_unit(pool: WorkerPool, strategy: str) -> None:
+    factor = 2 if strategy == "HYBRID_SHARD" else None
+    config = ParityConfig(
+        model="gpt", world_size=4, strategy=strategy, sharding_factor=factor, no_sync=True
+    )
+    with_sync = pool.run(strategy_counts_job, config, 4)[0]
+    units = len(with_sync["flats"])
+    counts = with_sync["counts"]
+    reductions = counts.get(REDUCE_SCATTER, 0) + counts.get(ALL_REDUCE, 0)
+    per_unit = {"FULL_SHARD": 1, "NO_SHARD": 1, "HYBRID_SHARD": 2}[strategy]
+    assert reductions == per_unit * units  # four backward passes, one reduction
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        ParityConfig(model="gpt", world_size=2, micro_batches=4, no_sync=True),
+        ParityConfig(model="frozen", world_size=3, micro_batches=4, no_sync=True),
+        ParityConfig(model="gpt", world_size=4, micro_batches=3, no_sync=True, strategy="NO_SHARD"),
+        ParityConfig(
+            model="nested",
+            world_size=4,
+            micro_batches=3,
+            no_sync=True,
+            strategy="HYBRID_SHARD",
+            sharding_factor=2,
+            optimizer="sgd",
+        ),
+        ParityConfig(model="gpt", world_size=2, micro_batches=4, strategy="SHARD_GRAD_OP"),
+    ],
+    ids=lambda c: f"{c.model}-{c.strategy}-nosync{c.no_sync}-mb{c.micro_batches}",
+)
+def test_accumulation_parity(pool: WorkerPool, config: ParityConfig) -> None:
+    """With or without no_sync, micro-batches equal one step on the concatenated batch."""
+    pool.run(parity_job, config, False)
+
+
+# ---------------------------------------------------------------- clip_grad_norm_
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, math.inf])
+@pytest.mark.parametrize(
+    "case",
+    [*STRATEGIES[1::2], ("mixed", 4, None)],
+    ids=_id,
+)
+def test_clip_grad_norm_matches_torch(
+    pool: WorkerPool, case: tuple[str, int, int | None], norm_type: float
+) -> None:
+    strategy, world, factor = case
+    mixed = strategy == "mixed"
+    config = ParityConfig(
+        model="frozen" if mixed else "gpt",
+        world_size=world,
+        strategy="HYBRID_SHARD" if mixed else strategy,
+        sharding_factor=2 if mixed else factor,
+        root_strategy="NO_SHARD" if mixed else None,
+        clip=0.05,  # below the gradient norm: every step clips
+        norm_type=norm_type,
+        optimizer="sgd",
+    )
+    pool.run(parity_job, config, False)
+
+
+# ---------------------------------------------------------------- memory by formula
+def strategy_memory_job(ctx: WorkerContext, config: ParityConfig) -> dict[str, int] | None:
+    group = ctx.group(config.world_size)
+    if group is None:
+        return None
+    model: Any = build(config.model)
+    sizes = {n: p.numel() for n, p in model.named_parameters()}
+    shard_with_flatshard(model, config, group)
+    model.loss(slice_batch(next(batches(model, 1)), ctx.rank, config.world_size)).backward()
+    params = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    F = {"NO_SHARD": 1}.get(config.strategy, config.sharding_factor or config.world_size)
+    expected = 0
+    for flat in flatshard.sharding_summary(model).flat_params:
+        numel = sum(sizes[n] for n in flat.param_names)
+        # ceil-padded to F, plus the reported alignment padding, split over F ranks;
+        # a parameter and (if trainable) a gradient element each.
+        shard = (math.ceil(numel / F) * F + flat.alignment_padding_numel) // F
+        expected += shard * (2 if flat.requires_grad else 1)
+    return {
+        "bytes": distinct_storage_bytes(params) + distinct_storage_bytes(grads),
+        "expected": 4 * expected,
+    }
+
+
+@pytest.mark.parametrize("case", STRATEGIES, ids=_id)
+def test_param_and_grad_bytes_by_strategy(
+    pool: WorkerPool, case: tuple[str, int, int | None]
+) -> None:
+    strategy, world, factor = case
+    config = ParityConfig(
+        model="frozen", world_size=world, strategy=strategy, sharding_factor=factor
+    )
+    for rank, result in enumerate(pool.run(strategy_memory_job, config)[:world]):
+        assert result["bytes"] == result["expected"], rank
+
+
+# ---------------------------------------------------------------- communication hooks
+@pytest.mark.parametrize("hook", ["bf16", "fp16"])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "HYBRID_SHARD"])
+def test_low_precision_hook_parity(pool: WorkerPool, hook: str, strategy: str) -> None:
+    config = ParityConfig(
+        model="gpt",
+        world_size=4,
+        strategy=strategy,
+        sharding_factor=2 if strategy == "HYBRID_SHARD" else None,
+        comm_hook=hook,
+        optimizer="sgd",
+    )
+    pool.run(parity_job, config, False)
+
+
+def overflow_job(ctx: WorkerContext, predivide: int | None) -> bool | None:
+    """fp16 gradients of 30000 on 4 ranks: their sum (120000) overflows fp16 (max 65504)."""
+    group = ctx.group(4)
+    if group is None:
+        return None
+    groups = flatshard.ShardGroups(shard=group, replicate=None)
+    hook = flatshard.LowPrecisionHook(torch.float16, predivide=predivide)
+    shard = hook(torch.full((8,), 30000.0), groups)
+    assert shard.dtype == torch.float32
+    return bool(torch.isfinite(shard).all() and torch.allclose(shard, torch.full((2,), 30000.0)))
+
+
+def test_predivision_avoids_fp16_overflow(pool: WorkerPool) -> None:
+    assert pool.run(overflow_job, None)[:4] == [True] * 4  # split: /2 before, /2 after
+    assert pool.run(overflow_job, 1)[:4] == [False] * 4  # all after: the sum overflows
+
+
+def test_low_precision_hook_rejects_other_dtypes() -> None:
+    with pytest.raises(ValueError, match=r"torch.bfloat16 or torch.float16"):
+        flatshard.LowPrecisionHook(torch.float32)
