@@ -92,6 +92,50 @@ def test_mixed_strategy_parity(pool: WorkerPool, config: ParityConfig) -> None:
     pool.run(parity_job, config, False)
 
 
+@pytest.mark.parametrize("hybrid_from", ["groups", "mesh"])
+def test_hybrid_groups_given_explicitly(pool: WorkerPool, hybrid_from: str) -> None:
+    config = ParityConfig(
+        model="gpt",
+        world_size=4,
+        strategy="HYBRID_SHARD",
+        sharding_factor=2,
+        hybrid_from=hybrid_from,
+        optimizer="sgd",
+    )
+    pool.run(parity_job, config, False)
+
+
+def bad_groups_job(ctx: WorkerContext) -> str:
+    world = ctx.group(4)
+    try:
+        flatshard.fully_shard(
+            build("mlp"),
+            process_group=world,
+            strategy=flatshard.ShardingStrategy.HYBRID_SHARD,
+            hybrid_groups=(world, world),  # both the whole world: no grid
+        )
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_inconsistent_hybrid_groups_are_an_error(pool: WorkerPool) -> None:
+    for message in pool.run(bad_groups_job):
+        assert "must cut the W=4 ranks into a grid" in message
+        assert "shard group [0, 1, 2, 3] and replicate group [0, 1, 2, 3]" in message
+
+
+def test_default_factor_is_ranks_per_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flatshard._mesh import _ranks_per_host
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert _ranks_per_host(32) == 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    assert _ranks_per_host(32) == 32  # does not divide: shard over everything
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert _ranks_per_host(32) == 32
+
+
 # ---------------------------------------------------------------- collective counts
 def strategy_counts_job(
     ctx: WorkerContext, config: ParityConfig, micro_batches: int

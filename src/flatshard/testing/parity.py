@@ -40,6 +40,7 @@ class ParityConfig:
     optimizer: str = "adamw"  # adamw | sgd (SGD exposes gradient-scale errors Adam hides)
     strategy: str = "FULL_SHARD"  # a flatshard.ShardingStrategy name, for every unit
     sharding_factor: int | None = None  # F for the hybrid strategies
+    hybrid_from: str = "factor"  # factor | groups | mesh: how the hybrid F is given
     root_strategy: str | None = None  # another strategy for the root (units sharded first)
     no_sync: bool = False  # all micro-batches but the last under flatshard.no_sync
     clip: float | None = None  # clip_grad_norm_ to this each step
@@ -186,7 +187,7 @@ def shard_with_flatshard(model: nn.Module, config: ParityConfig, group: dist.Pro
     strategy = flatshard.ShardingStrategy[config.strategy]
     options: dict[str, Any] = {"process_group": group, "strategy": strategy}
     if strategy.is_hybrid:
-        options["sharding_factor"] = config.sharding_factor
+        options.update(_hybrid_options(config, group))
     policies: dict[str, Any] = {
         "classes": classes,
         "callable": lambda m, name: type(m) in classes,
@@ -200,7 +201,8 @@ def shard_with_flatshard(model: nn.Module, config: ParityConfig, group: dist.Pro
         root = flatshard.ShardingStrategy[config.root_strategy or config.strategy]
         root_options = {**options, "strategy": root}
         if not root.is_hybrid:
-            root_options.pop("sharding_factor", None)
+            for name in ("sharding_factor", "hybrid_groups", "device_mesh"):
+                root_options.pop(name, None)
         flatshard.fully_shard(model, **root_options)
     elif config.policy in policies:
         flatshard.fully_shard(model, auto_wrap_policy=policies[config.policy], **options)
@@ -209,6 +211,29 @@ def shard_with_flatshard(model: nn.Module, config: ParityConfig, group: dist.Pro
     if config.comm_hook is not None:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[config.comm_hook]
         flatshard.register_comm_hook(model, flatshard.LowPrecisionHook(dtype))
+
+
+def _hybrid_options(config: ParityConfig, group: dist.ProcessGroup) -> dict[str, Any]:
+    """The hybrid factor as the config asks: a number, a (shard, replicate) pair or a mesh."""
+    if config.hybrid_from == "factor":
+        return {"sharding_factor": config.sharding_factor}
+    factor = config.sharding_factor or config.world_size
+    if config.world_size != dist.get_world_size():
+        raise ValueError("explicit hybrid groups need the whole world")
+    if config.hybrid_from == "mesh":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (config.world_size // factor, factor))
+        return {"device_mesh": mesh}
+    me, world = dist.get_rank(), config.world_size
+    shard = replicate = None
+    for start in range(0, world, factor):  # every rank creates every group, same order
+        made = dist.new_group(list(range(start, start + factor)))
+        shard = made if start <= me < start + factor else shard
+    for offset in range(factor):
+        made = dist.new_group(list(range(offset, world, factor)))
+        replicate = made if me % factor == offset else replicate
+    return {"hybrid_groups": (shard, replicate)}
 
 
 def shard_with_fsdp2(model: nn.Module, config: ParityConfig, group: dist.ProcessGroup) -> None:
