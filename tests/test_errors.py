@@ -35,10 +35,17 @@ def test_bad_size_policy(min_params: object) -> None:
         flatshard.SizePolicy(min_params=min_params)  # type: ignore[arg-type]
 
 
-def test_meta_parameters_name_the_parameter(local_group: dist.ProcessGroup) -> None:
+class NoReset(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)  # has reset_parameters()
+        self.gain = nn.Parameter(torch.ones(3))  # nothing initializes it on meta
+
+
+def test_uninitialized_meta_parameter_is_named(local_group: dist.ProcessGroup) -> None:
     with torch.device("meta"):
-        model = nn.Sequential(nn.Linear(3, 3))
-    with pytest.raises(ValueError, match=r"'0\.weight' is on the meta device.*to_empty"):
+        model = NoReset()
+    with pytest.raises(ValueError, match=r"'gain' came from the meta device and nothing"):
         flatshard.fully_shard(model)
 
 

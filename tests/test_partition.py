@@ -79,3 +79,12 @@ def test_inner_units_come_first() -> None:
     assert [p.fqn for p in plans] == ["outers.0.inner.0", "outers.0", ""]
     assert isinstance(plans[0].module, Inner)
     assert isinstance(plans[-1].module, nn.Module)
+    # Each module belongs to the deepest unit around it.
+    assert [name for name, _ in plans[0].modules] == ["outers.0.inner.0", "outers.0.inner.0.lin"]
+    assert [name for name, _ in plans[1].modules] == [
+        "outers.0",
+        "outers.0.pre",
+        "outers.0.inner",
+        "outers.0.inner.1",
+        "outers.0.inner.1.lin",
+    ]

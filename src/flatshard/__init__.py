@@ -6,10 +6,12 @@ optim = torch.optim.AdamW(model.parameters(), lr=3e-4)  # built after sharding
 
 from flatshard._clip import clip_grad_norm_
 from flatshard._flat_param import CommHook
+from flatshard._init import init_weights
 from flatshard._layout import FlatLayout, plan_layout
 from flatshard._mesh import ShardGroups, ShardingStrategy
 from flatshard._no_sync import no_sync
 from flatshard._policy import SizePolicy
+from flatshard._runtime import register_entry_point
 from flatshard._summary import FlatParamSummary, ShardingSummary, sharding_summary
 from flatshard._summon import summon_full_params
 from flatshard.api import fully_shard
@@ -26,9 +28,11 @@ __all__ = [
     "SizePolicy",
     "clip_grad_norm_",
     "fully_shard",
+    "init_weights",
     "no_sync",
     "plan_layout",
     "register_comm_hook",
+    "register_entry_point",
     "sharding_summary",
     "summon_full_params",
 ]

@@ -59,7 +59,14 @@ class OriginalParam:
 class FlatParameter:
     """A group of original parameters flattened into one row-aligned buffer and sharded."""
 
-    def __init__(self, originals: list[OriginalParam], groups: ShardGroups) -> None:
+    def __init__(
+        self, originals: list[OriginalParam], groups: ShardGroups, device: torch.device
+    ) -> None:
+        """Plan the layout and allocate this rank's (zero) shard on ``device``.
+
+        Nothing full-size stays allocated: the originals may still be on the meta device.
+        ``load_shard`` then copies this rank's rows out of the materialized originals.
+        """
         first = originals[0].param
         self.originals = originals
         self.groups = groups
@@ -69,7 +76,7 @@ class FlatParameter:
         self.layout: FlatLayout = plan_layout([o.param.shape for o in originals], self.world_size)
         self.comm_hook: CommHook | None = None
         # Persistent: this rank's shard; original parameters are views of it.
-        self.shard = self._copy_out_shard(first.dtype, first.device)  # (C,)
+        self.shard = torch.zeros(self.layout.shard_numel, dtype=first.dtype, device=device)
         # Alive only while unsharded (see the note above).
         self._unsharded = self._new_unsharded()  # (C * F,)
         self._unsharded_data = self._unsharded.data
@@ -81,6 +88,14 @@ class FlatParameter:
         # has been dealt with (reduced, or kept for later under no_sync).
         self.pending: PendingReduction | None = None
         self.grad_done_in_backward = False
+
+    def load_shard(self) -> None:
+        """Copy this rank's rows of the (full) originals into the shard; they become views."""
+        for orig, slot in zip(self.originals, self.layout.slots, strict=True):
+            held = self.layout.shard_range(slot, self.rank)
+            start = held.first_row * slot.row_numel
+            source = orig.param.detach().reshape(-1)[start : start + held.numel]
+            self.shard[held.local_offset : held.local_offset + held.numel].copy_(source)
         self.use_sharded_data()
 
     @property
@@ -229,12 +244,3 @@ class FlatParameter:
                 view.copy_(orig.param.data)
         chunk = self.layout.shard_numel
         self.shard.copy_(full[self.rank * chunk : (self.rank + 1) * chunk])
-
-    def _copy_out_shard(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        shard = torch.zeros(self.layout.shard_numel, dtype=dtype, device=device)
-        for orig, slot in zip(self.originals, self.layout.slots, strict=True):
-            held = self.layout.shard_range(slot, self.rank)
-            start = held.first_row * slot.row_numel
-            source = orig.param.detach().reshape(-1)[start : start + held.numel]
-            shard[held.local_offset : held.local_offset + held.numel].copy_(source)
-        return shard

@@ -25,6 +25,13 @@ class UnitPlan:
     fqn: str
     module: nn.Module
     groups: list[list[OriginalParam]] = field(default_factory=list)
+    # The modules this unit owns (its subtree minus inner units), in pre-order: their
+    # buffers and initialization belong to this unit.
+    modules: list[tuple[str, nn.Module]] = field(default_factory=list)
+
+    @property
+    def originals(self) -> list[OriginalParam]:
+        return [orig for group in self.groups for orig in group]
 
 
 def partition(
@@ -41,7 +48,10 @@ def partition(
     """
     originals, owners = _collect(root, sharded_elsewhere, rank)
     modules = dict(root.named_modules())
-    names = sorted({"", *unit_names}, key=len)
+    # Pre-order of the module tree: the same on every rank (a set's order is not), and
+    # reversed it puts every inner unit before the units around it.
+    position = {name: i for i, name in enumerate(modules)}
+    names = sorted({"", *unit_names}, key=position.__getitem__)
     plans = {name: UnitPlan(fqn=name, module=modules[name]) for name in names}
     members: dict[str, list[OriginalParam]] = {name: [] for name in names}
     for key, orig in originals.items():
@@ -49,8 +59,13 @@ def partition(
         members[home].append(orig)
     for name in names:
         plans[name].groups = _group(members[name])
-    # Inner units first: their hooks must exist before an outer unit adopts them.
-    return [plans[n] for n in reversed(names) if plans[n].groups]
+    for mname, module in modules.items():
+        if not is_within(mname, sharded_elsewhere):
+            home = max((n for n in names if _inside_or_root(mname, n)), key=len)
+            plans[home].modules.append((mname, module))
+    # Inner units first: their hooks must exist before an outer unit adopts them. Units
+    # without parameters are returned too (they may own buffers to initialize).
+    return [plans[n] for n in reversed(names)]
 
 
 def _collect(
@@ -82,12 +97,6 @@ def _group(params: list[OriginalParam]) -> list[list[OriginalParam]]:
 
 
 def _check_param(param: nn.Parameter, fqn: str, rank: int) -> None:
-    if param.device.type == "meta":
-        raise ValueError(
-            f"flatshard.fully_shard: parameter '{fqn}' is on the meta device (rank {rank}). "
-            "Materialize the model first, e.g. module.to_empty(device=...) followed by "
-            "initialization, then call fully_shard."
-        )
     if type(param.data) is not torch.Tensor:
         raise TypeError(
             f"flatshard.fully_shard: parameter '{fqn}' is a {type(param.data).__name__}, "

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from functools import partial
+from functools import partial, wraps
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
@@ -86,7 +87,55 @@ def install(unit: Unit, tree: ShardTree) -> UnitRuntime:
     unit.module.register_forward_hook(partial(_post_forward, runtime))
     for flat in unit.trainable:
         flat.register_post_accumulate_hook(partial(_post_backward, runtime, flat))
+    for name, inner in unit.inner_modules:
+        inner.register_forward_pre_hook(partial(_check_gathered, runtime, name))
     return runtime
+
+
+def register_entry_point(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>(...)`` gather and free the unit like ``module(...)`` does.
+
+    For methods other than ``forward`` that use the unit's parameters (``generate``, a
+    decoding step, an auxiliary head). ``module`` must be a unit's module; the wrapper is
+    an attribute of this instance only.
+    """
+    runtime = unit_runtime(module)
+    if runtime is None:
+        raise ValueError(
+            f"flatshard.register_entry_point: {type(module).__name__} is not a flatshard "
+            "unit; pass the module fully_shard made a unit (the model itself, or a "
+            "submodule chosen by auto_wrap_policy)."
+        )
+    method = getattr(module, method_name, None)
+    if not callable(method):
+        raise AttributeError(
+            f"flatshard.register_entry_point: {type(module).__name__} has no method '{method_name}'"
+        )
+
+    @wraps(method)
+    def entry_point(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = _pre_forward(runtime, module, args, kwargs)
+        return _post_forward(runtime, module, args, method(*args, **kwargs))
+
+    module.__dict__[method_name] = entry_point
+
+
+def _check_gathered(runtime: UnitRuntime, name: str, module: nn.Module, args: Any) -> None:
+    """A module inside a unit runs only while the unit's parameters are gathered."""
+    unit = runtime.unit
+    if unit.params_are_full or all(f.is_unsharded for f in unit.flat_params):
+        return
+    held = [
+        o.fqn for f in unit.flat_params for o in f.originals for m, _ in o.usages if m is module
+    ]
+    raise RuntimeError(
+        f"flatshard: module '{name}' ran while its unit '{unit.label}' is sharded (rank "
+        f"{dist.get_rank()}): its parameters ({', '.join(repr(n) for n in held)}) hold only "
+        f"this rank's rows. Call the unit's module ('{unit.label}') rather than "
+        f"'{name}' directly or through .forward(), run it inside "
+        "flatshard.summon_full_params(model), or register the method that calls it with "
+        "flatshard.register_entry_point(unit_module, 'method')."
+    )
 
 
 def _pre_forward(

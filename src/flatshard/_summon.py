@@ -46,4 +46,10 @@ def summon_full_params(model: nn.Module, writeback: bool = True) -> Iterator[Non
         for runtime in runtimes:
             for flat in runtime.unit.flat_params:
                 stack.enter_context(flat.full_params(writeback))
-        yield
+        for runtime in runtimes:
+            runtime.unit.params_are_full = True
+        try:
+            yield
+        finally:
+            for runtime in runtimes:
+                runtime.unit.params_are_full = False

@@ -27,11 +27,17 @@ class Unit:
         fqn: str,
         flat_params: list[FlatParameter],
         strategy: ShardingStrategy,
+        modules: list[tuple[str, nn.Module]],
     ) -> None:
         self.module = module
         self.fqn = fqn  # the module's name in the model passed to fully_shard ("" = root)
         self.flat_params = flat_params
         self.strategy = strategy
+        # Modules inside the unit (not inner units) that register its parameters directly:
+        # calling one of them while the unit is sharded is an error (see _runtime).
+        owned = {id(m) for _, f in enumerate(flat_params) for o in f.originals for m, _ in o.usages}
+        self.inner_modules = [(n, m) for n, m in modules if id(m) in owned and m is not module]
+        self.params_are_full = False  # inside summon_full_params
         self.state = TrainingState.IDLE
         # Per backward pass, reset by the final callback:
         self.expects_backward = False  # a forward with grad ran: every rank must reduce

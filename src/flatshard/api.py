@@ -4,18 +4,28 @@ from __future__ import annotations
 
 from typing import TypeVar
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from flatshard._consistency import check_same_on_all_ranks, structure_lines, value_lines
 from flatshard._flat_param import FlatParameter
+from flatshard._init import (
+    ParamInitFn,
+    broadcast_unit,
+    default_device,
+    init_module,
+    materialize_unit,
+)
 from flatshard._mesh import ShardingStrategy, resolve_groups
-from flatshard._partition import partition
+from flatshard._partition import UnitPlan, partition
 from flatshard._policy import AutoWrapPolicy, is_within, select_unit_roots
 from flatshard._runtime import TREE_ATTR, ShardTree, install, shard_tree, unit_runtime
 from flatshard._unit import Unit
 
 M = TypeVar("M", bound=nn.Module)
+_CPU = torch.device("cpu")
 
 
 def fully_shard(
@@ -27,6 +37,12 @@ def fully_shard(
     sharding_factor: int | None = None,
     hybrid_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None,
     device_mesh: DeviceMesh | None = None,
+    device: torch.device | str | None = None,
+    param_init_fn: ParamInitFn | None = None,
+    init_seed: int | None = None,
+    sync_module_states: bool = False,
+    check_consistency: bool = True,
+    check_weights: bool = False,
 ) -> M:
     """Shard ``module``'s parameters over ``process_group`` in place and return it.
 
@@ -35,6 +51,9 @@ def fully_shard(
     the root, also with different strategies per call (e.g. blocks FULL_SHARD, root
     NO_SHARD). Parameter names stay exactly as written. Build the optimizer afterwards: the
     parameters it must see are the sharded ones.
+
+    A model built under ``torch.device("meta")`` is materialized on ``device``, initialized
+    and sharded one unit at a time, so the whole model never exists on one rank.
 
     Args:
         module: the model (or a submodule) to shard; every rank of the group must pass a
@@ -51,6 +70,18 @@ def fully_shard(
         hybrid_groups: for the hybrid strategies, an explicit (shard_group,
             replicate_group) pair instead of ``sharding_factor``.
         device_mesh: for the hybrid strategies, a 2-D mesh of (replicate, shard) dims.
+        device: where meta parameters are materialized (default: the current accelerator,
+            else the CPU); parameters on another device are moved there unit by unit.
+        param_init_fn: initializes one module's own meta parameters and buffers
+            (default: the module's ``reset_parameters()``); see ``flatshard.init_weights``.
+        init_seed: base seed of that initialization (default ``torch.initial_seed()``).
+        sync_module_states: broadcast rank 0's parameters and buffers, unit by unit, before
+            sharding: other ranks may build the model on meta, and only rank 0 needs to
+            load weights.
+        check_consistency: compare model structure, strategy and buffer values across
+            ranks at startup and raise, on every rank, if they differ (one small
+            all-gather per unit).
+        check_weights: also compare parameter values across ranks before sharding.
     """
     _check_distributed()
     group = process_group if process_group is not None else dist.group.WORLD
@@ -60,20 +91,105 @@ def fully_shard(
         raise TypeError(f"strategy must be a flatshard.ShardingStrategy, got {strategy!r}")
     rank = dist.get_rank()
     _check_not_sharded(module, rank)
-    _check_one_device(module, rank)
-    groups = resolve_groups(strategy, group, sharding_factor, hybrid_groups, device_mesh)
+    target = _target_device(module, device, rank)
     earlier = _earlier_trees(module)
     unit_names = select_unit_roots(module, auto_wrap_policy, skip=earlier.keys())
     managed = {name: _managed_param_ids(tree) for name, tree in earlier.items()}
     plans = partition(module, unit_names, managed, rank)
+    if check_consistency:
+        strategy_line = _strategy_line(strategy, group, sharding_factor, hybrid_groups)
+        check_same_on_all_ranks(
+            structure_lines(plans, strategy_line),
+            group,
+            "built different models or sharding options",
+            "Build the same model (same code, config and dtypes) and pass the same "
+            "fully_shard options on every rank.",
+        )
+    groups = resolve_groups(strategy, group, sharding_factor, hybrid_groups, device_mesh)
+    seed = torch.initial_seed() if init_seed is None else init_seed
     tree = ShardTree(module)
     for name, sub_tree in earlier.items():
         tree.adopt(sub_tree, prefix=name)
     for plan in plans:
-        flat_params = [FlatParameter(group_params, groups) for group_params in plan.groups]
-        install(Unit(plan.module, plan.fqn, flat_params, strategy), tree)
+        # Allocate the shards first: the unit's full tensors then meet nothing else large.
+        flat_params = [FlatParameter(params, groups, target or _CPU) for params in plan.groups]
+        _prepare(plan, target, param_init_fn, seed, sync_module_states, group, rank)
+        if check_consistency:
+            check_same_on_all_ranks(
+                value_lines(plan, with_params=check_weights),
+                group,
+                "hold different values",
+                "Start every rank from the same weights: seed identically before building "
+                "the model, load the same checkpoint, or pass sync_module_states=True.",
+            )
+        for flat in flat_params:
+            flat.load_shard()
+        if flat_params:
+            install(Unit(plan.module, plan.fqn, flat_params, strategy, plan.modules), tree)
     module.__dict__[TREE_ATTR] = tree
     return module
+
+
+def _prepare(
+    plan: UnitPlan,
+    device: torch.device | None,
+    param_init_fn: ParamInitFn | None,
+    seed: int,
+    sync_module_states: bool,
+    group: dist.ProcessGroup,
+    rank: int,
+) -> None:
+    """Materialize, initialize or receive the unit's full values, just before sharding."""
+
+    def init(name: str, module: nn.Module) -> None:
+        init_module(module, name, param_init_fn, seed)
+
+    if not sync_module_states:
+        materialize_unit(plan, device, init, rank)
+        return
+    source = dist.get_rank(group) == 0
+    # Rank 0 must end with real values (its own init if it built on meta); the others
+    # only need storage for what rank 0 sends.
+    materialize_unit(plan, device, init if source else None, rank)
+    broadcast_unit(plan, group)
+
+
+def _target_device(
+    module: nn.Module, device: torch.device | str | None, rank: int
+) -> torch.device | None:
+    """Where the units' tensors must end: ``device``, else where the real ones are."""
+    if device is not None:
+        return torch.device(device)
+    tensors = [*module.parameters(), *module.buffers()]
+    real = {t.device for t in tensors if not t.is_meta}
+    if len(real) > 1:
+        named: dict[torch.device, str] = {}
+        for name, t in [*module.named_parameters(), *module.named_buffers()]:
+            named.setdefault(t.device, name)
+        found = ", ".join(f"'{n}' on {d}" for d, n in sorted(named.items(), key=str))
+        raise ValueError(
+            f"flatshard.fully_shard: parameters and buffers are on several devices (rank "
+            f"{rank}), e.g. {found}; move the model to one device (module.to(device)) or "
+            "pass device=... to move each unit there as it is sharded."
+        )
+    if real:
+        return next(iter(real))
+    return default_device() if tensors else None
+
+
+def _strategy_line(
+    strategy: ShardingStrategy,
+    group: dist.ProcessGroup,
+    sharding_factor: int | None,
+    hybrid_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None,
+) -> str:
+    line = f"strategy {strategy.name} over {dist.get_world_size(group)} ranks"
+    if sharding_factor is not None:
+        line += f", sharding_factor {sharding_factor}"
+    if hybrid_groups is not None:
+        sizes = [dist.get_world_size(g) for g in hybrid_groups]
+        line += f", hybrid groups of {sizes[0]} x {sizes[1]}"
+    return line
 
 
 def _check_distributed() -> None:
@@ -90,17 +206,6 @@ def _check_not_sharded(module: nn.Module, rank: int) -> None:
         raise ValueError(
             f"flatshard.fully_shard: {type(module).__name__} is already sharded (rank "
             f"{rank}); call fully_shard once per module."
-        )
-
-
-def _check_one_device(module: nn.Module, rank: int) -> None:
-    devices = {(n, p.device) for n, p in module.named_parameters()}
-    if len({d for _, d in devices}) > 1:
-        first = sorted(devices, key=lambda x: str(x[1]))
-        raise ValueError(
-            f"flatshard.fully_shard: parameters are on several devices (rank {rank}), e.g. "
-            f"'{first[0][0]}' on {first[0][1]} and '{first[-1][0]}' on {first[-1][1]}; "
-            "move the model to one device (module.to(device)) before sharding."
         )
 
 

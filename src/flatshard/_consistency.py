@@ -1,0 +1,90 @@
+"""Startup checks that every rank built the same model and holds the same replicated values.
+
+Ranks that built different models would otherwise hang in a collective or train silently
+wrong (../shared/design/USERS.md, item 15). Each check is one small all-gather of a digest;
+only when digests differ do the ranks exchange their descriptions to say what differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import cast
+
+import torch
+import torch.distributed as dist
+
+from flatshard._partition import UnitPlan
+
+_SHOWN = 4  # differing lines quoted per rank
+
+
+def structure_lines(plans: list[UnitPlan], strategy: str) -> list[str]:
+    """One line per unit, parameter and buffer: what every rank must agree on."""
+    lines = [strategy]
+    for plan in plans:
+        lines.append(f"unit '{plan.fqn or '<root>'}'")
+        for orig in plan.originals:
+            p = orig.param
+            lines.append(
+                f"  parameter '{orig.fqn}' shape {tuple(p.shape)} {str(p.dtype)[6:]} "
+                f"requires_grad={p.requires_grad}"
+            )
+        for mname, module in plan.modules:
+            for bname, buf in module._buffers.items():
+                if buf is not None:
+                    name = f"{mname}.{bname}" if mname else bname
+                    lines.append(f"  buffer '{name}' shape {tuple(buf.shape)} {str(buf.dtype)[6:]}")
+    return lines
+
+
+def value_lines(plan: UnitPlan, with_params: bool) -> list[str]:
+    """Exact checksums of the unit's buffers (and parameters, before sharding)."""
+    named: list[tuple[str, torch.Tensor]] = []
+    if with_params:
+        named += [(f"parameter '{o.fqn}'", o.param.detach()) for o in plan.originals]
+    for mname, module in plan.modules:
+        for bname, buf in module._buffers.items():
+            if buf is not None:
+                named.append((f"buffer '{mname + '.' if mname else ''}{bname}'", buf))
+    return [f"{name} checksum {_checksum(t)}" for name, t in named if not t.is_meta]
+
+
+def check_same_on_all_ranks(
+    lines: list[str], group: dist.ProcessGroup, what: str, fix: str
+) -> None:
+    """Raise on every rank, naming ranks and differing lines, unless all ranks agree."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
+    digests: list[object] = [None] * world
+    dist.all_gather_object(digests, digest, group=group)
+    if len(set(digests)) == 1:
+        return
+    gathered: list[object] = [None] * world
+    dist.all_gather_object(gathered, lines, group=group)
+    every = [cast(list[str], g) for g in gathered]
+    reference = set(every[0])
+    reports = []
+    for rank, theirs in enumerate(every):
+        if rank == 0 or set(theirs) == reference:
+            continue
+        only_0 = [line.strip() for line in every[0] if line not in theirs][:_SHOWN]
+        only_r = [line.strip() for line in theirs if line not in reference][:_SHOWN]
+        reports.append(
+            f"rank {rank} differs from rank 0:\n"
+            + "".join(f"    rank 0 only: {line}\n" for line in only_0)
+            + "".join(f"    rank {rank} only: {line}\n" for line in only_r)
+        )
+    raise ValueError(
+        f"flatshard.fully_shard: ranks {what} (seen on rank {dist.get_rank()}).\n"
+        + "".join(reports)
+        + fix
+    )
+
+
+def _checksum(tensor: torch.Tensor) -> str:
+    """An exact, order-sensitive checksum of the tensor's bytes (integer arithmetic)."""
+    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).to(torch.int64)
+    weights = torch.arange(data.numel(), device=data.device) % 65521 + 1
+    return f"{int(data.sum())}:{int((data * weights).sum())}"

@@ -1,0 +1,310 @@
+"""Deferred initialization, rank-0 loading, startup consistency checks, hook-bypass guard."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import flatshard
+from flatshard.testing.accounting import distinct_storage_bytes
+from flatshard.testing.models import MLPBlock, TinyGPT, build
+from flatshard.testing.parity import (
+    ParityConfig,
+    assert_same,
+    run_reference,
+    train,
+)
+from flatshard.testing.workers import WorkerContext, WorkerPool
+
+
+def gpt_init(module: nn.Module) -> None:
+    """GPT-2 style: small normal weights, zero biases, unit norms; the causal mask rebuilt."""
+    if isinstance(module, nn.Linear | nn.Embedding):
+        nn.init.normal_(module.weight, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+    if isinstance(module, nn.LayerNorm):
+        module.reset_parameters()
+    mask = getattr(module, "causal_mask", None)
+    if mask is not None:
+        mask.copy_(torch.tril(torch.ones_like(mask)))
+
+
+def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    with flatshard.summon_full_params(model, writeback=False):
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+# ---------------------------------------------------------------- meta-device build
+def meta_job(ctx: WorkerContext, use_init_fn: bool) -> None:
+    group = ctx.group(2)
+    if group is None:
+        return None
+    init_fn = gpt_init if use_init_fn else None
+    reference = flatshard.init_weights(TinyGPT(), init_fn, seed=7)
+    with torch.device("meta"):
+        model = TinyGPT()
+    flatshard.fully_shard(
+        model,
+        auto_wrap_policy={type(model.blocks[0])},
+        process_group=group,
+        param_init_fn=init_fn,
+        init_seed=7,
+    )
+    assert model.head.weight is model.tok.weight  # the tie survives materialization
+    full = _full_params(model)
+    for name, param in reference.named_parameters():
+        assert torch.equal(full[name], param), name  # exactly the same start
+    for (name, buf), ref in zip(model.named_buffers(), reference.buffers(), strict=True):
+        assert torch.equal(buf, ref), name
+    # ...and the same training.
+    config = ParityConfig(model="gpt", world_size=2)
+    ours = train(model, config, ctx.rank, 2, group, "flatshard")
+    theirs = train(reference, config, 0, 1, None, "reference")
+    ours.params, theirs.params = _full_params(model), dict(reference.named_parameters())
+    assert_same(theirs, ours)
+    return None
+
+
+@pytest.mark.parametrize("use_init_fn", [True, False])
+def test_meta_build_starts_from_the_reference_weights(pool: WorkerPool, use_init_fn: bool) -> None:
+    if not use_init_fn:
+        # reset_parameters() cannot rebuild the causal mask: that is the named error.
+        with pytest.raises(AssertionError, match=r"causal_mask' came from the meta device"):
+            pool.run(meta_job, use_init_fn)
+        return
+    pool.run(meta_job, use_init_fn)
+
+
+class Wide(nn.Module):
+    """Four 256x256 blocks: 1 MiB of parameters per block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(MLPBlock(256, 256) for _ in range(4)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.blocks(x)
+        return out
+
+
+def init_memory_job(ctx: WorkerContext) -> dict[str, int] | None:
+    """Peak bytes of live tensors allocated while fully_shard materializes a meta model."""
+    group = ctx.group(2)
+    if group is None:
+        return None
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Peak(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.live: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+            self.peak = 0
+
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, list | tuple) else [out]:
+                if isinstance(t, torch.Tensor) and not t.is_meta:
+                    self.live[id(t.untyped_storage())] = weakref.ref(t.untyped_storage())
+            now = sum(s.nbytes() for r in self.live.values() if (s := r()) is not None)
+            self.peak = max(self.peak, now)
+            return out
+
+    with torch.device("meta"):
+        model = Wide()
+    unit_bytes = sum(p.numel() for p in model.blocks[0].parameters()) * 4
+    with Peak() as tracker:
+        flatshard.fully_shard(model, auto_wrap_policy={MLPBlock}, process_group=group)
+    sharded = distinct_storage_bytes(list(model.parameters()))
+    return {"peak": tracker.peak, "unit": unit_bytes, "sharded": sharded}
+
+
+def test_meta_init_peak_is_sharded_model_plus_one_unit(pool: WorkerPool) -> None:
+    for result in pool.run(init_memory_job)[:2]:
+        # While a unit is sharded its full tensors (one unit) and the growing shards are
+        # alive; the 1-D tensors (norms, biases) add under one row per parameter.
+        assert result["peak"] <= result["sharded"] + result["unit"] + 4 * 1024, result
+        assert result["peak"] >= result["unit"], result  # the measurement sees the unit
+
+
+# ---------------------------------------------------------------- sync_module_states
+def sync_job(ctx: WorkerContext) -> None:
+    group = ctx.group(2)
+    if group is None:
+        return None
+    if ctx.rank == 0:
+        model = build("gpt")  # rank 0 "loads the checkpoint"
+    else:
+        with torch.device("meta"):
+            model = build("gpt")  # the others hold no weights at all
+    flatshard.fully_shard(
+        model,
+        auto_wrap_policy={type(model.blocks[0])},
+        process_group=group,
+        sync_module_states=True,
+    )
+    config = ParityConfig(model="gpt", world_size=2)
+    ours = train(model, config, ctx.rank, 2, group, "flatshard")
+    ours.params = _full_params(model)
+    if ctx.rank == 0:
+        assert_same(run_reference(config), ours)
+    return None
+
+
+def test_sync_module_states_from_rank_0(pool: WorkerPool) -> None:
+    pool.run(sync_job)
+
+
+# ---------------------------------------------------------------- consistency checks
+def mismatch_job(ctx: WorkerContext, case: str) -> str:
+    group = ctx.group(2)
+    if group is None:
+        return ""
+    odd = ctx.rank == 1
+    options: dict[str, Any] = {"process_group": group, "auto_wrap_policy": {MLPBlock}}
+    model: nn.Module = build("mlp")
+    if case == "shape" and odd:
+        model = type(model)(dims=(7, 13, 12, 13))  # type: ignore[call-arg]
+    if case == "name" and odd:
+        model.add_module("extra", nn.Linear(2, 2))
+    if case == "requires_grad" and odd:
+        model.head.requires_grad_(False)  # type: ignore[union-attr]
+    if case == "strategy" and odd:
+        options["strategy"] = flatshard.ShardingStrategy.SHARD_GRAD_OP
+    if case == "buffer":
+        model = TinyGPT()
+        options["auto_wrap_policy"] = {type(model.blocks[0])}
+        if odd:
+            model.blocks[1].attn.causal_mask[0, 0] = False  # type: ignore[index]
+    if case == "weights" and odd:
+        with torch.no_grad():
+            model.head.weight.add_(1e-3)  # type: ignore[union-attr, operator]
+        options["check_weights"] = True
+    if case == "weights":
+        options["check_weights"] = True
+    start = time.perf_counter()
+    try:
+        flatshard.fully_shard(model, **options)
+    except ValueError as error:
+        assert time.perf_counter() - start < 10
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("shape", "parameter 'blocks.1.fc.weight' shape (11, 13)"),
+        ("name", "parameter 'extra.weight'"),
+        ("requires_grad", "parameter 'head.weight' shape (5, 13) float32 requires_grad=False"),
+        ("strategy", "strategy SHARD_GRAD_OP over 2 ranks"),
+        ("buffer", "buffer 'blocks.1.attn.causal_mask' checksum"),
+        ("weights", "parameter 'head.weight' checksum"),
+    ],
+)
+def test_mismatched_ranks_fail_on_every_rank(pool: WorkerPool, case: str, expected: str) -> None:
+    messages = pool.run(mismatch_job, case)[:2]
+    for rank, message in enumerate(messages):
+        assert "rank 1 differs from rank 0" in message, (rank, message)
+        assert expected in message, (rank, message)
+
+
+def test_same_models_pass_the_weights_check(pool: WorkerPool) -> None:
+    def_case = pool.run(mismatch_job, "none")[:2]
+    assert def_case == ["no error", "no error"]
+
+
+# ---------------------------------------------------------------- hook bypass
+class Generator(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = MLPBlock(4, 4)
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.block(x))
+        return out
+
+    def generate(self, x: torch.Tensor, steps: int) -> torch.Tensor:
+        for _ in range(steps):
+            x = self.head(self.block.fc(x))  # reaches inside the unit: bypasses its hooks
+        return x
+
+
+def bypass_job(ctx: WorkerContext) -> dict[str, str] | None:
+    group = ctx.group(2)
+    if group is None:
+        return None
+    torch.manual_seed(0)
+    model = Generator()
+    reference = Generator()
+    reference.load_state_dict(model.state_dict())
+    flatshard.fully_shard(model, auto_wrap_policy={MLPBlock}, process_group=group)
+    x = torch.randn(2, 4)
+    errors = {}
+    for name, call in [
+        ("child", lambda: model.block.fc(x)),
+        ("forward", lambda: model.block.forward(x)),
+        ("generate", lambda: model.generate(x, 2)),
+    ]:
+        try:
+            call()
+            errors[name] = "no error"
+        except RuntimeError as error:
+            errors[name] = str(error)
+    flatshard.register_entry_point(model.block, "forward")  # the unit's own method...
+    flatshard.register_entry_point(model, "generate")  # ...and the root's
+    with torch.no_grad():
+        torch.testing.assert_close(model.block.forward(x), reference.block(x))
+    with flatshard.summon_full_params(model), torch.no_grad():
+        torch.testing.assert_close(model.block.fc(x), reference.block.fc(x))  # allowed here
+    try:
+        model.generate(x, 2)
+        errors["generate registered"] = "no error"
+    except RuntimeError as error:
+        errors["generate registered"] = str(error)
+    return errors
+
+
+def test_calls_that_bypass_the_unit_are_named_errors(pool: WorkerPool) -> None:
+    errors = pool.run(bypass_job)[0]
+    for case in ("child", "forward", "generate"):
+        assert "module 'block.fc' ran while its unit 'block' is sharded" in errors[case], case
+        assert "'block.fc.weight', 'block.fc.bias'" in errors[case]
+    # generate() reaches into block.fc; registering it on the root gathers the root, not
+    # the block unit: the guard still names the module to route through the unit.
+    assert "block.fc" in errors["generate registered"]
+
+
+def entry_point_job(ctx: WorkerContext) -> None:
+    group = ctx.group(2)
+    if group is None:
+        return None
+    torch.manual_seed(0)
+    model = Generator()
+    reference = Generator()
+    reference.load_state_dict(model.state_dict())
+    flatshard.fully_shard(model, process_group=group)  # one unit: generate's reach is inside
+    flatshard.register_entry_point(model, "generate")
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(model.generate(x, 3), reference.generate(x, 3))
+    return None
+
+
+def test_registered_entry_point_gathers(pool: WorkerPool) -> None:
+    pool.run(entry_point_job)
+
+
+def test_entry_point_needs_a_unit(local_group: dist.ProcessGroup) -> None:
+    with pytest.raises(ValueError, match=r"is not a flatshard unit"):
+        flatshard.register_entry_point(nn.Linear(2, 2), "forward")
