@@ -25,12 +25,28 @@ def test_train_runs_at_two_ranks_and_loss_falls() -> None:
     assert "2 ranks (gloo)" in result.stdout
 
 
+def test_train_shows_the_dtype_plan_with_mixed_precision() -> None:
+    argv = ["train", "--nproc", "2", "--steps", "2", "--dim", "16", "--layers", "1"]
+    result = subprocess.run(
+        [sys.executable, "-m", "flatshard.cli.main", *argv, "--mixed-precision", "bf16"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert "dtype plan" in result.stdout
+    plan = result.stdout.split("dtype plan", 1)[1]
+    assert "bfloat16" in plan and "float32" in plan
+    assert "step    2" in result.stdout
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--steps", "0"], "--steps must be >= 1, got 0"),
         (["--dim", "10", "--heads", "3"], "--dim (10) must be a multiple of --heads (3)"),
         (["--lr", "-1"], "--lr must be > 0"),
+        (["--mixed-precision", "fp8"], "--mixed-precision must be one of none, bf16, fp16"),
     ],
 )
 def test_bad_options_give_one_line(

@@ -6,27 +6,34 @@ optim = torch.optim.AdamW(model.parameters(), lr=3e-4)  # built after sharding
 
 from flatshard._clip import clip_grad_norm_
 from flatshard._flat_param import CommHook
+from flatshard._grad_scaler import ShardedGradScaler
 from flatshard._init import init_weights
 from flatshard._layout import FlatLayout, plan_layout
 from flatshard._mesh import ShardGroups, ShardingStrategy
+from flatshard._mixed_precision import CPUOffload, DtypePlan, MixedPrecision
 from flatshard._no_sync import no_sync
 from flatshard._policy import SizePolicy
 from flatshard._runtime import register_entry_point
-from flatshard._summary import FlatParamSummary, ShardingSummary, sharding_summary
+from flatshard._summary import FlatParamSummary, ShardingSummary, dtype_plan, sharding_summary
 from flatshard._summon import summon_full_params
 from flatshard.api import fully_shard
 from flatshard.comm_hooks import LowPrecisionHook, register_comm_hook
 
 __all__ = [
+    "CPUOffload",
     "CommHook",
+    "DtypePlan",
     "FlatLayout",
     "FlatParamSummary",
     "LowPrecisionHook",
+    "MixedPrecision",
     "ShardGroups",
+    "ShardedGradScaler",
     "ShardingStrategy",
     "ShardingSummary",
     "SizePolicy",
     "clip_grad_norm_",
+    "dtype_plan",
     "fully_shard",
     "init_weights",
     "no_sync",

@@ -60,12 +60,21 @@ class FlatParameter:
     """A group of original parameters flattened into one row-aligned buffer and sharded."""
 
     def __init__(
-        self, originals: list[OriginalParam], groups: ShardGroups, device: torch.device
+        self,
+        originals: list[OriginalParam],
+        groups: ShardGroups,
+        device: torch.device,
+        *,
+        compute_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
+        compute_device: torch.device | None = None,
     ) -> None:
         """Plan the layout and allocate this rank's (zero) shard on ``device``.
 
         Nothing full-size stays allocated: the originals may still be on the meta device.
         ``load_shard`` then copies this rank's rows out of the materialized originals.
+        ``compute_dtype`` / ``compute_device``: where the unsharded parameters live
+        (mixed precision; CPU offload keeps the shard on ``device`` = CPU).
         """
         first = originals[0].param
         self.originals = originals
@@ -75,14 +84,17 @@ class FlatParameter:
         self.requires_grad = first.requires_grad
         self.layout: FlatLayout = plan_layout([o.param.shape for o in originals], self.world_size)
         self.comm_hook: CommHook | None = None
+        self.compute_dtype = compute_dtype or first.dtype
+        self.compute_device = compute_device or device
+        self.reduce_dtype = reduce_dtype or self.compute_dtype
         # Persistent: this rank's shard; original parameters are views of it.
         self.shard = torch.zeros(self.layout.shard_numel, dtype=first.dtype, device=device)
         # Alive only while unsharded (see the note above).
         self._unsharded = self._new_unsharded()  # (C * F,)
         self._unsharded_data = self._unsharded.data
         self._unsharded_nbytes = self._unsharded.untyped_storage().nbytes()
-        self.is_unsharded = not self.gathers
-        if self.gathers:
+        self.is_unsharded = self.aliases_shard
+        if not self.aliases_shard:
             self._unsharded_data.untyped_storage().resize_(0)
         # Per backward pass: the reduction in flight, and whether this pass's gradient
         # has been dealt with (reduced, or kept for later under no_sync).
@@ -103,11 +115,20 @@ class FlatParameter:
         """Whether unsharding needs an all-gather (F > 1)."""
         return self.groups.shard is not None
 
+    @property
+    def aliases_shard(self) -> bool:
+        """F = 1 in the master dtype and device: the shard itself is the unsharded buffer."""
+        return (
+            not self.gathers
+            and self.compute_dtype == self.shard.dtype
+            and self.compute_device == self.shard.device
+        )
+
     def _new_unsharded(self) -> torch.Tensor:
-        if not self.gathers:
+        if self.aliases_shard:
             return self.shard.detach().requires_grad_(self.requires_grad)
         return torch.empty(
-            self.layout.unsharded_numel, dtype=self.shard.dtype, device=self.shard.device
+            self.layout.unsharded_numel, dtype=self.compute_dtype, device=self.compute_device
         ).requires_grad_(self.requires_grad)
 
     # ------------------------------------------------------------------ storage
@@ -117,9 +138,13 @@ class FlatParameter:
         Views are made anew on every call so that they follow the current grad mode.
         """
         if not self.is_unsharded:
-            assert self.groups.shard is not None  # F = 1 is always unsharded
             self._unsharded_data.untyped_storage().resize_(self._unsharded_nbytes)
-            all_gather_into(self._unsharded_data, self.shard, self.groups.shard)
+            # Cast once per unshard (not once per op), before communicating.
+            source = self.shard.to(self.compute_device, self.compute_dtype, non_blocking=True)
+            if self.groups.shard is not None:
+                all_gather_into(self._unsharded_data, source, self.groups.shard)
+            else:
+                self._unsharded_data.copy_(source)
             self.is_unsharded = True
         self.register_views(self.unsharded_views())
 
@@ -128,7 +153,7 @@ class FlatParameter:
 
         Views of the buffer that autograd saved stay valid objects (see the note above).
         """
-        if self.gathers and self.is_unsharded:
+        if not self.aliases_shard and self.is_unsharded:
             self._unsharded_data.untyped_storage().resize_(0)
             self.is_unsharded = False
         self.register_views(None)
@@ -185,7 +210,7 @@ class FlatParameter:
             grad = torch.zeros_like(self._unsharded_data, memory_format=torch.contiguous_format)
         if self.pending is not None:
             self.finish_reduction()
-        grad = grad.contiguous()
+        grad = grad.to(self.reduce_dtype).contiguous()
         if self.comm_hook is not None:
             reduced = self.comm_hook(grad, self.groups)
             self.pending = PendingReduction(work=None, input=grad, output=reduced)
@@ -203,6 +228,8 @@ class FlatParameter:
             return
         reduced = wait_reduction(self.pending)  # (C,)
         self.pending = None
+        # The optimizer steps on the master shard: its dtype and device.
+        reduced = reduced.to(self.shard.device, self.shard.dtype, non_blocking=True)
         for orig, view in zip(self.originals, self.shard_views(reduced), strict=True):
             if orig.param.grad is None:
                 orig.param.grad = view
@@ -222,11 +249,16 @@ class FlatParameter:
     @contextmanager
     def full_params(self, writeback: bool) -> Iterator[None]:
         """Give every original parameter its full shape and value on every rank."""
-        full = self.shard.new_empty(self.layout.unsharded_numel)  # (C * F,)
+        # In the master dtype, gathered on the compute device (NCCL cannot gather CPU
+        # shards when offloading).
+        full = torch.empty(
+            self.layout.unsharded_numel, dtype=self.shard.dtype, device=self.compute_device
+        )  # (C * F,)
+        source = self.shard.to(self.compute_device)
         if self.groups.shard is None:
-            full.copy_(self.shard)
+            full.copy_(source)
         else:
-            all_gather_into(full, self.shard, self.groups.shard)
+            all_gather_into(full, source, self.groups.shard)
         segments = torch.split(full, self.layout.segment_sizes())
         views = [segments[2 * i + 1].view(s.shape) for i, s in enumerate(self.layout.slots)]
         for orig, view in zip(self.originals, views, strict=True):

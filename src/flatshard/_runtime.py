@@ -89,6 +89,12 @@ def install(unit: Unit, tree: ShardTree) -> UnitRuntime:
         flat.register_post_accumulate_hook(partial(_post_backward, runtime, flat))
     for name, inner in unit.inner_modules:
         inner.register_forward_pre_hook(partial(_check_gathered, runtime, name))
+    policy = unit.mixed_precision
+    if policy is not None and policy.param_dtype is not None:
+        for module in unit.full_precision_modules():
+            master = next(module.parameters()).dtype
+            module.register_forward_pre_hook(partial(_cast_inputs, master), with_kwargs=True)
+            module.register_forward_hook(partial(_cast_output, policy.param_dtype))
     return runtime
 
 
@@ -146,6 +152,9 @@ def _pre_forward(
         if unit.state is not TrainingState.BACKWARD:
             unit.state = TrainingState.FORWARD
         unit.unshard()
+        policy = unit.mixed_precision
+        if policy is not None and policy.param_dtype is not None and policy.cast_forward_inputs:
+            args, kwargs = _cast_floats((args, kwargs), policy.param_dtype)
         if torch.is_grad_enabled() and unit.state is TrainingState.FORWARD:
             args, kwargs = _watch_input_grads(runtime, args, kwargs)
     return args, kwargs
@@ -272,6 +281,25 @@ def _watch_input_grads(
         leaves[i] = tensor
     new_args, new_kwargs = pytree.tree_unflatten(leaves, spec)
     return new_args, new_kwargs
+
+
+def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    """``tree`` with every floating-point tensor cast to ``dtype`` (autograd-visible)."""
+    return pytree.tree_map(
+        lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
+        tree,
+    )
+
+
+def _cast_inputs(
+    dtype: torch.dtype, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    cast_args, cast_kwargs = _cast_floats((args, kwargs), dtype)
+    return cast_args, cast_kwargs
+
+
+def _cast_output(dtype: torch.dtype, module: nn.Module, args: Any, output: Any) -> Any:
+    return _cast_floats(output, dtype)
 
 
 def _tensors(output: Any) -> list[torch.Tensor]:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from flatshard._mixed_precision import DtypePlan, DtypeRow, dtype_name
 from flatshard._summon import units_of
 
 
@@ -81,3 +82,23 @@ def sharding_summary(model: nn.Module) -> ShardingSummary:
                 )
             )
     return ShardingSummary(flat_params=tuple(entries))
+
+
+def dtype_plan(model: nn.Module) -> DtypePlan:
+    """The resolved dtypes of every FlatParameter: master (and optimizer state),
+    all-gather, compute and reduction, and where the master shard lives."""
+    rows = []
+    for runtime in units_of(model, "dtype_plan"):
+        for flat in runtime.unit.flat_params:
+            rows.append(
+                DtypeRow(
+                    unit=runtime.unit.label,
+                    params=len(flat.originals),
+                    master=dtype_name(flat.shard.dtype),
+                    all_gather=dtype_name(flat.compute_dtype) if flat.gathers else "-",
+                    compute=dtype_name(flat.compute_dtype),
+                    reduce=dtype_name(flat.reduce_dtype) if flat.requires_grad else "-",
+                    master_device=str(flat.shard.device),
+                )
+            )
+    return DtypePlan(rows=tuple(rows))

@@ -8,6 +8,7 @@ from torch import nn
 
 from flatshard._flat_param import FlatParameter
 from flatshard._mesh import ShardingStrategy
+from flatshard._mixed_precision import MixedPrecision
 
 
 class TrainingState(Enum):
@@ -38,6 +39,7 @@ class Unit:
         owned = {id(m) for _, f in enumerate(flat_params) for o in f.originals for m, _ in o.usages}
         self.inner_modules = [(n, m) for n, m in modules if id(m) in owned and m is not module]
         self.params_are_full = False  # inside summon_full_params
+        self.mixed_precision: MixedPrecision | None = None
         self.state = TrainingState.IDLE
         # Per backward pass, reset by the final callback:
         self.expects_backward = False  # a forward with grad ran: every rank must reduce
@@ -54,6 +56,16 @@ class Unit:
         for flat in self.flat_params:
             for orig in flat.originals:
                 orig.fqn = f"{prefix}.{orig.fqn}"
+
+    def full_precision_modules(self) -> list[nn.Module]:
+        """Modules inside the unit whose parameters compute in the master dtype."""
+        policy = self.mixed_precision
+        if policy is None or policy.param_dtype is None or not policy.keep_full_precision:
+            return []
+        keep = tuple(policy.keep_full_precision)
+        return [
+            m for m in [self.module, *(m for _, m in self.inner_modules)] if isinstance(m, keep)
+        ]
 
     @property
     def trainable(self) -> list[FlatParameter]:

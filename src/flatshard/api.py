@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from flatshard._consistency import check_same_on_all_ranks, structure_lines, value_lines
-from flatshard._flat_param import FlatParameter
+from flatshard._flat_param import FlatParameter, OriginalParam
 from flatshard._init import (
     ParamInitFn,
     broadcast_unit,
@@ -19,6 +19,7 @@ from flatshard._init import (
     materialize_unit,
 )
 from flatshard._mesh import ShardingStrategy, resolve_groups
+from flatshard._mixed_precision import CPUOffload, MixedPrecision
 from flatshard._partition import UnitPlan, partition
 from flatshard._policy import AutoWrapPolicy, is_within, select_unit_roots
 from flatshard._runtime import TREE_ATTR, ShardTree, install, shard_tree, unit_runtime
@@ -43,6 +44,8 @@ def fully_shard(
     sync_module_states: bool = False,
     check_consistency: bool = True,
     check_weights: bool = False,
+    mixed_precision: MixedPrecision | None = None,
+    cpu_offload: CPUOffload | None = None,
 ) -> M:
     """Shard ``module``'s parameters over ``process_group`` in place and return it.
 
@@ -82,6 +85,11 @@ def fully_shard(
             ranks at startup and raise, on every rank, if they differ (one small
             all-gather per unit).
         check_weights: also compare parameter values across ranks before sharding.
+        mixed_precision: dtypes of all-gather/compute, reduction and buffers
+            (``flatshard.MixedPrecision``); the sharded master parameters keep theirs.
+        cpu_offload: ``flatshard.CPUOffload(params=True)`` keeps the sharded parameters and
+            their gradients on the CPU (the optimizer steps there); compute runs on
+            ``device``.
     """
     _check_distributed()
     group = process_group if process_group is not None else dist.group.WORLD
@@ -110,10 +118,24 @@ def fully_shard(
     tree = ShardTree(module)
     for name, sub_tree in earlier.items():
         tree.adopt(sub_tree, prefix=name)
+    policy = mixed_precision or MixedPrecision()
+    compute_device = target or _CPU
+    master_device = _CPU if cpu_offload is not None and cpu_offload.params else compute_device
     for plan in plans:
         # Allocate the shards first: the unit's full tensors then meet nothing else large.
-        flat_params = [FlatParameter(params, groups, target or _CPU) for params in plan.groups]
+        flat_params = [
+            FlatParameter(
+                params,
+                groups,
+                master_device,
+                compute_dtype=dtype,
+                reduce_dtype=policy.gradient_reduce_dtype(dtype),
+                compute_device=compute_device,
+            )
+            for params, dtype in _split_by_compute_dtype(plan.groups, policy)
+        ]
         _prepare(plan, target, param_init_fn, seed, sync_module_states, group, rank)
+        _cast_buffers(plan, policy.buffer_dtype)
         if check_consistency:
             check_same_on_all_ranks(
                 value_lines(plan, with_params=check_weights),
@@ -125,9 +147,36 @@ def fully_shard(
         for flat in flat_params:
             flat.load_shard()
         if flat_params:
-            install(Unit(plan.module, plan.fqn, flat_params, strategy, plan.modules), tree)
+            unit = Unit(plan.module, plan.fqn, flat_params, strategy, plan.modules)
+            unit.mixed_precision = mixed_precision
+            install(unit, tree)
     module.__dict__[TREE_ATTR] = tree
     return module
+
+
+def _split_by_compute_dtype(
+    groups: list[list[OriginalParam]], policy: MixedPrecision
+) -> list[tuple[list[OriginalParam], torch.dtype]]:
+    """Parameters of ``keep_full_precision`` modules compute apart, in their own dtype."""
+    keep = tuple(policy.keep_full_precision)
+    split: list[tuple[list[OriginalParam], torch.dtype]] = []
+    for params in groups:
+        by_dtype: dict[torch.dtype, list[OriginalParam]] = {}
+        for orig in params:
+            full = any(isinstance(m, keep) for m, _ in orig.usages) if keep else False
+            dtype = policy.compute_dtype(orig.param.dtype, full)
+            by_dtype.setdefault(dtype, []).append(orig)
+        split += [(members, dtype) for dtype, members in by_dtype.items()]
+    return split
+
+
+def _cast_buffers(plan: UnitPlan, dtype: torch.dtype | None) -> None:
+    if dtype is None:
+        return
+    for _, module in plan.modules:
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.is_floating_point():
+                module._buffers[name] = buf.to(dtype)
 
 
 def _prepare(

@@ -21,6 +21,8 @@ import torch.distributed as dist
 import flatshard
 from flatshard.models import GPT, GPTBlock
 
+PRECISIONS = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 class ConfigError(ValueError):
     """A bad option: reported as one line naming the option."""
@@ -40,6 +42,7 @@ class TrainConfig:
     heads: int = 4  # attention heads
     lr: float = 3e-3  # AdamW learning rate
     seed: int = 0  # model and data seed
+    mixed_precision: str = "none"  # none | bf16 | fp16 (fp16 adds a ShardedGradScaler)
 
     def __post_init__(self) -> None:
         for name in ("nproc", "steps", "batch", "seq_len", "vocab", "dim", "layers", "heads"):
@@ -51,6 +54,11 @@ class TrainConfig:
             raise ConfigError(f"--dim ({self.dim}) must be a multiple of --heads ({self.heads})")
         if not self.lr > 0:
             raise ConfigError(f"--lr must be > 0, got {self.lr}")
+        if self.mixed_precision not in PRECISIONS:
+            raise ConfigError(
+                f"--mixed-precision must be one of {', '.join(PRECISIONS)}, "
+                f"got {self.mixed_precision!r}"
+            )
 
 
 def add_parser(commands: Any) -> None:
@@ -104,7 +112,15 @@ def _train(config: TrainConfig, store: str | None) -> None:
     try:
         torch.set_num_threads(1)
         device = _device(backend)
-        model = flatshard.fully_shard(_build_model(config).to(device), auto_wrap_policy={GPTBlock})
+        low = PRECISIONS[config.mixed_precision]
+        model = flatshard.fully_shard(
+            _build_model(config).to(device),
+            auto_wrap_policy={GPTBlock},
+            mixed_precision=flatshard.MixedPrecision(low, reduce_dtype=torch.float32)
+            if low is not None
+            else None,
+        )
+        scaler = flatshard.ShardedGradScaler(device.type, enabled=low is torch.float16)
         optim = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.01)
         chain = _markov_chain(config)
         if rank == 0:
@@ -114,6 +130,9 @@ def _train(config: TrainConfig, store: str | None) -> None:
                 f"{config.steps} steps; uniform loss {math.log(config.vocab):.3f}"
             )
             print(flatshard.sharding_summary(model))
+            if low is not None:
+                print("dtype plan (master = optimizer state dtype):")
+                print(flatshard.dtype_plan(model))
         gen = torch.Generator().manual_seed(config.seed * 1000 + rank)
         for step in range(1, config.steps + 1):
             start = time.perf_counter()
@@ -121,8 +140,9 @@ def _train(config: TrainConfig, store: str | None) -> None:
             loss = torch.nn.functional.cross_entropy(
                 model(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten()
             )
-            torch.autograd.backward(loss)
-            optim.step()
+            torch.autograd.backward(scaler.scale(loss))
+            scaler.step(optim)
+            scaler.update()
             optim.zero_grad()
             mean = loss.detach().clone()
             dist.all_reduce(mean)

@@ -37,6 +37,7 @@ class CollectiveTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.counts: Counter[str] = Counter()
+        self.bytes: Counter[str] = Counter()  # bytes each kind of collective produced
         self._gathered: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self.peak_gathered_bytes = 0
         self.timeline: list[tuple[str, int]] = []  # (kind, gathered bytes after it)
@@ -52,6 +53,10 @@ class CollectiveTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kind = _KINDS.get(str(func.overloadpacket))
         if kind is not None:
             self.counts[kind] += 1
+            target = args[0]
+            for t in target if isinstance(target, list | tuple) else [target]:
+                for x in t if isinstance(t, list) else [t]:
+                    self.bytes[kind] += x.numel() * x.element_size()
         if kind == ALL_GATHER:
             target = args[0]
             tensors = target if isinstance(target, list | tuple) else [target]

@@ -7,6 +7,7 @@ average gradients, so per-step losses and final parameters must agree to float t
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
@@ -46,6 +47,9 @@ class ParityConfig:
     clip: float | None = None  # clip_grad_norm_ to this each step
     norm_type: float = 2.0
     comm_hook: str | None = None  # None | "bf16" | "fp16"
+    param_dtype: str | None = None  # mixed precision: "bfloat16" | "float16"
+    reduce_dtype: str | None = None  # None: float32 when param_dtype is set
+    offload: bool = False  # CPUOffload(params=True)
 
     def __post_init__(self) -> None:
         if self.checkpoint not in ("", "inside", "around"):
@@ -186,6 +190,11 @@ def shard_with_flatshard(model: nn.Module, config: ParityConfig, group: dist.Pro
     classes = set(cast(Any, model).UNIT_CLASSES)
     strategy = flatshard.ShardingStrategy[config.strategy]
     options: dict[str, Any] = {"process_group": group, "strategy": strategy}
+    param_dtype, reduce_dtype = _dtypes(config)
+    if param_dtype is not None:
+        options["mixed_precision"] = flatshard.MixedPrecision(param_dtype, reduce_dtype)
+    if config.offload:
+        options["cpu_offload"] = flatshard.CPUOffload()
     if strategy.is_hybrid:
         options.update(_hybrid_options(config, group))
     policies: dict[str, Any] = {
@@ -211,6 +220,14 @@ def shard_with_flatshard(model: nn.Module, config: ParityConfig, group: dist.Pro
     if config.comm_hook is not None:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[config.comm_hook]
         flatshard.register_comm_hook(model, flatshard.LowPrecisionHook(dtype))
+
+
+def _dtypes(config: ParityConfig) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """(param_dtype, reduce_dtype) of the scenario; reduction in fp32 unless told."""
+    if config.param_dtype is None:
+        return None, None
+    reduce = getattr(torch, config.reduce_dtype or "float32")
+    return getattr(torch, config.param_dtype), reduce
 
 
 def _hybrid_options(config: ParityConfig, group: dist.ProcessGroup) -> dict[str, Any]:
@@ -243,13 +260,16 @@ def shard_with_fsdp2(model: nn.Module, config: ParityConfig, group: dist.Process
 
     if config.strategy not in ("FULL_SHARD", "SHARD_GRAD_OP") or config.root_strategy:
         raise ValueError(f"no FSDP2 counterpart for {config}")
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     reshard = config.strategy == "FULL_SHARD"
     mesh = DeviceMesh.from_group(group, "cpu")
+    param_dtype, reduce_dtype = _dtypes(config)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     classes = tuple(cast(Any, model).UNIT_CLASSES)
-    for module in reversed(list(model.modules())):  # innermost first
-        if isinstance(module, classes):
-            fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    units = [m for m in reversed(list(model.modules())) if isinstance(m, classes)]
+    for module in [*units, model]:  # innermost first
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
 
 
 def run_reference(config: ParityConfig) -> RunResult:
@@ -258,6 +278,35 @@ def run_reference(config: ParityConfig) -> RunResult:
     # One process sees the whole batch: micro-batching must match the ranks' split.
     result = train(model, replace(config, world_size=1), 0, 1, None, "reference")
     result.params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return result
+
+
+def run_mixed_reference(config: ParityConfig) -> RunResult:
+    """What mixed precision promises, in one process: fp32 master parameters, a compute
+    copy cast to ``param_dtype`` once per step, gradients cast to ``reduce_dtype`` and back
+    to fp32 for the optimizer."""
+    param_dtype, reduce_dtype = _dtypes(config)
+    assert param_dtype is not None and reduce_dtype is not None
+    master = build_model(config)
+    compute = copy.deepcopy(master).to(param_dtype)
+    optim = make_optimizer(master, config.lr, config.optimizer)
+    loss_fn = cast(Callable[[Batch], torch.Tensor], cast(Any, compute).loss)
+    result = RunResult()
+    pairs = list(zip(compute.parameters(), master.parameters(), strict=True))
+    for batch in batches(master, config.steps):
+        with torch.no_grad():
+            for low, full in pairs:
+                low.copy_(full)
+        loss = loss_fn(batch)
+        torch.autograd.backward(loss)
+        for low, full in pairs:
+            if low.grad is not None:
+                full.grad = low.grad.to(reduce_dtype).to(full.dtype)
+                low.grad = None
+        optim.step()
+        optim.zero_grad()
+        result.losses.append(loss.item())
+    result.params = {n: p.detach().clone() for n, p in master.named_parameters()}
     return result
 
 
