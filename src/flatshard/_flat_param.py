@@ -88,7 +88,11 @@ class FlatParameter:
         self.compute_device = compute_device or device
         self.reduce_dtype = reduce_dtype or self.compute_dtype
         # Persistent: this rank's shard; original parameters are views of it.
-        self.shard = torch.zeros(self.layout.shard_numel, dtype=first.dtype, device=device)
+        # Pinned when offloaded from an accelerator: host-to-device copies run async.
+        pin = device.type == "cpu" and self.compute_device.type != "cpu"
+        self.shard = torch.zeros(
+            self.layout.shard_numel, dtype=first.dtype, device=device, pin_memory=pin
+        )
         # Alive only while unsharded (see the note above).
         self._unsharded = self._new_unsharded()  # (C * F,)
         self._unsharded_data = self._unsharded.data
@@ -229,7 +233,8 @@ class FlatParameter:
         reduced = wait_reduction(self.pending)  # (C,)
         self.pending = None
         # The optimizer steps on the master shard: its dtype and device.
-        reduced = reduced.to(self.shard.device, self.shard.dtype, non_blocking=True)
+        # Blocking: the optimizer may read it on the CPU right after (offload).
+        reduced = reduced.to(self.shard.device, self.shard.dtype)
         for orig, view in zip(self.originals, self.shard_views(reduced), strict=True):
             if orig.param.grad is None:
                 orig.param.grad = view
