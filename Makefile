@@ -6,6 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 NPROC ?= 2
 STEPS ?= 40
+TRAIN_ARGS ?=
 
 .PHONY: train test lint typecheck unit clean
 
@@ -16,7 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 train: $(STAMP)
-	$(BIN)/flatshard train --nproc $(NPROC) --steps $(STEPS)
+	$(BIN)/flatshard train --nproc $(NPROC) --steps $(STEPS) $(TRAIN_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
