@@ -12,7 +12,7 @@ from torch import nn
 
 import flatshard
 from flatshard.testing.accounting import distinct_storage_bytes
-from flatshard.testing.models import MLPBlock, TinyGPT, build
+from flatshard.testing.models import MLPBlock, TinyGPT, build, twins
 from flatshard.testing.parity import (
     ParityConfig,
     assert_same,
@@ -244,10 +244,7 @@ def bypass_job(ctx: WorkerContext) -> dict[str, str] | None:
     group = ctx.group(2)
     if group is None:
         return None
-    torch.manual_seed(0)
-    model = Generator()
-    reference = Generator()
-    reference.load_state_dict(model.state_dict())
+    model, reference = twins(Generator)
     flatshard.fully_shard(model, auto_wrap_policy={MLPBlock}, process_group=group)
     x = torch.randn(2, 4)
     errors = {}
@@ -289,10 +286,7 @@ def entry_point_job(ctx: WorkerContext) -> None:
     group = ctx.group(2)
     if group is None:
         return None
-    torch.manual_seed(0)
-    model = Generator()
-    reference = Generator()
-    reference.load_state_dict(model.state_dict())
+    model, reference = twins(Generator)
     flatshard.fully_shard(model, process_group=group)  # one unit: generate's reach is inside
     flatshard.register_entry_point(model, "generate")
     x = torch.randn(2, 4)

@@ -21,7 +21,7 @@ from flatshard.testing.accounting import (
     CollectiveTracker,
     distinct_storage_bytes,
 )
-from flatshard.testing.models import build
+from flatshard.testing.models import build, twins
 from flatshard.testing.parity import batches, make_optimizer, slice_batch
 from flatshard.testing.workers import WorkerContext, WorkerPool
 
@@ -281,10 +281,7 @@ def unused_job(ctx: WorkerContext) -> dict[str, Any] | None:
     group = ctx.group(2)
     if group is None:
         return None
-    torch.manual_seed(0)
-    model = WithUnused()
-    reference = WithUnused()
-    reference.load_state_dict(model.state_dict())
+    model, reference = twins(WithUnused)
     flatshard.fully_shard(model, auto_wrap_policy={nn.Sequential}, process_group=group)
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
@@ -370,10 +367,7 @@ def opaque_job(ctx: WorkerContext, only_unit: bool) -> None:
     group = ctx.group(2)
     if group is None:
         return None
-    torch.manual_seed(0)
-    model: nn.Module = OpaqueBlock() if only_unit else OpaqueModel()
-    reference = type(model)()
-    reference.load_state_dict(model.state_dict())
+    model, reference = twins(OpaqueBlock if only_unit else OpaqueModel)
     flatshard.fully_shard(model, auto_wrap_policy={OpaqueBlock}, process_group=group)
     x = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
     with pytest.warns(UserWarning, match="returned Opaque with no tensor"):

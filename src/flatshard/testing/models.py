@@ -8,6 +8,8 @@ Sizes are deliberately odd (7, 13, 37, ...) so that nothing divides the world si
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -216,6 +218,17 @@ MODELS: dict[str, type[nn.Module]] = {
     "frozen": FrozenParts,
     "nested": Nested,
 }
+
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def twins(factory: Callable[[], M], seed: int = 0) -> tuple[M, M]:
+    """The same module twice, equal weights: one to shard, one as the plain reference."""
+    torch.manual_seed(seed)
+    model, reference = factory(), factory()
+    reference.load_state_dict(model.state_dict())
+    return model, reference
 
 
 def build(name: str, seed: int = 0) -> nn.Module:
