@@ -29,6 +29,7 @@ class Unit:
         flat_params: list[FlatParameter],
         strategy: ShardingStrategy,
         modules: list[tuple[str, nn.Module]],
+        mixed_precision: MixedPrecision | None = None,
     ) -> None:
         self.module = module
         self.fqn = fqn  # the module's name in the model passed to fully_shard ("" = root)
@@ -39,7 +40,7 @@ class Unit:
         owned = {id(m) for _, f in enumerate(flat_params) for o in f.originals for m, _ in o.usages}
         self.inner_modules = [(n, m) for n, m in modules if id(m) in owned and m is not module]
         self.params_are_full = False  # inside summon_full_params
-        self.mixed_precision: MixedPrecision | None = None
+        self.mixed_precision = mixed_precision
         self.state = TrainingState.IDLE
         # Per backward pass, reset by the final callback:
         self.expects_backward = False  # a forward with grad ran: every rank must reduce

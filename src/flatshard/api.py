@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -18,7 +19,7 @@ from flatshard._init import (
     init_module,
     materialize_unit,
 )
-from flatshard._mesh import ShardingStrategy, resolve_groups
+from flatshard._mesh import ShardGroups, ShardingStrategy, resolve_groups
 from flatshard._mixed_precision import CPUOffload, MixedPrecision
 from flatshard._partition import UnitPlan, partition
 from flatshard._policy import AutoWrapPolicy, is_within, select_unit_roots
@@ -113,45 +114,87 @@ def fully_shard(
             "Build the same model (same code, config and dtypes) and pass the same "
             "fully_shard options on every rank.",
         )
-    groups = resolve_groups(strategy, group, sharding_factor, hybrid_groups, device_mesh)
-    seed = torch.initial_seed() if init_seed is None else init_seed
+    build = _UnitBuild(
+        groups=resolve_groups(strategy, group, sharding_factor, hybrid_groups, device_mesh),
+        process_group=group,
+        strategy=strategy,
+        mixed_precision=mixed_precision,
+        device=target,
+        offload=cpu_offload is not None and cpu_offload.params,
+        param_init_fn=param_init_fn,
+        seed=torch.initial_seed() if init_seed is None else init_seed,
+        sync_module_states=sync_module_states,
+        check_consistency=check_consistency,
+        check_weights=check_weights,
+    )
     tree = ShardTree(module)
     for name, sub_tree in earlier.items():
         tree.adopt(sub_tree, prefix=name)
-    policy = mixed_precision or MixedPrecision()
-    compute_device = target or _CPU
-    master_device = _CPU if cpu_offload is not None and cpu_offload.params else compute_device
     for plan in plans:
-        # Allocate the shards first: the unit's full tensors then meet nothing else large.
-        flat_params = [
-            FlatParameter(
-                params,
-                groups,
-                master_device,
-                compute_dtype=dtype,
-                reduce_dtype=policy.gradient_reduce_dtype(dtype),
-                compute_device=compute_device,
-            )
-            for params, dtype in _split_by_compute_dtype(plan.groups, policy)
-        ]
-        _prepare(plan, target, param_init_fn, seed, sync_module_states, group, rank)
-        _cast_buffers(plan, policy.buffer_dtype)
-        if check_consistency:
-            check_same_on_all_ranks(
-                value_lines(plan, with_params=check_weights),
-                group,
-                "hold different values",
-                "Start every rank from the same weights: seed identically before building "
-                "the model, load the same checkpoint, or pass sync_module_states=True.",
-            )
-        for flat in flat_params:
-            flat.load_shard()
-        if flat_params:
-            unit = Unit(plan.module, plan.fqn, flat_params, strategy, plan.modules)
-            unit.mixed_precision = mixed_precision
+        unit = _build_unit(plan, build, rank)
+        if unit is not None:
             install(unit, tree)
     module.__dict__[TREE_ATTR] = tree
     return module
+
+
+@dataclass(frozen=True)
+class _UnitBuild:
+    """How every unit of one ``fully_shard`` call is built (its options, resolved)."""
+
+    groups: ShardGroups
+    process_group: dist.ProcessGroup
+    strategy: ShardingStrategy
+    mixed_precision: MixedPrecision | None
+    device: torch.device | None  # where full tensors are materialized and computed on
+    offload: bool  # shards live on the CPU
+    param_init_fn: ParamInitFn | None
+    seed: int
+    sync_module_states: bool
+    check_consistency: bool
+    check_weights: bool
+
+    @property
+    def compute_device(self) -> torch.device:
+        return self.device or _CPU
+
+    @property
+    def master_device(self) -> torch.device:
+        return _CPU if self.offload else self.compute_device
+
+
+def _build_unit(plan: UnitPlan, build: _UnitBuild, rank: int) -> Unit | None:
+    """Materialize (or receive) one unit's values, check them, and shard them."""
+    policy = build.mixed_precision or MixedPrecision()
+    # Allocate the shards first: the unit's full tensors then meet nothing else large.
+    flat_params = [
+        FlatParameter(
+            params,
+            build.groups,
+            build.master_device,
+            compute_dtype=dtype,
+            reduce_dtype=policy.gradient_reduce_dtype(dtype),
+            compute_device=build.compute_device,
+        )
+        for params, dtype in _split_by_compute_dtype(plan.groups, policy)
+    ]
+    _prepare(plan, build, rank)
+    _cast_buffers(plan, policy.buffer_dtype)
+    if build.check_consistency:
+        check_same_on_all_ranks(
+            value_lines(plan, with_params=build.check_weights),
+            build.process_group,
+            "hold different values",
+            "Start every rank from the same weights: seed identically before building "
+            "the model, load the same checkpoint, or pass sync_module_states=True.",
+        )
+    for flat in flat_params:
+        flat.load_shard()
+    if not flat_params:
+        return None
+    return Unit(
+        plan.module, plan.fqn, flat_params, build.strategy, plan.modules, build.mixed_precision
+    )
 
 
 def _split_by_compute_dtype(
@@ -179,28 +222,20 @@ def _cast_buffers(plan: UnitPlan, dtype: torch.dtype | None) -> None:
                 module._buffers[name] = buf.to(dtype)
 
 
-def _prepare(
-    plan: UnitPlan,
-    device: torch.device | None,
-    param_init_fn: ParamInitFn | None,
-    seed: int,
-    sync_module_states: bool,
-    group: dist.ProcessGroup,
-    rank: int,
-) -> None:
+def _prepare(plan: UnitPlan, build: _UnitBuild, rank: int) -> None:
     """Materialize, initialize or receive the unit's full values, just before sharding."""
 
     def init(name: str, module: nn.Module) -> None:
-        init_module(module, name, param_init_fn, seed)
+        init_module(module, name, build.param_init_fn, build.seed)
 
-    if not sync_module_states:
-        materialize_unit(plan, device, init, rank)
+    if not build.sync_module_states:
+        materialize_unit(plan, build.device, init, rank)
         return
-    source = dist.get_rank(group) == 0
+    source = dist.get_rank(build.process_group) == 0
     # Rank 0 must end with real values (its own init if it built on meta); the others
     # only need storage for what rank 0 sends.
-    materialize_unit(plan, device, init if source else None, rank)
-    broadcast_unit(plan, group)
+    materialize_unit(plan, build.device, init if source else None, rank)
+    broadcast_unit(plan, build.process_group)
 
 
 def _target_device(
