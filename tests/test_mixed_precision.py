@@ -191,3 +191,35 @@ def test_mixed_precision_rejects_bad_options() -> None:
         flatshard.MixedPrecision(torch.int32)
     with pytest.raises(TypeError, match=r"keep_full_precision=...\) must be nn.Module classes"):
         flatshard.MixedPrecision(BF16, keep_full_precision={"LayerNorm"})  # type: ignore[arg-type]
+
+
+def inherit_job(ctx: WorkerContext, override: bool) -> dict[str, Any] | None:
+    """Blocks sharded first without a policy inherit the root's; an explicit one stays."""
+    group = ctx.group(2)
+    if group is None:
+        return None
+    losses = {}
+    for how in ("root only", "everywhere"):
+        model: Any = build("gpt")
+        policy = flatshard.MixedPrecision(BF16, reduce_dtype=torch.float32)
+        block_policy = flatshard.MixedPrecision() if override else None
+        for block in model.blocks:
+            options = {"mixed_precision": policy if how == "everywhere" else block_policy}
+            flatshard.fully_shard(block, process_group=group, **options)
+        flatshard.fully_shard(model, process_group=group, mixed_precision=policy)
+        plan = {row.unit: row.compute for row in flatshard.dtype_plan(model).rows}
+        if override:
+            break  # fp32 blocks between bf16 embeddings and head: the plan is the point
+        loss = model.loss(slice_batch(next(batches(model, 1)), ctx.rank, 2))
+        loss.backward()
+        losses[how] = loss.item()
+    return {"losses": losses, "plan": plan}
+
+
+def test_units_inherit_the_root_policy(pool: WorkerPool) -> None:
+    inherited = pool.run(inherit_job, False)[0]
+    assert set(inherited["plan"].values()) == {"bfloat16"}
+    assert inherited["losses"]["root only"] == inherited["losses"]["everywhere"]
+    overridden = pool.run(inherit_job, True)[0]
+    assert overridden["plan"]["blocks.0"] == "float32"  # MixedPrecision(): full precision
+    assert overridden["plan"]["<root>"] == "bfloat16"

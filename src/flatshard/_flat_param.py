@@ -93,13 +93,8 @@ class FlatParameter:
         self.shard = torch.zeros(
             self.layout.shard_numel, dtype=first.dtype, device=device, pin_memory=pin
         )
-        # Alive only while unsharded (see the note above).
-        self._unsharded = self._new_unsharded()  # (C * F,)
-        self._unsharded_data = self._unsharded.data
-        self._unsharded_nbytes = self._unsharded.untyped_storage().nbytes()
-        self.is_unsharded = self.aliases_shard
-        if not self.aliases_shard:
-            self._unsharded_data.untyped_storage().resize_(0)
+        self._grad_hook: Callable[[torch.Tensor], None] | None = None
+        self._allocate_unsharded()
         # Per backward pass: the reduction in flight, and whether this pass's gradient
         # has been dealt with (reduced, or kept for later under no_sync).
         self.pending: PendingReduction | None = None
@@ -128,12 +123,28 @@ class FlatParameter:
             and self.compute_device == self.shard.device
         )
 
-    def _new_unsharded(self) -> torch.Tensor:
+    def _allocate_unsharded(self) -> None:
+        """Create the unsharded leaf (C * F,), alive only while unsharded (see the note)."""
         if self.aliases_shard:
-            return self.shard.detach().requires_grad_(self.requires_grad)
-        return torch.empty(
-            self.layout.unsharded_numel, dtype=self.compute_dtype, device=self.compute_device
-        ).requires_grad_(self.requires_grad)
+            self._unsharded = self.shard.detach().requires_grad_(self.requires_grad)
+        else:
+            self._unsharded = torch.empty(
+                self.layout.unsharded_numel, dtype=self.compute_dtype, device=self.compute_device
+            ).requires_grad_(self.requires_grad)
+        self._unsharded_data = self._unsharded.data
+        self._unsharded_nbytes = self._unsharded.untyped_storage().nbytes()
+        self.is_unsharded = self.aliases_shard
+        if not self.aliases_shard:
+            self._unsharded_data.untyped_storage().resize_(0)
+        if self._grad_hook is not None:
+            self.register_post_accumulate_hook(self._grad_hook)
+
+    def set_compute_dtype(self, compute_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
+        """Change the dtype of gathering and compute (before first use: inherited policy)."""
+        if self.is_unsharded and not self.aliases_shard:
+            raise RuntimeError("a FlatParameter's compute dtype can only change while sharded")
+        self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype
+        self._allocate_unsharded()
 
     # ------------------------------------------------------------------ storage
     def unshard(self) -> None:
@@ -244,6 +255,7 @@ class FlatParameter:
     def register_post_accumulate_hook(self, hook: Callable[[torch.Tensor], None]) -> None:
         """Call ``hook(tensor)`` once autograd has accumulated the flat gradient."""
         # torch's stub leaves this method unannotated; the cast states its real signature.
+        self._grad_hook = hook  # registered again if the leaf is ever re-created
         register = cast(
             Callable[[Callable[[torch.Tensor], None]], object],
             self._unsharded.register_post_accumulate_grad_hook,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial, wraps
 from typing import Any, cast
 
@@ -30,6 +31,7 @@ from torch.profiler import record_function
 from torch.utils import _pytree as pytree
 
 from flatshard._flat_param import FlatParameter
+from flatshard._mixed_precision import MixedPrecision
 from flatshard._unit import TrainingState, Unit
 
 STATE_ATTR = "_flatshard_unit"  # attribute of a unit's module holding its UnitRuntime
@@ -45,11 +47,17 @@ class ShardTree:
         self.callback_queued = False  # the final callback of this backward pass is queued
         self.sync_gradients = True  # False inside no_sync: keep unsharded gradients
 
-    def adopt(self, other: ShardTree, prefix: str) -> None:
-        """Take over the units of an earlier call on the submodule named ``prefix``."""
+    def adopt(self, other: ShardTree, prefix: str, mixed_precision: MixedPrecision | None) -> None:
+        """Take over the units of an earlier call on the submodule named ``prefix``.
+
+        Units sharded without a mixed-precision policy inherit ``mixed_precision`` (all but
+        ``keep_full_precision``, which needs its own FlatParameters).
+        """
         for runtime in other.units:
             runtime.tree = self
             runtime.unit.rename(prefix)
+            if runtime.unit.mixed_precision is None and mixed_precision is not None:
+                runtime.unit.inherit(replace(mixed_precision, keep_full_precision=frozenset()))
             self.units.append(runtime)
         other.units = []
 

@@ -58,6 +58,13 @@ class Unit:
             for orig in flat.originals:
                 orig.fqn = f"{prefix}.{orig.fqn}"
 
+    def inherit(self, policy: MixedPrecision) -> None:
+        """Adopt the mixed-precision policy of the call that shards the enclosing model."""
+        self.mixed_precision = policy
+        for flat in self.flat_params:
+            compute = policy.compute_dtype(flat.shard.dtype, full_precision_module=False)
+            flat.set_compute_dtype(compute, policy.gradient_reduce_dtype(compute))
+
     def full_precision_modules(self) -> list[nn.Module]:
         """Modules inside the unit whose parameters compute in the master dtype."""
         policy = self.mixed_precision

@@ -129,7 +129,7 @@ def fully_shard(
     )
     tree = ShardTree(module)
     for name, sub_tree in earlier.items():
-        tree.adopt(sub_tree, prefix=name)
+        tree.adopt(sub_tree, prefix=name, mixed_precision=mixed_precision)
     for plan in plans:
         unit = _build_unit(plan, build, rank)
         if unit is not None:
