@@ -13,6 +13,7 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
+from flatshard._collectives import all_gather_into
 from flatshard._partition import UnitPlan
 
 _SHOWN = 4  # differing lines quoted per rank
@@ -50,16 +51,21 @@ def value_lines(plan: UnitPlan, with_params: bool) -> list[str]:
 
 
 def check_same_on_all_ranks(
-    lines: list[str], group: dist.ProcessGroup, what: str, fix: str
+    lines: list[str], group: dist.ProcessGroup, device: torch.device, what: str, fix: str
 ) -> None:
-    """Raise on every rank, naming ranks and differing lines, unless all ranks agree."""
+    """Raise on every rank, naming ranks and differing lines, unless all ranks agree.
+
+    The digests travel as a tensor on ``device`` (the backend's own device: NCCL needs a
+    GPU tensor); only on a mismatch do ranks exchange their lines as objects.
+    """
     world = dist.get_world_size(group)
     if world == 1:
         return
-    digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
-    digests: list[object] = [None] * world
-    dist.all_gather_object(digests, digest, group=group)
-    if len(set(digests)) == 1:
+    digest = hashlib.sha256("\n".join(lines).encode()).digest()[:8]
+    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], device=device)
+    every_digest = mine.new_empty(world)
+    all_gather_into(every_digest, mine, group)
+    if bool((every_digest == mine).all()):
         return
     gathered: list[object] = [None] * world
     dist.all_gather_object(gathered, lines, group=group)

@@ -110,6 +110,7 @@ def fully_shard(
         check_same_on_all_ranks(
             structure_lines(plans, strategy_line),
             group,
+            target or _CPU,
             "built different models or sharding options",
             "Build the same model (same code, config and dtypes) and pass the same "
             "fully_shard options on every rank.",
@@ -184,6 +185,7 @@ def _build_unit(plan: UnitPlan, build: _UnitBuild, rank: int) -> Unit | None:
         check_same_on_all_ranks(
             value_lines(plan, with_params=build.check_weights),
             build.process_group,
+            build.compute_device,
             "hold different values",
             "Start every rank from the same weights: seed identically before building "
             "the model, load the same checkpoint, or pass sync_module_states=True.",
