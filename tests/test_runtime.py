@@ -116,6 +116,7 @@ def memory_job(ctx: WorkerContext, name: str, world_size: int) -> dict[str, Any]
         "expected_grad_bytes": FP32 * sum(n for f, n in flats if f.requires_grad),
         "gathered_after_step": tracker.gathered_bytes(),
         "peak_gathered": tracker.peak_gathered_bytes,
+        "peak_reduce_input": tracker.peak_reduce_input_bytes,
         "unsharded_bytes": {f.unit: FP32 * n * world_size for f, n in flats},
     }
 
@@ -146,6 +147,9 @@ def test_peak_unsharded_is_root_plus_largest_unit(pool: WorkerPool) -> None:
         unsharded = result["unsharded_bytes"]
         blocks = [b for u, b in unsharded.items() if u != "<root>"]
         assert result["peak_gathered"] == unsharded["<root>"] + max(blocks)
+        # Each reduction waits for the one before it, so one unit's unsharded gradient
+        # (the largest, here a block's, fp32 like the parameters) waits at a time.
+        assert result["peak_reduce_input"] == max(unsharded.values())
 
 
 # ---------------------------------------------------------------- parameter views

@@ -46,6 +46,9 @@ class ShardTree:
         self.units: list[UnitRuntime] = []  # inner units first; forward order is not assumed
         self.callback_queued = False  # the final callback of this backward pass is queued
         self.sync_gradients = True  # False inside no_sync: keep unsharded gradients
+        # The one gradient reduction left in flight: each waits for the one before, so at
+        # most one unsharded gradient waits on communication (see _post_backward).
+        self.in_flight: FlatParameter | None = None
 
     def adopt(self, other: ShardTree, prefix: str, mixed_precision: MixedPrecision | None) -> None:
         """Take over the units of an earlier call on the submodule named ``prefix``.
@@ -218,9 +221,15 @@ def _pre_backward(runtime: UnitRuntime, *unused: Any) -> None:
 def _post_backward(runtime: UnitRuntime, flat: FlatParameter, *unused: Any) -> None:
     unit = runtime.unit
     with record_function(f"flatshard::post_backward {unit.label}"):
-        _queue_finish_backward(runtime.tree)  # in case no pre-backward hook could fire
-        if runtime.tree.sync_gradients:
+        tree = runtime.tree
+        _queue_finish_backward(tree)  # in case no pre-backward hook could fire
+        if tree.sync_gradients:
+            # The previous reduction had this unit's whole backward to finish; waiting for
+            # it now frees its unsharded gradient before the next one is held.
+            if tree.in_flight is not None:
+                tree.in_flight.finish_reduction()
             flat.start_reduction()
+            tree.in_flight = flat
         else:
             flat.keep_unreduced()
         flat.reshard()
@@ -258,6 +267,7 @@ def _finish_backward(tree: ShardTree) -> None:
                 flat.finish_reduction()
             runtime.unit.reshard()
             runtime.unit.reset_backward_state()
+        tree.in_flight = None
         tree.callback_queued = False
 
 

@@ -40,6 +40,8 @@ class CollectiveTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.bytes: Counter[str] = Counter()  # bytes each kind of collective produced
         self._gathered: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self.peak_gathered_bytes = 0
+        self._reduced: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        self.peak_reduce_input_bytes = 0  # most bytes of reduce-scatter inputs alive at once
         self.timeline: list[tuple[str, int]] = []  # (kind, gathered bytes after it)
 
     def __torch_dispatch__(
@@ -57,6 +59,15 @@ class CollectiveTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
             for t in target if isinstance(target, list | tuple) else [target]:
                 for x in t if isinstance(t, list) else [t]:
                     self.bytes[kind] += x.numel() * x.element_size()
+        if kind == REDUCE_SCATTER:
+            source = args[1]
+            for t in source if isinstance(source, list | tuple) else [source]:
+                for x in t if isinstance(t, list) else [t]:
+                    storage = x.untyped_storage()
+                    self._reduced[id(storage)] = weakref.ref(storage)
+            self.peak_reduce_input_bytes = max(
+                self.peak_reduce_input_bytes, _alive_bytes(self._reduced)
+            )
         if kind == ALL_GATHER:
             target = args[0]
             tensors = target if isinstance(target, list | tuple) else [target]
@@ -72,12 +83,16 @@ class CollectiveTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def gathered_bytes(self) -> int:
         """Bytes still held by storages that all-gathers wrote into."""
-        total = 0
-        for ref in self._gathered.values():
-            storage = ref()
-            if storage is not None:
-                total += storage.nbytes()
-        return total
+        return _alive_bytes(self._gathered)
+
+
+def _alive_bytes(storages: dict[int, weakref.ref[torch.UntypedStorage]]) -> int:
+    total = 0
+    for ref in storages.values():
+        storage = ref()
+        if storage is not None:
+            total += storage.nbytes()
+    return total
 
 
 def distinct_storage_bytes(tensors: list[torch.Tensor]) -> int:
