@@ -28,13 +28,13 @@ from flatshard.testing.workers import WorkerContext, WorkerPool
 FP32 = 4
 
 
-def _sharded(name: str, ctx: WorkerContext, world_size: int) -> nn.Module | None:
+def _sharded(name: str, ctx: WorkerContext, world_size: int, **options: Any) -> nn.Module | None:
     group = ctx.group(world_size)
     if group is None:
         return None
     model = build(name)
     return flatshard.fully_shard(
-        model, auto_wrap_policy=set(model.UNIT_CLASSES), process_group=group
+        model, auto_wrap_policy=set(model.UNIT_CLASSES), process_group=group, **options
     )
 
 
@@ -81,8 +81,10 @@ def test_collective_counts_per_step(pool: WorkerPool, name: str) -> None:
 
 
 # ---------------------------------------------------------------- memory
-def memory_job(ctx: WorkerContext, name: str, world_size: int) -> dict[str, Any] | None:
-    model = _sharded(name, ctx, world_size)
+def memory_job(
+    ctx: WorkerContext, name: str, world_size: int, options: dict[str, Any] | None = None
+) -> dict[str, Any] | None:
+    model = _sharded(name, ctx, world_size, **(options or {}))
     if model is None:
         return None
     reference = dict(build(name).named_parameters())
@@ -138,18 +140,61 @@ def test_storage_by_formula(pool: WorkerPool, name: str) -> None:
         assert result["gathered_after_step"] == 0, rank
 
 
-def test_peak_unsharded_is_root_plus_largest_unit(pool: WorkerPool) -> None:
+@pytest.mark.parametrize("prefetch", [None, "BACKWARD_POST", "BACKWARD_PRE"])
+def test_peak_unsharded_by_prefetch(pool: WorkerPool, prefetch: str | None) -> None:
     # TinyGPT: the root (embeddings, final norm; tied head) stays unsharded through the
-    # step. In forward each block is freed before the next is gathered; in backward,
+    # step, and in forward each block is freed before the next is gathered. In backward,
     # autograd accumulates a block's gradient (which reduces and frees it) before it
-    # reaches the previous block's output (whose hook gathers that block). No prefetch yet.
-    for result in pool.run(memory_job, "gpt", 2)[:2]:
+    # reaches the previous block's output (whose hook gathers that block): one block at a
+    # time, unless BACKWARD_PRE gathers the previous block while this one still computes.
+    option = None if prefetch is None else flatshard.BackwardPrefetch[prefetch]
+    for result in pool.run(memory_job, "gpt", 2, {"backward_prefetch": option})[:2]:
         unsharded = result["unsharded_bytes"]
-        blocks = [b for u, b in unsharded.items() if u != "<root>"]
-        assert result["peak_gathered"] == unsharded["<root>"] + max(blocks)
+        blocks = sorted(b for u, b in unsharded.items() if u != "<root>")
+        gathered_blocks = 2 if prefetch == "BACKWARD_PRE" else 1
+        assert result["peak_gathered"] == unsharded["<root>"] + sum(blocks[-gathered_blocks:])
         # Each reduction waits for the one before it, so one unit's unsharded gradient
         # (the largest, here a block's, fp32 like the parameters) waits at a time.
         assert result["peak_reduce_input"] == max(unsharded.values())
+
+
+def prefetch_order_job(ctx: WorkerContext, options: dict[str, Any]) -> dict[str, Any] | None:
+    explicit_off = options.pop("explicit_off", False)
+    model: Any = _sharded("gpt", ctx, 2, **options)
+    if model is None:
+        return None
+    if explicit_off:
+        for block in model.blocks:
+            flatshard.set_prefetch(block, backward=[])
+    batch = next(batches(model, 1))
+    _step(model, batch, ctx.rank, 2)  # the first iteration records the forward order
+    with CollectiveTracker() as tracker:
+        _step(model, batch, ctx.rank, 2)
+    kinds = [kind for kind, _ in tracker.timeline]
+    first_reduce = kinds.index(REDUCE_SCATTER)
+    return {
+        "counts": dict(tracker.counts),
+        "gathers_before_first_reduce": kinds[:first_reduce].count(ALL_GATHER),
+        "peak": tracker.peak_gathered_bytes,
+    }
+
+
+def test_prefetch_changes_order_not_counts(pool: WorkerPool) -> None:
+    none = pool.run(prefetch_order_job, {"backward_prefetch": None})[0]
+    pre = pool.run(prefetch_order_job, {})[0]  # BACKWARD_PRE is the default
+    forward = pool.run(prefetch_order_job, {"forward_prefetch": True, "backward_prefetch": None})[0]
+    off = pool.run(prefetch_order_job, {"explicit_off": True})[0]
+    # TinyGPT, 3 blocks: forward gathers root + 3 blocks, backward the 3 blocks again.
+    for result in (none, pre, forward, off):
+        assert result["counts"] == {ALL_GATHER: 7, REDUCE_SCATTER: 4}
+    # Backward starts with the last block; BACKWARD_PRE gathers the block before it too,
+    # before the last block's reduce-scatter.
+    assert none["gathers_before_first_reduce"] == 4 + 1
+    assert pre["gathers_before_first_reduce"] == 4 + 2
+    assert off["gathers_before_first_reduce"] == 4 + 1  # set_prefetch(backward=[])
+    # Prefetching holds the next block while the current one runs: one block more.
+    assert forward["peak"] == pre["peak"] > none["peak"]
+    assert forward["gathers_before_first_reduce"] == 4 + 1
 
 
 # ---------------------------------------------------------------- parameter views

@@ -13,13 +13,15 @@ from flatshard._mesh import ShardGroups, ShardingStrategy
 from flatshard._mixed_precision import CPUOffload, DtypePlan, MixedPrecision
 from flatshard._no_sync import no_sync
 from flatshard._policy import SizePolicy
-from flatshard._runtime import register_entry_point
+from flatshard._prefetch import BackwardPrefetch
+from flatshard._runtime import register_entry_point, set_prefetch
 from flatshard._summary import FlatParamSummary, ShardingSummary, dtype_plan, sharding_summary
 from flatshard._summon import summon_full_params
 from flatshard.api import fully_shard
 from flatshard.comm_hooks import LowPrecisionHook, register_comm_hook
 
 __all__ = [
+    "BackwardPrefetch",
     "CPUOffload",
     "CommHook",
     "DtypePlan",
@@ -40,6 +42,7 @@ __all__ = [
     "plan_layout",
     "register_comm_hook",
     "register_entry_point",
+    "set_prefetch",
     "sharding_summary",
     "summon_full_params",
 ]

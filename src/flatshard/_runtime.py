@@ -32,6 +32,7 @@ from torch.utils import _pytree as pytree
 
 from flatshard._flat_param import FlatParameter
 from flatshard._mixed_precision import MixedPrecision
+from flatshard._prefetch import BackwardPrefetch, following
 from flatshard._unit import TrainingState, Unit
 
 STATE_ATTR = "_flatshard_unit"  # attribute of a unit's module holding its UnitRuntime
@@ -49,6 +50,18 @@ class ShardTree:
         # The one gradient reduction left in flight: each waits for the one before, so at
         # most one unsharded gradient waits on communication (see _post_backward).
         self.in_flight: FlatParameter | None = None
+        # Units in the order their forward started: this iteration's and the last one's.
+        self.forward_order: list[UnitRuntime] = []
+        self.previous_forward_order: list[UnitRuntime] = []
+
+    def record_forward(self, runtime: UnitRuntime) -> None:
+        """Note that ``runtime``'s forward started; the root's starts a new iteration."""
+        if runtime.is_root:
+            if self.forward_order:
+                self.previous_forward_order = self.forward_order
+            self.forward_order = []
+        if not any(r is runtime for r in self.forward_order):
+            self.forward_order.append(runtime)
 
     def adopt(self, other: ShardTree, prefix: str, mixed_precision: MixedPrecision | None) -> None:
         """Take over the units of an earlier call on the submodule named ``prefix``.
@@ -71,6 +84,27 @@ class UnitRuntime:
     def __init__(self, unit: Unit, tree: ShardTree) -> None:
         self.unit = unit
         self.tree = tree
+        # Explicit prefetch targets (set_prefetch); None: predicted from forward order.
+        self.forward_targets: list[UnitRuntime] | None = None
+        self.backward_targets: list[UnitRuntime] | None = None
+
+    def next_in_forward(self) -> list[UnitRuntime]:
+        """Units to gather when this one's forward starts (forward prefetch)."""
+        if self.forward_targets is not None:
+            return self.forward_targets
+        if not self.unit.forward_prefetch:
+            return []
+        found = following(self.tree.previous_forward_order, self, +1)
+        return [found] if found is not None else []
+
+    def next_in_backward(self) -> list[UnitRuntime]:
+        """Units to gather around this one's backward (backward prefetch)."""
+        if self.backward_targets is not None:
+            return self.backward_targets
+        if self.unit.backward_prefetch is None:
+            return []
+        found = following(self.tree.forward_order, self, -1)
+        return [found] if found is not None else []
 
     @property
     def is_root(self) -> bool:
@@ -109,6 +143,35 @@ def install(unit: Unit, tree: ShardTree) -> UnitRuntime:
     return runtime
 
 
+def set_prefetch(
+    module: nn.Module,
+    *,
+    forward: list[nn.Module] | None = None,
+    backward: list[nn.Module] | None = None,
+) -> None:
+    """Name the units to gather when ``module``'s unit starts forward / backward.
+
+    Overrides the prediction from recorded order (``[]`` turns prefetch off for the unit;
+    None keeps the prediction). All modules must be units of the same model.
+    """
+    owner = _runtime_or_error(module, "set_prefetch")
+    if forward is not None:
+        owner.forward_targets = [_runtime_or_error(m, "set_prefetch") for m in forward]
+    if backward is not None:
+        owner.backward_targets = [_runtime_or_error(m, "set_prefetch") for m in backward]
+
+
+def _runtime_or_error(module: nn.Module, caller: str) -> UnitRuntime:
+    runtime = unit_runtime(module)
+    if runtime is None:
+        raise ValueError(
+            f"flatshard.{caller}: {type(module).__name__} is not a flatshard "
+            "unit; pass the module fully_shard made a unit (the model itself, or a "
+            "submodule chosen by auto_wrap_policy)."
+        )
+    return runtime
+
+
 def register_entry_point(module: nn.Module, method_name: str) -> None:
     """Make ``module.<method_name>(...)`` gather and free the unit like ``module(...)`` does.
 
@@ -116,13 +179,7 @@ def register_entry_point(module: nn.Module, method_name: str) -> None:
     decoding step, an auxiliary head). ``module`` must be a unit's module; the wrapper is
     an attribute of this instance only.
     """
-    runtime = unit_runtime(module)
-    if runtime is None:
-        raise ValueError(
-            f"flatshard.register_entry_point: {type(module).__name__} is not a flatshard "
-            "unit; pass the module fully_shard made a unit (the model itself, or a "
-            "submodule chosen by auto_wrap_policy)."
-        )
+    runtime = _runtime_or_error(module, "register_entry_point")
     method = getattr(module, method_name, None)
     if not callable(method):
         raise AttributeError(
@@ -162,7 +219,10 @@ def _pre_forward(
     with record_function(f"flatshard::pre_forward {unit.label}"):
         if unit.state is not TrainingState.BACKWARD:
             unit.state = TrainingState.FORWARD
+            runtime.tree.record_forward(runtime)
         unit.unshard()
+        if unit.state is TrainingState.FORWARD:
+            _prefetch(runtime.next_in_forward())
         policy = unit.mixed_precision
         if policy is not None and policy.param_dtype is not None and policy.cast_forward_inputs:
             args, kwargs = _cast_floats((args, kwargs), policy.param_dtype)
@@ -216,6 +276,8 @@ def _pre_backward(runtime: UnitRuntime, *unused: Any) -> None:
         # checkpoint recomputation reading them would save other tensors than forward did.
         with torch.enable_grad():
             unit.unshard()
+            if unit.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+                _prefetch(runtime.next_in_backward())
 
 
 def _post_backward(runtime: UnitRuntime, flat: FlatParameter, *unused: Any) -> None:
@@ -234,6 +296,17 @@ def _post_backward(runtime: UnitRuntime, flat: FlatParameter, *unused: Any) -> N
             flat.keep_unreduced()
         flat.reshard()
         _reshard_frozen_if_done(unit)
+        last = all(f.grad_done_in_backward for f in unit.trainable)
+        if last and unit.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+            with torch.enable_grad():
+                _prefetch(runtime.next_in_backward())
+
+
+def _prefetch(runtimes: list[UnitRuntime]) -> None:
+    """Gather units ahead of use; their own hooks then find them gathered."""
+    for runtime in runtimes:
+        with record_function(f"flatshard::prefetch {runtime.unit.label}"):
+            runtime.unit.unshard()
 
 
 def _queue_finish_backward(tree: ShardTree) -> None:

@@ -9,6 +9,7 @@ from torch import nn
 from flatshard._flat_param import FlatParameter
 from flatshard._mesh import ShardingStrategy
 from flatshard._mixed_precision import MixedPrecision
+from flatshard._prefetch import BackwardPrefetch
 
 
 class TrainingState(Enum):
@@ -30,6 +31,8 @@ class Unit:
         strategy: ShardingStrategy,
         modules: list[tuple[str, nn.Module]],
         mixed_precision: MixedPrecision | None = None,
+        backward_prefetch: BackwardPrefetch | None = None,
+        forward_prefetch: bool = False,
     ) -> None:
         self.module = module
         self.fqn = fqn  # the module's name in the model passed to fully_shard ("" = root)
@@ -41,6 +44,8 @@ class Unit:
         self.inner_modules = [(n, m) for n, m in modules if id(m) in owned and m is not module]
         self.params_are_full = False  # inside summon_full_params
         self.mixed_precision = mixed_precision
+        self.backward_prefetch = backward_prefetch
+        self.forward_prefetch = forward_prefetch
         self.state = TrainingState.IDLE
         # Per backward pass, reset by the final callback:
         self.expects_backward = False  # a forward with grad ran: every rank must reduce

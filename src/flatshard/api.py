@@ -23,6 +23,7 @@ from flatshard._mesh import ShardGroups, ShardingStrategy, resolve_groups
 from flatshard._mixed_precision import CPUOffload, MixedPrecision
 from flatshard._partition import UnitPlan, partition
 from flatshard._policy import AutoWrapPolicy, is_within, select_unit_roots
+from flatshard._prefetch import BackwardPrefetch
 from flatshard._runtime import TREE_ATTR, ShardTree, install, shard_tree, unit_runtime
 from flatshard._unit import Unit
 
@@ -47,6 +48,8 @@ def fully_shard(
     check_weights: bool = False,
     mixed_precision: MixedPrecision | None = None,
     cpu_offload: CPUOffload | None = None,
+    backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+    forward_prefetch: bool = False,
 ) -> M:
     """Shard ``module``'s parameters over ``process_group`` in place and return it.
 
@@ -91,6 +94,11 @@ def fully_shard(
         cpu_offload: ``flatshard.CPUOffload(params=True)`` keeps the sharded parameters and
             their gradients on the CPU (the optimizer steps there); compute runs on
             ``device``.
+        backward_prefetch: gather the next unit (reverse of this iteration's forward
+            order) in the current unit's pre-backward (BACKWARD_PRE: more overlap, two
+            units gathered), after its reduction (BACKWARD_POST), or not (None).
+        forward_prefetch: gather the next unit (previous iteration's forward order) when a
+            unit's forward starts; for static graphs with a CPU-bound loop.
     """
     _check_distributed()
     group = process_group if process_group is not None else dist.group.WORLD
@@ -127,6 +135,8 @@ def fully_shard(
         sync_module_states=sync_module_states,
         check_consistency=check_consistency,
         check_weights=check_weights,
+        backward_prefetch=backward_prefetch,
+        forward_prefetch=forward_prefetch,
     )
     tree = ShardTree(module)
     for name, sub_tree in earlier.items():
@@ -154,6 +164,8 @@ class _UnitBuild:
     sync_module_states: bool
     check_consistency: bool
     check_weights: bool
+    backward_prefetch: BackwardPrefetch | None
+    forward_prefetch: bool
 
     @property
     def compute_device(self) -> torch.device:
@@ -195,7 +207,14 @@ def _build_unit(plan: UnitPlan, build: _UnitBuild, rank: int) -> Unit | None:
     if not flat_params:
         return None
     return Unit(
-        plan.module, plan.fqn, flat_params, build.strategy, plan.modules, build.mixed_precision
+        plan.module,
+        plan.fqn,
+        flat_params,
+        build.strategy,
+        plan.modules,
+        build.mixed_precision,
+        build.backward_prefetch,
+        build.forward_prefetch,
     )
 
 

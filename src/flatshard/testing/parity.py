@@ -50,6 +50,8 @@ class ParityConfig:
     param_dtype: str | None = None  # mixed precision: "bfloat16" | "float16"
     reduce_dtype: str | None = None  # None: float32 when param_dtype is set
     offload: bool = False  # CPUOffload(params=True)
+    backward_prefetch: str | None = "BACKWARD_PRE"  # a flatshard.BackwardPrefetch name
+    forward_prefetch: bool = False
 
     def __post_init__(self) -> None:
         if self.checkpoint not in ("", "inside", "around"):
@@ -195,6 +197,11 @@ def shard_with_flatshard(model: nn.Module, config: ParityConfig, group: dist.Pro
         options["mixed_precision"] = flatshard.MixedPrecision(param_dtype, reduce_dtype)
     if config.offload:
         options["cpu_offload"] = flatshard.CPUOffload()
+    prefetch = config.backward_prefetch
+    options["backward_prefetch"] = (
+        None if prefetch is None else flatshard.BackwardPrefetch[prefetch]
+    )
+    options["forward_prefetch"] = config.forward_prefetch
     if strategy.is_hybrid:
         options.update(_hybrid_options(config, group))
     policies: dict[str, Any] = {
