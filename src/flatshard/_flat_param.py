@@ -1,12 +1,12 @@
 """FlatParameter: one flattened group of a unit's original parameters, and its storage.
 
-A unit has one FlatParameter per (requires_grad, dtype) group of its parameters, so frozen
-parameters never get gradient memory or a reduce-scatter.
+A unit has one FlatParameter per (requires_grad, dtype, compute dtype) group of its
+parameters, so frozen parameters never get gradient memory or a reduce-scatter.
 
 [Note: FlatParameter tensors and their lifetimes]
 - ``shard`` (C,): this rank's chunk; persistent. Every original parameter's ``.data`` is a
   view of its rows in it, so the optimizer updates the shard in place.
-- ``_unsharded`` (C * W,): the autograd leaf that forward uses; original parameters are
+- ``_unsharded`` (C * F,), in the compute dtype and device: the autograd leaf that forward uses; original parameters are
   swapped for ``split`` + ``view`` views of it while the unit runs, so autograd accumulates
   one flat gradient for the whole group. Its storage is freed (resized to 0) while resharded
   and re-allocated by the next unshard. The storage object itself lives as long as the
@@ -15,8 +15,9 @@ parameters never get gradient memory or a reduce-scatter.
   writes through it; writing through ``_unsharded`` would bump the version that autograd
   checks on saved views and make backward fail.
 - The reduce-scatter output (C,) becomes the original parameters' ``.grad`` (views of it).
-- With F = 1 (NO_SHARD, or a world of one) there is nothing to gather: ``_unsharded`` is a
-  leaf sharing the shard's storage, never freed, and unshard/reshard only swap views.
+- With F = 1 (NO_SHARD, or a world of one) in the master dtype and device there is nothing
+  to gather: ``_unsharded`` is a leaf sharing the shard's storage, never freed, and
+  unshard/reshard only swap views (``aliases_shard``).
 """
 
 from __future__ import annotations
@@ -172,11 +173,6 @@ class FlatParameter:
             self._unsharded_data.untyped_storage().resize_(0)
             self.is_unsharded = False
         self.register_views(None)
-
-    @property
-    def unsharded_storage_nbytes(self) -> int:
-        """Bytes the unsharded buffer holds right now (0 while resharded)."""
-        return self._unsharded_data.untyped_storage().nbytes()
 
     # ------------------------------------------------------------------ views
     def unsharded_views(self) -> list[torch.Tensor]:

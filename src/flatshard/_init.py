@@ -123,13 +123,6 @@ def broadcast_unit(plan: UnitPlan, group: dist.ProcessGroup) -> None:
             tensor.copy_(piece.view_as(tensor))
 
 
-def has_meta(plan: UnitPlan) -> bool:
-    """Whether any parameter or buffer of the unit is on the meta device."""
-    return any(o.param.is_meta for o in plan.originals) or any(
-        b is not None and b.is_meta for _, m in plan.modules for b in m._buffers.values()
-    )
-
-
 def _materialize_params(
     plan: UnitPlan, device: torch.device | None
 ) -> list[tuple[str, torch.Tensor]]:
