@@ -6,11 +6,12 @@ parameters, so frozen parameters never get gradient memory or a reduce-scatter.
 [Note: FlatParameter tensors and their lifetimes]
 - ``shard`` (C,): this rank's chunk; persistent. Every original parameter's ``.data`` is a
   view of its rows in it, so the optimizer updates the shard in place.
-- ``_unsharded`` (C * F,), in the compute dtype and device: the autograd leaf that forward uses; original parameters are
-  swapped for ``split`` + ``view`` views of it while the unit runs, so autograd accumulates
-  one flat gradient for the whole group. Its storage is freed (resized to 0) while resharded
-  and re-allocated by the next unshard. The storage object itself lives as long as the
-  FlatParameter, so views saved by autograd for backward stay valid across reshard/unshard.
+- ``_unsharded`` (C * F,), in the compute dtype and device: the autograd leaf that forward
+  uses; original parameters are swapped for ``split`` + ``view`` views of it while the unit
+  runs, so autograd accumulates one flat gradient for the whole group. Its storage is freed
+  (resized to 0) while resharded and re-allocated by the next unshard. The storage object
+  itself lives as long as the FlatParameter, so views saved by autograd for backward stay
+  valid across reshard/unshard.
 - ``_unsharded_data``: the same storage without autograd's version counter. The all-gather
   writes through it; writing through ``_unsharded`` would bump the version that autograd
   checks on saved views and make backward fail.
