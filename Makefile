@@ -20,8 +20,8 @@ train: $(STAMP)
 	$(BIN)/flatshard train --nproc $(NPROC) --steps $(STEPS) $(TRAIN_ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
