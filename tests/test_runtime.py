@@ -17,7 +17,7 @@ from torch import nn
 import flatshard
 from flatshard.testing.accounting import (
     ALL_GATHER,
-    REDUCE_SCATTER,
+    ALL_REDUCE,
     CollectiveTracker,
     distinct_storage_bytes,
 )
@@ -74,7 +74,9 @@ def test_collective_counts_per_step(pool: WorkerPool, name: str) -> None:
     others = [f for f in flats if f[0] != "<root>"]
     assert result["train"] == {
         ALL_GATHER: len(root) + 2 * len(others),
-        REDUCE_SCATTER: sum(1 for _, grad in flats if grad),
+        # gloo: the shard group's reduce-scatter runs as an in-place all-reduce
+        # (flatshard._collectives.reduces_by_all_reduce).
+        ALL_REDUCE: sum(1 for _, grad in flats if grad),
     }
     # A no_grad forward gathers each FlatParameter once and reduces nothing.
     assert result["eval"] == {ALL_GATHER: len(flats)}
@@ -171,7 +173,7 @@ def prefetch_order_job(ctx: WorkerContext, options: dict[str, Any]) -> dict[str,
     with CollectiveTracker() as tracker:
         _step(model, batch, ctx.rank, 2)
     kinds = [kind for kind, _ in tracker.timeline]
-    first_reduce = kinds.index(REDUCE_SCATTER)
+    first_reduce = kinds.index(ALL_REDUCE)  # gloo reduces by all-reduce
     return {
         "counts": dict(tracker.counts),
         "gathers_before_first_reduce": kinds[:first_reduce].count(ALL_GATHER),
@@ -186,7 +188,7 @@ def test_prefetch_changes_order_not_counts(pool: WorkerPool) -> None:
     off = pool.run(prefetch_order_job, {"explicit_off": True})[0]
     # TinyGPT, 3 blocks: forward gathers root + 3 blocks, backward the 3 blocks again.
     for result in (none, pre, forward, off):
-        assert result["counts"] == {ALL_GATHER: 7, REDUCE_SCATTER: 4}
+        assert result["counts"] == {ALL_GATHER: 7, ALL_REDUCE: 4}
     # Backward starts with the last block; BACKWARD_PRE gathers the block before it too,
     # before the last block's reduce-scatter.
     assert none["gathers_before_first_reduce"] == 4 + 1

@@ -176,10 +176,10 @@ def test_collectives_per_step_by_strategy(
         # F = 1: nothing to gather. FULL_SHARD / HYBRID_SHARD gather each block again in
         # backward; SHARD_GRAD_OP / ZERO2 and the root keep parameters until backward.
         ALL_GATHER: gathers,
-        # One reduce-scatter per unit inside the shard group, then one all-reduce per unit
-        # across the replicas.
-        REDUCE_SCATTER: units if F > 1 else 0,
-        ALL_REDUCE: units if replicas > 1 else 0,
+        # One reduce-scatter per unit inside the shard group (on gloo an in-place
+        # all-reduce: flatshard._collectives.reduces_by_all_reduce), then one all-reduce
+        # per unit across the replicas.
+        ALL_REDUCE: (units if F > 1 else 0) + (units if replicas > 1 else 0),
     }
     assert result["counts"] == {k: v for k, v in expected.items() if v}
 

@@ -22,16 +22,30 @@ class PendingReduction(NamedTuple):
     """A gradient reduction in flight.
 
     ``input`` is held so that its memory stays alive until the collective has read it.
+    When the shard-group step ran as an all-reduce, ``chunk`` is this rank's part of
+    ``input`` still to copy into ``output`` once ``work`` is done.
     """
 
     work: dist.Work | None
     input: torch.Tensor  # (C * F,) the unsharded gradient
     output: torch.Tensor  # (C,) this rank's averaged shard once ``work`` is done
+    chunk: slice | None = None
 
 
 def all_gather_into(unsharded: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> None:
     """Fill ``unsharded`` (C * F,) with every rank's ``shard`` (C,), in rank order."""
     _ALL_GATHER(unsharded, shard, group=group)
+
+
+def reduces_by_all_reduce(group: dist.ProcessGroup) -> bool:
+    """Whether a reduce-scatter over ``group`` runs as an in-place all-reduce.
+
+    gloo implements reduce_scatter_tensor as a full-size clone, an all-reduce and a copy;
+    an in-place all-reduce of the gradient (which we own) plus a copy of this rank's chunk
+    skips the clone: 1.29-1.48x faster for 1-16 MiB shards at 2 ranks on the development
+    machine (``benchmarks/gloo_collectives.py``), and no full-size temporary. Same sums.
+    """
+    return dist.get_backend(group) == dist.Backend.GLOO
 
 
 def start_reduction(grad: torch.Tensor, groups: ShardGroups) -> PendingReduction:
@@ -42,14 +56,22 @@ def start_reduction(grad: torch.Tensor, groups: ShardGroups) -> PendingReduction
     """
     if groups.world_size > 1:
         grad.div_(groups.world_size)
-    work: dist.Work | None = None
-    output = grad
-    if groups.shard is not None:
-        output = grad.new_empty(grad.numel() // groups.shard_size)
-        async_op = groups.replicate is None  # else the all-reduce needs its result now
-        work = _REDUCE_SCATTER(output, grad, group=groups.shard, async_op=async_op)
-    if groups.replicate is not None:
+    if groups.shard is None:
+        work = None
+        if groups.replicate is not None:
+            work = dist.all_reduce(grad, group=groups.replicate, async_op=True)
+        return PendingReduction(work=work, input=grad, output=grad)
+    size = grad.numel() // groups.shard_size
+    output = grad.new_empty(size)  # (C,)
+    chunk = slice(groups.shard_rank * size, (groups.shard_rank + 1) * size)
+    if groups.replicate is not None:  # the all-reduce across replicas needs the chunk now
+        _scatter_sum(output, grad, groups.shard, chunk)
         work = dist.all_reduce(output, group=groups.replicate, async_op=True)
+        return PendingReduction(work=work, input=grad, output=output)
+    if reduces_by_all_reduce(groups.shard):
+        work = dist.all_reduce(grad, group=groups.shard, async_op=True)
+        return PendingReduction(work=work, input=grad, output=output, chunk=chunk)
+    work = _REDUCE_SCATTER(output, grad, group=groups.shard, async_op=True)
     return PendingReduction(work=work, input=grad, output=output)
 
 
@@ -57,6 +79,8 @@ def wait_reduction(pending: PendingReduction) -> torch.Tensor:
     """Block until the reduction is done; returns this rank's averaged shard."""
     if pending.work is not None:
         pending.work.wait()
+    if pending.chunk is not None:
+        pending.output.copy_(pending.input[pending.chunk])
     return pending.output
 
 
@@ -64,8 +88,21 @@ def sum_reduce(grad: torch.Tensor, groups: ShardGroups) -> torch.Tensor:
     """Sum ``grad`` (C * F,) over all W ranks and return this rank's chunk (C,); blocking."""
     output = grad
     if groups.shard is not None:
-        output = grad.new_empty(grad.numel() // groups.shard_size)
-        _REDUCE_SCATTER(output, grad, group=groups.shard)
+        size = grad.numel() // groups.shard_size
+        output = grad.new_empty(size)
+        chunk = slice(groups.shard_rank * size, (groups.shard_rank + 1) * size)
+        _scatter_sum(output, grad, groups.shard, chunk)
     if groups.replicate is not None:
         dist.all_reduce(output, group=groups.replicate)
     return output
+
+
+def _scatter_sum(
+    output: torch.Tensor, grad: torch.Tensor, group: dist.ProcessGroup, chunk: slice
+) -> None:
+    """Blocking reduce-scatter of ``grad`` into ``output`` (this rank's ``chunk``)."""
+    if reduces_by_all_reduce(group):
+        dist.all_reduce(grad, group=group)
+        output.copy_(grad[chunk])
+    else:
+        _REDUCE_SCATTER(output, grad, group=group)

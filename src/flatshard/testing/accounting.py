@@ -41,7 +41,7 @@ class CollectiveTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._gathered: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self.peak_gathered_bytes = 0
         self._reduced: dict[int, weakref.ref[torch.UntypedStorage]] = {}
-        self.peak_reduce_input_bytes = 0  # most bytes of reduce-scatter inputs alive at once
+        self.peak_reduce_input_bytes = 0  # most bytes of reduction inputs alive at once
         self.timeline: list[tuple[str, int]] = []  # (kind, gathered bytes after it)
 
     def __torch_dispatch__(
@@ -59,8 +59,8 @@ class CollectiveTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
             for t in target if isinstance(target, list | tuple) else [target]:
                 for x in t if isinstance(t, list) else [t]:
                     self.bytes[kind] += x.numel() * x.element_size()
-        if kind == REDUCE_SCATTER:
-            source = args[1]
+        if kind in (REDUCE_SCATTER, ALL_REDUCE):
+            source = args[1] if kind == REDUCE_SCATTER else args[0]
             for t in source if isinstance(source, list | tuple) else [source]:
                 for x in t if isinstance(t, list) else [t]:
                     storage = x.untyped_storage()
