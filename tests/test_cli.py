@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -58,3 +60,29 @@ def test_bad_options_give_one_line(
         f"flatshard train: error: {message}"
     )
     assert "\n" not in err
+
+
+def test_bench_compares_all_systems(tmp_path: Path) -> None:
+    argv = ["bench", "--dim", "16", "--layers", "1", "--vocab", "32", "--seq-len", "8"]
+    argv += ["--batch", "2", "--steps", "2", "--warmup", "1", "--rounds", "1"]
+    result = subprocess.run(
+        [sys.executable, "-m", "flatshard.cli.main", *argv, "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert list(report["systems"]) == ["flatshard", "fsdp2", "ddp", "floor"]
+    for system, row in report["systems"].items():
+        assert row["median_step_s"] > 0 and row["peak_rss_mib"] > 0, system
+        assert row["time_vs_floor"] > 0
+    assert report["systems"]["floor"]["collective_output_bytes"] == 0  # no communication at all
+    assert report["systems"]["flatshard"]["collective_output_bytes"] > 0
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "vs fsdp2" in result.stdout and "flatshard" in result.stdout
+
+
+def test_bench_rejects_unknown_systems(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--systems", "flatshard,zero3"]) == 2
+    assert "--systems must be a comma-separated subset" in capsys.readouterr().err

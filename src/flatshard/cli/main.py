@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from flatshard.cli import train
+from flatshard.cli import bench, train
+from flatshard.cli.errors import ConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -14,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True)
     train.add_parser(commands)
+    bench.add_parser(commands)
     return parser
 
 
@@ -21,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args))
-    except train.ConfigError as error:
+    except ConfigError as error:
         print(f"flatshard {args.command}: error: {error}", file=sys.stderr)
         return 2
 

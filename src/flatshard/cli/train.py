@@ -19,13 +19,10 @@ import torch
 import torch.distributed as dist
 
 import flatshard
+from flatshard.cli.errors import ConfigError
 from flatshard.models import GPT, GPTBlock
 
 PRECISIONS = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class ConfigError(ValueError):
-    """A bad option: reported as one line naming the option."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,253 @@
+"""``flatshard bench``: flatshard against FSDP2, DDP and no communication, side by side.
+
+Every system trains the same GPT (same seed, same data) at the same world size, in fresh
+processes (so per-rank peak memory is its own), interleaved round by round so that machine
+drift hits all systems alike. "floor" is each rank training alone without communicating:
+the time any data-parallel system adds on top of it is communication it did not hide plus
+its own software overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import resource
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import flatshard
+from flatshard.cli.errors import ConfigError
+from flatshard.models import GPT, GPTBlock
+from flatshard.testing.accounting import CollectiveTracker
+
+SYSTEMS = ("flatshard", "fsdp2", "ddp", "floor")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Options of ``flatshard bench``."""
+
+    nproc: int = 2  # ranks (local processes)
+    systems: str = ",".join(SYSTEMS)  # comma-separated subset of flatshard,fsdp2,ddp,floor
+    vocab: int = 8192  # the default model has about 31M parameters
+    dim: int = 512
+    layers: int = 8
+    heads: int = 8
+    seq_len: int = 256
+    batch: int = 4  # sequences per rank per step
+    warmup: int = 1  # untimed steps per run
+    steps: int = 4  # timed steps per run
+    rounds: int = 2  # runs of every system, interleaved
+    out: str = "runs/bench"  # directory for bench.json and bench.png
+
+    def __post_init__(self) -> None:
+        for name in ("nproc", "vocab", "dim", "layers", "heads", "seq_len", "batch", "steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.warmup < 0 or self.rounds < 1:
+            raise ConfigError("--warmup must be >= 0 and --rounds >= 1")
+        if self.dim % self.heads:
+            raise ConfigError(f"--dim ({self.dim}) must be a multiple of --heads ({self.heads})")
+        unknown = set(self.system_list) - set(SYSTEMS)
+        if unknown or not self.system_list:
+            raise ConfigError(
+                f"--systems must be a comma-separated subset of {','.join(SYSTEMS)}, "
+                f"got {self.systems!r}"
+            )
+
+    @property
+    def system_list(self) -> list[str]:
+        return [s for s in self.systems.split(",") if s]
+
+
+def add_parser(commands: Any) -> None:
+    parser = commands.add_parser(
+        "bench",
+        help="time flatshard against FSDP2, DDP and no communication on the same GPT",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for name, value in asdict(BenchConfig()).items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = BenchConfig(**{f.name: getattr(args, f.name) for f in fields(BenchConfig)})
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in config.system_list}
+    for _ in range(config.rounds):
+        for system in config.system_list:
+            runs[system].append(_run_system(config, system))
+    summary = _summarize(config, runs)
+    print(_table(summary))
+    os.makedirs(config.out, exist_ok=True)
+    with open(os.path.join(config.out, "bench.json"), "w") as f:
+        json.dump({"config": asdict(config), "systems": summary}, f, indent=2)
+    _chart(summary, os.path.join(config.out, "bench.png"))
+    print(f"wrote {config.out}/bench.json and {config.out}/bench.png")
+    return 0
+
+
+def _run_system(config: BenchConfig, system: str) -> dict[str, Any]:
+    """One run of ``system`` in fresh processes; rank 0's timings and every rank's peak RSS."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="flatshard-bench-") as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=_worker, args=(r, config, system, store, results))
+            for r in range(config.nproc)
+        ]
+        for proc in procs:
+            proc.start()
+        answers = [results.get(timeout=3600) for _ in procs]
+        for proc in procs:
+            proc.join()
+    failed = [a["error"] for a in answers if "error" in a]
+    if failed:
+        raise RuntimeError(f"flatshard bench: {system} failed: {failed[0]}")
+    rank0: dict[str, Any] = next(a for a in answers if a["rank"] == 0)
+    rank0["peak_rss_mib"] = max(a["peak_rss_mib"] for a in answers)
+    return rank0
+
+
+def _worker(rank: int, config: BenchConfig, system: str, store: str, results: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=config.nproc
+    )
+    try:
+        results.put({"rank": rank, **_measure(config, system, rank)})
+    except Exception as error:  # reported by the parent, which then stops
+        results.put({"rank": rank, "error": f"rank {rank}: {error!r}"})
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure(config: BenchConfig, system: str, rank: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = _wrap(
+        GPT(config.vocab, config.dim, config.heads, config.layers, config.seq_len), system
+    )
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(1 + rank)
+    times: list[float] = []
+    tracker = CollectiveTracker()
+    for step in range(config.warmup + config.steps):
+        idx = torch.randint(0, config.vocab, (config.batch, config.seq_len + 1), generator=gen)
+        dist.barrier()
+        start = time.perf_counter()
+        with tracker if step == config.warmup else _Nothing():
+            loss = nn.functional.cross_entropy(
+                model(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten()
+            )
+            torch.autograd.backward(loss)
+            optim.step()
+            optim.zero_grad()
+        dist.barrier()
+        if step >= config.warmup:
+            times.append(time.perf_counter() - start)
+    return {
+        "step_times": times,
+        "collective_output_bytes": int(sum(tracker.bytes.values())),
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+def _wrap(model: GPT, system: str) -> nn.Module:
+    if system == "flatshard":
+        return flatshard.fully_shard(model, auto_wrap_policy={GPTBlock})
+    if system == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        return model
+    if system == "ddp":
+        return nn.parallel.DistributedDataParallel(model)
+    return model  # floor: every rank trains alone
+
+
+class _Nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *args: object) -> None:
+        return None
+
+
+def _summarize(
+    config: BenchConfig, runs: dict[str, list[dict[str, Any]]]
+) -> dict[str, dict[str, float]]:
+    tokens = config.batch * config.seq_len * config.nproc
+    summary = {}
+    for system, system_runs in runs.items():
+        median = statistics.median(t for r in system_runs for t in r["step_times"])
+        summary[system] = {
+            "median_step_s": median,
+            "tokens_per_s": tokens / median,
+            "peak_rss_mib": max(r["peak_rss_mib"] for r in system_runs),
+            "collective_output_bytes": system_runs[0]["collective_output_bytes"],
+        }
+    floor = summary.get("floor", {}).get("median_step_s")
+    for row in summary.values():
+        if floor is not None:
+            # Time added on top of training alone: unhidden communication plus overhead.
+            row["over_floor_s"] = row["median_step_s"] - floor
+        for other in ("fsdp2", "ddp", "floor"):
+            if other in summary:
+                row[f"time_vs_{other}"] = row["median_step_s"] / summary[other]["median_step_s"]
+    return summary
+
+
+def _table(summary: dict[str, dict[str, float]]) -> str:
+    header = f"{'system':<10} {'step s':>8} {'tokens/s':>10} {'peak RSS MiB':>13} "
+    header += f"{'coll. MB':>9} {'over floor s':>13} {'vs fsdp2':>9} {'vs ddp':>7} {'vs floor':>9}"
+    lines = [header]
+    for system, row in summary.items():
+        ratios = [row.get(f"time_vs_{o}") for o in ("fsdp2", "ddp", "floor")]
+        cells = [_cell(r, "x", w) for r, w in zip(ratios, (9, 7, 9), strict=True)]
+        lines.append(
+            f"{system:<10} {row['median_step_s']:>8.3f} {row['tokens_per_s']:>10,.0f} "
+            f"{row['peak_rss_mib']:>13,.0f} {row['collective_output_bytes'] / 1e6:>9.1f} "
+            f"{_cell(row.get('over_floor_s'), '', 13)} " + " ".join(cells)
+        )
+    return "\n".join(lines)
+
+
+def _cell(value: float | None, unit: str, width: int) -> str:
+    text = "-" if value is None else (f"{value:.2f}{unit}" if unit else f"{value:.3f}")
+    return f"{text:>{width}}"
+
+
+def _chart(summary: dict[str, dict[str, float]], path: str) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        raise ConfigError(
+            "the PNG chart needs matplotlib: pip install 'flatshard[bench]'"
+        ) from None
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    systems = list(summary)
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    axes[0].bar(systems, [summary[s]["median_step_s"] for s in systems], color="tab:blue")
+    axes[0].set_ylabel("median step time (s)")
+    axes[1].bar(systems, [summary[s]["peak_rss_mib"] for s in systems], color="tab:orange")
+    axes[1].set_ylabel("peak RSS per rank (MiB)")
+    fig.suptitle("flatshard bench (same GPT, same data)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
