@@ -17,7 +17,7 @@ import resource
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 import flatshard
-from flatshard.cli.errors import ConfigError
+from flatshard.cli.config import ConfigError, add_config_parser, config_from_args
 from flatshard.models import GPT, GPTBlock
 from flatshard.testing.accounting import CollectiveTracker
 
@@ -70,19 +70,18 @@ class BenchConfig:
 
 
 def add_parser(commands: Any) -> None:
-    parser = commands.add_parser(
+    add_config_parser(
+        commands,
         "bench",
         help="time flatshard against FSDP2, DDP and no communication on the same GPT",
         description=__doc__,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        config=BenchConfig,
+        run=run,
     )
-    for name, value in asdict(BenchConfig()).items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
-    parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    config = BenchConfig(**{f.name: getattr(args, f.name) for f in fields(BenchConfig)})
+    config = config_from_args(BenchConfig, args)
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in config.system_list}
     for _ in range(config.rounds):
         for system in config.system_list:

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from flatshard.cli import bench, train
-from flatshard.cli.errors import ConfigError
+from flatshard.cli.config import ConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:

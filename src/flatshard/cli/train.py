@@ -12,14 +12,14 @@ import multiprocessing as mp
 import os
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import flatshard
-from flatshard.cli.errors import ConfigError
+from flatshard.cli.config import ConfigError, add_config_parser, config_from_args
 from flatshard.models import GPT, GPTBlock
 
 PRECISIONS = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -59,20 +59,18 @@ class TrainConfig:
 
 
 def add_parser(commands: Any) -> None:
-    parser = commands.add_parser(
+    add_config_parser(
+        commands,
         "train",
         help="train a small GPT on generated data, sharded with flatshard",
         description=__doc__,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        config=TrainConfig,
+        run=run,
     )
-    for name, value in asdict(TrainConfig()).items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
-    parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    fields = TrainConfig.__dataclass_fields__
-    config = TrainConfig(**{k: getattr(args, k) for k in fields})
+    config = config_from_args(TrainConfig, args)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
         _train(config, store=None)
         return 0
