@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -124,3 +126,27 @@ def test_one_process_trains_like_the_plain_model(local_group: dist.ProcessGroup)
         assert p.grad is not None, name
         torch.testing.assert_close(p.grad, q.grad)
     print(flatshard.sharding_summary(model))
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: flatshard.no_sync(nn.Linear(2, 2)).__enter__(), r"no_sync: Linear holds no"),
+        (lambda: flatshard.clip_grad_norm_(nn.Linear(2, 2), 1.0), r"clip_grad_norm_: Linear"),
+        (lambda: flatshard.sharding_summary(nn.Linear(2, 2)), r"sharding_summary: Linear"),
+        (lambda: flatshard.set_prefetch(nn.Linear(2, 2), backward=[]), r"is not a flatshard unit"),
+    ],
+)
+def test_helpers_need_a_sharded_model(
+    local_group: dist.ProcessGroup, call: Any, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_helper_option_errors(local_group: dist.ProcessGroup) -> None:
+    model = flatshard.fully_shard(build("mlp"))
+    with pytest.raises(ValueError, match=r"norm_type must be > 0, got -1.0"):
+        flatshard.clip_grad_norm_(model, 1.0, norm_type=-1)
+    with pytest.raises(TypeError, match=r"hook must be callable"):
+        flatshard.register_comm_hook(model, "bf16")  # type: ignore[arg-type]

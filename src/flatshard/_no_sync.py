@@ -7,8 +7,7 @@ from contextlib import contextmanager
 
 from torch import nn
 
-from flatshard._runtime import ShardTree, shard_tree
-from flatshard._summon import units_of
+from flatshard._runtime import ShardTree, units_of
 
 
 @contextmanager
@@ -20,7 +19,6 @@ def no_sync(model: nn.Module) -> Iterator[None]:
     FlatParameter between those backward passes, and saves all their communication.
     Enter it on every rank alike.
     """
-    units_of(model, "no_sync")  # an error if the model is not sharded
     trees = _trees_under(model)
     previous = [tree.sync_gradients for tree in trees]
     for tree in trees:
@@ -33,11 +31,6 @@ def no_sync(model: nn.Module) -> Iterator[None]:
 
 
 def _trees_under(model: nn.Module) -> list[ShardTree]:
-    """The distinct trees of every unit inside ``model``."""
-    trees: dict[int, ShardTree] = {}
-    for runtime in units_of(model, "no_sync"):
-        trees[id(runtime.tree)] = runtime.tree
-    found = shard_tree(model)
-    if found is not None:
-        trees[id(found)] = found
+    """The distinct trees of every unit inside ``model`` (an error if there is none)."""
+    trees = {id(runtime.tree): runtime.tree for runtime in units_of(model, "no_sync")}
     return list(trees.values())

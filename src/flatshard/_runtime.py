@@ -117,6 +117,17 @@ def unit_runtime(module: nn.Module) -> UnitRuntime | None:
     return found if isinstance(found, UnitRuntime) else None
 
 
+def units_of(model: nn.Module, caller: str) -> list[UnitRuntime]:
+    """Every unit inside ``model``; an error if ``fully_shard`` never touched it."""
+    runtimes = [r for m in model.modules() if (r := unit_runtime(m)) is not None]
+    if not runtimes:
+        raise ValueError(
+            f"flatshard.{caller}: {type(model).__name__} holds no flatshard unit; call "
+            "flatshard.fully_shard(model, ...) first."
+        )
+    return runtimes
+
+
 def shard_tree(module: nn.Module) -> ShardTree | None:
     """The tree of the ``fully_shard`` call made on ``module``, if any."""
     found = module.__dict__.get(TREE_ATTR)

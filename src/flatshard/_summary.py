@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from flatshard._mixed_precision import DtypePlan, DtypeRow, dtype_name
-from flatshard._summon import units_of
+from flatshard._runtime import units_of
 
 
 @dataclass(frozen=True)

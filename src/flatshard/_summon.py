@@ -8,19 +8,8 @@ from contextlib import ExitStack, contextmanager
 import torch.distributed as dist
 from torch import nn
 
-from flatshard._runtime import UnitRuntime, unit_runtime
+from flatshard._runtime import units_of
 from flatshard._unit import TrainingState
-
-
-def units_of(model: nn.Module, caller: str) -> list[UnitRuntime]:
-    """Every unit inside ``model``; an error if ``fully_shard`` never touched it."""
-    runtimes = [r for m in model.modules() if (r := unit_runtime(m)) is not None]
-    if not runtimes:
-        raise ValueError(
-            f"flatshard.{caller}: {type(model).__name__} holds no flatshard unit; call "
-            "flatshard.fully_shard(model, ...) first."
-        )
-    return runtimes
 
 
 @contextmanager

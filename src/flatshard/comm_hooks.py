@@ -15,7 +15,7 @@ from torch import nn
 from flatshard._collectives import sum_reduce
 from flatshard._flat_param import CommHook
 from flatshard._mesh import ShardGroups
-from flatshard._summon import units_of
+from flatshard._runtime import units_of
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
