@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 import flatshard
-from flatshard.testing.accounting import distinct_storage_bytes
+from flatshard.testing.accounting import PeakStorage, distinct_storage_bytes
 from flatshard.testing.models import MLPBlock, TinyGPT, build, twins
 from flatshard.testing.parity import (
     ParityConfig,
@@ -98,31 +98,10 @@ def init_memory_job(ctx: WorkerContext) -> dict[str, int] | None:
     group = ctx.group(2)
     if group is None:
         return None
-    import weakref
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Peak(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.live: dict[int, weakref.ref[torch.UntypedStorage]] = {}
-            self.peak = 0
-
-        def __torch_dispatch__(
-            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
-        ) -> Any:
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, list | tuple) else [out]:
-                if isinstance(t, torch.Tensor) and not t.is_meta:
-                    self.live[id(t.untyped_storage())] = weakref.ref(t.untyped_storage())
-            now = sum(s.nbytes() for r in self.live.values() if (s := r()) is not None)
-            self.peak = max(self.peak, now)
-            return out
-
     with torch.device("meta"):
         model = Wide()
     unit_bytes = sum(p.numel() for p in model.blocks[0].parameters()) * 4
-    with Peak() as tracker:
+    with PeakStorage() as tracker:
         flatshard.fully_shard(model, auto_wrap_policy={MLPBlock}, process_group=group)
     sharded = distinct_storage_bytes(list(model.parameters()))
     return {"peak": tracker.peak, "unit": unit_bytes, "sharded": sharded}

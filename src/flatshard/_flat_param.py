@@ -37,7 +37,7 @@ from flatshard._collectives import (
     start_reduction,
     wait_reduction,
 )
-from flatshard._layout import FlatLayout, ParamSlot, plan_layout
+from flatshard._layout import FlatLayout, ParamSlot, ShardRange, plan_layout
 from flatshard._mesh import ShardGroups
 
 CommHook = Callable[[torch.Tensor, ShardGroups], torch.Tensor]
@@ -263,18 +263,8 @@ class FlatParameter:
     @contextmanager
     def full_params(self, writeback: bool) -> Iterator[None]:
         """Give every original parameter its full shape and value on every rank."""
-        # In the master dtype, gathered on the compute device (NCCL cannot gather CPU
-        # shards when offloading).
-        full = torch.empty(
-            self.layout.unsharded_numel, dtype=self.shard.dtype, device=self.compute_device
-        )  # (C * F,)
-        source = self.shard.to(self.compute_device)
-        if self.groups.shard is None:
-            full.copy_(source)
-        else:
-            all_gather_into(full, source, self.groups.shard)
-        segments = torch.split(full, self.layout.segment_sizes())
-        views = [segments[2 * i + 1].view(s.shape) for i, s in enumerate(self.layout.slots)]
+        # In the master dtype.
+        full, views = self.gather_full(self.shard)
         for orig, view in zip(self.originals, views, strict=True):
             orig.param.data = view
         try:
@@ -283,6 +273,38 @@ class FlatParameter:
             if writeback:
                 self._write_back(full, views)
             self.use_sharded_data()
+
+    def gather_full(self, flat_shard: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """All-gather a (C,) tensor laid out like ``shard``; return it and full-shape views.
+
+        A collective over the shard group. Used for parameters (the shard itself) and for
+        anything shaped like them, such as optimizer moments packed by ``pack_rows``.
+        """
+        # Gathered on the compute device: NCCL cannot gather CPU shards when offloading.
+        full = torch.empty(
+            self.layout.unsharded_numel, dtype=flat_shard.dtype, device=self.compute_device
+        )  # (C * F,)
+        source = flat_shard.to(self.compute_device)
+        if self.groups.shard is None:
+            full.copy_(source)
+        else:
+            all_gather_into(full, source, self.groups.shard)
+        segments = torch.split(full, self.layout.segment_sizes())
+        views = [segments[2 * i + 1].view(s.shape) for i, s in enumerate(self.layout.slots)]
+        return full, views
+
+    def pack_rows(self, local_rows: list[torch.Tensor]) -> torch.Tensor:
+        """Lay tensors shaped like each original's held rows out like ``shard`` (C,)."""
+        flat = torch.zeros(
+            self.layout.shard_numel, dtype=local_rows[0].dtype, device=self.shard.device
+        )
+        for view, rows in zip(self.shard_views(flat), local_rows, strict=True):
+            view.copy_(rows)
+        return flat
+
+    def held_rows(self, index: int) -> ShardRange:
+        """The rows of original ``index`` that this rank's shard holds."""
+        return self.layout.shard_range(self.layout.slots[index], self.rank)
 
     def _write_back(self, full: torch.Tensor, views: list[torch.Tensor]) -> None:
         for orig, view in zip(self.originals, views, strict=True):

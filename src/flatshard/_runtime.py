@@ -42,8 +42,9 @@ TREE_ATTR = "_flatshard_tree"  # attribute of a module fully_shard was called on
 class ShardTree:
     """The units sharded together under one ``fully_shard`` call (bottom-up calls merge)."""
 
-    def __init__(self, root: nn.Module) -> None:
+    def __init__(self, root: nn.Module, process_group: dist.ProcessGroup) -> None:
         self.root = root
+        self.process_group = process_group  # all the ranks that train the model together
         self.units: list[UnitRuntime] = []  # inner units first; forward order is not assumed
         self.callback_queued = False  # the final callback of this backward pass is queued
         self.sync_gradients = True  # False inside no_sync: keep unsharded gradients

@@ -138,7 +138,7 @@ def fully_shard(
         backward_prefetch=backward_prefetch,
         forward_prefetch=forward_prefetch,
     )
-    tree = ShardTree(module)
+    tree = ShardTree(module, group)
     for name, sub_tree in earlier.items():
         tree.adopt(sub_tree, prefix=name, mixed_precision=mixed_precision)
     for plan in plans:

@@ -102,3 +102,37 @@ def distinct_storage_bytes(tensors: list[torch.Tensor]) -> int:
         storage = tensor.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
+
+
+class PeakStorage(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """The most bytes that storages created inside the mode held alive at once.
+
+    Counts every storage an op returns that none of its inputs had (views are not new
+    memory), so the peak covers temporaries, not just collective outputs. Meta is free.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._live: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            id(t.untyped_storage())
+            for t in [*args, *(kwargs or {}).values()]
+            if isinstance(t, torch.Tensor) and not t.is_meta
+        }
+        for t in out if isinstance(out, list | tuple) else [out]:
+            if isinstance(t, torch.Tensor) and not t.is_meta:
+                storage = t.untyped_storage()
+                if id(storage) not in inputs:  # a view of an input is not new memory
+                    self._live[id(storage)] = weakref.ref(storage)
+        self.peak = max(self.peak, _alive_bytes(self._live))
+        return out

@@ -1,0 +1,249 @@
+"""Model state dicts keyed by the original names: full (gathered) and sharded (row ranges).
+
+[Note: sharded state dicts are row ranges]
+Every original parameter's data on a rank is whole rows of the full parameter (the
+row-aligned layout), so a rank's part of a parameter is described by three facts: the full
+shape, the first row it holds and the rows themselves (``RowShard``). That is enough for
+torch.distributed.checkpoint to reshard: each rank writes its rows as a chunk at offset
+``(first_row, 0, ...)``; a loader at another world size or strategy asks for the rows it
+holds and DCP reads the overlapping parts of the saved chunks. A 0-dim parameter is one
+row: the rank holding it has shape (), the others shape (0,).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flatshard._flat_param import FlatParameter
+from flatshard._runtime import shard_tree, unit_runtime
+
+
+@dataclass(frozen=True)
+class RowShard:
+    """This rank's rows ``[first_row, first_row + rows)`` of a tensor of ``full_shape``."""
+
+    local: torch.Tensor  # shape [rows, *full_shape[1:]]; () or (0,) for a 0-dim tensor
+    first_row: int
+    full_shape: torch.Size
+
+    @property
+    def rows(self) -> int:
+        if len(self.full_shape) == 0:
+            return 1 if self.local.dim() == 0 else 0
+        return self.local.shape[0]
+
+    def describe(self) -> str:
+        return f"rows {self.first_row}..{self.first_row + self.rows} of {tuple(self.full_shape)}"
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where this rank's part of one original parameter lies (see the note above)."""
+
+    full_shape: torch.Size
+    first_row: int
+    rows: int
+    flat: FlatParameter | None = None  # None: not sharded, every rank holds all of it
+    index: int = 0  # the parameter's position in ``flat``
+
+    @property
+    def local_shape(self) -> torch.Size:
+        if len(self.full_shape) == 0:
+            return torch.Size([]) if self.rows else torch.Size([0])
+        return torch.Size([self.rows, *self.full_shape[1:]])
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of ``full`` (a view)."""
+        if len(self.full_shape) == 0:
+            return full if self.rows else full.reshape(1)[:0]
+        return full[self.first_row : self.first_row + self.rows]
+
+    def row_shard(self, local: torch.Tensor) -> RowShard:
+        return RowShard(local=local, first_row=self.first_row, full_shape=self.full_shape)
+
+    def matches(self, shard: RowShard) -> bool:
+        return (
+            shard.full_shape == self.full_shape
+            and shard.first_row == self.first_row
+            and shard.rows == self.rows
+        )
+
+
+def param_places(model: nn.Module) -> dict[int, Place]:
+    """``id(parameter) -> Place`` for every parameter of ``model`` (sharded or not)."""
+    places: dict[int, Place] = {}
+    for flat in flat_params(model):
+        for index, orig in enumerate(flat.originals):
+            held = flat.held_rows(index)
+            slot = flat.layout.slots[index]
+            places[id(orig.param)] = Place(slot.shape, held.first_row, held.rows, flat, index)
+    for param in model.parameters():
+        if id(param) not in places:
+            rows = param.shape[0] if param.dim() else 1
+            places[id(param)] = Place(param.shape, 0, rows)
+    return places
+
+
+def flat_params(model: nn.Module) -> Iterator[FlatParameter]:
+    """Every FlatParameter in ``model``, in the same order on every rank."""
+    for module in model.modules():
+        runtime = unit_runtime(module)
+        if runtime is not None:
+            yield from runtime.unit.flat_params
+
+
+def model_group(model: nn.Module) -> dist.ProcessGroup | None:
+    """The process group ``fully_shard`` was given for ``model`` (None: not sharded)."""
+    tree = shard_tree(model)
+    return tree.process_group if tree is not None else None
+
+
+def group_rank(model: nn.Module) -> int:
+    group = model_group(model)
+    return dist.get_rank(group) if group is not None else 0
+
+
+def _global_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+# ---------------------------------------------------------------- producing state dicts
+def full_state_dict(
+    model: nn.Module, *, rank0_only: bool = True, cpu_offload: bool = True
+) -> dict[str, torch.Tensor]:
+    """The model's ``state_dict()`` with full tensors, keyed by the original names.
+
+    A collective over the model's ranks. FlatParameters are gathered one at a time and
+    copied out before the next, so at most one unit's parameters are unsharded at once.
+    ``rank0_only``: only rank 0 of the model's group keeps the result (others get ``{}``).
+    ``cpu_offload``: results are copied to CPU (otherwise they stay on the shard's device).
+    """
+    keep = not rank0_only or group_rank(model) == 0
+    gathered: dict[int, torch.Tensor] = {}
+    for flat in flat_params(model):
+        copies = gather_copies(flat, flat.shard, keep, cpu_offload)
+        gathered.update({id(o.param): c for o, c in zip(flat.originals, copies, strict=keep)})
+    if not keep:
+        return {}
+    result: dict[str, torch.Tensor] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        found = gathered.get(id(value))
+        result[key] = found if found is not None else _copy_out(value.detach(), cpu_offload)
+    return result
+
+
+def sharded_state_dict(model: nn.Module) -> dict[str, RowShard | torch.Tensor]:
+    """This rank's rows of every parameter (``RowShard``) and full buffers; no copies.
+
+    The tensors are views of the live shards: save or copy them before training on.
+    """
+    places = param_places(model)
+    result: dict[str, RowShard | torch.Tensor] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        place = places.get(id(value))
+        if place is not None and place.flat is not None:
+            result[key] = place.row_shard(value.detach())
+        else:
+            result[key] = value.detach()
+    return result
+
+
+def gather_copies(
+    flat: FlatParameter, flat_shard: torch.Tensor, keep: bool, cpu_offload: bool
+) -> list[torch.Tensor]:
+    """Gather ``flat_shard`` (laid out like the shard) and copy out each original's part.
+
+    Returns nothing when not ``keep``. A function of its own so that the gathered buffer
+    (which every view keeps alive) is freed on return, before the next gather.
+    """
+    views = flat.gather_full(flat_shard)[1]
+    return [_copy_out(view, cpu_offload) for view in views] if keep else []
+
+
+def _copy_out(tensor: torch.Tensor, cpu_offload: bool) -> torch.Tensor:
+    """A fresh copy: a view would keep the whole gathered buffer alive."""
+    device = torch.device("cpu") if cpu_offload else tensor.device
+    return tensor.detach().to(device, copy=True)
+
+
+# ---------------------------------------------------------------- loading
+def load_state_dict(
+    model: nn.Module,
+    state_dict: dict[str, RowShard | torch.Tensor],
+    *,
+    strict: bool = True,
+) -> None:
+    """Copy a full or sharded state dict (or a mix) into the model's shards in place.
+
+    Full tensors: every rank takes its own rows, so every rank needs the dict (use
+    ``full_state_dict(model, rank0_only=False)`` or ``load_checkpoint``). ``RowShard``
+    entries must hold exactly this rank's rows (the same layout); checkpoints saved at
+    another world size or strategy reshard through ``flatshard.load_checkpoint``.
+    ``strict``: missing, unexpected and mis-shaped entries are an error listing them all.
+    """
+    targets = model.state_dict(keep_vars=True)
+    places = param_places(model)
+    check_keys("load_state_dict", targets.keys(), state_dict.keys(), strict)
+    problems: list[str] = []
+    for key, target in targets.items():
+        if key not in state_dict:
+            continue
+        place = places.get(id(target))
+        problem = _load_one(key, target, state_dict[key], place)
+        if problem:
+            problems.append(problem)
+    if problems:
+        raise ValueError(
+            f"flatshard.load_state_dict (rank {_global_rank()}): {len(problems)} entries do "
+            "not fit the model:\n  " + "\n  ".join(problems)
+        )
+
+
+def _load_one(
+    key: str, target: torch.Tensor, value: RowShard | torch.Tensor, place: Place | None
+) -> str | None:
+    """Copy ``value`` into ``target``; a description of the mismatch instead, if any."""
+    full_shape = place.full_shape if place is not None else target.shape
+    if isinstance(value, RowShard):
+        if place is None or not place.matches(value):
+            mine = f"rows {place.first_row}..{place.first_row + place.rows}" if place else "all"
+            return (
+                f"'{key}': the entry holds {value.describe()}, this rank holds {mine} of "
+                f"{tuple(full_shape)}; a sharded state dict only loads into the same layout "
+                "(reshard through flatshard.save_checkpoint / load_checkpoint)"
+            )
+        local = value.local
+    elif isinstance(value, torch.Tensor):
+        if value.shape != full_shape:
+            return f"'{key}': expected shape {tuple(full_shape)}, found {tuple(value.shape)}"
+        local = place.take(value) if place is not None else value
+    else:
+        return f"'{key}': expected a tensor, found {type(value).__name__}"
+    with torch.no_grad():
+        target.detach().copy_(local)
+    return None
+
+
+def check_keys(caller: str, expected: Iterable[str], given: Iterable[str], strict: bool) -> None:
+    """Missing or unexpected names: one error listing all of them (when ``strict``)."""
+    want, have = list(expected), list(given)
+    missing = [k for k in want if k not in set(have)]
+    unexpected = [k for k in have if k not in set(want)]
+    if strict and (missing or unexpected):
+        raise ValueError(
+            f"flatshard.{caller} (rank {_global_rank()}): the state dict does not match the "
+            f"model. Missing: {_names(missing)}. Unexpected: {_names(unexpected)}. "
+            "Pass strict=False to load the entries that match."
+        )
+
+
+def _names(keys: list[str], limit: int = 12) -> str:
+    if not keys:
+        return "none"
+    shown = ", ".join(f"'{k}'" for k in keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
