@@ -7,6 +7,7 @@ strategy, no process group) must produce the same losses for the remaining steps
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -343,3 +344,55 @@ def test_killed_save_leaves_a_loadable_checkpoint(tmp_path: Path) -> None:
     model = build("gpt")
     i = flatshard.load_checkpoint(path, model)["i"]
     assert all(bool((p == i).all()) for p in model.parameters())
+
+
+# ---------------------------------------------------------------- safetensors export
+def _load_safetensors(out_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = out_dir / "model.safetensors.index.json"
+    files = sorted(out_dir.glob("*.safetensors"))
+    if len(files) > 1:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        assert sorted(set(weight_map.values())) == [f.name for f in files]
+    result: dict[str, torch.Tensor] = {}
+    for file in files:
+        result.update(load_file(file))
+    return result
+
+
+def _outputs(model: nn.Module) -> torch.Tensor:
+    batch = all_batches(model)[0]
+    return cast(Any, model).loss(batch).detach()
+
+
+def export_job(ctx: WorkerContext, out_dir: str, ckpt_dir: str) -> dict[str, Any] | None:
+    group = ctx.group(2)
+    if group is None:
+        return None
+    model = shard(build("gpt"), group, "FULL_SHARD")
+    optim = make_optimizer(model, 1e-2, "adamw")
+    train_steps(model, optim, range(2), group)
+    files = flatshard.export_safetensors(model, out_dir, max_shard_bytes=20_000)
+    flatshard.save_checkpoint(ckpt_dir, model, optim)
+    full = flatshard.full_state_dict(model)
+    return {"files": files, "full": full} if ctx.rank == 0 else None
+
+
+def test_exported_safetensors_load_into_a_plain_model(pool: WorkerPool, tmp_path: Path) -> None:
+    live, offline, ckpt = tmp_path / "live", tmp_path / "offline", tmp_path / "ckpt"
+    result = pool.run(export_job, str(live), str(ckpt))[0]
+    assert len(result["files"]) > 1  # 20 kB files: the index is exercised
+    expected = build("gpt")
+    expected.load_state_dict(result["full"])
+    for source in (live, offline):
+        if source is offline:
+            flatshard.export_checkpoint(ckpt, offline, max_shard_bytes=20_000)
+        plain = build("gpt", seed=3)
+        plain.load_state_dict(_load_safetensors(source), strict=True)
+        assert torch.equal(_outputs(plain), _outputs(expected))
+    bf16 = tmp_path / "bf16"
+    flatshard.export_checkpoint(ckpt, bf16, dtype=torch.bfloat16)
+    weights = _load_safetensors(bf16)
+    assert weights["tok.weight"].dtype == torch.bfloat16
+    assert weights["blocks.0.attn.causal_mask"].dtype == torch.bool  # not floating: kept

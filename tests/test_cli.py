@@ -86,3 +86,50 @@ def test_bench_compares_all_systems(tmp_path: Path) -> None:
 def test_bench_rejects_unknown_systems(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--systems", "flatshard,zero3"]) == 2
     assert "--systems must be a comma-separated subset" in capsys.readouterr().err
+
+
+def _small_checkpoint(path: Path) -> None:
+    import torch
+
+    import flatshard
+    from flatshard.testing.models import build
+    from flatshard.testing.parity import make_optimizer
+
+    model = build("gpt")
+    optim = make_optimizer(model, 1e-2)
+    model.loss(model.make_batch(torch.Generator().manual_seed(0), 4)).backward()
+    optim.step()
+    flatshard.save_checkpoint(path, model, optim, extra={"step": 1})
+
+
+def test_ckpt_inspect_and_export(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    _small_checkpoint(ckpt)
+    assert main(["ckpt", "inspect", str(ckpt), "--tensors"]) == 0
+    shown = capsys.readouterr().out
+    assert "41 tensors, 11,299 elements" in shown
+    assert "state exp_avg, exp_avg_sq, step; 2 parameter group(s)" in shown
+    assert "extra       (rank 0) step=1" in shown
+    assert re.search(r"blocks\.0\.attn\.qkv\.weight\s+float32\s+\(48, 16\)", shown)
+    assert main(["ckpt", "export", str(ckpt), str(out), "--max-shard-size", "20kB"]) == 0
+    assert len(list(out.glob("model-*-of-00003.safetensors"))) == 3
+    assert (out / "model.safetensors.index.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["ckpt", "inspect", "{tmp}/missing"], "no checkpoint at"),
+        (["ckpt", "export", "{ckpt}", "{tmp}/o", "--max-shard-size", "5XB"], "--max-shard-size"),
+        (["ckpt", "export", "{ckpt}", "{tmp}/o", "--dtype", "int3"], "--dtype must be"),
+    ],
+)
+def test_ckpt_errors_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    _small_checkpoint(ckpt)
+    args = [a.format(tmp=tmp_path, ckpt=ckpt) for a in argv]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err

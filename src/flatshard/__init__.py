@@ -6,6 +6,7 @@ optim = torch.optim.AdamW(model.parameters(), lr=3e-4)  # built after sharding
 
 from flatshard._checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from flatshard._clip import clip_grad_norm_
+from flatshard._export import export_checkpoint, export_safetensors
 from flatshard._flat_param import CommHook
 from flatshard._grad_scaler import ShardedGradScaler
 from flatshard._init import init_weights
@@ -50,6 +51,8 @@ __all__ = [
     "SizePolicy",
     "clip_grad_norm_",
     "dtype_plan",
+    "export_checkpoint",
+    "export_safetensors",
     "full_optim_state_dict",
     "full_state_dict",
     "fully_shard",

@@ -210,6 +210,17 @@ def load_checkpoint(
     return extra if isinstance(extra, dict) else {}
 
 
+def load_raw(target: Path, state: dict[str, Any]) -> None:
+    """Read the named entries of a checked checkpoint into ``state``, in this process."""
+    with _single_process_is_intended():
+        dcp_load(
+            state,
+            storage_reader=FileSystemReader(target),
+            planner=RowShardLoadPlanner(),
+            no_dist=True,
+        )
+
+
 def _model_targets(model: nn.Module, saved: dict[str, Any], strict: bool) -> dict[str, Any]:
     """The model's shards as DCP load targets (read in place), after checking names/shapes."""
     mine = sharded_state_dict(model)

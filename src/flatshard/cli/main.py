@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from flatshard.cli import bench, train
+from flatshard.cli import bench, ckpt, train
 from flatshard.cli.config import ConfigError
 
 
@@ -16,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     train.add_parser(commands)
     bench.add_parser(commands)
+    ckpt.add_parser(commands)
     return parser
 
 
