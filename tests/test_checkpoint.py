@@ -396,3 +396,24 @@ def test_exported_safetensors_load_into_a_plain_model(pool: WorkerPool, tmp_path
     weights = _load_safetensors(bf16)
     assert weights["tok.weight"].dtype == torch.bfloat16
     assert weights["blocks.0.attn.causal_mask"].dtype == torch.bool  # not floating: kept
+
+
+def load_after_eval_job(ctx: WorkerContext, strategy: str) -> None:
+    """Loading after a forward (no backward: units may stay gathered): the next forward
+    uses the loaded weights."""
+    group = ctx.group(2)
+    if group is None:
+        return
+    model = shard(build("gpt"), group, strategy)
+    batch = all_batches(model)[0]
+    cast(Any, model).loss(batch)  # e.g. a validation loss computed with grad enabled
+    other = build("gpt", seed=11)
+    flatshard.load_state_dict(model, other.state_dict())
+    with torch.no_grad():
+        ours = cast(Any, model).loss(batch)
+    torch.testing.assert_close(ours, cast(Any, other).loss(batch), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+def test_load_after_forward_uses_new_weights(pool: WorkerPool, strategy: str) -> None:
+    pool.run(load_after_eval_job, strategy)

@@ -44,6 +44,7 @@ from flatshard._state_dict import (
     check_keys,
     model_group,
     param_places,
+    reshard_for_load,
     sharded_state_dict,
 )
 
@@ -191,6 +192,7 @@ def load_checkpoint(
     verify_files(target, manifest, group)
     metadata = FileSystemReader(target).read_metadata()
     saved = metadata.state_dict_metadata
+    reshard_for_load(model, "load_checkpoint")
     state: dict[str, Any] = _model_targets(model, saved, strict)
     if optimizer is not None:
         state.update(_optim_targets(model, saved, target))

@@ -21,6 +21,7 @@ from torch import nn
 
 from flatshard._flat_param import FlatParameter
 from flatshard._runtime import shard_tree, unit_runtime
+from flatshard._unit import TrainingState
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,25 @@ def flat_params(model: nn.Module) -> Iterator[FlatParameter]:
         runtime = unit_runtime(module)
         if runtime is not None:
             yield from runtime.unit.flat_params
+
+
+def reshard_for_load(model: nn.Module, caller: str) -> None:
+    """Free every unit's unsharded buffer before the shards are overwritten.
+
+    A unit kept unsharded between steps (e.g. the root after a ``no_grad`` forward) would
+    otherwise run its next forward on the old values.
+    """
+    for module in model.modules():
+        runtime = unit_runtime(module)
+        if runtime is None:
+            continue
+        if runtime.unit.state is not TrainingState.IDLE:
+            raise RuntimeError(
+                f"flatshard.{caller}: unit '{runtime.unit.label}' is in its "
+                f"{runtime.unit.state.name.lower()} pass (rank {_global_rank()}); load "
+                "between steps, not inside forward or backward."
+            )
+        runtime.unit.reshard()
 
 
 def model_group(model: nn.Module) -> dist.ProcessGroup | None:
@@ -186,6 +206,7 @@ def load_state_dict(
     another world size or strategy reshard through ``flatshard.load_checkpoint``.
     ``strict``: missing, unexpected and mis-shaped entries are an error listing them all.
     """
+    reshard_for_load(model, "load_state_dict")
     targets = model.state_dict(keep_vars=True)
     places = param_places(model)
     check_keys("load_state_dict", targets.keys(), state_dict.keys(), strict)
