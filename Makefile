@@ -5,7 +5,6 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 NPROC ?= 2
-STEPS ?= 40
 TRAIN_ARGS ?=
 
 .PHONY: train test lint typecheck unit clean
@@ -17,7 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 train: $(STAMP)
-	$(BIN)/flatshard train --nproc $(NPROC) --steps $(STEPS) $(TRAIN_ARGS)
+	$(BIN)/flatshard train --nproc $(NPROC) $(TRAIN_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

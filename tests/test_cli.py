@@ -12,34 +12,89 @@ import pytest
 
 from flatshard.cli.main import main
 
+TINY = ["--dim", "32", "--layers", "2", "--heads", "2", "--seq-len", "32", "--batch", "4"]
 
-def test_train_runs_at_two_ranks_and_loss_falls() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "flatshard.cli.main", "train", "--nproc", "2", "--steps", "12"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
+
+def _train(*argv: str, launcher: list[str] | None = None) -> str:
+    command = launcher or [sys.executable, "-m", "flatshard.cli.main"]
+    result = subprocess.run([*command, "train", *argv], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def _losses(out_dir: Path) -> dict[int, float]:
+    lines = (out_dir / "metrics.jsonl").read_text().splitlines()
+    return {(row := json.loads(line))["step"]: row["loss"] for line in lines}
+
+
+def test_train_end_to_end_then_resume_exactly(tmp_path: Path) -> None:
+    """16 steps with checkpoints at 8 and 16; a second run resumed from step 8 logs the
+    same losses for steps 9-16 as the first (same data, optimizer moments, RNG)."""
+    common = [*TINY, "--steps", "16", "--lr", "1e-2", "--warmup-steps", "2"]
+    common += ["--grad-accum", "2", "--keep-ckpts", "5"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    out = _train(*common, "--ckpt-every", "8", "--sample-bytes", "40", "--out-dir", str(whole))
+    losses = _losses(whole)
+    assert sorted(losses) == list(range(1, 17))
+    assert losses[16] < losses[1] - 1.0, losses  # from ~ln(256) = 5.5 towards the text
+    assert "2 ranks (gloo, FULL_SHARD)" in out and "unigram entropy 3.016" in out
+    assert re.search(r"step 16/16 \[=+\] loss \d+\.\d+ \| [\d,]+ tok/s", out), out
+    assert "sample:\nAnd God said" in out
+    assert (whole / "loss.png").stat().st_size > 0
+    checkpoints = whole / "checkpoints"
+    assert [p.name for p in sorted(checkpoints.iterdir())] == ["step_000008", "step_000016"]
+
+    ckpt = checkpoints / "step_000008"
+    out = _train(*common, "--sample-bytes", "0", "--resume", str(ckpt), "--out-dir", str(resumed))
+    assert f"resumed from {ckpt} at step 8" in out
+    again = _losses(resumed)
+    assert sorted(again) == list(range(9, 17))
+    for step, loss in again.items():
+        assert loss == pytest.approx(losses[step], rel=1e-6), (step, losses, again)
+
+
+def test_train_a_hugging_face_model_under_torchrun_in_bf16(tmp_path: Path) -> None:
+    """One run for three things: torchrun's environment, a transformers model with its
+    block class as the unit, and mixed precision's dtype plan."""
+    pytest.importorskip("transformers")
+    config = tmp_path / "config.json"
+    config.write_text(
+        json.dumps(
+            {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "n_positions": 64}
+        )
     )
-    losses = [float(x) for x in re.findall(r"^step +\d+ +loss (\d+\.\d+)", result.stdout, re.M)]
-    assert len(losses) == 12, result.stdout
-    assert losses[-1] < losses[0] - 0.3, losses
-    assert "2 ranks (gloo)" in result.stdout
-
-
-def test_train_shows_the_dtype_plan_with_mixed_precision() -> None:
-    argv = ["train", "--nproc", "2", "--steps", "2", "--dim", "16", "--layers", "1"]
-    result = subprocess.run(
-        [sys.executable, "-m", "flatshard.cli.main", *argv, "--mixed-precision", "bf16"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    assert "dtype plan" in result.stdout
-    plan = result.stdout.split("dtype plan", 1)[1]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    launcher += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "-m"]
+    launcher += ["flatshard.cli.main"]
+    argv = ["--model", f"hf:{config}", "--seq-len", "32", "--batch", "4", "--steps", "3"]
+    argv += ["--mixed-precision", "bf16", "--sample-bytes", "8", "--out-dir", str(tmp_path)]
+    out = _train(*argv, launcher=launcher)
+    assert "2 ranks (gloo, FULL_SHARD)" in out
+    assert "GPT2LMHeadModel" in out and "(units: GPT2Block)" in out
+    assert "transformer.h.1" in out  # each block is a unit
+    plan = out.split("dtype plan", 1)[1]
     assert "bfloat16" in plan and "float32" in plan
-    assert "step    2" in result.stdout
+    assert sorted(_losses(tmp_path)) == [1, 2, 3]
+
+
+def test_config_file_and_flags(tmp_path: Path) -> None:
+    from flatshard.cli.config import config_from_args
+    from flatshard.cli.main import build_parser
+    from flatshard.cli.train_config import TrainConfig
+
+    toml = tmp_path / "run.toml"
+    toml.write_text('steps = 7\nlr = 1\nstrategy = "SHARD_GRAD_OP"\nseq-len = 64\n')
+    args = build_parser().parse_args(["train", "--config", str(toml), "--steps", "9"])
+    config = config_from_args(TrainConfig, args)
+    assert (config.steps, config.lr, config.strategy, config.seq_len) == (
+        9,
+        1.0,
+        "SHARD_GRAD_OP",
+        64,
+    )
+
+
+BAD_TOML = {"unknown": "stepz = 3", "type": 'steps = "many"', "syntax": "steps = = 3"}
 
 
 @pytest.mark.parametrize(
@@ -49,17 +104,39 @@ def test_train_shows_the_dtype_plan_with_mixed_precision() -> None:
         (["--dim", "10", "--heads", "3"], "--dim (10) must be a multiple of --heads (3)"),
         (["--lr", "-1"], "--lr must be > 0"),
         (["--mixed-precision", "fp8"], "--mixed-precision must be one of none, bf16, fp16"),
+        (["--strategy", "ZERO3"], "--strategy must be one of FULL_SHARD"),
+        (["--strategy", "HYBRID_SHARD", "--sharding-factor", "3"], "--sharding-factor (3) must"),
+        (["--sharding-factor", "2"], "--sharding-factor only applies to hybrid strategies"),
+        (["--data", "/no/such/corpus.txt"], "--data: no text file at /no/such/corpus.txt"),
+        (["--seq-len", "100000"], "--data: kjv_genesis_exodus.txt (shipped, public domain) has"),
+        (["--model", "llama"], "--model must be 'gpt' or 'hf:<config>'"),
+        (["--model", "hf:no-such-model-type"], "--model hf:no-such-model-type:"),
+        (["--hf-overrides", "n_layer=2"], "--hf-overrides only applies to --model hf:"),
+        (["--config", "{tmp}/unknown.toml"], "--config: unknown option 'stepz'"),
+        (["--config", "{tmp}/type.toml"], "--config: 'steps' in"),
+        (["--config", "{tmp}/syntax.toml"], "--config: {tmp}/syntax.toml is not valid TOML"),
+        (["--config", "{tmp}/missing.toml"], "--config: cannot read"),
     ],
 )
 def test_bad_options_give_one_line(
-    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
 ) -> None:
-    assert main(["train", *argv]) == 2
+    for name, text in BAD_TOML.items():
+        (tmp_path / f"{name}.toml").write_text(text)
+    if "hf:" in " ".join(argv):
+        pytest.importorskip("transformers")
+    assert main(["train", *[a.format(tmp=tmp_path) for a in argv]]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == f"flatshard train: error: {message}" or err.startswith(
-        f"flatshard train: error: {message}"
-    )
+    assert err.startswith(f"flatshard train: error: {message.format(tmp=tmp_path)}"), err
     assert "\n" not in err
+
+
+def test_unknown_flag_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--stepz", "3"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "unrecognized arguments: --stepz 3" in err and "\n" not in err
 
 
 def test_bench_compares_all_systems(tmp_path: Path) -> None:

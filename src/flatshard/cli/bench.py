@@ -36,18 +36,30 @@ SYSTEMS = ("flatshard", "fsdp2", "ddp", "floor")
 class BenchConfig:
     """Options of ``flatshard bench``."""
 
-    nproc: int = 2  # ranks (local processes)
-    systems: str = ",".join(SYSTEMS)  # comma-separated subset of flatshard,fsdp2,ddp,floor
-    vocab: int = 8192  # the default model has about 31M parameters
+    nproc: int = 2
+    """ranks (local processes)"""
+    systems: str = ",".join(SYSTEMS)
+    """comma-separated subset of flatshard,fsdp2,ddp,floor"""
+    vocab: int = 8192
+    """vocabulary of the GPT (the default model has about 31M parameters)"""
     dim: int = 512
+    """model width"""
     layers: int = 8
+    """transformer blocks"""
     heads: int = 8
+    """attention heads"""
     seq_len: int = 256
-    batch: int = 4  # sequences per rank per step
-    warmup: int = 1  # untimed steps per run
-    steps: int = 4  # timed steps per run
-    rounds: int = 2  # runs of every system, interleaved
-    out: str = "runs/bench"  # directory for bench.json and bench.png
+    """tokens per sequence"""
+    batch: int = 4
+    """sequences per rank per step"""
+    warmup: int = 1
+    """untimed steps per run"""
+    steps: int = 4
+    """timed steps per run"""
+    rounds: int = 2
+    """runs of every system, interleaved"""
+    out: str = "runs/bench"
+    """directory for bench.json and bench.png"""
 
     def __post_init__(self) -> None:
         for name in ("nproc", "vocab", "dim", "layers", "heads", "seq_len", "batch", "steps"):

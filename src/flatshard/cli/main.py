@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from flatshard.cli import bench, ckpt, train
-from flatshard.cli.config import ConfigError
+from flatshard.cli.config import ConfigError, OneLineParser
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser() -> OneLineParser:
+    parser = OneLineParser(
         prog="flatshard", description="Fully sharded data parallel training for PyTorch."
     )
     commands = parser.add_subparsers(dest="command", required=True)

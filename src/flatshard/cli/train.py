@@ -1,82 +1,64 @@
-"""``flatshard train``: train a small GPT, sharded over local CPU ranks or under torchrun.
+"""``flatshard train``: train a language model on text, sharded with flatshard.
 
-The data is generated: sequences from a fixed random Markov chain, so the model has
-something to learn (loss falls from ln(vocab) towards the chain's entropy) with no download.
+By default a small GPT learns the shipped public-domain corpus (Genesis and Exodus, King
+James Version) byte by byte at 2 local CPU ranks, then writes a sample of generated text.
+Without a launcher it starts --nproc local processes; under torchrun (single or multi-node)
+it uses the ranks torchrun starts. NCCL on GPUs, gloo on CPUs. Options come from flags and
+an optional TOML file (--config run.toml; flags win).
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import multiprocessing as mp
 import os
+import resource
+import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import flatshard
 from flatshard.cli.config import ConfigError, add_config_parser, config_from_args
-from flatshard.models import GPT, GPTBlock
+from flatshard.cli.data import Corpus, batch_for_step, decode, encode, load_corpus
+from flatshard.cli.lm import LanguageModel, build_language_model
+from flatshard.cli.progress import MetricsLog, ProgressBar, StepMetrics, plot
+from flatshard.cli.train_config import PRECISIONS, TrainConfig
 
-PRECISIONS = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Options of ``flatshard train``."""
-
-    nproc: int = 2  # local ranks to start when not under torchrun
-    steps: int = 40  # optimizer steps
-    batch: int = 8  # sequences per rank per step
-    seq_len: int = 32  # tokens per sequence
-    vocab: int = 64  # token ids of the generated data
-    dim: int = 64  # model width
-    layers: int = 4  # transformer blocks, one unit each
-    heads: int = 4  # attention heads
-    lr: float = 3e-3  # AdamW learning rate
-    seed: int = 0  # model and data seed
-    mixed_precision: str = "none"  # none | bf16 | fp16 (fp16 adds a ShardedGradScaler)
-
-    def __post_init__(self) -> None:
-        for name in ("nproc", "steps", "batch", "seq_len", "vocab", "dim", "layers", "heads"):
-            if getattr(self, name) < 1:
-                raise ConfigError(
-                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
-                )
-        if self.dim % self.heads:
-            raise ConfigError(f"--dim ({self.dim}) must be a multiple of --heads ({self.heads})")
-        if not self.lr > 0:
-            raise ConfigError(f"--lr must be > 0, got {self.lr}")
-        if self.mixed_precision not in PRECISIONS:
-            raise ConfigError(
-                f"--mixed-precision must be one of {', '.join(PRECISIONS)}, "
-                f"got {self.mixed_precision!r}"
-            )
+PROMPT = "And God said"
 
 
 def add_parser(commands: Any) -> None:
     add_config_parser(
         commands,
         "train",
-        help="train a small GPT on generated data, sharded with flatshard",
+        help="train a GPT (or a Hugging Face model) on text, sharded with flatshard",
         description=__doc__,
         config=TrainConfig,
         run=run,
+        config_file=True,
     )
 
 
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(TrainConfig, args)
+    load_corpus(config.data, config.seq_len)  # a missing file fails here, once
+    if config.model.startswith("hf:"):
+        build_language_model(config)  # a bad config or missing transformers fails here too
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+        config.check_world(int(os.environ["WORLD_SIZE"]))
         _train(config, store=None)
         return 0
+    config.check_world(config.nproc)
     with tempfile.TemporaryDirectory(prefix="flatshard-train-") as tmp:
-        store = os.path.join(tmp, "store")
-        return _spawn(config, store)
+        return _spawn(config, os.path.join(tmp, "store"))
 
 
 def _spawn(config: TrainConfig, store: str) -> int:
@@ -90,13 +72,136 @@ def _spawn(config: TrainConfig, store: str) -> int:
             for proc in procs:
                 proc.terminate()
         procs[0].join(timeout=0.2)
-    failed = [p.exitcode for p in procs if p.exitcode]
-    return 1 if failed else 0
+    return 1 if any(p.exitcode for p in procs) else 0
 
 
 def _worker(rank: int, config: TrainConfig, store: str) -> None:
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(config.nproc)
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(config.nproc))
     _train(config, store)
+
+
+# ---------------------------------------------------------------- one rank
+class Trainer:
+    """Everything one rank holds while training."""
+
+    def __init__(self, config: TrainConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.corpus: Corpus = load_corpus(config.data, config.seq_len)
+        self.lm: LanguageModel = build_language_model(config)
+        self.params = sum(p.numel() for p in self.lm.module.parameters())
+        self.model = _shard(self.lm, config, device)
+        self.optim = _optimizer(self.model, config)
+        low = PRECISIONS[config.mixed_precision]
+        self.scaler = flatshard.ShardedGradScaler(device.type, enabled=low is torch.float16)
+        self.step = 0
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return Path(self.config.ckpt_dir or Path(self.config.out_dir) / "checkpoints")
+
+    def loss(self, idx: torch.Tensor) -> torch.Tensor:
+        logits = self.lm.logits(self.model, idx[:, :-1].to(self.device))
+        target = idx[:, 1:].to(self.device)
+        return nn.functional.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+
+    def train_step(self) -> float:
+        """One optimizer step over --grad-accum micro-batches; this rank's mean loss."""
+        config, step = self.config, self.step + 1
+        for group in self.optim.param_groups:
+            group["lr"] = config.lr_at(step)
+        rows = config.batch * self.world * config.grad_accum
+        batch = batch_for_step(self.corpus.train, config.seq_len, rows, config.seed, step)
+        total = 0.0
+        for micro in range(config.grad_accum):
+            first = (micro * self.world + self.rank) * config.batch
+            local = batch[first : first + config.batch]
+            quiet = config.accum_no_sync and micro < config.grad_accum - 1
+            with flatshard.no_sync(self.model) if quiet else nullcontext():
+                loss = self.loss(local) / config.grad_accum
+                torch.autograd.backward(self.scaler.scale(loss))
+            total += loss.item()
+        if config.clip > 0:
+            self.scaler.unscale_(self.optim)
+            flatshard.clip_grad_norm_(self.model, config.clip)
+        self.scaler.step(self.optim)
+        self.scaler.update()
+        self.optim.zero_grad()
+        self.step = step
+        return total
+
+    @torch.no_grad()
+    def val_loss(self, batches: int = 4) -> float:
+        """Mean loss on held-out windows (the same on every rank)."""
+        rows = self.config.batch
+        losses = [
+            self.loss(batch_for_step(self.corpus.val, self.config.seq_len, rows, 12345, i)).item()
+            for i in range(batches)
+        ]
+        return sum(losses) / len(losses)
+
+    @torch.no_grad()
+    def sample(self, length: int) -> str:
+        """Text generated from ``PROMPT`` (every rank runs the same forwards)."""
+        gen = torch.Generator().manual_seed(self.config.seed)
+        ids = encode(PROMPT)
+        for _ in range(length):
+            context = torch.tensor([ids[-self.config.seq_len :]])
+            logits = self.lm.logits(self.model, context.to(self.device))[0, -1].float().cpu()
+            probs = (logits / 0.8).softmax(-1)
+            ids.append(int(torch.multinomial(probs, 1, generator=gen)))
+        return decode(ids)
+
+    def save(self) -> Path:
+        path = self.ckpt_dir / f"step_{self.step:06d}"
+        extra = {"step": self.step, "rng": torch.get_rng_state(), "config": asdict(self.config)}
+        flatshard.save_checkpoint(path, self.model, self.optim, extra=extra)
+        if self.rank == 0:
+            for old in sorted(self.ckpt_dir.glob("step_*"))[: -self.config.keep_ckpts]:
+                shutil.rmtree(old, ignore_errors=True)
+        return path
+
+    def resume(self, spec: str) -> Path:
+        path = latest_checkpoint(self.ckpt_dir) if spec == "latest" else Path(spec)
+        extra = flatshard.load_checkpoint(path, self.model, self.optim)
+        self.step = int(extra["step"])
+        torch.set_rng_state(extra["rng"])
+        return path
+
+
+def latest_checkpoint(directory: Path) -> Path:
+    found = sorted(directory.glob("step_[0-9]*[0-9]"))
+    if not found:
+        raise ConfigError(f"--resume latest: no checkpoint (step_*) in {directory}")
+    return found[-1]
+
+
+def _shard(lm: LanguageModel, config: TrainConfig, device: torch.device) -> nn.Module:
+    low = PRECISIONS[config.mixed_precision]
+    options: dict[str, Any] = {"strategy": config.sharding_strategy}
+    if config.sharding_factor:
+        options["sharding_factor"] = config.sharding_factor
+    if low is not None:
+        options["mixed_precision"] = flatshard.MixedPrecision(low, reduce_dtype=torch.float32)
+    return flatshard.fully_shard(lm.module.to(device), auto_wrap_policy=lm.unit_classes, **options)
+
+
+def _optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW; weight decay for parameters with 2+ dimensions (their shards keep theirs)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95))
+
+
+def _peak_mib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def _train(config: TrainConfig, store: str | None) -> None:
@@ -105,64 +210,79 @@ def _train(config: TrainConfig, store: str | None) -> None:
     init = f"file://{store}" if store else "env://"
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
     try:
-        torch.set_num_threads(1)
-        device = _device(backend)
-        low = PRECISIONS[config.mixed_precision]
-        model = flatshard.fully_shard(
-            _build_model(config).to(device),
-            auto_wrap_policy={GPTBlock},
-            mixed_precision=flatshard.MixedPrecision(low, reduce_dtype=torch.float32)
-            if low is not None
-            else None,
-        )
-        scaler = flatshard.ShardedGradScaler(device.type, enabled=low is torch.float16)
-        optim = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.01)
-        chain = _markov_chain(config)
-        if rank == 0:
-            total = sum(p.numel() for p in _build_model(config).parameters())
-            print(
-                f"flatshard train: {world} ranks ({backend}), {total:,} parameters, "
-                f"{config.steps} steps; uniform loss {math.log(config.vocab):.3f}"
-            )
-            print(flatshard.sharding_summary(model))
-            if low is not None:
-                print("dtype plan (master = optimizer state dtype):")
-                print(flatshard.dtype_plan(model))
-        gen = torch.Generator().manual_seed(config.seed * 1000 + rank)
-        for step in range(1, config.steps + 1):
-            start = time.perf_counter()
-            idx = _sample(chain, config, gen).to(device)
-            loss = torch.nn.functional.cross_entropy(
-                model(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten()
-            )
-            torch.autograd.backward(scaler.scale(loss))
-            scaler.step(optim)
-            scaler.update()
-            optim.zero_grad()
-            mean = loss.detach().clone()
-            dist.all_reduce(mean)
-            if rank == 0:
-                tokens = config.batch * config.seq_len * world
-                elapsed = time.perf_counter() - start
-                print(
-                    f"step {step:4d}  loss {mean.item() / world:.4f}  "
-                    f"{tokens / elapsed:,.0f} tokens/s",
-                    flush=True,
-                )
+        if backend == "gloo":
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        _loop(Trainer(config, _device(backend)), backend)
     finally:
         dist.destroy_process_group()
 
 
-def _build_model(config: TrainConfig) -> GPT:
-    """The GPT with GPT-2's initialization (small weights, zero biases); same on every rank."""
-    torch.manual_seed(config.seed)
-    model = GPT(config.vocab, config.dim, config.heads, config.layers, config.seq_len)
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear | torch.nn.Embedding):
-            torch.nn.init.normal_(module.weight, std=0.02)
-        if isinstance(module, torch.nn.Linear) and module.bias is not None:
-            torch.nn.init.zeros_(module.bias)
-    return model
+def _loop(trainer: Trainer, backend: str) -> None:
+    config, lead = trainer.config, trainer.rank == 0
+    out = Path(config.out_dir)
+    if config.resume:
+        path = trainer.resume(config.resume)
+        if lead:
+            print(f"resumed from {path} at step {trainer.step}")
+    if lead:
+        _print_start(trainer, backend)
+    log = MetricsLog(out / "metrics.jsonl", resume=bool(config.resume)) if lead else None
+    bar = ProgressBar(config.steps, trainer.step + 1, config.log_every) if lead else None
+    started = time.perf_counter()
+    while trainer.step < config.steps:
+        tick = time.perf_counter()
+        local = trainer.train_step()
+        facts = torch.tensor([local, _peak_mib(trainer.device)], dtype=torch.float64)
+        everyone = [torch.zeros_like(facts) for _ in range(trainer.world)]
+        dist.all_gather(everyone, facts.to(trainer.device) if backend == "nccl" else facts)
+        if config.ckpt_every and (
+            trainer.step % config.ckpt_every == 0 or trainer.step == config.steps
+        ):
+            trainer.save()
+        if log is not None and bar is not None:
+            tokens = config.batch * config.grad_accum * config.seq_len * trainer.world
+            metrics = StepMetrics(
+                step=trainer.step,
+                loss=sum(float(f[0]) for f in everyone) / trainer.world,
+                lr=trainer.optim.param_groups[0]["lr"],
+                tokens_per_s=tokens / (time.perf_counter() - tick),
+                peak_mem_mib=[round(float(f[1]), 1) for f in everyone],
+                elapsed_s=round(time.perf_counter() - started, 3),
+            )
+            log.write(metrics)
+            bar.update(metrics)
+    _finish(trainer, out)
+
+
+def _print_start(trainer: Trainer, backend: str) -> None:
+    config = trainer.config
+    print(
+        f"flatshard train: {trainer.lm.description}, {trainer.params:,} parameters, "
+        f"{trainer.world} ranks ({backend}, {config.strategy}), {config.steps} steps"
+    )
+    print(
+        f"data: {trainer.corpus.name}, {len(trainer.corpus.train):,} training bytes; "
+        f"unigram entropy {trainer.corpus.unigram_entropy:.3f} nats/byte (uniform 5.545)"
+    )
+    print(flatshard.sharding_summary(trainer.model))
+    if config.mixed_precision != "none":
+        print("dtype plan (master = optimizer state dtype):")
+        print(flatshard.dtype_plan(trainer.model))
+
+
+def _finish(trainer: Trainer, out: Path) -> None:
+    """Held-out loss, a text sample, the plot (collectives first, then rank 0 prints)."""
+    val = trainer.val_loss()
+    text = trainer.sample(trainer.config.sample_bytes) if trainer.config.sample_bytes else ""
+    if trainer.rank != 0:
+        return
+    print(
+        f"held-out loss {val:.4f} nats/byte (unigram entropy {trainer.corpus.unigram_entropy:.3f})"
+    )
+    if text:
+        print("sample:\n" + text)
+    print(plot(out / "metrics.jsonl", out / "loss.png"))
+    print(f"metrics: {out / 'metrics.jsonl'}")
 
 
 def _device(backend: str) -> torch.device:
@@ -171,18 +291,3 @@ def _device(backend: str) -> torch.device:
         torch.cuda.set_device(local)
         return torch.device("cuda", local)
     return torch.device("cpu")
-
-
-def _markov_chain(config: TrainConfig) -> torch.Tensor:
-    """Transition probabilities (vocab, vocab): each token has a few likely successors."""
-    gen = torch.Generator().manual_seed(config.seed)
-    logits = torch.randn(config.vocab, config.vocab, generator=gen) * 3.0
-    return logits.softmax(dim=-1)
-
-
-def _sample(chain: torch.Tensor, config: TrainConfig, gen: torch.Generator) -> torch.Tensor:
-    tokens = torch.empty(config.batch, config.seq_len + 1, dtype=torch.long)
-    tokens[:, 0] = torch.randint(0, config.vocab, (config.batch,), generator=gen)
-    for t in range(1, config.seq_len + 1):
-        tokens[:, t] = torch.multinomial(chain[tokens[:, t - 1]], 1, generator=gen).squeeze(1)
-    return tokens  # (B, T + 1)

@@ -1,0 +1,134 @@
+"""The language models ``flatshard train`` can train: its own GPT or a Hugging Face one.
+
+Both are built the same way on every rank (same seed), see byte ids (vocab 256) and are
+asked for logits the same way; the unit policy is the transformer block class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from flatshard.cli.config import ConfigError
+from flatshard.cli.data import VOCAB
+from flatshard.cli.train_config import TrainConfig
+from flatshard.models import GPT, GPTBlock
+
+
+@dataclass
+class LanguageModel:
+    """A model, the module classes that become units, and how to get logits from it."""
+
+    module: nn.Module
+    unit_classes: set[type[nn.Module]]
+    description: str
+    logits: Callable[[nn.Module, torch.Tensor], torch.Tensor]  # (B, T) ids -> (B, T, V)
+
+
+def build_language_model(config: TrainConfig) -> LanguageModel:
+    torch.manual_seed(config.seed)
+    if config.model.startswith("hf:"):
+        return _hugging_face(config)
+    return _gpt(config)
+
+
+def _gpt(config: TrainConfig) -> LanguageModel:
+    """flatshard's GPT with GPT-2's initialization (small weights, zero biases)."""
+    model = GPT(VOCAB, config.dim, config.heads, config.layers, config.seq_len)
+    for module in model.modules():
+        if isinstance(module, nn.Linear | nn.Embedding):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+    model.checkpoint_blocks = config.checkpoint_activations
+    description = f"GPT ({config.layers} blocks, width {config.dim}, {config.heads} heads)"
+    return LanguageModel(model, {GPTBlock}, description, _call_model)
+
+
+def _call_model(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = model(idx)
+    return out
+
+
+def _call_hf_model(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = model(input_ids=idx).logits
+    return out
+
+
+def _hugging_face(config: TrainConfig) -> LanguageModel:
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError(
+            "--model hf:... needs the transformers package: pip install 'flatshard[hf]'"
+        ) from None
+    hf_config = _hf_config(transformers, config)
+    model = cast(nn.Module, cast(Any, transformers).AutoModelForCausalLM.from_config(hf_config))
+    if config.checkpoint_activations:
+        cast(Any, model).gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False}
+        )
+    block = block_class(model)
+    description = f"{type(model).__name__} from {config.model[3:]} (units: {block.__name__})"
+    return LanguageModel(model, {block}, description, _call_hf_model)
+
+
+def _hf_config(transformers: Any, config: TrainConfig) -> Any:
+    """The named config (a directory, a config.json or a model type), fitted to bytes."""
+    spec = config.model[3:]
+    overrides = parse_overrides(config.hf_overrides)
+    try:
+        if spec.endswith(".json") or "/" in spec or spec.startswith("."):
+            hf_config = transformers.AutoConfig.from_pretrained(spec, **overrides)
+        else:
+            hf_config = transformers.AutoConfig.for_model(spec, **overrides)
+    except (OSError, ValueError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConfigError(f"--model {config.model}: {first}") from None
+    hf_config.vocab_size = VOCAB
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(hf_config, name, None)
+        if isinstance(value, int) and value >= VOCAB:
+            setattr(hf_config, name, None)
+    for name in ("n_positions", "max_position_embeddings"):
+        if getattr(hf_config, name, config.seq_len) < config.seq_len:
+            setattr(hf_config, name, config.seq_len)
+    return hf_config
+
+
+def parse_overrides(text: str) -> dict[str, Any]:
+    """'n_layer=2,n_embd=64,tie_word_embeddings=false' -> typed values."""
+    values: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--hf-overrides: expected key=value, got {item!r}")
+        values[key.strip()] = _typed(raw.strip())
+    return values
+
+
+def _typed(raw: str) -> Any:
+    lowered = raw.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            pass
+    return raw
+
+
+def block_class(model: nn.Module) -> type[nn.Module]:
+    """The class of the transformer blocks: the elements of the largest ``ModuleList``."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if not lists:
+        raise ConfigError(
+            f"--model: {type(model).__name__} has no nn.ModuleList of blocks to shard by"
+        )
+    largest = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+    return type(largest[0])
