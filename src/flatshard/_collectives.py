@@ -6,6 +6,9 @@ tagging and choosing an implementation per backend have one home.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
@@ -14,8 +17,31 @@ import torch.distributed as dist
 from flatshard._mesh import ShardGroups
 
 # torch 2.13 renamed the tensor collectives; older releases only have the old names.
+# Module attributes looked up at call time, so that tests can delay them
+# (flatshard.testing.delays).
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_REDUCE = dist.all_reduce
+
+
+class WaitClock:
+    """Seconds the calling thread spent blocked on flatshard's collectives.
+
+    On CPU backends (gloo) this is communication the compute waited for: the exposed
+    communication time. On CUDA, ``Work.wait()`` only makes the compute stream wait and
+    returns at once, so there it measures nothing; use a profiler trace instead.
+    """
+
+    seconds = 0.0
+
+    @classmethod
+    @contextmanager
+    def measure(cls) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            cls.seconds += time.perf_counter() - start
 
 
 class PendingReduction(NamedTuple):
@@ -33,8 +59,38 @@ class PendingReduction(NamedTuple):
 
 
 def all_gather_into(unsharded: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> None:
-    """Fill ``unsharded`` (C * F,) with every rank's ``shard`` (C,), in rank order."""
-    _ALL_GATHER(unsharded, shard, group=group)
+    """Fill ``unsharded`` (C * F,) with every rank's ``shard`` (C,), in rank order; blocking."""
+    with WaitClock.measure():
+        _ALL_GATHER(unsharded, shard, group=group)
+
+
+def start_all_gather(
+    unsharded: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup
+) -> dist.Work:
+    """``all_gather_into`` without waiting: ``wait_work`` before reading ``unsharded``.
+
+    ``shard`` must stay alive until then (the collective reads it in the background).
+    """
+    work: dist.Work = _ALL_GATHER(unsharded, shard, group=group, async_op=True)
+    return work
+
+
+def wait_work(work: dist.Work | None) -> None:
+    """Block until ``work`` is done (on CUDA: make the current stream wait for it)."""
+    if work is not None:
+        with WaitClock.measure():
+            work.wait()
+
+
+def describe(group: dist.ProcessGroup) -> str:
+    """Which implementation each collective uses on ``group``'s backend (for reports)."""
+    backend = dist.get_backend(group)
+    reduce = (
+        "all_reduce in place + copy of own chunk"
+        if reduces_by_all_reduce(group)
+        else "reduce_scatter_tensor"
+    )
+    return f"{backend}: all-gather all_gather_into_tensor (async); gradient reduce {reduce}"
 
 
 def reduces_by_all_reduce(group: dist.ProcessGroup) -> bool:
@@ -59,17 +115,17 @@ def start_reduction(grad: torch.Tensor, groups: ShardGroups) -> PendingReduction
     if groups.shard is None:
         work = None
         if groups.replicate is not None:
-            work = dist.all_reduce(grad, group=groups.replicate, async_op=True)
+            work = _ALL_REDUCE(grad, group=groups.replicate, async_op=True)
         return PendingReduction(work=work, input=grad, output=grad)
     size = grad.numel() // groups.shard_size
     output = grad.new_empty(size)  # (C,)
     chunk = slice(groups.shard_rank * size, (groups.shard_rank + 1) * size)
     if groups.replicate is not None:  # the all-reduce across replicas needs the chunk now
         _scatter_sum(output, grad, groups.shard, chunk)
-        work = dist.all_reduce(output, group=groups.replicate, async_op=True)
+        work = _ALL_REDUCE(output, group=groups.replicate, async_op=True)
         return PendingReduction(work=work, input=grad, output=output)
     if reduces_by_all_reduce(groups.shard):
-        work = dist.all_reduce(grad, group=groups.shard, async_op=True)
+        work = _ALL_REDUCE(grad, group=groups.shard, async_op=True)
         return PendingReduction(work=work, input=grad, output=output, chunk=chunk)
     work = _REDUCE_SCATTER(output, grad, group=groups.shard, async_op=True)
     return PendingReduction(work=work, input=grad, output=output)
@@ -77,8 +133,7 @@ def start_reduction(grad: torch.Tensor, groups: ShardGroups) -> PendingReduction
 
 def wait_reduction(pending: PendingReduction) -> torch.Tensor:
     """Block until the reduction is done; returns this rank's averaged shard."""
-    if pending.work is not None:
-        pending.work.wait()
+    wait_work(pending.work)
     if pending.chunk is not None:
         pending.output.copy_(pending.input[pending.chunk])
     return pending.output
@@ -93,7 +148,8 @@ def sum_reduce(grad: torch.Tensor, groups: ShardGroups) -> torch.Tensor:
         chunk = slice(groups.shard_rank * size, (groups.shard_rank + 1) * size)
         _scatter_sum(output, grad, groups.shard, chunk)
     if groups.replicate is not None:
-        dist.all_reduce(output, group=groups.replicate)
+        with WaitClock.measure():
+            _ALL_REDUCE(output, group=groups.replicate)
     return output
 
 
@@ -101,8 +157,9 @@ def _scatter_sum(
     output: torch.Tensor, grad: torch.Tensor, group: dist.ProcessGroup, chunk: slice
 ) -> None:
     """Blocking reduce-scatter of ``grad`` into ``output`` (this rank's ``chunk``)."""
-    if reduces_by_all_reduce(group):
-        dist.all_reduce(grad, group=group)
-        output.copy_(grad[chunk])
-    else:
-        _REDUCE_SCATTER(output, grad, group=group)
+    with WaitClock.measure():
+        if reduces_by_all_reduce(group):
+            _ALL_REDUCE(grad, group=group)
+            output.copy_(grad[chunk])
+        else:
+            _REDUCE_SCATTER(output, grad, group=group)

@@ -16,9 +16,22 @@ parameters, so frozen parameters never get gradient memory or a reduce-scatter.
   writes through it; writing through ``_unsharded`` would bump the version that autograd
   checks on saved views and make backward fail.
 - The reduce-scatter output (C,) becomes the original parameters' ``.grad`` (views of it).
+- The all-gather is asynchronous (see [Note: asynchronous all-gather]).
 - With F = 1 (NO_SHARD, or a world of one) in the master dtype and device there is nothing
   to gather: ``_unsharded`` is a leaf sharing the shard's storage, never freed, and
   unshard/reshard only swap views (``aliases_shard``).
+
+[Note: asynchronous all-gather]
+``start_unshard`` allocates the unsharded buffer on the current stream, casts the shard and
+issues the all-gather with ``async_op=True``; ``finish_unshard`` waits on the work handle.
+Prefetch only starts; the unit's own hook finishes (and registers views), so the gather
+runs while the current unit computes. On CPU (gloo) the collective runs in gloo's threads
+and ``wait()`` blocks the CPU until the data is there. On CUDA (NCCL) it runs on NCCL's
+internal stream and ``wait()`` makes the compute stream wait for it without blocking the
+CPU; c10d records the buffers' use on that stream for the caching allocator, so freeing
+the buffer later (``reshard``) cannot hand its memory to another tensor while NCCL still
+writes it. The cast source is held until the wait for the same reason. The CPU may then
+run ahead of the GPU; the rate limiter (``_rate_limiter.py``) bounds how far.
 """
 
 from __future__ import annotations
@@ -29,13 +42,16 @@ from dataclasses import dataclass, field
 from typing import cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from flatshard._collectives import (
     PendingReduction,
     all_gather_into,
+    start_all_gather,
     start_reduction,
     wait_reduction,
+    wait_work,
 )
 from flatshard._layout import FlatLayout, ParamSlot, ShardRange, plan_layout
 from flatshard._mesh import ShardGroups
@@ -96,6 +112,7 @@ class FlatParameter:
             self.layout.shard_numel, dtype=first.dtype, device=device, pin_memory=pin
         )
         self._grad_hook: Callable[[torch.Tensor], None] | None = None
+        self._gather: tuple[dist.Work, torch.Tensor] | None = None  # started, not waited
         self._allocate_unsharded()
         # Per backward pass: the reduction in flight, and whether this pass's gradient
         # has been dealt with (reduced, or kept for later under no_sync).
@@ -149,27 +166,51 @@ class FlatParameter:
         self._allocate_unsharded()
 
     # ------------------------------------------------------------------ storage
+    @property
+    def gathering(self) -> bool:
+        """An all-gather into the unsharded buffer was started and not yet waited for."""
+        return self._gather is not None
+
+    def start_unshard(self) -> None:
+        """Start all-gathering the shards into the unsharded buffer, without waiting.
+
+        Nothing if unsharded or already gathering. See [Note: asynchronous all-gather].
+        """
+        if self.is_unsharded or self._gather is not None:
+            return
+        self._unsharded_data.untyped_storage().resize_(self._unsharded_nbytes)
+        # Cast once per unshard (not once per op), before communicating.
+        source = self.shard.to(self.compute_device, self.compute_dtype, non_blocking=True)
+        if self.groups.shard is None:
+            self._unsharded_data.copy_(source)
+            self.is_unsharded = True
+            return
+        work = start_all_gather(self._unsharded_data, source, self.groups.shard)
+        self._gather = (work, source)  # the source must outlive the collective
+
+    def finish_unshard(self) -> None:
+        """Wait for a started all-gather; the buffer is then safe to read."""
+        if self._gather is not None:
+            wait_work(self._gather[0])
+            self._gather = None
+            self.is_unsharded = True
+
     def unshard(self) -> None:
         """All-gather the shards (unless unsharded) and register fresh views in the modules.
 
         Views are made anew on every call so that they follow the current grad mode.
         """
-        if not self.is_unsharded:
-            self._unsharded_data.untyped_storage().resize_(self._unsharded_nbytes)
-            # Cast once per unshard (not once per op), before communicating.
-            source = self.shard.to(self.compute_device, self.compute_dtype, non_blocking=True)
-            if self.groups.shard is not None:
-                all_gather_into(self._unsharded_data, source, self.groups.shard)
-            else:
-                self._unsharded_data.copy_(source)
-            self.is_unsharded = True
+        self.start_unshard()
+        self.finish_unshard()
         self.register_views(self.unsharded_views())
 
     def reshard(self) -> None:
         """Free the unsharded buffer and register the original parameters again.
 
         Views of the buffer that autograd saved stay valid objects (see the note above).
+        A prefetched all-gather still running is waited for first: its memory is in use.
         """
+        self.finish_unshard()
         if not self.aliases_shard and self.is_unsharded:
             self._unsharded_data.untyped_storage().resize_(0)
             self.is_unsharded = False

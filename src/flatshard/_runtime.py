@@ -33,6 +33,7 @@ from torch.utils import _pytree as pytree
 from flatshard._flat_param import FlatParameter
 from flatshard._mixed_precision import MixedPrecision
 from flatshard._prefetch import BackwardPrefetch, following
+from flatshard._rate_limiter import RateLimiter
 from flatshard._unit import TrainingState, Unit
 
 STATE_ATTR = "_flatshard_unit"  # attribute of a unit's module holding its UnitRuntime
@@ -45,6 +46,7 @@ class ShardTree:
     def __init__(self, root: nn.Module, process_group: dist.ProcessGroup) -> None:
         self.root = root
         self.process_group = process_group  # all the ranks that train the model together
+        self.rate_limiter = RateLimiter()  # limit_all_gathers (see _rate_limiter.py)
         self.units: list[UnitRuntime] = []  # inner units first; forward order is not assumed
         self.callback_queued = False  # the final callback of this backward pass is queued
         self.sync_gradients = True  # False inside no_sync: keep unsharded gradients
@@ -259,6 +261,7 @@ def _post_forward(runtime: UnitRuntime, module: nn.Module, args: Any, output: An
         hidden_graph = not needs_grad and _may_hide_graph(unit, output)
         if not (keep or hidden_graph):
             unit.reshard()
+            runtime.tree.rate_limiter.resharded(unit.compute_device)
     return output
 
 
@@ -315,10 +318,13 @@ def _post_backward(runtime: UnitRuntime, flat: FlatParameter, *unused: Any) -> N
 
 
 def _prefetch(runtimes: list[UnitRuntime]) -> None:
-    """Gather units ahead of use; their own hooks then find them gathered."""
+    """Start gathering units ahead of use; their own hooks wait and register views."""
     for runtime in runtimes:
         with record_function(f"flatshard::prefetch {runtime.unit.label}"):
-            runtime.unit.unshard()
+            limiter = runtime.tree.rate_limiter
+            limiter.before_prefetch()
+            runtime.unit.start_unshard()
+            limiter.prefetched(runtime.unit)
 
 
 def _queue_finish_backward(tree: ShardTree) -> None:

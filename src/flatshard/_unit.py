@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from enum import Enum, auto
 
+import torch
 from torch import nn
 
 from flatshard._flat_param import FlatParameter
@@ -90,8 +91,27 @@ class Unit:
 
     def unshard(self) -> None:
         """All-gather every FlatParameter; the modules then hold views of the buffers."""
+        self.start_unshard()  # every gather in flight before the first wait
         for flat in self.flat_params:
             flat.unshard()
+
+    def start_unshard(self) -> None:
+        """Start every FlatParameter's all-gather (prefetch); the unit's hook waits."""
+        for flat in self.flat_params:
+            flat.start_unshard()
+
+    @property
+    def gathering(self) -> bool:
+        return any(flat.gathering for flat in self.flat_params)
+
+    def finish_unshard(self) -> None:
+        """Wait for the all-gathers a prefetch started (views come with ``unshard``)."""
+        for flat in self.flat_params:
+            flat.finish_unshard()
+
+    @property
+    def compute_device(self) -> torch.device:
+        return self.flat_params[0].compute_device if self.flat_params else torch.device("cpu")
 
     def reshard(self) -> None:
         """Free the unsharded buffers; the modules then hold the original parameters."""

@@ -24,6 +24,7 @@ from flatshard._mixed_precision import CPUOffload, MixedPrecision
 from flatshard._partition import UnitPlan, partition
 from flatshard._policy import AutoWrapPolicy, is_within, select_unit_roots
 from flatshard._prefetch import BackwardPrefetch
+from flatshard._rate_limiter import DEFAULT_LIMIT, RateLimiter
 from flatshard._runtime import TREE_ATTR, ShardTree, install, shard_tree, unit_runtime
 from flatshard._unit import Unit
 
@@ -50,6 +51,7 @@ def fully_shard(
     cpu_offload: CPUOffload | None = None,
     backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
     forward_prefetch: bool = False,
+    limit_all_gathers: bool = True,
 ) -> M:
     """Shard ``module``'s parameters over ``process_group`` in place and return it.
 
@@ -99,6 +101,8 @@ def fully_shard(
             units gathered), after its reduction (BACKWARD_POST), or not (None).
         forward_prefetch: gather the next unit (previous iteration's forward order) when a
             unit's forward starts; for static graphs with a CPU-bound loop.
+        limit_all_gathers: the rate limiter: at most two units' all-gathers issued ahead of
+            their use (prefetches wait for the oldest beyond that); False: no limit.
     """
     _check_distributed()
     group = process_group if process_group is not None else dist.group.WORLD
@@ -139,6 +143,7 @@ def fully_shard(
         forward_prefetch=forward_prefetch,
     )
     tree = ShardTree(module, group)
+    tree.rate_limiter = RateLimiter(DEFAULT_LIMIT if limit_all_gathers else None)
     for name, sub_tree in earlier.items():
         tree.adopt(sub_tree, prefix=name, mixed_precision=mixed_precision)
     for plan in plans:

@@ -52,6 +52,7 @@ class ParityConfig:
     offload: bool = False  # CPUOffload(params=True)
     backward_prefetch: str | None = "BACKWARD_PRE"  # a flatshard.BackwardPrefetch name
     forward_prefetch: bool = False
+    limit_all_gathers: bool = True  # the rate limiter
 
     def __post_init__(self) -> None:
         if self.checkpoint not in ("", "inside", "around"):
@@ -202,6 +203,7 @@ def shard_with_flatshard(model: nn.Module, config: ParityConfig, group: dist.Pro
         None if prefetch is None else flatshard.BackwardPrefetch[prefetch]
     )
     options["forward_prefetch"] = config.forward_prefetch
+    options["limit_all_gathers"] = config.limit_all_gathers
     if strategy.is_hybrid:
         options.update(_hybrid_options(config, group))
     policies: dict[str, Any] = {

@@ -1,0 +1,53 @@
+"""The rate limiter: at most ``limit`` units' all-gathers issued ahead of their use.
+
+Prefetching issues a unit's all-gather before the unit runs. Nothing else stops the CPU
+from issuing many of them (each allocating a full unit) when it runs ahead of the device;
+the paper limits this to two in flight. Here a unit counts as "ahead" from its prefetch
+until its own hook waits for it or it is freed, and, on an accelerator, until the device
+has actually freed it (an event recorded when it is resharded in forward, as PyTorch FSDP
+does). Before a prefetch would exceed the limit, the oldest is waited for.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from flatshard._unit import Unit
+
+DEFAULT_LIMIT = 2
+
+
+class RateLimiter:
+    """Bounds the units gathered ahead of use; ``max_ahead`` is for tests and reports."""
+
+    def __init__(self, limit: int | None = DEFAULT_LIMIT) -> None:
+        self.limit = limit  # None: no limit
+        self._ahead: deque[Unit] = deque()
+        self._frees: deque[torch.Event] = deque()  # accelerators only
+        self.max_ahead = 0
+
+    def before_prefetch(self) -> None:
+        """Make room for one more all-gather issued ahead of use."""
+        self._ahead = deque(unit for unit in self._ahead if unit.gathering)
+        if self.limit is None:
+            return
+        while len(self._ahead) >= self.limit:
+            self._ahead.popleft().finish_unshard()
+        while len(self._frees) >= self.limit:
+            self._frees.popleft().synchronize()  # the device has freed that unit
+
+    def prefetched(self, unit: Unit) -> None:
+        if unit.gathering:
+            self._ahead.append(unit)
+        self.max_ahead = max(self.max_ahead, len(self._ahead))
+
+    def resharded(self, device: torch.device) -> None:
+        """A unit was freed in forward: on an accelerator, note when the device gets there."""
+        if self.limit is not None and device.type != "cpu":
+            event = torch.Event(device=device)
+            event.record()
+            self._frees.append(event)

@@ -1,0 +1,60 @@
+"""Collectives that finish late: results land only when ``wait()`` is called.
+
+``delayed_collectives(seconds)`` replaces the collectives flatshard's runtime issues with
+versions that compute the real result into a private buffer and copy it into the caller's
+tensor only inside ``wait()``, after sleeping. Code that reads a gathered buffer, or a
+gradient being reduced, before waiting for it then reads stale data instead of getting
+lucky with a fast loopback transport: parity fails. Blocking calls just sleep first.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from flatshard import _collectives
+
+
+class LateWork:
+    """A finished collective whose result is copied in at ``wait()``."""
+
+    def __init__(self, seconds: float, result: torch.Tensor, target: torch.Tensor) -> None:
+        self.seconds, self.result, self.target = seconds, result, target
+        self.done = False
+
+    def wait(self, timeout: Any = None) -> bool:
+        if not self.done:
+            time.sleep(self.seconds)
+            self.target.copy_(self.result)
+            self.done = True
+        return True
+
+
+def _late(real: Callable[..., Any], seconds: float, output_arg: int) -> Callable[..., Any]:
+    def late(*args: Any, async_op: bool = False, **kwargs: Any) -> Any:
+        if not async_op:
+            time.sleep(seconds)
+            return real(*args, **kwargs)
+        target: torch.Tensor = args[output_arg]
+        private = target.clone()  # in-place collectives read their input from it
+        real(*(private if i == output_arg else a for i, a in enumerate(args)), **kwargs)
+        return LateWork(seconds, private, target)
+
+    return late
+
+
+@contextmanager
+def delayed_collectives(seconds: float = 0.01) -> Iterator[None]:
+    """Inside: every flatshard collective is late by ``seconds`` (see the module note)."""
+    saved = (_collectives._ALL_GATHER, _collectives._REDUCE_SCATTER, _collectives._ALL_REDUCE)
+    _collectives._ALL_GATHER = _late(saved[0], seconds, 0)
+    _collectives._REDUCE_SCATTER = _late(saved[1], seconds, 0)
+    _collectives._ALL_REDUCE = _late(saved[2], seconds, 0)
+    try:
+        yield
+    finally:
+        _collectives._ALL_GATHER, _collectives._REDUCE_SCATTER, _collectives._ALL_REDUCE = saved

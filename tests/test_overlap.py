@@ -1,0 +1,110 @@
+"""Asynchronous all-gathers, the rate limiter, and collectives that finish late.
+
+``flatshard.testing.delays.delayed_collectives`` makes every collective's result land only
+when it is waited for: a run that reads a buffer before waiting sees stale data. Every
+prefetch mode, forward prefetch and rate limiter setting must then still give exactly the
+same losses and parameters as the undelayed run.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import pytest
+import torch
+from torch import nn
+
+import flatshard
+from flatshard.testing.delays import delayed_collectives
+from flatshard.testing.models import build
+from flatshard.testing.parity import (
+    ParityConfig,
+    assert_same,
+    make_optimizer,
+    run_flatshard,
+    run_reference,
+)
+from flatshard.testing.workers import WorkerContext, WorkerPool
+
+
+def delay_job(ctx: WorkerContext, config: ParityConfig) -> None:
+    group = ctx.group(config.world_size)
+    if group is None:
+        return
+    on_time = run_flatshard(config, group)
+    with delayed_collectives(0.002):
+        late = run_flatshard(config, group)
+    assert late.losses == on_time.losses, (late.losses, on_time.losses)
+    for name, value in on_time.params.items():
+        assert torch.equal(late.params[name], value), name
+    if ctx.rank == 0:
+        assert_same(run_reference(config), late)
+
+
+SWEEP = [
+    ParityConfig("gpt", 2, backward_prefetch=prefetch, forward_prefetch=forward, steps=3)
+    for prefetch in ("BACKWARD_PRE", "BACKWARD_POST", None)
+    for forward in (False, True)
+] + [
+    ParityConfig("nested", 3, steps=3, forward_prefetch=True),
+    ParityConfig("gpt", 2, steps=3, forward_prefetch=True, limit_all_gathers=False),
+    ParityConfig("gpt", 4, strategy="HYBRID_SHARD", sharding_factor=2, steps=3),
+    ParityConfig("gpt", 2, strategy="SHARD_GRAD_OP", steps=3, micro_batches=2, no_sync=True),
+    ParityConfig("frozen", 2, steps=3, checkpoint="inside"),
+]
+
+
+def _name(c: ParityConfig) -> str:
+    return (
+        f"{c.model}-w{c.world_size}-{c.strategy}-{c.backward_prefetch}"
+        f"-fwd{int(c.forward_prefetch)}-limit{int(c.limit_all_gathers)}"
+    )
+
+
+@pytest.mark.parametrize("config", SWEEP, ids=_name)
+def test_late_collectives_change_nothing(pool: WorkerPool, config: ParityConfig) -> None:
+    pool.run(delay_job, config)
+
+
+def limiter_job(ctx: WorkerContext, limit: bool) -> dict[str, Any] | None:
+    """The root prefetches all three blocks when forward starts: 3 gathers ahead at once."""
+    group = ctx.group(2)
+    if group is None:
+        return None
+    model = build("gpt")
+    flatshard.fully_shard(
+        model,
+        auto_wrap_policy=set(cast(Any, model).UNIT_CLASSES),
+        process_group=group,
+        limit_all_gathers=limit,
+    )
+    blocks = cast(nn.ModuleList, cast(Any, model).blocks)
+    flatshard.set_prefetch(model, forward=list(blocks))
+    optim = make_optimizer(model, 1e-2)
+    batch = cast(Any, model).make_batch(torch.Generator().manual_seed(0), 8)
+    losses = []
+    with delayed_collectives(0.002):
+        for _ in range(2):
+            loss = cast(Any, model).loss(batch)
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            losses.append(loss.item())
+    tree = flatshard._runtime.shard_tree(model)
+    assert tree is not None
+    return {"ahead": tree.rate_limiter.max_ahead, "losses": losses}
+
+
+def test_rate_limiter_bounds_gathers_ahead(pool: WorkerPool) -> None:
+    limited = pool.run(limiter_job, True)[0]
+    free = pool.run(limiter_job, False)[0]
+    assert limited["ahead"] == 2  # the third prefetch waited for the first
+    assert free["ahead"] == 3
+    assert limited["losses"] == free["losses"]
+
+
+def test_collective_choice_is_described(local_group: Any) -> None:
+    from flatshard._collectives import describe
+
+    text = describe(local_group)
+    assert text.startswith("gloo:") and "all_reduce in place" in text
