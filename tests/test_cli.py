@@ -155,6 +155,9 @@ def test_bench_compares_all_systems(tmp_path: Path) -> None:
         assert row["median_step_s"] > 0 and row["peak_rss_mib"] > 0, system
         assert row["time_vs_floor"] > 0
     assert report["systems"]["floor"]["collective_output_bytes"] == 0  # no communication at all
+    assert report["collectives"].startswith("gloo: all-gather")
+    assert report["systems"]["flatshard"]["exposed_comm_s"] > 0  # gloo blocks the caller
+    assert "exposed_comm_s" not in report["systems"]["fsdp2"]  # not instrumented there
     assert report["systems"]["flatshard"]["collective_output_bytes"] > 0
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "vs fsdp2" in result.stdout and "flatshard" in result.stdout

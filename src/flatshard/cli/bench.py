@@ -18,13 +18,14 @@ import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import flatshard
+from flatshard._collectives import WaitClock, describe
 from flatshard.cli.config import ConfigError, add_config_parser, config_from_args
 from flatshard.models import GPT, GPTBlock
 from flatshard.testing.accounting import CollectiveTracker
@@ -99,10 +100,14 @@ def run(args: argparse.Namespace) -> int:
         for system in config.system_list:
             runs[system].append(_run_system(config, system))
     summary = _summarize(config, runs)
+    collectives = next((r["collectives"] for r in runs.get("flatshard", [])), "")
+    if collectives:
+        print(f"flatshard collectives: {collectives}")
     print(_table(summary))
     os.makedirs(config.out, exist_ok=True)
     with open(os.path.join(config.out, "bench.json"), "w") as f:
-        json.dump({"config": asdict(config), "systems": summary}, f, indent=2)
+        report = {"config": asdict(config), "collectives": collectives, "systems": summary}
+        json.dump(report, f, indent=2)
     _chart(summary, os.path.join(config.out, "bench.png"))
     print(f"wrote {config.out}/bench.json and {config.out}/bench.png")
     return 0
@@ -152,11 +157,12 @@ def _measure(config: BenchConfig, system: str, rank: int) -> dict[str, Any]:
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(1 + rank)
     times: list[float] = []
+    waits: list[float] = []  # flatshard only: time blocked on its collectives
     tracker = CollectiveTracker()
     for step in range(config.warmup + config.steps):
         idx = torch.randint(0, config.vocab, (config.batch, config.seq_len + 1), generator=gen)
         dist.barrier()
-        start = time.perf_counter()
+        start, waited = time.perf_counter(), WaitClock.seconds
         with tracker if step == config.warmup else _Nothing():
             loss = nn.functional.cross_entropy(
                 model(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten()
@@ -167,8 +173,13 @@ def _measure(config: BenchConfig, system: str, rank: int) -> dict[str, Any]:
         dist.barrier()
         if step >= config.warmup:
             times.append(time.perf_counter() - start)
+            waits.append(WaitClock.seconds - waited)
     return {
         "step_times": times,
+        "comm_waits": waits if system == "flatshard" else [],
+        "collectives": describe(cast(dist.ProcessGroup, dist.group.WORLD))
+        if system == "flatshard"
+        else "",
         "collective_output_bytes": int(sum(tracker.bytes.values())),
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
@@ -210,6 +221,9 @@ def _summarize(
             "peak_rss_mib": max(r["peak_rss_mib"] for r in system_runs),
             "collective_output_bytes": system_runs[0]["collective_output_bytes"],
         }
+        waits = [w for r in system_runs for w in r["comm_waits"]]
+        if waits:
+            summary[system]["exposed_comm_s"] = statistics.median(waits)
     floor = summary.get("floor", {}).get("median_step_s")
     for row in summary.values():
         if floor is not None:
@@ -223,7 +237,8 @@ def _summarize(
 
 def _table(summary: dict[str, dict[str, float]]) -> str:
     header = f"{'system':<10} {'step s':>8} {'tokens/s':>10} {'peak RSS MiB':>13} "
-    header += f"{'coll. MB':>9} {'over floor s':>13} {'vs fsdp2':>9} {'vs ddp':>7} {'vs floor':>9}"
+    header += f"{'coll. MB':>9} {'comm wait s':>12} {'over floor s':>13} {'vs fsdp2':>9} "
+    header += f"{'vs ddp':>7} {'vs floor':>9}"
     lines = [header]
     for system, row in summary.items():
         ratios = [row.get(f"time_vs_{o}") for o in ("fsdp2", "ddp", "floor")]
@@ -231,6 +246,7 @@ def _table(summary: dict[str, dict[str, float]]) -> str:
         lines.append(
             f"{system:<10} {row['median_step_s']:>8.3f} {row['tokens_per_s']:>10,.0f} "
             f"{row['peak_rss_mib']:>13,.0f} {row['collective_output_bytes'] / 1e6:>9.1f} "
+            f"{_cell(row.get('exposed_comm_s'), '', 12)} "
             f"{_cell(row.get('over_floor_s'), '', 13)} " + " ".join(cells)
         )
     return "\n".join(lines)
