@@ -53,11 +53,14 @@ def counts_job(ctx: WorkerContext, name: str, world_size: int) -> dict[str, Any]
     batch = next(batches(model, 1))
     with CollectiveTracker() as train_step:
         _step(model, batch, ctx.rank, world_size)
+    with CollectiveTracker() as second_step:
+        _step(model, batch, ctx.rank, world_size)
     with torch.no_grad(), CollectiveTracker() as eval_step:
         model.loss(slice_batch(batch, ctx.rank, world_size))
     return {
         "flats": [(f.unit, f.requires_grad) for f in summary.flat_params],
         "train": dict(train_step.counts),
+        "second": dict(second_step.counts),
         "eval": dict(eval_step.counts),
     }
 
@@ -77,6 +80,13 @@ def test_collective_counts_per_step(pool: WorkerPool, name: str) -> None:
         # gloo: the shard group's reduce-scatter runs as an in-place all-reduce
         # (flatshard._collectives.reduces_by_all_reduce).
         ALL_REDUCE: sum(1 for _, grad in flats if grad),
+    }
+    # From the second step on, the unit that ran last in forward stays gathered into
+    # backward (it comes first there): one all-gather fewer for its FlatParameters.
+    last_unit_flats = {"gpt": 1, "frozen": 2, "nested": 1}[name]
+    assert result["second"] == {
+        **result["train"],
+        ALL_GATHER: result["train"][ALL_GATHER] - last_unit_flats,
     }
     # A no_grad forward gathers each FlatParameter once and reduces nothing.
     assert result["eval"] == {ALL_GATHER: len(flats)}
@@ -150,7 +160,8 @@ def test_peak_unsharded_by_prefetch(pool: WorkerPool, prefetch: str | None) -> N
     # reaches the previous block's output (whose hook gathers that block): one block at a
     # time, unless BACKWARD_PRE gathers the previous block while this one still computes.
     option = None if prefetch is None else flatshard.BackwardPrefetch[prefetch]
-    for result in pool.run(memory_job, "gpt", 2, {"backward_prefetch": option})[:2]:
+    options = {"backward_prefetch": option, "forward_prefetch": False}
+    for result in pool.run(memory_job, "gpt", 2, options)[:2]:
         unsharded = result["unsharded_bytes"]
         blocks = sorted(b for u, b in unsharded.items() if u != "<root>")
         gathered_blocks = 2 if prefetch == "BACKWARD_PRE" else 1
@@ -187,21 +198,25 @@ def prefetch_order_job(ctx: WorkerContext, options: dict[str, Any]) -> dict[str,
 
 
 def test_prefetch_changes_order_not_counts(pool: WorkerPool) -> None:
-    none = pool.run(prefetch_order_job, {"backward_prefetch": None})[0]
-    pre = pool.run(prefetch_order_job, {})[0]  # BACKWARD_PRE is the default
-    forward = pool.run(prefetch_order_job, {"forward_prefetch": True, "backward_prefetch": None})[0]
-    off = pool.run(prefetch_order_job, {"explicit_off": True})[0]
-    # TinyGPT, 3 blocks: forward gathers root + 3 blocks, backward the 3 blocks again.
-    for result in (none, pre, forward, off):
-        assert result["counts"] == {ALL_GATHER: 7, ALL_REDUCE: 4}
-    # Backward starts with the last block; BACKWARD_PRE gathers the block before it too,
-    # before the last block's reduce-scatter.
-    assert none["gathers_before_first_reduce"] == 4 + 1
-    assert pre["gathers_before_first_reduce"] == 4 + 2
-    assert off["gathers_before_first_reduce"] == 4 + 1  # set_prefetch(backward=[])
+    no_fwd = {"forward_prefetch": False}
+    none = pool.run(prefetch_order_job, {"backward_prefetch": None, **no_fwd})[0]
+    pre = pool.run(prefetch_order_job, no_fwd)[0]  # BACKWARD_PRE is the default
+    forward = pool.run(prefetch_order_job, {"backward_prefetch": None})[0]  # default: on
+    off = pool.run(prefetch_order_job, {"explicit_off": True, **no_fwd})[0]
+    both = pool.run(prefetch_order_job, {})[0]  # the defaults: forward and BACKWARD_PRE
+    # TinyGPT, 3 blocks: forward gathers root + 3 blocks; backward the first 2 blocks
+    # again (the last block of the forward order stays gathered into backward, like the
+    # root: backward starts with it).
+    for result in (none, pre, forward, off, both):
+        assert result["counts"] == {ALL_GATHER: 6, ALL_REDUCE: 4}
+    # Backward starts with the last block, still gathered; BACKWARD_PRE gathers the block
+    # before it before the last block's reduce-scatter.
+    assert none["gathers_before_first_reduce"] == 4
+    assert pre["gathers_before_first_reduce"] == 4 + 1
+    assert off["gathers_before_first_reduce"] == 4  # set_prefetch(backward=[])
     # Prefetching holds the next block while the current one runs: one block more.
-    assert forward["peak"] == pre["peak"] > none["peak"]
-    assert forward["gathers_before_first_reduce"] == 4 + 1
+    assert forward["peak"] == pre["peak"] == both["peak"] > none["peak"]
+    assert forward["gathers_before_first_reduce"] == 4
 
 
 # ---------------------------------------------------------------- parameter views

@@ -66,6 +66,14 @@ class ShardTree:
         if not any(r is runtime for r in self.forward_order):
             self.forward_order.append(runtime)
 
+    def ends_forward(self, runtime: UnitRuntime) -> bool:
+        """Whether ``runtime``'s unit ran last in the previous iteration's forward.
+
+        A guess from the last iteration; a wrong one keeps a unit gathered a little longer.
+        """
+        order = self.previous_forward_order
+        return bool(order) and order[-1] is runtime
+
     def adopt(self, other: ShardTree, prefix: str, mixed_precision: MixedPrecision | None) -> None:
         """Take over the units of an earlier call on the submodule named ``prefix``.
 
@@ -255,9 +263,15 @@ def _post_forward(runtime: UnitRuntime, module: nn.Module, args: Any, output: An
         if unit.state is TrainingState.BACKWARD:
             return output  # recomputation inside backward: keep the parameters
         unit.state = TrainingState.IDLE
-        # Kept until backward: the root (it would be gathered again at once) and units whose
-        # strategy keeps parameters from forward to backward (SHARD_GRAD_OP, ZERO2).
-        keep = needs_grad and (runtime.is_root or not unit.strategy.reshard_after_forward)
+        # Kept until backward: the root and the last unit of the forward order (backward
+        # starts with them, they would be gathered again at once, with no compute to hide
+        # the wait), and units whose strategy keeps parameters from forward to backward
+        # (SHARD_GRAD_OP, ZERO2).
+        keep = needs_grad and (
+            runtime.is_root
+            or runtime.tree.ends_forward(runtime)
+            or not unit.strategy.reshard_after_forward
+        )
         hidden_graph = not needs_grad and _may_hide_graph(unit, output)
         if not (keep or hidden_graph):
             unit.reshard()

@@ -50,7 +50,7 @@ def fully_shard(
     mixed_precision: MixedPrecision | None = None,
     cpu_offload: CPUOffload | None = None,
     backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
-    forward_prefetch: bool = False,
+    forward_prefetch: bool = True,
     limit_all_gathers: bool = True,
 ) -> M:
     """Shard ``module``'s parameters over ``process_group`` in place and return it.
@@ -99,8 +99,9 @@ def fully_shard(
         backward_prefetch: gather the next unit (reverse of this iteration's forward
             order) in the current unit's pre-backward (BACKWARD_PRE: more overlap, two
             units gathered), after its reduction (BACKWARD_POST), or not (None).
-        forward_prefetch: gather the next unit (previous iteration's forward order) when a
-            unit's forward starts; for static graphs with a CPU-bound loop.
+        forward_prefetch: start gathering the next unit (previous iteration's forward
+            order) when a unit's forward starts, so its all-gather overlaps this unit's
+            compute (one unit more gathered in forward; a wrong guess costs memory only).
         limit_all_gathers: the rate limiter: at most two units' all-gathers issued ahead of
             their use (prefetches wait for the oldest beyond that); False: no limit.
     """

@@ -31,6 +31,8 @@ from flatshard.models import GPT, GPTBlock
 from flatshard.testing.accounting import CollectiveTracker
 
 SYSTEMS = ("flatshard", "fsdp2", "ddp", "floor")
+# Also available, not run by default: flatshard without any prefetch (what prefetch buys).
+EXTRA_SYSTEMS = ("flatshard-noprefetch",)
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,7 @@ class BenchConfig:
     nproc: int = 2
     """ranks (local processes)"""
     systems: str = ",".join(SYSTEMS)
-    """comma-separated subset of flatshard,fsdp2,ddp,floor"""
+    """comma-separated subset of flatshard,fsdp2,ddp,floor,flatshard-noprefetch"""
     vocab: int = 8192
     """vocabulary of the GPT (the default model has about 31M parameters)"""
     dim: int = 512
@@ -70,10 +72,11 @@ class BenchConfig:
             raise ConfigError("--warmup must be >= 0 and --rounds >= 1")
         if self.dim % self.heads:
             raise ConfigError(f"--dim ({self.dim}) must be a multiple of --heads ({self.heads})")
-        unknown = set(self.system_list) - set(SYSTEMS)
+        unknown = set(self.system_list) - set(SYSTEMS + EXTRA_SYSTEMS)
         if unknown or not self.system_list:
             raise ConfigError(
-                f"--systems must be a comma-separated subset of {','.join(SYSTEMS)}, "
+                "--systems must be a comma-separated subset of "
+                f"{','.join(SYSTEMS + EXTRA_SYSTEMS)}, "
                 f"got {self.systems!r}"
             )
 
@@ -176,7 +179,7 @@ def _measure(config: BenchConfig, system: str, rank: int) -> dict[str, Any]:
             waits.append(WaitClock.seconds - waited)
     return {
         "step_times": times,
-        "comm_waits": waits if system == "flatshard" else [],
+        "comm_waits": waits if system.startswith("flatshard") else [],
         "collectives": describe(cast(dist.ProcessGroup, dist.group.WORLD))
         if system == "flatshard"
         else "",
@@ -188,6 +191,10 @@ def _measure(config: BenchConfig, system: str, rank: int) -> dict[str, Any]:
 def _wrap(model: GPT, system: str) -> nn.Module:
     if system == "flatshard":
         return flatshard.fully_shard(model, auto_wrap_policy={GPTBlock})
+    if system == "flatshard-noprefetch":
+        return flatshard.fully_shard(
+            model, auto_wrap_policy={GPTBlock}, backward_prefetch=None, forward_prefetch=False
+        )
     if system == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 

@@ -1,0 +1,102 @@
+"""A/B of flatshard's overlap choices on the bench GPT, interleaved in fresh processes.
+
+Run: .venv/bin/python benchmarks/prefetch_variants.py [--rounds 2] [--steps 4]
+
+Variants (2 ranks, gloo, one thread per rank, 31M-parameter GPT, batch 4 x 256 tokens):
+  defaults      fully_shard defaults (forward prefetch, BACKWARD_PRE, last unit kept)
+  no-keep-last  as defaults, but the last unit of forward is resharded and gathered again
+  no-fwd        as defaults, without forward prefetch
+  no-bwd        as defaults, without backward prefetch
+  none          no prefetch at all, last unit resharded (the plain FSDP schedule)
+  floor         every rank trains alone (no communication)
+Prints the median step time of each and its ratio to the defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import flatshard
+from flatshard import _runtime
+from flatshard.models import GPT, GPTBlock
+
+VARIANTS = ("defaults", "no-keep-last", "no-fwd", "no-bwd", "none", "floor")
+
+
+def build(variant: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = GPT(8192, 512, 8, 8, 256)
+    if variant == "floor":
+        return model
+    if variant in ("no-keep-last", "none"):
+        setattr(_runtime.ShardTree, "ends_forward", lambda self, runtime: False)  # noqa: B010
+    options: dict[str, Any] = {}
+    if variant in ("no-fwd", "none"):
+        options["forward_prefetch"] = False
+    if variant in ("no-bwd", "none"):
+        options["backward_prefetch"] = None
+    return flatshard.fully_shard(model, auto_wrap_policy={GPTBlock}, **options)
+
+
+def worker(rank: int, store: str, variant: str, steps: int, results: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    model = build(variant)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(rank)
+    times = []
+    for step in range(steps + 1):  # the first step records the forward order: untimed
+        idx = torch.randint(0, 8192, (4, 257), generator=gen)
+        dist.barrier()
+        start = time.perf_counter()
+        logits = model(idx[:, :-1])
+        nn.functional.cross_entropy(logits.flatten(0, 1), idx[:, 1:].flatten()).backward()
+        optim.step()
+        optim.zero_grad()
+        dist.barrier()
+        if step:
+            times.append(time.perf_counter() - start)
+    if rank == 0:
+        results.put(times)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4)
+    args = parser.parse_args()
+    ctx = mp.get_context("spawn")
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for _ in range(args.rounds):
+        for variant in VARIANTS:
+            with tempfile.TemporaryDirectory() as tmp:
+                results = ctx.Queue()
+                store = os.path.join(tmp, "store")
+                procs = [
+                    ctx.Process(target=worker, args=(r, store, variant, args.steps, results))
+                    for r in range(2)
+                ]
+                for proc in procs:
+                    proc.start()
+                times[variant] += results.get(timeout=1800)
+                for proc in procs:
+                    proc.join()
+    base = statistics.median(times["defaults"])
+    for variant in VARIANTS:
+        median = statistics.median(times[variant])
+        print(f"{variant:<13} median step {median:.3f} s   vs defaults {median / base:.3f}x")
+
+
+if __name__ == "__main__":
+    main()
