@@ -108,3 +108,35 @@ def test_collective_choice_is_described(local_group: Any) -> None:
 
     text = describe(local_group)
     assert text.startswith("gloo:") and "all_reduce in place" in text
+
+
+def reduce_scatter_job(ctx: WorkerContext, config: ParityConfig) -> None:
+    """The other reduction implementation (NCCL's choice) on gloo: the same sums."""
+    group = ctx.group(config.world_size)
+    if group is None:
+        return
+    import flatshard._collectives as collectives
+
+    default = run_flatshard(config, group)
+    chosen = collectives.reduces_by_all_reduce
+    collectives.reduces_by_all_reduce = lambda group: False  # type: ignore[assignment]
+    try:
+        with delayed_collectives(0.002):
+            other = run_flatshard(config, group)
+    finally:
+        collectives.reduces_by_all_reduce = chosen
+    assert other.losses == default.losses
+    if ctx.rank == 0:
+        assert_same(run_reference(config), other)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        ParityConfig("gpt", 3, steps=3),
+        ParityConfig("gpt", 4, strategy="HYBRID_SHARD", sharding_factor=2, steps=3),
+    ],
+    ids=_name,
+)
+def test_reduce_scatter_implementation_matches(pool: WorkerPool, config: ParityConfig) -> None:
+    pool.run(reduce_scatter_job, config)
