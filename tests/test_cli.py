@@ -116,6 +116,8 @@ BAD_TOML = {"unknown": "stepz = 3", "type": 'steps = "many"', "syntax": "steps =
         (["--config", "{tmp}/type.toml"], "--config: 'steps' in"),
         (["--config", "{tmp}/syntax.toml"], "--config: {tmp}/syntax.toml is not valid TOML"),
         (["--config", "{tmp}/missing.toml"], "--config: cannot read"),
+        (["--resume", "latest", "--out-dir", "{tmp}"], "--resume latest: no checkpoint"),
+        (["--resume", "{tmp}/none"], "--resume: no checkpoint at {tmp}/none"),
     ],
 )
 def test_bad_options_give_one_line(

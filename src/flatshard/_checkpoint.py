@@ -72,7 +72,8 @@ def save_checkpoint(
     file system they share). Loadable at any world size and strategy, and with no process
     group at all (see ``load_checkpoint``). ``extra``: anything ``torch.load`` reads with
     ``weights_only=True`` (numbers, strings, tensors such as RNG states, lists, dicts); each
-    rank's own ``extra`` is kept and given back to the same rank on load.
+    rank's own ``extra`` is kept and given back to the same rank on load. A model without
+    flatshard units is saved by the calling process alone: call it from one process only.
     """
     target = Path(path)
     group = model_group(model)

@@ -51,3 +51,7 @@ class RateLimiter:
             event = torch.Event(device=device)
             event.record()
             self._frees.append(event)
+            # Events of one stream complete in order: the newest ``limit`` say it all (and
+            # without prefetches nothing else would ever drain the queue).
+            while len(self._frees) > self.limit:
+                self._frees.popleft()

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 import flatshard
+from flatshard._checkpoint import CheckpointError, read_manifest
 from flatshard.cli.config import ConfigError, add_config_parser, config_from_args
 from flatshard.cli.data import Corpus, batch_for_step, decode, encode, load_corpus
 from flatshard.cli.lm import LanguageModel, build_language_model
@@ -50,6 +51,8 @@ def add_parser(commands: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(TrainConfig, args)
     load_corpus(config.data, config.seq_len)  # a missing file fails here, once
+    if config.resume:
+        _check_resume(config)
     if config.model.startswith("hf:"):
         build_language_model(config)  # a bad config or missing transformers fails here too
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
@@ -171,6 +174,16 @@ class Trainer:
         return path
 
 
+def _check_resume(config: TrainConfig) -> None:
+    """A checkpoint to resume from must exist and be whole: one line if not."""
+    ckpt_dir = Path(config.ckpt_dir or Path(config.out_dir) / "checkpoints")
+    path = latest_checkpoint(ckpt_dir) if config.resume == "latest" else Path(config.resume)
+    try:
+        read_manifest(path)
+    except CheckpointError as error:
+        raise ConfigError(f"--resume: {str(error).removeprefix('flatshard: ')}") from None
+
+
 def latest_checkpoint(directory: Path) -> Path:
     found = sorted(directory.glob("step_[0-9]*[0-9]"))
     if not found:
@@ -232,9 +245,10 @@ def _loop(trainer: Trainer, backend: str) -> None:
     while trainer.step < config.steps:
         tick = time.perf_counter()
         local = trainer.train_step()
-        facts = torch.tensor([local, _peak_mib(trainer.device)], dtype=torch.float64)
+        on = trainer.device if backend == "nccl" else torch.device("cpu")  # NCCL: GPU only
+        facts = torch.tensor([local, _peak_mib(trainer.device)], dtype=torch.float64, device=on)
         everyone = [torch.zeros_like(facts) for _ in range(trainer.world)]
-        dist.all_gather(everyone, facts.to(trainer.device) if backend == "nccl" else facts)
+        dist.all_gather(everyone, facts)
         if config.ckpt_every and (
             trainer.step % config.ckpt_every == 0 or trainer.step == config.steps
         ):
