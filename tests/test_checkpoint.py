@@ -417,3 +417,26 @@ def load_after_eval_job(ctx: WorkerContext, strategy: str) -> None:
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
 def test_load_after_forward_uses_new_weights(pool: WorkerPool, strategy: str) -> None:
     pool.run(load_after_eval_job, strategy)
+
+
+def from_rank0_job(ctx: WorkerContext, strategy: str) -> None:
+    """The default full state dict (rank 0 only) loads back with from_rank0=True."""
+    group = ctx.group(2)
+    if group is None:
+        return
+    model = shard(build("gpt"), group, strategy)
+    train_steps(model, make_optimizer(model, 1e-2, "adamw"), range(2), group)
+    full = flatshard.full_state_dict(model)  # rank0_only: {} on rank 1
+    assert (ctx.rank == 0) == bool(full)
+    fresh = shard(build("gpt", seed=5), group, strategy)
+    flatshard.load_state_dict(fresh, full, from_rank0=True)
+    expected = flatshard.full_state_dict(model, rank0_only=False)
+    _assert_equal_dicts(flatshard.full_state_dict(fresh, rank0_only=False), expected)
+    broken = {k: v for k, v in full.items() if k != "ln_f.weight"}
+    with pytest.raises(ValueError, match=r"Missing: 'ln_f.weight'.*\(checked on rank 0\)"):
+        flatshard.load_state_dict(fresh, broken, from_rank0=True)  # every rank raises
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+def test_full_state_dict_loads_from_rank0(pool: WorkerPool, strategy: str) -> None:
+    pool.run(from_rank0_job, strategy)

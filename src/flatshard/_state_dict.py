@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -197,15 +198,21 @@ def load_state_dict(
     state_dict: dict[str, RowShard | torch.Tensor],
     *,
     strict: bool = True,
+    from_rank0: bool = False,
 ) -> None:
     """Copy a full or sharded state dict (or a mix) into the model's shards in place.
 
-    Full tensors: every rank takes its own rows, so every rank needs the dict (use
-    ``full_state_dict(model, rank0_only=False)`` or ``load_checkpoint``). ``RowShard``
-    entries must hold exactly this rank's rows (the same layout); checkpoints saved at
-    another world size or strategy reshard through ``flatshard.load_checkpoint``.
-    ``strict``: missing, unexpected and mis-shaped entries are an error listing them all.
+    Full tensors: every rank takes its own rows, so every rank needs the dict, unless
+    ``from_rank0=True``: then only rank 0 of the model's group needs it (e.g. the default
+    ``full_state_dict`` output; others pass ``{}``), and it is broadcast one tensor at a
+    time. ``RowShard`` entries must hold exactly this rank's rows (the same layout);
+    checkpoints saved at another world size or strategy reshard through
+    ``flatshard.load_checkpoint``. ``strict``: missing, unexpected and mis-shaped entries
+    are an error listing them all.
     """
+    if from_rank0:
+        _load_from_rank0(model, state_dict, strict)
+        return
     reshard_for_load(model, "load_state_dict")
     targets = model.state_dict(keep_vars=True)
     places = param_places(model)
@@ -248,6 +255,66 @@ def _load_one(
     with torch.no_grad():
         target.detach().copy_(local)
     return None
+
+
+def _load_from_rank0(
+    model: nn.Module, state_dict: dict[str, RowShard | torch.Tensor], strict: bool
+) -> None:
+    """Rank 0 checks its full dict and broadcasts it tensor by tensor; a collective."""
+    group = model_group(model)
+    if group is None:
+        load_state_dict(model, state_dict, strict=strict)
+        return
+    source = dist.get_global_rank(group, 0)
+    targets = model.state_dict(keep_vars=True)
+    places = param_places(model)
+    verdict: list[object] = [None, None]  # (error message, keys rank 0 has)
+    if dist.get_rank(group) == 0:
+        try:
+            _check_full(targets, places, state_dict, strict)
+            verdict = [None, [k for k in targets if k in state_dict]]
+        except ValueError as error:
+            verdict = [str(error), None]
+    dist.broadcast_object_list(verdict, src=source, group=group)
+    if verdict[0] is not None:
+        raise ValueError(f"{verdict[0]} (checked on rank 0)")
+    reshard_for_load(model, "load_state_dict")
+    for key in cast(list[str], verdict[1]):
+        target = targets[key]
+        place = places.get(id(target))
+        shape = place.full_shape if place is not None else target.shape
+        device = place.flat.compute_device if place and place.flat else target.device
+        if dist.get_rank(group) == 0:
+            full = cast(torch.Tensor, state_dict[key]).to(device, target.dtype).contiguous()
+        else:
+            full = torch.empty(shape, dtype=target.dtype, device=device)
+        dist.broadcast(full, src=source, group=group)
+        with torch.no_grad():
+            target.detach().copy_(place.take(full) if place is not None else full)
+
+
+def _check_full(
+    targets: dict[str, torch.Tensor],
+    places: dict[int, Place],
+    state_dict: dict[str, RowShard | torch.Tensor],
+    strict: bool,
+) -> None:
+    """Names and full shapes of a full state dict against the model; one error for all."""
+    check_keys("load_state_dict", targets.keys(), state_dict.keys(), strict)
+    problems = []
+    for key, value in state_dict.items():
+        if key not in targets:
+            continue
+        place = places.get(id(targets[key]))
+        shape = place.full_shape if place is not None else targets[key].shape
+        if not isinstance(value, torch.Tensor) or value.shape != shape:
+            found = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
+            problems.append(f"'{key}': expected a tensor of shape {tuple(shape)}, found {found}")
+    if problems:
+        raise ValueError(
+            f"flatshard.load_state_dict (rank {_global_rank()}): {len(problems)} entries do "
+            "not fit the model:\n  " + "\n  ".join(problems)
+        )
 
 
 def check_keys(caller: str, expected: Iterable[str], given: Iterable[str], strict: bool) -> None:
