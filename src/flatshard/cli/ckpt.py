@@ -29,8 +29,8 @@ from flatshard._export import DEFAULT_SHARD_BYTES, export_checkpoint
 from flatshard.cli.config import ConfigError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20}
-_UNITS["GIB"] = 2**30
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
 def add_parser(commands: Any) -> None:
