@@ -199,14 +199,7 @@ def load_checkpoint(
         state.update(_optim_targets(model, saved, target))
     extra_key = f"{EXTRA}{rank}" if f"{EXTRA}{rank}" in saved else f"{EXTRA}0"
     state[extra_key] = None
-    with _single_process_is_intended():
-        dcp_load(
-            state,
-            storage_reader=FileSystemReader(target),
-            planner=RowShardLoadPlanner(),
-            process_group=group,
-            no_dist=group is None,
-        )
+    _read(target, state, group)
     if optimizer is not None:
         load_optim_state_dict(model, optimizer, _optim_state(state))
     extra = state[extra_key]
@@ -215,12 +208,18 @@ def load_checkpoint(
 
 def load_raw(target: Path, state: dict[str, Any]) -> None:
     """Read the named entries of a checked checkpoint into ``state``, in this process."""
+    _read(target, state, None)
+
+
+def _read(target: Path, state: dict[str, Any], group: dist.ProcessGroup | None) -> None:
+    """DCP's load of ``state`` (in place) from ``target``; one process if no group."""
     with _single_process_is_intended():
         dcp_load(
             state,
             storage_reader=FileSystemReader(target),
             planner=RowShardLoadPlanner(),
-            no_dist=True,
+            process_group=group,
+            no_dist=group is None,
         )
 
 

@@ -59,15 +59,25 @@ def _call_hf_model(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _hugging_face(config: TrainConfig) -> LanguageModel:
+def check_hugging_face(config: TrainConfig) -> None:
+    """Fail early (one line) on a missing transformers or a config it cannot build."""
+    _hf_config(_transformers(), config)
+
+
+def _transformers() -> Any:
     try:
         import transformers
     except ImportError:
         raise ConfigError(
             "--model hf:... needs the transformers package: pip install 'flatshard[hf]'"
         ) from None
+    return transformers
+
+
+def _hugging_face(config: TrainConfig) -> LanguageModel:
+    transformers = _transformers()
     hf_config = _hf_config(transformers, config)
-    model = cast(nn.Module, cast(Any, transformers).AutoModelForCausalLM.from_config(hf_config))
+    model = cast(nn.Module, transformers.AutoModelForCausalLM.from_config(hf_config))
     if config.checkpoint_activations:
         cast(Any, model).gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False}

@@ -29,7 +29,7 @@ import flatshard
 from flatshard._checkpoint import CheckpointError, read_manifest
 from flatshard.cli.config import ConfigError, add_config_parser, config_from_args
 from flatshard.cli.data import Corpus, batch_for_step, decode, encode, load_corpus
-from flatshard.cli.lm import LanguageModel, build_language_model
+from flatshard.cli.lm import LanguageModel, build_language_model, check_hugging_face
 from flatshard.cli.progress import MetricsLog, ProgressBar, StepMetrics, plot
 from flatshard.cli.train_config import PRECISIONS, TrainConfig
 
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     if config.resume:
         _check_resume(config)
     if config.model.startswith("hf:"):
-        build_language_model(config)  # a bad config or missing transformers fails here too
+        check_hugging_face(config)  # a bad config or missing transformers fails here too
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
         config.check_world(int(os.environ["WORLD_SIZE"]))
         _train(config, store=None)
@@ -100,10 +100,6 @@ class Trainer:
         low = PRECISIONS[config.mixed_precision]
         self.scaler = flatshard.ShardedGradScaler(device.type, enabled=low is torch.float16)
         self.step = 0
-
-    @property
-    def ckpt_dir(self) -> Path:
-        return Path(self.config.ckpt_dir or Path(self.config.out_dir) / "checkpoints")
 
     def loss(self, idx: torch.Tensor) -> torch.Tensor:
         logits = self.lm.logits(self.model, idx[:, :-1].to(self.device))
@@ -158,16 +154,16 @@ class Trainer:
         return decode(ids)
 
     def save(self) -> Path:
-        path = self.ckpt_dir / f"step_{self.step:06d}"
+        path = self.config.checkpoint_dir / f"step_{self.step:06d}"
         extra = {"step": self.step, "rng": torch.get_rng_state(), "config": asdict(self.config)}
         flatshard.save_checkpoint(path, self.model, self.optim, extra=extra)
         if self.rank == 0:
-            for old in sorted(self.ckpt_dir.glob("step_*"))[: -self.config.keep_ckpts]:
+            for old in saved_checkpoints(self.config.checkpoint_dir)[: -self.config.keep_ckpts]:
                 shutil.rmtree(old, ignore_errors=True)
         return path
 
     def resume(self, spec: str) -> Path:
-        path = latest_checkpoint(self.ckpt_dir) if spec == "latest" else Path(spec)
+        path = latest_checkpoint(self.config.checkpoint_dir) if spec == "latest" else Path(spec)
         extra = flatshard.load_checkpoint(path, self.model, self.optim)
         self.step = int(extra["step"])
         torch.set_rng_state(extra["rng"])
@@ -176,16 +172,21 @@ class Trainer:
 
 def _check_resume(config: TrainConfig) -> None:
     """A checkpoint to resume from must exist and be whole: one line if not."""
-    ckpt_dir = Path(config.ckpt_dir or Path(config.out_dir) / "checkpoints")
-    path = latest_checkpoint(ckpt_dir) if config.resume == "latest" else Path(config.resume)
+    latest = config.resume == "latest"
+    path = latest_checkpoint(config.checkpoint_dir) if latest else Path(config.resume)
     try:
         read_manifest(path)
     except CheckpointError as error:
         raise ConfigError(f"--resume: {str(error).removeprefix('flatshard: ')}") from None
 
 
+def saved_checkpoints(directory: Path) -> list[Path]:
+    """``step_NNNNNN`` directories, oldest first (not ``.partial`` or ``.previous`` ones)."""
+    return sorted(directory.glob("step_[0-9]*[0-9]"))
+
+
 def latest_checkpoint(directory: Path) -> Path:
-    found = sorted(directory.glob("step_[0-9]*[0-9]"))
+    found = saved_checkpoints(directory)
     if not found:
         raise ConfigError(f"--resume latest: no checkpoint (step_*) in {directory}")
     return found[-1]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -108,6 +109,10 @@ class TrainConfig:
             fail("model", f"must be 'gpt' or 'hf:<config>', got {self.model!r}")
         if self.hf_overrides and not self.model.startswith("hf:"):
             fail("hf_overrides", "only applies to --model hf:...")
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.ckpt_dir) if self.ckpt_dir else Path(self.out_dir) / "checkpoints"
 
     @property
     def sharding_strategy(self) -> flatshard.ShardingStrategy:
