@@ -159,8 +159,7 @@ def state_dict_job(ctx: WorkerContext, name: str, kind: str) -> None:
         for n, value in exp_avg.items():
             torch.testing.assert_close(osd["state"][n]["exp_avg"], value, rtol=1e-5, atol=1e-7)
     else:
-        msd = {k: v for k, v in flatshard.sharded_state_dict(model).items()}
-        msd = {k: _clone(v) for k, v in msd.items()}
+        msd = {k: _clone(v) for k, v in flatshard.sharded_state_dict(model).items()}
         osd = flatshard.sharded_optim_state_dict(model, optim)
         osd = {
             "state": {n: {k: _clone(v) for k, v in s.items()} for n, s in osd["state"].items()},
