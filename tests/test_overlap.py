@@ -107,27 +107,29 @@ def test_collective_choice_is_described(local_group: Any) -> None:
     from flatshard._collectives import describe
 
     text = describe(local_group)
-    assert text.startswith("gloo:") and "all_reduce in place" in text
+    assert text.startswith("gloo:") and "all_to_all_single" in text
 
 
 def reduce_scatter_job(ctx: WorkerContext, config: ParityConfig) -> None:
-    """The other reduction implementation (NCCL's choice) on gloo: the same sums."""
+    """Every reduce-scatter implementation on gloo: the reference's sums, late or not."""
     group = ctx.group(config.world_size)
     if group is None:
         return
     import flatshard._collectives as collectives
 
-    default = run_flatshard(config, group)
-    chosen = collectives.reduces_by_all_reduce
-    collectives.reduces_by_all_reduce = lambda group: False  # type: ignore[assignment]
+    chosen = collectives.reduce_scatter_impl
+    reference = run_reference(config) if ctx.rank == 0 else None
     try:
-        with delayed_collectives(0.002):
-            other = run_flatshard(config, group)
+        for impl in collectives.ReduceScatter:
+            collectives.reduce_scatter_impl = lambda group, impl=impl: impl  # type: ignore[misc]
+            on_time = run_flatshard(config, group)
+            with delayed_collectives(0.002):
+                late = run_flatshard(config, group)
+            assert late.losses == on_time.losses, impl
+            if reference is not None:
+                assert_same(reference, late)
     finally:
-        collectives.reduces_by_all_reduce = chosen
-    assert other.losses == default.losses
-    if ctx.rank == 0:
-        assert_same(run_reference(config), other)
+        collectives.reduce_scatter_impl = chosen
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from torch import nn
 import flatshard
 from flatshard.testing.accounting import (
     ALL_GATHER,
-    ALL_REDUCE,
+    ALL_TO_ALL,
     CollectiveTracker,
     distinct_storage_bytes,
 )
@@ -77,9 +77,9 @@ def test_collective_counts_per_step(pool: WorkerPool, name: str) -> None:
     others = [f for f in flats if f[0] != "<root>"]
     assert result["train"] == {
         ALL_GATHER: len(root) + 2 * len(others),
-        # gloo: the shard group's reduce-scatter runs as an in-place all-reduce
-        # (flatshard._collectives.reduces_by_all_reduce).
-        ALL_REDUCE: sum(1 for _, grad in flats if grad),
+        # gloo: the shard group's reduce-scatter runs as an all-to-all
+        # (flatshard._collectives.reduce_scatter_impl).
+        ALL_TO_ALL: sum(1 for _, grad in flats if grad),
     }
     # From the second step on, the unit that ran last in forward stays gathered into
     # backward (it comes first there): one all-gather fewer for its FlatParameters.
@@ -189,7 +189,7 @@ def prefetch_order_job(ctx: WorkerContext, options: dict[str, Any]) -> dict[str,
     with CollectiveTracker() as tracker:
         _step(model, batch, ctx.rank, 2)
     kinds = [kind for kind, _ in tracker.timeline]
-    first_reduce = kinds.index(ALL_REDUCE)  # gloo reduces by all-reduce
+    first_reduce = kinds.index(ALL_TO_ALL)  # gloo reduce-scatters by all-to-all
     return {
         "counts": dict(tracker.counts),
         "gathers_before_first_reduce": kinds[:first_reduce].count(ALL_GATHER),
@@ -208,7 +208,7 @@ def test_prefetch_changes_order_not_counts(pool: WorkerPool) -> None:
     # again (the last block of the forward order stays gathered into backward, like the
     # root: backward starts with it).
     for result in (none, pre, forward, off, both):
-        assert result["counts"] == {ALL_GATHER: 6, ALL_REDUCE: 4}
+        assert result["counts"] == {ALL_GATHER: 6, ALL_TO_ALL: 4}
     # Backward starts with the last block, still gathered; BACKWARD_PRE gathers the block
     # before it before the last block's reduce-scatter.
     assert none["gathers_before_first_reduce"] == 4

@@ -16,6 +16,7 @@ import flatshard
 from flatshard.testing.accounting import (
     ALL_GATHER,
     ALL_REDUCE,
+    ALL_TO_ALL,
     REDUCE_SCATTER,
     CollectiveTracker,
     distinct_storage_bytes,
@@ -176,10 +177,11 @@ def test_collectives_per_step_by_strategy(
         # F = 1: nothing to gather. FULL_SHARD / HYBRID_SHARD gather each block again in
         # backward; SHARD_GRAD_OP / ZERO2 and the root keep parameters until backward.
         ALL_GATHER: gathers,
-        # One reduce-scatter per unit inside the shard group (on gloo an in-place
-        # all-reduce: flatshard._collectives.reduces_by_all_reduce), then one all-reduce
-        # per unit across the replicas.
-        ALL_REDUCE: (units if F > 1 else 0) + (units if replicas > 1 else 0),
+        # One reduce-scatter per unit inside the shard group (on gloo an all-to-all:
+        # flatshard._collectives.reduce_scatter_impl), then one all-reduce per unit
+        # across the replicas.
+        ALL_TO_ALL: units if F > 1 else 0,
+        ALL_REDUCE: units if replicas > 1 else 0,
     }
     assert result["counts"] == {k: v for k, v in expected.items() if v}
 
@@ -193,7 +195,7 @@ def test_no_sync_reduces_once_per_unit(pool: WorkerPool, strategy: str) -> None:
     with_sync = pool.run(strategy_counts_job, config, 4)[0]
     units = len(with_sync["flats"])
     counts = with_sync["counts"]
-    reductions = counts.get(REDUCE_SCATTER, 0) + counts.get(ALL_REDUCE, 0)
+    reductions = sum(counts.get(kind, 0) for kind in (REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL))
     per_unit = {"FULL_SHARD": 1, "NO_SHARD": 1, "HYBRID_SHARD": 2}[strategy]
     assert reductions == per_unit * units  # four backward passes, one reduction
 

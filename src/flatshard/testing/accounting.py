@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 ALL_GATHER = "all_gather"
 REDUCE_SCATTER = "reduce_scatter"
 ALL_REDUCE = "all_reduce"
+ALL_TO_ALL = "all_to_all"
 
 _KINDS = {
     "c10d._allgather_base_": ALL_GATHER,
@@ -23,6 +24,7 @@ _KINDS = {
     "c10d._reduce_scatter_base_": REDUCE_SCATTER,
     "c10d.reduce_scatter_": REDUCE_SCATTER,
     "c10d.allreduce_": ALL_REDUCE,
+    "c10d.alltoall_base_": ALL_TO_ALL,
 }
 
 
@@ -59,8 +61,8 @@ class CollectiveTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
             for t in target if isinstance(target, list | tuple) else [target]:
                 for x in t if isinstance(t, list) else [t]:
                     self.bytes[kind] += x.numel() * x.element_size()
-        if kind in (REDUCE_SCATTER, ALL_REDUCE):
-            source = args[1] if kind == REDUCE_SCATTER else args[0]
+        if kind in (REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL):
+            source = args[0] if kind == ALL_REDUCE else args[1]
             for t in source if isinstance(source, list | tuple) else [source]:
                 for x in t if isinstance(t, list) else [t]:
                     storage = x.untyped_storage()

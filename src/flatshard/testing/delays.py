@@ -50,11 +50,12 @@ def _late(real: Callable[..., Any], seconds: float, output_arg: int) -> Callable
 @contextmanager
 def delayed_collectives(seconds: float = 0.01) -> Iterator[None]:
     """Inside: every flatshard collective is late by ``seconds`` (see the module note)."""
-    saved = (_collectives._ALL_GATHER, _collectives._REDUCE_SCATTER, _collectives._ALL_REDUCE)
-    _collectives._ALL_GATHER = _late(saved[0], seconds, 0)
-    _collectives._REDUCE_SCATTER = _late(saved[1], seconds, 0)
-    _collectives._ALL_REDUCE = _late(saved[2], seconds, 0)
+    names = ("_ALL_GATHER", "_REDUCE_SCATTER", "_ALL_REDUCE", "_ALL_TO_ALL")
+    saved = {name: getattr(_collectives, name) for name in names}
+    for name, real in saved.items():
+        setattr(_collectives, name, _late(real, seconds, 0))  # the output comes first in all
     try:
         yield
     finally:
-        _collectives._ALL_GATHER, _collectives._REDUCE_SCATTER, _collectives._ALL_REDUCE = saved
+        for name, real in saved.items():
+            setattr(_collectives, name, real)

@@ -1,6 +1,6 @@
-"""A/B of flatshard's overlap choices on the bench GPT, interleaved in fresh processes.
+"""A/B of flatshard's runtime choices on the bench GPT, interleaved in fresh processes.
 
-Run: .venv/bin/python benchmarks/prefetch_variants.py [--rounds 2] [--steps 4]
+Run: .venv/bin/python benchmarks/variants.py [--rounds 2] [--steps 4] [--only V1,V2,...]
 
 Variants (2 ranks, gloo, one thread per rank, 31M-parameter GPT, batch 4 x 256 tokens):
   defaults      fully_shard defaults (forward prefetch, BACKWARD_PRE, last unit kept)
@@ -8,6 +8,7 @@ Variants (2 ranks, gloo, one thread per rank, 31M-parameter GPT, batch 4 x 256 t
   no-fwd        as defaults, without forward prefetch
   no-bwd        as defaults, without backward prefetch
   none          no prefetch at all, last unit resharded (the plain FSDP schedule)
+  rs-all-reduce as defaults, reduce-scatter as an in-place all-reduce (not all-to-all)
   floor         every rank trains alone (no communication)
 Prints the median step time of each and its ratio to the defaults.
 """
@@ -27,10 +28,10 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import flatshard
-from flatshard import _runtime
+from flatshard import _collectives, _runtime
 from flatshard.models import GPT, GPTBlock
 
-VARIANTS = ("defaults", "no-keep-last", "no-fwd", "no-bwd", "none", "floor")
+VARIANTS = ("defaults", "no-keep-last", "no-fwd", "no-bwd", "none", "rs-all-reduce", "floor")
 
 
 def build(variant: str) -> nn.Module:
@@ -40,6 +41,9 @@ def build(variant: str) -> nn.Module:
         return model
     if variant in ("no-keep-last", "none"):
         setattr(_runtime.ShardTree, "ends_forward", lambda self, runtime: False)  # noqa: B010
+    if variant == "rs-all-reduce":
+        impl = _collectives.ReduceScatter.ALL_REDUCE
+        setattr(_collectives, "reduce_scatter_impl", lambda group: impl)  # noqa: B010
     options: dict[str, Any] = {}
     if variant in ("no-fwd", "none"):
         options["forward_prefetch"] = False
@@ -75,11 +79,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--only", help="comma-separated variants to run (defaults always runs)")
     args = parser.parse_args()
+    chosen = VARIANTS if args.only is None else ("defaults", *args.only.split(","))
+    unknown = set(chosen) - set(VARIANTS)
+    if unknown:
+        parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
     ctx = mp.get_context("spawn")
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    times: dict[str, list[float]] = {v: [] for v in chosen}
     for _ in range(args.rounds):
-        for variant in VARIANTS:
+        for variant in chosen:
             with tempfile.TemporaryDirectory() as tmp:
                 results = ctx.Queue()
                 store = os.path.join(tmp, "store")
@@ -93,7 +102,7 @@ def main() -> None:
                 for proc in procs:
                     proc.join()
     base = statistics.median(times["defaults"])
-    for variant in VARIANTS:
+    for variant in chosen:
         median = statistics.median(times[variant])
         print(f"{variant:<13} median step {median:.3f} s   vs defaults {median / base:.3f}x")
 
