@@ -4,8 +4,9 @@ Run: .venv/bin/python benchmarks/gloo_collectives.py [--ranks 2] [--repeats 7]
 
 For each shard size it times, interleaved in one run (so machine drift cancels), the median
 of: all_gather_into_tensor vs (zero a buffer, copy the own chunk, all_reduce), and
-reduce_scatter_tensor vs (all_reduce in place, copy the own chunk). It prints the ratios;
-above 1 means the all-reduce form is faster. Results are checked for equality.
+reduce_scatter_tensor vs (all_reduce in place, copy the own chunk) vs (all_to_all_single,
+sum the received chunks). It prints the ratios; above 1 means the second form is faster.
+Results are checked for equality.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-SIZES = (1 << 18, 1 << 20, 1 << 22)  # float32 elements per shard: 1, 4, 16 MiB
+SIZES = (1 << 18, 1 << 20, 3 << 19, 1 << 22)  # float32 elements per shard: 1, 4, 6, 16 MiB
 
 
 def timed(fn: Callable[[], None]) -> float:
@@ -35,7 +36,7 @@ def measure(rank: int, world: int, n: int, repeats: int) -> dict[str, float]:
     """Median seconds of each form for shards of ``n`` float32 elements."""
     shard = torch.randn(n)
     full, emulated = torch.empty(world * n), torch.empty(world * n)
-    out, emulated_out = torch.empty(n), torch.empty(n)
+    out, emulated_out, summed_out = torch.empty(n), torch.empty(n), torch.empty(n)
     mine = slice(rank * n, (rank + 1) * n)
 
     def gather() -> None:
@@ -46,7 +47,7 @@ def measure(rank: int, world: int, n: int, repeats: int) -> dict[str, float]:
         emulated[mine].copy_(shard)
         dist.all_reduce(emulated)
 
-    times: dict[str, list[float]] = {"ag": [], "ag_ar": [], "rs": [], "rs_ar": []}
+    times: dict[str, list[float]] = {"ag": [], "ag_ar": [], "rs": [], "rs_ar": [], "rs_a2a": []}
     for _ in range(repeats):
         grad = torch.randn(world * n, generator=torch.Generator().manual_seed(rank))
         grad_copy = grad.clone()
@@ -58,12 +59,18 @@ def measure(rank: int, world: int, n: int, repeats: int) -> dict[str, float]:
             dist.all_reduce(g)
             emulated_out.copy_(g[mine])
 
+        def scatter_by_all_to_all(g: torch.Tensor = grad) -> None:
+            received = torch.empty_like(g)
+            dist.all_to_all_single(received, g)
+            torch.sum(received.view(world, n), dim=0, out=summed_out)
+
         times["ag"].append(timed(gather))
         times["ag_ar"].append(timed(gather_by_reduce))
         times["rs"].append(timed(scatter))
         times["rs_ar"].append(timed(scatter_by_reduce))
+        times["rs_a2a"].append(timed(scatter_by_all_to_all))
     assert torch.equal(full, emulated)
-    assert torch.allclose(out, emulated_out)
+    assert torch.allclose(out, emulated_out) and torch.allclose(out, summed_out)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -76,7 +83,8 @@ def worker(rank: int, world: int, store: str, repeats: int) -> None:
             print(
                 f"{world} ranks, {n * 4 / 2**20:>4.0f} MiB shard: "
                 f"all_gather / all-reduce form = {med['ag'] / med['ag_ar']:.2f}, "
-                f"reduce_scatter / all-reduce form = {med['rs'] / med['rs_ar']:.2f}",
+                f"reduce_scatter / all-reduce form = {med['rs'] / med['rs_ar']:.2f}, "
+                f"all-reduce form / all-to-all form = {med['rs_ar'] / med['rs_a2a']:.2f}",
                 flush=True,
             )
     dist.destroy_process_group()

@@ -110,6 +110,7 @@ BAD_TOML = {"unknown": "stepz = 3", "type": 'steps = "many"', "syntax": "steps =
         (["--data", "/no/such/corpus.txt"], "--data: no text file at /no/such/corpus.txt"),
         (["--seq-len", "100000"], "--data: kjv_genesis_exodus.txt (shipped, public domain) has"),
         (["--model", "llama"], "--model must be 'gpt' or 'hf:<config>'"),
+        (["--device", "tpu"], "--device must be one of auto, cpu, cuda, got 'tpu'"),
         (["--model", "hf:no-such-model-type"], "--model hf:no-such-model-type:"),
         (["--hf-overrides", "n_layer=2"], "--hf-overrides only applies to --model hf:"),
         (["--config", "{tmp}/unknown.toml"], "--config: unknown option 'stepz'"),
@@ -154,7 +155,7 @@ def test_bench_compares_all_systems(tmp_path: Path) -> None:
     report = json.loads((tmp_path / "bench.json").read_text())
     assert list(report["systems"]) == ["flatshard", "fsdp2", "ddp", "floor"]
     for system, row in report["systems"].items():
-        assert row["median_step_s"] > 0 and row["peak_rss_mib"] > 0, system
+        assert row["median_step_s"] > 0 and row["peak_mem_mib"] > 0, system
         assert row["time_vs_floor"] > 0
     assert report["systems"]["floor"]["collective_output_bytes"] == 0  # no communication at all
     assert report["collectives"].startswith("gloo: all-gather")
@@ -163,6 +164,21 @@ def test_bench_compares_all_systems(tmp_path: Path) -> None:
     assert report["systems"]["flatshard"]["collective_output_bytes"] > 0
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "vs fsdp2" in result.stdout and "flatshard" in result.stdout
+
+
+@pytest.mark.parametrize("command", ["bench", "train"])
+def test_more_ranks_than_gpus_is_one_line(capsys: pytest.CaptureFixture[str], command: str) -> None:
+    import torch
+
+    if torch.cuda.is_available():  # NCCL would fail in every rank with "duplicate GPU"
+        count = torch.cuda.device_count()
+        argv = ["--device", "cuda", "--nproc", str(count + 1)]
+        message = f"--nproc ({count + 1}) exceeds the {count} GPU(s) of this host"
+    else:
+        argv, message = ["--device", "cuda"], "--device is cuda, but no GPU is visible here"
+    assert main([command, *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"flatshard {command}: error: {message}"), err
 
 
 def test_bench_rejects_unknown_systems(capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,7 +4,10 @@ Every system trains the same GPT (same seed, same data) at the same world size, 
 processes (so per-rank peak memory is its own), interleaved round by round so that machine
 drift hits all systems alike. "floor" is each rank training alone without communicating:
 the time any data-parallel system adds on top of it is communication it did not hide plus
-its own software overhead.
+its own software overhead. gloo on CPUs; NCCL with one GPU per rank where GPUs are visible
+(``--device``). Peak memory is the resident set on CPU and ``max_memory_allocated`` on GPUs;
+"comm wait" (flatshard's time blocked on its collectives: exposed communication) is
+measured on CPU only, since on GPUs waiting is the device's, not the CPU's.
 """
 
 from __future__ import annotations
@@ -13,11 +16,10 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import resource
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, cast
 
 import torch
@@ -27,6 +29,7 @@ from torch import nn
 import flatshard
 from flatshard._collectives import WaitClock, describe
 from flatshard.cli.config import ConfigError, add_config_parser, config_from_args
+from flatshard.cli.devices import backend_for, peak_memory_mib, rank_device, resolve_device
 from flatshard.models import GPT, GPTBlock
 from flatshard.testing.accounting import CollectiveTracker
 
@@ -41,6 +44,8 @@ class BenchConfig:
 
     nproc: int = 2
     """ranks (local processes)"""
+    device: str = "auto"
+    """auto | cpu | cuda (auto: cuda with NCCL, one GPU per rank, when GPUs are visible)"""
     systems: str = ",".join(SYSTEMS)
     """comma-separated subset of flatshard,fsdp2,ddp,floor,flatshard-noprefetch"""
     vocab: int = 8192
@@ -98,6 +103,7 @@ def add_parser(commands: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(BenchConfig, args)
+    config = replace(config, device=resolve_device(config.device, config.nproc))
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in config.system_list}
     for _ in range(config.rounds):
         for system in config.system_list:
@@ -106,12 +112,12 @@ def run(args: argparse.Namespace) -> int:
     collectives = next((r["collectives"] for r in runs.get("flatshard", [])), "")
     if collectives:
         print(f"flatshard collectives: {collectives}")
-    print(_table(summary))
+    print(_table(summary, "RSS" if config.device == "cpu" else "alloc."))
     os.makedirs(config.out, exist_ok=True)
     with open(os.path.join(config.out, "bench.json"), "w") as f:
         report = {"config": asdict(config), "collectives": collectives, "systems": summary}
         json.dump(report, f, indent=2)
-    _chart(summary, os.path.join(config.out, "bench.png"))
+    _chart(summary, os.path.join(config.out, "bench.png"), config.device)
     print(f"wrote {config.out}/bench.json and {config.out}/bench.png")
     return 0
 
@@ -135,28 +141,31 @@ def _run_system(config: BenchConfig, system: str) -> dict[str, Any]:
     if failed:
         raise RuntimeError(f"flatshard bench: {system} failed: {failed[0]}")
     rank0: dict[str, Any] = next(a for a in answers if a["rank"] == 0)
-    rank0["peak_rss_mib"] = max(a["peak_rss_mib"] for a in answers)
+    rank0["peak_mem_mib"] = max(a["peak_mem_mib"] for a in answers)
     return rank0
 
 
 def _worker(rank: int, config: BenchConfig, system: str, store: str, results: Any) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=config.nproc
+        backend_for(config.device),
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=config.nproc,
     )
     try:
-        results.put({"rank": rank, **_measure(config, system, rank)})
+        device = rank_device(config.device, rank)
+        results.put({"rank": rank, **_measure(config, system, rank, device)})
     except Exception as error:  # reported by the parent, which then stops
         results.put({"rank": rank, "error": f"rank {rank}: {error!r}"})
     finally:
         dist.destroy_process_group()
 
 
-def _measure(config: BenchConfig, system: str, rank: int) -> dict[str, Any]:
+def _measure(config: BenchConfig, system: str, rank: int, device: torch.device) -> dict[str, Any]:
     torch.manual_seed(0)
-    model = _wrap(
-        GPT(config.vocab, config.dim, config.heads, config.layers, config.seq_len), system
-    )
+    gpt = GPT(config.vocab, config.dim, config.heads, config.layers, config.seq_len)
+    model = _wrap(gpt.to(device), system, device)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(1 + rank)
     times: list[float] = []
@@ -164,6 +173,8 @@ def _measure(config: BenchConfig, system: str, rank: int) -> dict[str, Any]:
     tracker = CollectiveTracker()
     for step in range(config.warmup + config.steps):
         idx = torch.randint(0, config.vocab, (config.batch, config.seq_len + 1), generator=gen)
+        idx = idx.to(device)
+        _synchronize(device)
         dist.barrier()
         start, waited = time.perf_counter(), WaitClock.seconds
         with tracker if step == config.warmup else _Nothing():
@@ -173,22 +184,29 @@ def _measure(config: BenchConfig, system: str, rank: int) -> dict[str, Any]:
             torch.autograd.backward(loss)
             optim.step()
             optim.zero_grad()
+        _synchronize(device)
         dist.barrier()
         if step >= config.warmup:
             times.append(time.perf_counter() - start)
             waits.append(WaitClock.seconds - waited)
     return {
         "step_times": times,
-        "comm_waits": waits if system.startswith("flatshard") else [],
+        "comm_waits": waits if system.startswith("flatshard") and device.type == "cpu" else [],
         "collectives": describe(cast(dist.ProcessGroup, dist.group.WORLD))
         if system == "flatshard"
         else "",
         "collective_output_bytes": int(sum(tracker.bytes.values())),
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_mem_mib": peak_memory_mib(device),
     }
 
 
-def _wrap(model: GPT, system: str) -> nn.Module:
+def _synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (timings on GPUs would otherwise be launch times)."""
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def _wrap(model: GPT, system: str, device: torch.device) -> nn.Module:
     if system == "flatshard":
         return flatshard.fully_shard(model, auto_wrap_policy={GPTBlock})
     if system == "flatshard-noprefetch":
@@ -203,7 +221,8 @@ def _wrap(model: GPT, system: str) -> nn.Module:
         fully_shard(model)
         return model
     if system == "ddp":
-        return nn.parallel.DistributedDataParallel(model)
+        ids = None if device.type == "cpu" else [device]
+        return nn.parallel.DistributedDataParallel(model, device_ids=ids)
     return model  # floor: every rank trains alone
 
 
@@ -225,7 +244,7 @@ def _summarize(
         summary[system] = {
             "median_step_s": median,
             "tokens_per_s": tokens / median,
-            "peak_rss_mib": max(r["peak_rss_mib"] for r in system_runs),
+            "peak_mem_mib": max(r["peak_mem_mib"] for r in system_runs),
             "collective_output_bytes": system_runs[0]["collective_output_bytes"],
         }
         waits = [w for r in system_runs for w in r["comm_waits"]]
@@ -242,8 +261,8 @@ def _summarize(
     return summary
 
 
-def _table(summary: dict[str, dict[str, float]]) -> str:
-    header = f"{'system':<10} {'step s':>8} {'tokens/s':>10} {'peak RSS MiB':>13} "
+def _table(summary: dict[str, dict[str, float]], memory: str) -> str:
+    header = f"{'system':<10} {'step s':>8} {'tokens/s':>10} {f'peak {memory} MiB':>15} "
     header += f"{'coll. MB':>9} {'comm wait s':>12} {'over floor s':>13} {'vs fsdp2':>9} "
     header += f"{'vs ddp':>7} {'vs floor':>9}"
     lines = [header]
@@ -252,7 +271,7 @@ def _table(summary: dict[str, dict[str, float]]) -> str:
         cells = [_cell(r, "x", w) for r, w in zip(ratios, (9, 7, 9), strict=True)]
         lines.append(
             f"{system:<10} {row['median_step_s']:>8.3f} {row['tokens_per_s']:>10,.0f} "
-            f"{row['peak_rss_mib']:>13,.0f} {row['collective_output_bytes'] / 1e6:>9.1f} "
+            f"{row['peak_mem_mib']:>15,.0f} {row['collective_output_bytes'] / 1e6:>9.1f} "
             f"{_cell(row.get('exposed_comm_s'), '', 12)} "
             f"{_cell(row.get('over_floor_s'), '', 13)} " + " ".join(cells)
         )
@@ -264,7 +283,7 @@ def _cell(value: float | None, unit: str, width: int) -> str:
     return f"{text:>{width}}"
 
 
-def _chart(summary: dict[str, dict[str, float]], path: str) -> None:
+def _chart(summary: dict[str, dict[str, float]], path: str, device: str) -> None:
     try:
         import matplotlib
     except ImportError:
@@ -279,8 +298,9 @@ def _chart(summary: dict[str, dict[str, float]], path: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
     axes[0].bar(systems, [summary[s]["median_step_s"] for s in systems], color="tab:blue")
     axes[0].set_ylabel("median step time (s)")
-    axes[1].bar(systems, [summary[s]["peak_rss_mib"] for s in systems], color="tab:orange")
-    axes[1].set_ylabel("peak RSS per rank (MiB)")
+    axes[1].bar(systems, [summary[s]["peak_mem_mib"] for s in systems], color="tab:orange")
+    memory = "RSS" if device == "cpu" else "GPU memory allocated"
+    axes[1].set_ylabel(f"peak {memory} per rank (MiB)")
     fig.suptitle("flatshard bench (same GPT, same data)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

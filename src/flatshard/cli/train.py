@@ -12,12 +12,11 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import resource
 import shutil
 import tempfile
 import time
 from contextlib import nullcontext
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ import flatshard
 from flatshard._checkpoint import CheckpointError, read_manifest
 from flatshard.cli.config import ConfigError, add_config_parser, config_from_args
 from flatshard.cli.data import Corpus, batch_for_step, decode, encode, load_corpus
+from flatshard.cli.devices import backend_for, peak_memory_mib, rank_device, resolve_device
 from flatshard.cli.lm import LanguageModel, build_language_model, check_hugging_face
 from flatshard.cli.progress import MetricsLog, ProgressBar, StepMetrics, plot
 from flatshard.cli.train_config import PRECISIONS, TrainConfig
@@ -56,10 +56,13 @@ def run(args: argparse.Namespace) -> int:
     if config.model.startswith("hf:"):
         check_hugging_face(config)  # a bad config or missing transformers fails here too
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
-        config.check_world(int(os.environ["WORLD_SIZE"]))
-        _train(config, store=None)
+        world = int(os.environ["WORLD_SIZE"])
+        config.check_world(world)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        _train(replace(config, device=resolve_device(config.device, local)), store=None)
         return 0
     config.check_world(config.nproc)
+    config = replace(config, device=resolve_device(config.device, config.nproc))
     with tempfile.TemporaryDirectory(prefix="flatshard-train-") as tmp:
         return _spawn(config, os.path.join(tmp, "store"))
 
@@ -212,21 +215,16 @@ def _optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95))
 
 
-def _peak_mib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
 def _train(config: TrainConfig, store: str | None) -> None:
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = backend_for(config.device)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     init = f"file://{store}" if store else "env://"
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
     try:
         if backend == "gloo":
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        _loop(Trainer(config, _device(backend)), backend)
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        _loop(Trainer(config, rank_device(config.device, local)), backend)
     finally:
         dist.destroy_process_group()
 
@@ -246,8 +244,9 @@ def _loop(trainer: Trainer, backend: str) -> None:
     while trainer.step < config.steps:
         tick = time.perf_counter()
         local = trainer.train_step()
-        on = trainer.device if backend == "nccl" else torch.device("cpu")  # NCCL: GPU only
-        facts = torch.tensor([local, _peak_mib(trainer.device)], dtype=torch.float64, device=on)
+        peak = peak_memory_mib(trainer.device)
+        # On the rank's device: NCCL gathers GPU tensors only.
+        facts = torch.tensor([local, peak], dtype=torch.float64, device=trainer.device)
         everyone = [torch.zeros_like(facts) for _ in range(trainer.world)]
         dist.all_gather(everyone, facts)
         if config.ckpt_every and (
@@ -298,11 +297,3 @@ def _finish(trainer: Trainer, out: Path) -> None:
         print("sample:\n" + text)
     print(plot(out / "metrics.jsonl", out / "loss.png"))
     print(f"metrics: {out / 'metrics.jsonl'}")
-
-
-def _device(backend: str) -> torch.device:
-    if backend == "nccl":
-        local = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
-    return torch.device("cpu")

@@ -33,6 +33,9 @@ class TrainConfig:
     """a UTF-8 text file to train on; empty: the shipped public-domain corpus"""
     nproc: int = 2
     """local ranks to start (ignored under torchrun, which starts them)"""
+    device: str = "auto"
+    """auto | cpu | cuda: where ranks compute (auto: one GPU per rank with NCCL when GPUs
+    are visible, else CPUs with gloo)"""
     steps: int = 300
     """optimizer steps"""
     batch: int = 16

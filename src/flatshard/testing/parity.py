@@ -53,6 +53,7 @@ class ParityConfig:
     backward_prefetch: str | None = "BACKWARD_PRE"  # a flatshard.BackwardPrefetch name
     forward_prefetch: bool = False
     limit_all_gathers: bool = True  # the rate limiter
+    device: str = "cpu"  # where models and batches live ("cuda": tests/test_gpu.py)
 
     def __post_init__(self) -> None:
         if self.checkpoint not in ("", "inside", "around"):
@@ -94,11 +95,12 @@ def make_optimizer(model: nn.Module, lr: float, kind: str = "adamw") -> torch.op
     raise ValueError(f"unknown optimizer {kind!r}")
 
 
-def batches(model: nn.Module, steps: int) -> Iterator[Batch]:
-    """The global batch of each step; identical on every rank."""
+def batches(model: nn.Module, steps: int, device: str = "cpu") -> Iterator[Batch]:
+    """The global batch of each step; identical on every rank (made on the CPU)."""
     gen = torch.Generator().manual_seed(1234)
     for _ in range(steps):
-        yield cast(Any, model).make_batch(gen, GLOBAL_BATCH)
+        inputs, targets = cast(Any, model).make_batch(gen, GLOBAL_BATCH)
+        yield inputs.to(device), targets.to(device)
 
 
 def slice_batch(batch: Batch, index: int, parts: int) -> Batch:
@@ -122,9 +124,9 @@ def train(
     optim = make_optimizer(model, config.lr, config.optimizer)
     loss_fn = cast(Callable[[Batch], torch.Tensor], cast(Any, model).loss)
     result = RunResult()
-    for global_batch in batches(model, config.steps):
+    for global_batch in batches(model, config.steps, config.device):
         local = slice_batch(global_batch, shard_index, shard_count)
-        step_loss = torch.zeros(())
+        step_loss = torch.zeros((), device=config.device)
         for micro in range(config.micro_batches):
             part = slice_batch(local, micro, config.micro_batches)
             chunks = [
@@ -166,7 +168,7 @@ def _clip(model: nn.Module, kind: str, max_norm: float, norm_type: float) -> flo
 
 def build_model(config: ParityConfig) -> nn.Module:
     """The scenario's model with its activation checkpointing applied."""
-    model = build(config.model)
+    model = build(config.model).to(config.device)
     if config.checkpoint == "inside":
         checkpoint_unit_bodies(model)
     elif config.checkpoint == "around":
@@ -272,7 +274,7 @@ def shard_with_fsdp2(model: nn.Module, config: ParityConfig, group: dist.Process
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     reshard = config.strategy == "FULL_SHARD"
-    mesh = DeviceMesh.from_group(group, "cpu")
+    mesh = DeviceMesh.from_group(group, torch.device(config.device).type)
     param_dtype, reduce_dtype = _dtypes(config)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     classes = tuple(cast(Any, model).UNIT_CLASSES)
@@ -286,7 +288,7 @@ def run_reference(config: ParityConfig) -> RunResult:
     model = build_model(config)
     # One process sees the whole batch: micro-batching must match the ranks' split.
     result = train(model, replace(config, world_size=1), 0, 1, None, "reference")
-    result.params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    result.params = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     return result
 
 
@@ -302,7 +304,7 @@ def run_mixed_reference(config: ParityConfig) -> RunResult:
     loss_fn = cast(Callable[[Batch], torch.Tensor], cast(Any, compute).loss)
     result = RunResult()
     pairs = list(zip(compute.parameters(), master.parameters(), strict=True))
-    for batch in batches(master, config.steps):
+    for batch in batches(master, config.steps, config.device):
         with torch.no_grad():
             for low, full in pairs:
                 low.copy_(full)
@@ -315,7 +317,7 @@ def run_mixed_reference(config: ParityConfig) -> RunResult:
         optim.step()
         optim.zero_grad()
         result.losses.append(loss.item())
-    result.params = {n: p.detach().clone() for n, p in master.named_parameters()}
+    result.params = {n: p.detach().cpu().clone() for n, p in master.named_parameters()}
     return result
 
 
@@ -324,7 +326,7 @@ def run_flatshard(config: ParityConfig, group: dist.ProcessGroup) -> RunResult:
     shard_with_flatshard(model, config, group)
     result = train(model, config, dist.get_rank(group), config.world_size, group, "flatshard")
     with flatshard.summon_full_params(model, writeback=False):
-        result.params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        result.params = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     return result
 
 

@@ -1,0 +1,53 @@
+"""Where a command's ranks run: one GPU per rank with NCCL, or CPUs with gloo."""
+
+from __future__ import annotations
+
+import torch
+
+from flatshard.cli.config import fail
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def resolve_device(device: str, local_ranks: int) -> str:
+    """``cpu`` or ``cuda`` for ``--device`` (auto: cuda when a GPU is visible).
+
+    NCCL needs a GPU of its own for every rank of a host: more local ranks than GPUs is
+    an error here rather than NCCL's "duplicate GPU" failure inside every rank.
+    """
+    if device not in DEVICES:
+        fail("device", f"must be one of {', '.join(DEVICES)}, got {device!r}")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        count = torch.cuda.device_count()
+        if count == 0:
+            fail("device", "is cuda, but no GPU is visible here (use --device cpu)")
+        if local_ranks > count:
+            fail(
+                "nproc",
+                f"({local_ranks}) exceeds the {count} GPU(s) of this host: NCCL needs one "
+                f"GPU per rank (use --nproc {count}, or --device cpu for gloo)",
+            )
+    return device
+
+
+def backend_for(device: str) -> str:
+    return "nccl" if device == "cuda" else "gloo"
+
+
+def rank_device(device: str, local_rank: int) -> torch.device:
+    """This rank's device; on GPUs also made the current one (NCCL and FSDP2 use it)."""
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """Peak memory of this process: allocated by PyTorch on a GPU, resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
