@@ -103,6 +103,52 @@ def test_rate_limiter_bounds_gathers_ahead(pool: WorkerPool) -> None:
     assert limited["losses"] == free["losses"]
 
 
+def limiter_calls_job(ctx: WorkerContext, strategy: str) -> dict[str, int] | None:
+    """How often a training step consults the rate limiter (on GPUs: event syncs)."""
+    group = ctx.group(2)
+    if group is None:
+        return None
+    from flatshard._rate_limiter import RateLimiter
+
+    model = build("gpt")
+    flatshard.fully_shard(
+        model,
+        auto_wrap_policy=set(cast(Any, model).UNIT_CLASSES),
+        process_group=group,
+        strategy=flatshard.ShardingStrategy[strategy],
+        forward_prefetch=True,
+    )
+    calls = {"before_prefetch": 0, "resharded": 0}
+    originals = {name: getattr(RateLimiter, name) for name in calls}
+
+    def counting(name: str) -> Any:
+        def call(self: RateLimiter, *args: Any) -> None:
+            calls[name] += 1
+            originals[name](self, *args)
+
+        return call
+
+    batch = cast(Any, model).make_batch(torch.Generator().manual_seed(0), 8)
+    cast(Any, model).loss(batch).backward()  # records the forward order
+    try:
+        for name in calls:
+            setattr(RateLimiter, name, counting(name))
+        cast(Any, model).loss(batch).backward()
+    finally:
+        for name, original in originals.items():
+            setattr(RateLimiter, name, original)
+    return calls
+
+
+def test_rate_limiter_only_bounds_units_that_allocate(pool: WorkerPool) -> None:
+    # TinyGPT: root + 3 blocks. FULL_SHARD frees blocks 0 and 1 after forward (block 2
+    # ends forward and stays) and prefetches blocks 0, 1, 2 in forward and 1, 0 in backward.
+    # NO_SHARD at fp32 aliases the shard: nothing is allocated, so nothing to bound (on a
+    # GPU a free event and its sync per unit would only stall the CPU).
+    assert pool.run(limiter_calls_job, "FULL_SHARD")[0] == {"before_prefetch": 5, "resharded": 2}
+    assert pool.run(limiter_calls_job, "NO_SHARD")[0] == {"before_prefetch": 0, "resharded": 0}
+
+
 def test_collective_choice_is_described(local_group: Any) -> None:
     from flatshard._collectives import describe
 

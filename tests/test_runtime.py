@@ -44,6 +44,40 @@ def _step(model: Any, batch: Any, rank: int, world_size: int) -> torch.Tensor:
     return loss
 
 
+# ---------------------------------------------------------------- profiler ranges
+def profiler_ranges_job(ctx: WorkerContext) -> dict[str, list[str]] | None:
+    model = _sharded("gpt", ctx, 2)
+    if model is None:
+        return None
+    batch = next(batches(model, 1))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _step(model, batch, ctx.rank, 2)
+    profiled = sorted({e.key for e in prof.key_averages() if e.key.startswith("flatshard::")})
+    entered: list[str] = []  # without a profiler no range is entered (each costs CPU time)
+    real = flatshard._runtime.record_function
+    flatshard._runtime.record_function = lambda name: entered.append(name)  # type: ignore[assignment]
+    try:
+        _step(model, batch, ctx.rank, 2)
+    finally:
+        flatshard._runtime.record_function = real  # type: ignore[misc]
+    return {"profiled": profiled, "unprofiled": entered}
+
+
+def test_profiler_shows_unit_ranges(pool: WorkerPool) -> None:
+    result = pool.run(profiler_ranges_job)[0]
+    assert result["unprofiled"] == []
+    names = result["profiled"]
+    for expected in (
+        "flatshard::pre_forward <root>",
+        "flatshard::post_forward blocks.0",
+        "flatshard::pre_backward blocks.1",
+        "flatshard::post_backward blocks.0",
+        "flatshard::prefetch blocks.1",
+        "flatshard::finish_backward",
+    ):
+        assert expected in names, (expected, names)
+
+
 # ---------------------------------------------------------------- collective counts
 def counts_job(ctx: WorkerContext, name: str, world_size: int) -> dict[str, Any] | None:
     model = _sharded(name, ctx, world_size)

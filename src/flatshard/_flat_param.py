@@ -101,6 +101,9 @@ class FlatParameter:
         self.world_size = groups.shard_size  # F: ranks the buffer is cut across
         self.requires_grad = first.requires_grad
         self.layout: FlatLayout = plan_layout([o.param.shape for o in originals], self.world_size)
+        # Asked for on every unshard and reduction: computed once.
+        self._segment_sizes = self.layout.segment_sizes()
+        self._held = [self.layout.shard_range(slot, self.rank) for slot in self.layout.slots]
         self.comm_hook: CommHook | None = None
         self.compute_dtype = compute_dtype or first.dtype
         self.compute_device = compute_device or device
@@ -112,6 +115,8 @@ class FlatParameter:
             self.layout.shard_numel, dtype=first.dtype, device=device, pin_memory=pin
         )
         self._grad_hook: Callable[[torch.Tensor], None] | None = None
+        # (original's index, its module's parameter dict, its name there), on first use.
+        self._registrations: list[tuple[int, dict[str, torch.Tensor], str]] | None = None
         self._gather: tuple[dist.Work, torch.Tensor] | None = None  # started, not waited
         self._allocate_unsharded()
         # Per backward pass: the reduction in flight, and whether this pass's gradient
@@ -121,8 +126,7 @@ class FlatParameter:
 
     def load_shard(self) -> None:
         """Copy this rank's rows of the (full) originals into the shard; they become views."""
-        for orig, slot in zip(self.originals, self.layout.slots, strict=True):
-            held = self.layout.shard_range(slot, self.rank)
+        for orig, slot, held in zip(self.originals, self.layout.slots, self._held, strict=True):
             start = held.first_row * slot.row_numel
             source = orig.param.detach().reshape(-1)[start : start + held.numel]
             self.shard[held.local_offset : held.local_offset + held.numel].copy_(source)
@@ -204,30 +208,45 @@ class FlatParameter:
         self.finish_unshard()
         self.register_views(self.unsharded_views())
 
-    def reshard(self) -> None:
+    @property
+    def unshard_allocates(self) -> bool:
+        """Whether unsharding now would allocate the unsharded buffer (and gather into it)."""
+        return not (self.is_unsharded or self.aliases_shard or self._gather is not None)
+
+    def reshard(self) -> bool:
         """Free the unsharded buffer and register the original parameters again.
 
         Views of the buffer that autograd saved stay valid objects (see the note above).
         A prefetched all-gather still running is waited for first: its memory is in use.
+        Returns whether memory was freed.
         """
         self.finish_unshard()
-        if not self.aliases_shard and self.is_unsharded:
+        freed = not self.aliases_shard and self.is_unsharded
+        if freed:
             self._unsharded_data.untyped_storage().resize_(0)
             self.is_unsharded = False
         self.register_views(None)
+        return freed
 
     # ------------------------------------------------------------------ views
     def unsharded_views(self) -> list[torch.Tensor]:
         """Autograd-visible full-shape views of the unsharded buffer, one per original."""
-        segments = torch.split(self._unsharded, self.layout.segment_sizes())
+        return self._full_views(self._unsharded)
+
+    def _full_views(self, full: torch.Tensor) -> list[torch.Tensor]:
+        """Full-shape views of each original in a (C * F,) tensor laid out like the buffer."""
+        segments = torch.split(full, self._segment_sizes)
         return [segments[2 * i + 1].view(s.shape) for i, s in enumerate(self.layout.slots)]
 
     def shard_views(self, flat_shard: torch.Tensor) -> list[torch.Tensor]:
         """Views of each original's rows in a (C,) tensor laid out like ``shard``."""
-        return [self._rows_view(flat_shard, slot) for slot in self.layout.slots]
+        return [
+            self._rows_view(flat_shard, slot, held)
+            for slot, held in zip(self.layout.slots, self._held, strict=True)
+        ]
 
-    def _rows_view(self, flat_shard: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
-        held = self.layout.shard_range(slot, self.rank)
+    @staticmethod
+    def _rows_view(flat_shard: torch.Tensor, slot: ParamSlot, held: ShardRange) -> torch.Tensor:
         rows = flat_shard[held.local_offset : held.local_offset + held.numel]
         if len(slot.shape) == 0:
             # A scalar is one row: shape () on the rank that holds it, (0,) elsewhere.
@@ -245,10 +264,15 @@ class FlatParameter:
         Writing ``module._parameters`` directly keeps the registration order, so
         ``named_parameters()`` and ``state_dict()`` keys never move.
         """
-        for i, orig in enumerate(self.originals):
-            value = orig.param if views is None else views[i]
-            for module, name in orig.usages:
-                cast(dict[str, torch.Tensor], module._parameters)[name] = value
+        if self._registrations is None:  # runs twice per unit and step: resolved once
+            self._registrations = [
+                (i, cast(dict[str, torch.Tensor], module._parameters), name)
+                for i, orig in enumerate(self.originals)
+                for module, name in orig.usages
+            ]
+        values = [o.param for o in self.originals] if views is None else views
+        for i, registry, name in self._registrations:
+            registry[name] = values[i]
 
     # ------------------------------------------------------------------ gradients
     def start_reduction(self) -> None:
@@ -330,9 +354,7 @@ class FlatParameter:
             full.copy_(source)
         else:
             all_gather_into(full, source, self.groups.shard)
-        segments = torch.split(full, self.layout.segment_sizes())
-        views = [segments[2 * i + 1].view(s.shape) for i, s in enumerate(self.layout.slots)]
-        return full, views
+        return full, self._full_views(full)
 
     def pack_rows(self, local_rows: list[torch.Tensor]) -> torch.Tensor:
         """Lay tensors shaped like each original's held rows out like ``shard`` (C,)."""
@@ -345,7 +367,7 @@ class FlatParameter:
 
     def held_rows(self, index: int) -> ShardRange:
         """The rows of original ``index`` that this rank's shard holds."""
-        return self.layout.shard_range(self.layout.slots[index], self.rank)
+        return self._held[index]
 
     def _write_back(self, full: torch.Tensor, views: list[torch.Tensor]) -> None:
         for orig, view in zip(self.originals, views, strict=True):

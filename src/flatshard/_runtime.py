@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from functools import partial, wraps
 from typing import Any, cast
@@ -38,6 +39,20 @@ from flatshard._unit import TrainingState, Unit
 
 STATE_ATTR = "_flatshard_unit"  # attribute of a unit's module holding its UnitRuntime
 TREE_ATTR = "_flatshard_tree"  # attribute of a module fully_shard was called on
+
+
+# Whether a profiler is recording (torch exposes no public query; without this private
+# one, ranges are always entered).
+_profiling: Callable[[], bool] = getattr(torch._C._autograd, "_profiler_enabled", lambda: True)
+
+
+def _traced(what: str) -> AbstractContextManager[object]:
+    """A profiler range ``flatshard::<what>`` while a profiler records, else nothing.
+
+    Entering a range costs CPU time even when nothing records (about 20 us here), and a
+    step enters several per unit: on a GPU, launch time the device may wait for.
+    """
+    return record_function(f"flatshard::{what}") if _profiling() else nullcontext()
 
 
 class ShardTree:
@@ -238,7 +253,7 @@ def _pre_forward(
     runtime: UnitRuntime, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     unit = runtime.unit
-    with record_function(f"flatshard::pre_forward {unit.label}"):
+    with _traced(f"pre_forward {unit.label}"):
         if unit.state is not TrainingState.BACKWARD:
             unit.state = TrainingState.FORWARD
             runtime.tree.record_forward(runtime)
@@ -255,7 +270,7 @@ def _pre_forward(
 
 def _post_forward(runtime: UnitRuntime, module: nn.Module, args: Any, output: Any) -> Any:
     unit = runtime.unit
-    with record_function(f"flatshard::post_forward {unit.label}"):
+    with _traced(f"post_forward {unit.label}"):
         needs_grad = [t for t in _tensors(output) if t.requires_grad]
         if needs_grad:
             unit.expects_backward = True
@@ -273,8 +288,7 @@ def _post_forward(runtime: UnitRuntime, module: nn.Module, args: Any, output: An
             or not unit.strategy.reshard_after_forward
         )
         hidden_graph = not needs_grad and _may_hide_graph(unit, output)
-        if not (keep or hidden_graph):
-            unit.reshard()
+        if not (keep or hidden_graph) and unit.reshard():
             runtime.tree.rate_limiter.resharded(unit.compute_device)
     return output
 
@@ -298,7 +312,7 @@ def _may_hide_graph(unit: Unit, output: Any) -> bool:
 
 def _pre_backward(runtime: UnitRuntime, *unused: Any) -> None:
     unit = runtime.unit
-    with record_function(f"flatshard::pre_backward {unit.label}"):
+    with _traced(f"pre_backward {unit.label}"):
         _queue_finish_backward(runtime.tree)
         unit.state = TrainingState.BACKWARD
         # Autograd runs hooks with grad disabled; views made so would not require grad, and
@@ -311,7 +325,7 @@ def _pre_backward(runtime: UnitRuntime, *unused: Any) -> None:
 
 def _post_backward(runtime: UnitRuntime, flat: FlatParameter, *unused: Any) -> None:
     unit = runtime.unit
-    with record_function(f"flatshard::post_backward {unit.label}"):
+    with _traced(f"post_backward {unit.label}"):
         tree = runtime.tree
         _queue_finish_backward(tree)  # in case no pre-backward hook could fire
         if tree.sync_gradients:
@@ -334,7 +348,9 @@ def _post_backward(runtime: UnitRuntime, flat: FlatParameter, *unused: Any) -> N
 def _prefetch(runtimes: list[UnitRuntime]) -> None:
     """Start gathering units ahead of use; their own hooks wait and register views."""
     for runtime in runtimes:
-        with record_function(f"flatshard::prefetch {runtime.unit.label}"):
+        if not runtime.unit.unshard_allocates:
+            continue  # nothing to gather or to hold: the limiter has nothing to bound
+        with _traced(f"prefetch {runtime.unit.label}"):
             limiter = runtime.tree.rate_limiter
             limiter.before_prefetch()
             runtime.unit.start_unshard()
@@ -360,7 +376,7 @@ def _reshard_frozen_if_done(unit: Unit) -> None:
 
 def _finish_backward(tree: ShardTree) -> None:
     """The final callback of a backward pass; runs once autograd has done everything else."""
-    with record_function("flatshard::finish_backward"):
+    with _traced("finish_backward"):
         for runtime in tree.units:
             unit = runtime.unit
             if unit.expects_backward and tree.sync_gradients:

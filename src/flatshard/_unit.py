@@ -113,10 +113,18 @@ class Unit:
     def compute_device(self) -> torch.device:
         return self.flat_params[0].compute_device if self.flat_params else torch.device("cpu")
 
-    def reshard(self) -> None:
-        """Free the unsharded buffers; the modules then hold the original parameters."""
-        for flat in self.flat_params:
-            flat.reshard()
+    @property
+    def unshard_allocates(self) -> bool:
+        """Whether unsharding now would allocate memory (F = 1 in the master dtype: never)."""
+        return any(flat.unshard_allocates for flat in self.flat_params)
+
+    def reshard(self) -> bool:
+        """Free the unsharded buffers; the modules then hold the original parameters.
+
+        Returns whether any memory was freed.
+        """
+        freed = [flat.reshard() for flat in self.flat_params]
+        return any(freed)
 
     def frozen_safe_to_reshard(self) -> bool:
         """Whether backward can no longer read the frozen FlatParameters.

@@ -29,7 +29,7 @@ from torch import nn
 import flatshard
 from flatshard._collectives import WaitClock, describe
 from flatshard.cli.config import ConfigError, add_config_parser, config_from_args
-from flatshard.cli.devices import backend_for, peak_memory_mib, rank_device, resolve_device
+from flatshard.cli.devices import init_rank, peak_memory_mib, resolve_device
 from flatshard.models import GPT, GPTBlock
 from flatshard.testing.accounting import CollectiveTracker
 
@@ -147,14 +147,8 @@ def _run_system(config: BenchConfig, system: str) -> dict[str, Any]:
 
 def _worker(rank: int, config: BenchConfig, system: str, store: str, results: Any) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group(
-        backend_for(config.device),
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=config.nproc,
-    )
+    device = init_rank(config.device, f"file://{store}", rank, config.nproc, rank)
     try:
-        device = rank_device(config.device, rank)
         results.put({"rank": rank, **_measure(config, system, rank, device)})
     except Exception as error:  # reported by the parent, which then stops
         results.put({"rank": rank, "error": f"rank {rank}: {error!r}"})

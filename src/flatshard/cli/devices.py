@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from flatshard.cli.config import fail
 
@@ -36,12 +37,26 @@ def backend_for(device: str) -> str:
     return "nccl" if device == "cuda" else "gloo"
 
 
-def rank_device(device: str, local_rank: int) -> torch.device:
-    """This rank's device; on GPUs also made the current one (NCCL and FSDP2 use it)."""
+def init_rank(
+    device: str, init_method: str, rank: int, world: int, local_rank: int
+) -> torch.device:
+    """Join the process group (NCCL on ``cuda``, gloo on ``cpu``); return this rank's device.
+
+    On GPUs the rank's GPU becomes the current one (NCCL and FSDP2 use it) and is given to
+    the process group, which would otherwise guess it from the global rank.
+    """
+    on = torch.device("cpu")
     if device == "cuda":
         torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+        on = torch.device("cuda", local_rank)
+    dist.init_process_group(
+        backend_for(device),
+        init_method=init_method,
+        rank=rank,
+        world_size=world,
+        device_id=on if device == "cuda" else None,
+    )
+    return on
 
 
 def peak_memory_mib(device: torch.device) -> float:

@@ -28,7 +28,7 @@ import flatshard
 from flatshard._checkpoint import CheckpointError, read_manifest
 from flatshard.cli.config import ConfigError, add_config_parser, config_from_args
 from flatshard.cli.data import Corpus, batch_for_step, decode, encode, load_corpus
-from flatshard.cli.devices import backend_for, peak_memory_mib, rank_device, resolve_device
+from flatshard.cli.devices import backend_for, init_rank, peak_memory_mib, resolve_device
 from flatshard.cli.lm import LanguageModel, build_language_model, check_hugging_face
 from flatshard.cli.progress import MetricsLog, ProgressBar, StepMetrics, plot
 from flatshard.cli.train_config import PRECISIONS, TrainConfig
@@ -216,15 +216,15 @@ def _optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
 
 
 def _train(config: TrainConfig, store: str | None) -> None:
-    backend = backend_for(config.device)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
     init = f"file://{store}" if store else "env://"
-    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
+    device = init_rank(config.device, init, rank, world, local)
     try:
+        backend = backend_for(config.device)
         if backend == "gloo":
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        local = int(os.environ.get("LOCAL_RANK", rank))
-        _loop(Trainer(config, rank_device(config.device, local)), backend)
+        _loop(Trainer(config, device), backend)
     finally:
         dist.destroy_process_group()
 
