@@ -101,8 +101,17 @@ class FlatParameter:
         self.world_size = groups.shard_size  # F: ranks the buffer is cut across
         self.requires_grad = first.requires_grad
         self.layout: FlatLayout = plan_layout([o.param.shape for o in originals], self.world_size)
-        # Asked for on every unshard and reduction: computed once.
-        self._segment_sizes = self.layout.segment_sizes()
+        # Asked for on every unshard and reduction: computed once. Empty gaps are left out
+        # of the split: each piece is a view in forward and a zero-filled input of the cat
+        # that autograd's split backward builds.
+        self._segment_sizes: list[int] = []
+        self._param_segments: list[int] = []  # original i is piece _param_segments[i]
+        for i, size in enumerate(self.layout.segment_sizes()):  # [gap, param, ..., tail]
+            is_param = i % 2 == 1
+            if is_param:
+                self._param_segments.append(len(self._segment_sizes))
+            if size or is_param:
+                self._segment_sizes.append(size)
         self._held = [self.layout.shard_range(slot, self.rank) for slot in self.layout.slots]
         self.comm_hook: CommHook | None = None
         self.compute_dtype = compute_dtype or first.dtype
@@ -236,7 +245,10 @@ class FlatParameter:
     def _full_views(self, full: torch.Tensor) -> list[torch.Tensor]:
         """Full-shape views of each original in a (C * F,) tensor laid out like the buffer."""
         segments = torch.split(full, self._segment_sizes)
-        return [segments[2 * i + 1].view(s.shape) for i, s in enumerate(self.layout.slots)]
+        return [
+            segments[piece].view(slot.shape)
+            for piece, slot in zip(self._param_segments, self.layout.slots, strict=True)
+        ]
 
     def shard_views(self, flat_shard: torch.Tensor) -> list[torch.Tensor]:
         """Views of each original's rows in a (C,) tensor laid out like ``shard``."""
