@@ -419,14 +419,16 @@ def test_load_after_forward_uses_new_weights(pool: WorkerPool, strategy: str) ->
 
 
 def from_rank0_job(ctx: WorkerContext, strategy: str) -> None:
-    """The default full state dict (rank 0 only) loads back with from_rank0=True."""
+    """The default full state dicts (rank 0 only) load back with from_rank0=True."""
     group = ctx.group(2)
     if group is None:
         return
     model = shard(build("gpt"), group, strategy)
-    train_steps(model, make_optimizer(model, 1e-2, "adamw"), range(2), group)
+    optim = make_optimizer(model, 1e-2, "adamw")
+    train_steps(model, optim, range(2), group)
     full = flatshard.full_state_dict(model)  # rank0_only: {} on rank 1
-    assert (ctx.rank == 0) == bool(full)
+    full_optim = flatshard.full_optim_state_dict(model, optim)
+    assert (ctx.rank == 0) == bool(full) == bool(full_optim)
     fresh = shard(build("gpt", seed=5), group, strategy)
     flatshard.load_state_dict(fresh, full, from_rank0=True)
     expected = flatshard.full_state_dict(model, rank0_only=False)
@@ -434,6 +436,22 @@ def from_rank0_job(ctx: WorkerContext, strategy: str) -> None:
     broken = {k: v for k, v in full.items() if k != "ln_f.weight"}
     with pytest.raises(ValueError, match=r"Missing: 'ln_f.weight'.*\(checked on rank 0\)"):
         flatshard.load_state_dict(fresh, broken, from_rank0=True)  # every rank raises
+
+    fresh_optim = make_optimizer(fresh, 1e-2, "adamw")
+    flatshard.load_optim_state_dict(fresh, fresh_optim, full_optim, from_rank0=True)
+    mine = flatshard.full_optim_state_dict(fresh, fresh_optim, rank0_only=False)
+    theirs = flatshard.full_optim_state_dict(model, optim, rank0_only=False)
+    assert mine["param_groups"] == theirs["param_groups"]
+    for name, entries in theirs["state"].items():
+        _assert_equal_dicts(mine["state"][name], entries)
+    # Every moment arrived: training on continues exactly as the original does.
+    assert train_steps(fresh, fresh_optim, range(2, 4), group) == train_steps(
+        model, optim, range(2, 4), group
+    )
+    if full_optim:
+        full_optim["param_groups"] = full_optim["param_groups"][::-1]
+    with pytest.raises(ValueError, match=r"parameter group 0 differs.*\(checked on rank 0\)"):
+        flatshard.load_optim_state_dict(fresh, fresh_optim, full_optim, from_rank0=True)
 
 
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])

@@ -51,6 +51,14 @@ def test_uninitialized_meta_parameter_is_named(local_group: dist.ProcessGroup) -
         flatshard.fully_shard(model)
 
 
+def test_inherited_unit_cannot_keep_full_precision(local_group: dist.ProcessGroup) -> None:
+    model = TinyGPT()
+    flatshard.fully_shard(model.blocks[0])  # no policy: would inherit the root's
+    policy = flatshard.MixedPrecision(torch.bfloat16, keep_full_precision={nn.LayerNorm})
+    with pytest.raises(ValueError, match=r"unit 'blocks.0' was sharded by an earlier .* LayerNorm"):
+        flatshard.fully_shard(model, mixed_precision=policy)
+
+
 def test_tie_reaching_out_of_an_earlier_unit(local_group: dist.ProcessGroup) -> None:
     model = TinyGPT()
     flatshard.fully_shard(model.tok)  # holds the weight the head also uses

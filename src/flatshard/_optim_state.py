@@ -13,9 +13,11 @@ value unless it is ``step``, the one per-parameter scalar torch's optimizers kee
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from flatshard._state_dict import (
@@ -26,6 +28,7 @@ from flatshard._state_dict import (
     flat_params,
     gather_copies,
     group_rank,
+    model_group,
     param_places,
 )
 
@@ -162,14 +165,22 @@ def _named_groups(
 
 # ---------------------------------------------------------------- loading
 def load_optim_state_dict(
-    model: nn.Module, optim: torch.optim.Optimizer, state_dict: OptimStateDict
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    state_dict: OptimStateDict,
+    *,
+    from_rank0: bool = False,
 ) -> None:
     """Load a full or sharded optimizer state dict; a fresh optimizer gets every moment.
 
     The optimizer's parameter groups must hold the same names in the same order as the
     saved ones; hyperparameters (learning rate, ...) come from the saved groups, as with
-    ``torch.optim.Optimizer.load_state_dict``.
+    ``torch.optim.Optimizer.load_state_dict``. ``from_rank0=True``: only rank 0 of the
+    model's group holds the (full) dict, e.g. the default ``full_optim_state_dict``
+    output, and the others pass ``{}``; it is broadcast one tensor at a time.
     """
+    if from_rank0 and model_group(model) is not None:
+        state_dict = _receive_from_rank0(model, optim, state_dict)
     places = param_places(model)
     groups = named_param_groups(model, optim, "load_optim_state_dict")
     saved_groups = state_dict.get("param_groups")
@@ -242,3 +253,87 @@ def _local_value(name: str, key: str, value: Any, place: Place) -> Any:
             f"{tuple(place.full_shape)} or a scalar"
         )
     return value
+
+
+# ---------------------------------------------------------------- loading from rank 0
+@dataclass(frozen=True)
+class _Sent:
+    """Stands for a tensor of a state dict that rank 0 broadcasts on its own."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+def _receive_from_rank0(
+    model: nn.Module, optim: torch.optim.Optimizer, state_dict: OptimStateDict
+) -> OptimStateDict:
+    """This rank's sharded optimizer state dict, from the full one rank 0 holds.
+
+    Rank 0 checks the dict and sends its outline (scalars as they are, other tensors as
+    shape and dtype); an error there is raised on every rank. Then each tensor is
+    broadcast and every rank keeps its rows of the row values.
+    """
+    group = cast(dist.ProcessGroup, model_group(model))
+    source = dist.get_global_rank(group, 0)
+    places = param_places(model)
+    outline: list[object] = [None, None]  # (error message, outline of the dict)
+    if dist.get_rank(group) == 0:
+        try:
+            outline = [None, _outline(model, optim, state_dict, places)]
+        except ValueError as error:
+            outline = [str(error), None]
+    dist.broadcast_object_list(outline, src=source, group=group)
+    if outline[0] is not None:
+        raise ValueError(f"{outline[0]} (checked on rank 0)")
+    received = cast(OptimStateDict, outline[1])
+    named = dict(model.named_parameters())
+    for name, entries in received["state"].items():
+        place = places[id(named[name])]
+        device = place.flat.compute_device if place.flat is not None else named[name].device
+        for key, value in entries.items():
+            if not isinstance(value, _Sent):
+                continue
+            if dist.get_rank(group) == 0:
+                full = state_dict["state"][name][key].to(device, value.dtype).contiguous()
+            else:
+                full = torch.empty(value.shape, dtype=value.dtype, device=device)
+            dist.broadcast(full, src=source, group=group)
+            local = place.take(full).to(named[name].device).clone()
+            entries[key] = place.row_shard(local) if place.flat is not None else local
+    return received
+
+
+def _outline(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    state_dict: OptimStateDict,
+    places: dict[int, Place],
+) -> OptimStateDict:
+    """Rank 0: check a full optimizer state dict; tensors of 1+ dims become ``_Sent``."""
+    saved_state, saved_groups = state_dict.get("state"), state_dict.get("param_groups")
+    if not isinstance(saved_groups, list) or not isinstance(saved_state, dict):
+        raise ValueError(
+            "flatshard.load_optim_state_dict(from_rank0=True): rank 0 expected a dict with "
+            "'state' and 'param_groups' as made by flatshard.full_optim_state_dict, found "
+            f"keys {sorted(state_dict)}"
+        )
+    _check_groups(named_param_groups(model, optim, "load_optim_state_dict"), saved_groups)
+    named = dict(model.named_parameters())
+    state: dict[str, dict[str, Any]] = {}
+    for name, entries in saved_state.items():
+        if name not in named:
+            continue  # not in any group: _check_groups made sure it is not wanted
+        place = places[id(named[name])]
+        state[name] = {}
+        for key, value in entries.items():
+            if isinstance(value, RowShard):
+                raise ValueError(
+                    f"flatshard.load_optim_state_dict(from_rank0=True): state '{key}' of "
+                    f"'{name}' is a RowShard; rank 0 must hold a full optimizer state dict"
+                )
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                _local_value(name, key, value, place)  # the shape check, on rank 0
+                state[name][key] = _Sent(value.shape, value.dtype)
+            else:
+                state[name][key] = value
+    return {"state": state, "param_groups": saved_groups}

@@ -115,6 +115,7 @@ def fully_shard(
     _check_not_sharded(module, rank)
     target = _target_device(module, device, rank)
     earlier = _earlier_trees(module)
+    _check_inherited_precision(earlier, mixed_precision, rank)
     unit_names = select_unit_roots(module, auto_wrap_policy, skip=earlier.keys())
     managed = {name: _managed_param_ids(tree) for name, tree in earlier.items()}
     plans = partition(module, unit_names, managed, rank)
@@ -318,6 +319,38 @@ def _check_not_sharded(module: nn.Module, rank: int) -> None:
             f"flatshard.fully_shard: {type(module).__name__} is already sharded (rank "
             f"{rank}); call fully_shard once per module."
         )
+
+
+def _check_inherited_precision(
+    earlier: dict[str, ShardTree], policy: MixedPrecision | None, rank: int
+) -> None:
+    """Units of earlier calls without a policy inherit this one, except keep_full_precision.
+
+    Modules kept in full precision need FlatParameters of their own, and a unit's
+    FlatParameters were made by the earlier call: silently computing them in low
+    precision would ignore what the user asked for.
+    """
+    if policy is None or policy.param_dtype is None or not policy.keep_full_precision:
+        return
+    keep = tuple(policy.keep_full_precision)
+    for prefix, tree in earlier.items():
+        for runtime in tree.units:
+            unit = runtime.unit
+            if unit.mixed_precision is not None:
+                continue
+            kept = sorted(
+                {type(m).__name__ for m in [unit.module, *(m for _, m in unit.inner_modules)]}
+                & {cls.__name__ for cls in keep}
+            )
+            if kept:
+                label = f"{prefix}.{unit.fqn}" if unit.fqn else prefix
+                raise ValueError(
+                    f"flatshard.fully_shard (rank {rank}): unit '{label}' was sharded by an "
+                    "earlier fully_shard call without mixed_precision, so it would compute its "
+                    f"{', '.join(kept)} parameters in {policy.param_dtype} although "
+                    "keep_full_precision names them. Pass the same mixed_precision to the "
+                    f"earlier call on '{prefix}'."
+                )
 
 
 def _earlier_trees(module: nn.Module) -> dict[str, ShardTree]:
