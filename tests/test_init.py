@@ -237,6 +237,14 @@ def bypass_job(ctx: WorkerContext) -> dict[str, str] | None:
             errors[name] = "no error"
         except RuntimeError as error:
             errors[name] = str(error)
+    leaf = flatshard.fully_shard(nn.Linear(4, 4), process_group=group)  # owns its params
+    try:
+        leaf.forward(x)
+        errors["leaf forward"] = "no error"
+    except RuntimeError as error:
+        errors["leaf forward"] = str(error)
+    with torch.no_grad():
+        errors["leaf call"] = str(leaf(x).shape)  # through the hooks: gathered
     flatshard.register_entry_point(model.block, "forward")  # the unit's own method...
     flatshard.register_entry_point(model, "generate")  # ...and the root's
     with torch.no_grad():
@@ -259,6 +267,9 @@ def test_calls_that_bypass_the_unit_are_named_errors(pool: WorkerPool) -> None:
     # generate() reaches into block.fc; registering it on the root gathers the root, not
     # the block unit: the guard still names the module to route through the unit.
     assert "block.fc" in errors["generate registered"]
+    # A unit whose module holds its parameters itself: its direct forward() is caught too.
+    assert "Linear.forward() of unit '<root>' was called directly while" in errors["leaf forward"]
+    assert errors["leaf call"] == "torch.Size([2, 4])"
 
 
 def entry_point_job(ctx: WorkerContext) -> None:

@@ -171,6 +171,8 @@ def install(unit: Unit, tree: ShardTree) -> UnitRuntime:
         flat.register_post_accumulate_hook(partial(_post_backward, runtime, flat))
     for name, inner in unit.inner_modules:
         inner.register_forward_pre_hook(partial(_check_gathered, runtime, name))
+    if any(m is unit.module for f in unit.flat_params for o in f.originals for m, _ in o.usages):
+        _guard_direct_forward(runtime)  # no inner module would notice a bypass
     policy = unit.mixed_precision
     if policy is not None and policy.param_dtype is not None:
         for module in unit.full_precision_modules():
@@ -229,6 +231,34 @@ def register_entry_point(module: nn.Module, method_name: str) -> None:
         return _post_forward(runtime, module, args, method(*args, **kwargs))
 
     module.__dict__[method_name] = entry_point
+
+
+def _guard_direct_forward(runtime: UnitRuntime) -> None:
+    """Make ``unit_module.forward(...)`` an error while the unit is sharded.
+
+    Calling ``forward`` directly skips the module's hooks, so nothing gathers the unit's
+    parameters. For a unit whose module registers parameters itself (a leaf such as an
+    ``nn.Linear``), no inner module's check would notice either: the call would compute on
+    this rank's rows. The guard is an attribute of this instance only; ``module(...)``
+    passes through it after its hooks have gathered.
+    """
+    module = runtime.unit.module
+    forward = module.forward
+
+    @wraps(forward)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        unit = runtime.unit
+        if not (unit.params_are_full or all(f.is_unsharded for f in unit.flat_params)):
+            raise RuntimeError(
+                f"flatshard: {type(module).__name__}.forward() of unit '{unit.label}' was "
+                f"called directly while the unit is sharded (rank {dist.get_rank()}): its "
+                "parameters hold only this rank's rows and forward() skips the hooks that "
+                "gather them. Call the module itself (module(...)), or run inside "
+                "flatshard.summon_full_params(model)."
+            )
+        return forward(*args, **kwargs)
+
+    module.__dict__["forward"] = guarded
 
 
 def _check_gathered(runtime: UnitRuntime, name: str, module: nn.Module, args: Any) -> None:
