@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from flatshard.testing.delays import delayed_collectives
 from flatshard.testing.parity import (
     ParityConfig,
     RunResult,
@@ -30,6 +29,7 @@ from flatshard.testing.parity import (
     run_flatshard,
     run_fsdp2,
     run_mixed_reference,
+    run_on_time_and_late,
     run_reference,
 )
 
@@ -98,12 +98,7 @@ def _job(rank: int, backend: str, world: int, store: str, configs: list[Any], ou
 
 
 def _on_time_and_late(rank: int, config: ParityConfig, group: Any) -> None:
-    on_time = run_flatshard(config, group)
-    with delayed_collectives(0.002):
-        late = run_flatshard(config, group)
-    assert late.losses == on_time.losses, (late.losses, on_time.losses)
-    for name, value in on_time.params.items():
-        assert torch.equal(late.params[name], value), name
+    late = run_on_time_and_late(config, group)
     if rank == 0:
         _check(config, late)
 

@@ -21,7 +21,7 @@ from flatshard.testing.parity import (
     ParityConfig,
     assert_same,
     make_optimizer,
-    run_flatshard,
+    run_on_time_and_late,
     run_reference,
 )
 from flatshard.testing.workers import WorkerContext, WorkerPool
@@ -31,12 +31,7 @@ def delay_job(ctx: WorkerContext, config: ParityConfig) -> None:
     group = ctx.group(config.world_size)
     if group is None:
         return
-    on_time = run_flatshard(config, group)
-    with delayed_collectives(0.002):
-        late = run_flatshard(config, group)
-    assert late.losses == on_time.losses, (late.losses, on_time.losses)
-    for name, value in on_time.params.items():
-        assert torch.equal(late.params[name], value), name
+    late = run_on_time_and_late(config, group)
     if ctx.rank == 0:
         assert_same(run_reference(config), late)
 
@@ -66,18 +61,18 @@ def test_late_collectives_change_nothing(pool: WorkerPool, config: ParityConfig)
     pool.run(delay_job, config)
 
 
+def _sharded_gpt(group: Any, **options: Any) -> nn.Module:
+    model = build("gpt")
+    classes = set(cast(Any, model).UNIT_CLASSES)
+    return flatshard.fully_shard(model, auto_wrap_policy=classes, process_group=group, **options)
+
+
 def limiter_job(ctx: WorkerContext, limit: bool) -> dict[str, Any] | None:
     """The root prefetches all three blocks when forward starts: 3 gathers ahead at once."""
     group = ctx.group(2)
     if group is None:
         return None
-    model = build("gpt")
-    flatshard.fully_shard(
-        model,
-        auto_wrap_policy=set(cast(Any, model).UNIT_CLASSES),
-        process_group=group,
-        limit_all_gathers=limit,
-    )
+    model = _sharded_gpt(group, limit_all_gathers=limit)
     blocks = cast(nn.ModuleList, cast(Any, model).blocks)
     flatshard.set_prefetch(model, forward=list(blocks))
     optim = make_optimizer(model, 1e-2)
@@ -110,14 +105,7 @@ def limiter_calls_job(ctx: WorkerContext, strategy: str) -> dict[str, int] | Non
         return None
     from flatshard._rate_limiter import RateLimiter
 
-    model = build("gpt")
-    flatshard.fully_shard(
-        model,
-        auto_wrap_policy=set(cast(Any, model).UNIT_CLASSES),
-        process_group=group,
-        strategy=flatshard.ShardingStrategy[strategy],
-        forward_prefetch=True,
-    )
+    model = _sharded_gpt(group, strategy=flatshard.ShardingStrategy[strategy])
     calls = {"before_prefetch": 0, "resharded": 0}
     originals = {name: getattr(RateLimiter, name) for name in calls}
 
@@ -168,10 +156,7 @@ def reduce_scatter_job(ctx: WorkerContext, config: ParityConfig) -> None:
     try:
         for impl in collectives.ReduceScatter:
             collectives.reduce_scatter_impl = lambda group, impl=impl: impl  # type: ignore[misc]
-            on_time = run_flatshard(config, group)
-            with delayed_collectives(0.002):
-                late = run_flatshard(config, group)
-            assert late.losses == on_time.losses, impl
+            late = run_on_time_and_late(config, group)
             if reference is not None:
                 assert_same(reference, late)
     finally:

@@ -321,6 +321,23 @@ def run_mixed_reference(config: ParityConfig) -> RunResult:
     return result
 
 
+def run_on_time_and_late(config: ParityConfig, group: dist.ProcessGroup) -> RunResult:
+    """flatshard twice: as is, and with every collective late (``testing.delays``).
+
+    Asserts that both give bitwise the same losses and parameters (reading a buffer before
+    its collective is waited for would read stale data in the late run); returns the late.
+    """
+    from flatshard.testing.delays import delayed_collectives
+
+    on_time = run_flatshard(config, group)
+    with delayed_collectives(0.002):
+        late = run_flatshard(config, group)
+    assert late.losses == on_time.losses, (late.losses, on_time.losses)
+    for name, value in on_time.params.items():
+        assert torch.equal(late.params[name], value), name
+    return late
+
+
 def run_flatshard(config: ParityConfig, group: dist.ProcessGroup) -> RunResult:
     model = build_model(config)
     shard_with_flatshard(model, config, group)
