@@ -101,18 +101,20 @@ class FlatParameter:
         self.world_size = groups.shard_size  # F: ranks the buffer is cut across
         self.requires_grad = first.requires_grad
         self.layout: FlatLayout = plan_layout([o.param.shape for o in originals], self.world_size)
-        # Asked for on every unshard and reduction: computed once. Empty gaps are left out
-        # of the split: each piece is a view in forward and a zero-filled input of the cat
-        # that autograd's split backward builds.
-        self._segment_sizes: list[int] = []
-        self._param_segments: list[int] = []  # original i is piece _param_segments[i]
-        for i, size in enumerate(self.layout.segment_sizes()):  # [gap, param, ..., tail]
-            is_param = i % 2 == 1
-            if is_param:
-                self._param_segments.append(len(self._segment_sizes))
-            if size or is_param:
-                self._segment_sizes.append(size)
-        self._held = [self.layout.shard_range(slot, self.rank) for slot in self.layout.slots]
+        # Asked for on every unshard and reduction: computed once. Each original is one
+        # piece of a split of the buffer (empty gaps left out: in forward each piece is a
+        # view, in backward a zero-filled input of the split's cat).
+        slots = self.layout.slots
+        self._held = [self.layout.shard_range(slot, self.rank) for slot in slots]
+        self._segment_sizes, self._param_segments = _pieces(
+            [(slot.offset, slot.numel) for slot in slots], self.layout.unsharded_numel
+        )
+        self._shard_sizes, self._shard_pieces = _pieces(
+            [(held.local_offset, held.numel) for held in self._held], self.layout.shard_numel
+        )
+        self._shard_shapes = [
+            _local_shape(slot, held) for slot, held in zip(slots, self._held, strict=True)
+        ]
         self.comm_hook: CommHook | None = None
         self.compute_dtype = compute_dtype or first.dtype
         self.compute_device = compute_device or device
@@ -244,26 +246,19 @@ class FlatParameter:
 
     def _full_views(self, full: torch.Tensor) -> list[torch.Tensor]:
         """Full-shape views of each original in a (C * F,) tensor laid out like the buffer."""
-        segments = torch.split(full, self._segment_sizes)
+        pieces = torch.split(full, self._segment_sizes)
         return [
-            segments[piece].view(slot.shape)
+            _shaped(pieces[piece], slot.shape)
             for piece, slot in zip(self._param_segments, self.layout.slots, strict=True)
         ]
 
     def shard_views(self, flat_shard: torch.Tensor) -> list[torch.Tensor]:
         """Views of each original's rows in a (C,) tensor laid out like ``shard``."""
+        pieces = torch.split(flat_shard, self._shard_sizes)
         return [
-            self._rows_view(flat_shard, slot, held)
-            for slot, held in zip(self.layout.slots, self._held, strict=True)
+            _shaped(pieces[piece], shape)
+            for piece, shape in zip(self._shard_pieces, self._shard_shapes, strict=True)
         ]
-
-    @staticmethod
-    def _rows_view(flat_shard: torch.Tensor, slot: ParamSlot, held: ShardRange) -> torch.Tensor:
-        rows = flat_shard[held.local_offset : held.local_offset + held.numel]
-        if len(slot.shape) == 0:
-            # A scalar is one row: shape () on the rank that holds it, (0,) elsewhere.
-            return rows.view(()) if held.rows else rows
-        return rows.view(held.rows, *slot.shape[1:])
 
     def use_sharded_data(self) -> None:
         """Point every original parameter's ``.data`` at its rows of the shard."""
@@ -387,3 +382,36 @@ class FlatParameter:
                 view.copy_(orig.param.data)
         chunk = self.layout.shard_numel
         self.shard.copy_(full[self.rank * chunk : (self.rank + 1) * chunk])
+
+
+def _pieces(ranges: list[tuple[int, int]], total: int) -> tuple[list[int], list[int]]:
+    """Split sizes covering ``total`` elements, and the piece of each (offset, numel) range.
+
+    Ranges come in offset order; the gaps between them become pieces of their own, empty
+    ones are left out (an empty range, e.g. rows a rank does not hold, is an empty piece).
+    """
+    sizes: list[int] = []
+    pieces: list[int] = []
+    cursor = 0
+    for offset, numel in ranges:
+        if numel and offset > cursor:
+            sizes.append(offset - cursor)
+            cursor = offset
+        pieces.append(len(sizes))
+        sizes.append(numel)
+        cursor += numel
+    if total > cursor:
+        sizes.append(total - cursor)
+    return sizes, pieces
+
+
+def _local_shape(slot: ParamSlot, held: ShardRange) -> torch.Size:
+    """The shape of an original's rows on this rank (a scalar: () if held, (0,) if not)."""
+    if len(slot.shape) == 0:
+        return torch.Size([]) if held.rows else torch.Size([0])
+    return torch.Size([held.rows, *slot.shape[1:]])
+
+
+def _shaped(piece: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """``piece`` viewed as ``shape``; as it is when it already has it (no extra view)."""
+    return piece if piece.shape == shape else piece.view(shape)

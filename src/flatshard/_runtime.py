@@ -293,7 +293,8 @@ def _pre_forward(
         policy = unit.mixed_precision
         if policy is not None and policy.param_dtype is not None and policy.cast_forward_inputs:
             args, kwargs = _cast_floats((args, kwargs), policy.param_dtype)
-        if torch.is_grad_enabled() and unit.state is TrainingState.FORWARD:
+        # Only frozen FlatParameters wait for the inputs' gradients (_reshard_frozen_if_done).
+        if unit.frozen and torch.is_grad_enabled() and unit.state is TrainingState.FORWARD:
             args, kwargs = _watch_input_grads(runtime, args, kwargs)
     return args, kwargs
 
