@@ -1,8 +1,10 @@
 """``flatshard bench``: flatshard against FSDP2, DDP and no communication, side by side.
 
-Every system trains the same GPT (same seed, same data) at the same world size, in fresh
-processes (so per-rank peak memory is its own), interleaved round by round so that machine
-drift hits all systems alike. "floor" is each rank training alone without communicating:
+Every system trains the same GPT (same seed, same data) at the same world size, in
+processes of its own (so per-rank peak memory is its own). In each round every system's
+processes are started afresh and kept alive together, and the systems take their steps in
+turn, one step each: machine drift hits all systems alike (the memory of all of them is
+needed at once). "floor" is each rank training alone without communicating:
 the time any data-parallel system adds on top of it is communication it did not hide plus
 its own software overhead. gloo on CPUs; NCCL with one GPU per rank where GPUs are visible
 (``--device``). Peak memory is the resident set on CPU and ``max_memory_allocated`` on GPUs;
@@ -61,11 +63,11 @@ class BenchConfig:
     batch: int = 4
     """sequences per rank per step"""
     warmup: int = 1
-    """untimed steps per run"""
+    """untimed steps per system and round"""
     steps: int = 4
-    """timed steps per run"""
+    """timed steps per system and round"""
     rounds: int = 2
-    """runs of every system, interleaved"""
+    """rounds: fresh processes for every system, which then take their steps in turn"""
     out: str = "runs/bench"
     """directory for bench.json and bench.png"""
 
@@ -106,8 +108,8 @@ def run(args: argparse.Namespace) -> int:
     config = replace(config, device=resolve_device(config.device, config.nproc))
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in config.system_list}
     for _ in range(config.rounds):
-        for system in config.system_list:
-            runs[system].append(_run_system(config, system))
+        for system, report in _interleaved_round(config).items():
+            runs[system].append(report)
     summary = _summarize(config, runs)
     collectives = next((r["collectives"] for r in runs.get("flatshard", [])), "")
     if collectives:
@@ -122,50 +124,115 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_system(config: BenchConfig, system: str) -> dict[str, Any]:
-    """One run of ``system`` in fresh processes; rank 0's timings and every rank's peak RSS."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="flatshard-bench-") as tmp:
-        store = os.path.join(tmp, "store")
-        procs = [
-            ctx.Process(target=_worker, args=(r, config, system, store, results))
-            for r in range(config.nproc)
+class _System:
+    """One system's ranks, alive for a round, each running a step when told to."""
+
+    def __init__(self, config: BenchConfig, system: str, store: str) -> None:
+        ctx = mp.get_context("spawn")
+        self.system = system
+        self.answers = ctx.Queue()
+        self.inboxes = [ctx.Queue() for _ in range(config.nproc)]
+        self.procs = [
+            ctx.Process(target=_worker, args=(r, config, system, store, inbox, self.answers))
+            for r, inbox in enumerate(self.inboxes)
         ]
-        for proc in procs:
+        for proc in self.procs:
             proc.start()
-        answers = [results.get(timeout=3600) for _ in procs]
-        for proc in procs:
-            proc.join()
-    failed = [a["error"] for a in answers if "error" in a]
-    if failed:
-        raise RuntimeError(f"flatshard bench: {system} failed: {failed[0]}")
-    rank0: dict[str, Any] = next(a for a in answers if a["rank"] == 0)
-    rank0["peak_mem_mib"] = max(a["peak_mem_mib"] for a in answers)
-    return rank0
+
+    def ask(self, command: str) -> list[dict[str, Any]]:
+        """Send ``command`` to every rank; their answers, rank 0 first."""
+        for inbox in self.inboxes:
+            inbox.put(command)
+        return self.collect()
+
+    def collect(self) -> list[dict[str, Any]]:
+        """One answer per rank; the first failure is raised at once (its peers may hang)."""
+        answers = []
+        for _ in self.procs:
+            answer = self.answers.get(timeout=3600)
+            if "error" in answer:
+                raise RuntimeError(f"flatshard bench: {self.system} failed: {answer['error']}")
+            answers.append(answer)
+        return sorted(answers, key=lambda a: int(a["rank"]))
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.terminate()
 
 
-def _worker(rank: int, config: BenchConfig, system: str, store: str, results: Any) -> None:
+def _interleaved_round(config: BenchConfig) -> dict[str, dict[str, Any]]:
+    """Every system in fresh processes, all alive at once, taking steps in turn.
+
+    One system steps at a time (the others wait on their queues without using the CPU),
+    so a slow minute of a shared machine falls on every system alike. Returns each
+    system's rank-0 step times and waits, collective facts and peak memory of any rank.
+    """
+    times: dict[str, list[float]] = {s: [] for s in config.system_list}
+    waits: dict[str, list[float]] = {s: [] for s in config.system_list}
+    reports: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="flatshard-bench-") as tmp:
+        systems = [
+            _System(config, name, os.path.join(tmp, f"store-{name}")) for name in config.system_list
+        ]
+        try:
+            for system in systems:
+                system.collect()  # built and ready
+            for step in range(config.warmup + config.steps):
+                for system in systems:
+                    rank0 = system.ask("step")[0]
+                    if step >= config.warmup:
+                        times[system.system].append(rank0["time"])
+                        waits[system.system].append(rank0["wait"])
+            for system in systems:
+                answers = system.ask("stop")
+                reports[system.system] = {
+                    **answers[0],
+                    "step_times": times[system.system],
+                    "comm_waits": waits[system.system] if answers[0]["waits_measured"] else [],
+                    "peak_mem_mib": max(a["peak_mem_mib"] for a in answers),
+                }
+        finally:
+            for system in systems:
+                for inbox in system.inboxes:
+                    inbox.put("stop")  # a rank still waiting for orders ends
+                system.close()
+    return reports
+
+
+def _worker(
+    rank: int, config: BenchConfig, system: str, store: str, inbox: Any, answers: Any
+) -> None:
+    """One rank of one system: build, then run a step per "step" order until "stop"."""
     torch.set_num_threads(1)
-    device = init_rank(config.device, f"file://{store}", rank, config.nproc, rank)
     try:
-        results.put({"rank": rank, **_measure(config, system, rank, device)})
+        device = init_rank(config.device, f"file://{store}", rank, config.nproc, rank)
+        answers.put({"rank": rank, **_serve(config, system, rank, device, inbox, answers)})
     except Exception as error:  # reported by the parent, which then stops
-        results.put({"rank": rank, "error": f"rank {rank}: {error!r}"})
+        answers.put({"rank": rank, "error": f"rank {rank}: {error!r}"})
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
-def _measure(config: BenchConfig, system: str, rank: int, device: torch.device) -> dict[str, Any]:
+def _serve(
+    config: BenchConfig,
+    system: str,
+    rank: int,
+    device: torch.device,
+    inbox: Any,
+    answers: Any,
+) -> dict[str, Any]:
     torch.manual_seed(0)
     gpt = GPT(config.vocab, config.dim, config.heads, config.layers, config.seq_len)
     model = _wrap(gpt.to(device), system, device)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(1 + rank)
-    times: list[float] = []
-    waits: list[float] = []  # flatshard only: time blocked on its collectives
     tracker = CollectiveTracker()
-    for step in range(config.warmup + config.steps):
+    answers.put({"rank": rank, "ready": True})
+    step = 0
+    while inbox.get() == "step":
         idx = torch.randint(0, config.vocab, (config.batch, config.seq_len + 1), generator=gen)
         idx = idx.to(device)
         _synchronize(device)
@@ -180,12 +247,12 @@ def _measure(config: BenchConfig, system: str, rank: int, device: torch.device) 
             optim.zero_grad()
         _synchronize(device)
         dist.barrier()
-        if step >= config.warmup:
-            times.append(time.perf_counter() - start)
-            waits.append(WaitClock.seconds - waited)
+        elapsed = time.perf_counter() - start
+        answers.put({"rank": rank, "time": elapsed, "wait": WaitClock.seconds - waited})
+        step += 1
     return {
-        "step_times": times,
-        "comm_waits": waits if system.startswith("flatshard") and device.type == "cpu" else [],
+        # flatshard's time blocked on its collectives: exposed communication on CPU only.
+        "waits_measured": system.startswith("flatshard") and device.type == "cpu",
         "collectives": describe(cast(dist.ProcessGroup, dist.group.WORLD))
         if system == "flatshard"
         else "",
