@@ -100,10 +100,12 @@ def reduce_scatter_impl(group: dist.ProcessGroup) -> ReduceScatter:
 
     gloo implements reduce_scatter_tensor as a full-size clone, an all-reduce and a copy.
     An all-to-all sends each rank only the chunks it sums, (F - 1) / F of the gradient,
-    where an all-reduce sends twice that; the received chunks are then summed here.
-    At 2 ranks on the development machine, 6-16 MiB shards, the all-to-all form ran
-    1.25-1.47x faster than an in-place all-reduce, itself 1.29-1.48x faster than
-    reduce_scatter_tensor (``benchmarks/gloo_collectives.py``).
+    where an all-reduce sends twice that; the received chunks are then summed here. At 2
+    ranks on the development machine (``benchmarks/gloo_collectives.py``) it ran 1.14-2.1x
+    faster than an in-place all-reduce of the gradient at 1-6 MiB shards but 0.71x at
+    16 MiB in one run (its fresh full-size receive buffer), and 1.8% faster in the whole
+    bench step (``benchmarks/variants.py``). The all-reduce form, in turn, beats gloo's
+    reduce_scatter_tensor (a clone, an all-reduce and a copy).
     """
     if dist.get_backend(group) == dist.Backend.GLOO:
         return ReduceScatter.ALL_TO_ALL

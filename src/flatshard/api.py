@@ -338,10 +338,8 @@ def _check_inherited_precision(
             unit = runtime.unit
             if unit.mixed_precision is not None:
                 continue
-            kept = sorted(
-                {type(m).__name__ for m in [unit.module, *(m for _, m in unit.inner_modules)]}
-                & {cls.__name__ for cls in keep}
-            )
+            modules = [unit.module, *(m for _, m in unit.inner_modules)]
+            kept = sorted({type(m).__name__ for m in modules if isinstance(m, keep)})
             if kept:
                 label = f"{prefix}.{unit.fqn}" if unit.fqn else prefix
                 raise ValueError(
