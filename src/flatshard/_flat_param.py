@@ -53,7 +53,7 @@ from flatshard._collectives import (
     wait_reduction,
     wait_work,
 )
-from flatshard._layout import FlatLayout, ParamSlot, ShardRange, plan_layout
+from flatshard._layout import FlatLayout, ShardRange, plan_layout, rows_shape
 from flatshard._mesh import ShardGroups
 
 CommHook = Callable[[torch.Tensor, ShardGroups], torch.Tensor]
@@ -113,7 +113,7 @@ class FlatParameter:
             [(held.local_offset, held.numel) for held in self._held], self.layout.shard_numel
         )
         self._shard_shapes = [
-            _local_shape(slot, held) for slot, held in zip(slots, self._held, strict=True)
+            rows_shape(slot.shape, held.rows) for slot, held in zip(slots, self._held, strict=True)
         ]
         self.comm_hook: CommHook | None = None
         self.compute_dtype = compute_dtype or first.dtype
@@ -403,13 +403,6 @@ def _pieces(ranges: list[tuple[int, int]], total: int) -> tuple[list[int], list[
     if total > cursor:
         sizes.append(total - cursor)
     return sizes, pieces
-
-
-def _local_shape(slot: ParamSlot, held: ShardRange) -> torch.Size:
-    """The shape of an original's rows on this rank (a scalar: () if held, (0,) if not)."""
-    if len(slot.shape) == 0:
-        return torch.Size([]) if held.rows else torch.Size([0])
-    return torch.Size([held.rows, *slot.shape[1:]])
 
 
 def _shaped(piece: torch.Tensor, shape: torch.Size) -> torch.Tensor:

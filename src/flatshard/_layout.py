@@ -108,6 +108,13 @@ class FlatLayout:
         return sizes
 
 
+def rows_shape(full_shape: torch.Size, rows: int) -> torch.Size:
+    """The shape of ``rows`` rows of a parameter (a scalar is one row: () held, (0,) not)."""
+    if len(full_shape) == 0:
+        return torch.Size([]) if rows else torch.Size([0])
+    return torch.Size([rows, *full_shape[1:]])
+
+
 def row_numel(shape: torch.Size) -> int:
     """Elements per row: a row is one index along dim 0; a scalar is one row of one."""
     if len(shape) == 0:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flatshard._flat_param import FlatParameter
+from flatshard._layout import rows_shape
 from flatshard._runtime import shard_tree, unit_runtime
 from flatshard._unit import TrainingState
 
@@ -55,9 +56,7 @@ class Place:
 
     @property
     def local_shape(self) -> torch.Size:
-        if len(self.full_shape) == 0:
-            return torch.Size([]) if self.rows else torch.Size([0])
-        return torch.Size([self.rows, *self.full_shape[1:]])
+        return rows_shape(self.full_shape, self.rows)
 
     def take(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of ``full`` (a view)."""
