@@ -28,8 +28,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import flatshard
-from flatshard import _collectives, _runtime
 from flatshard.models import GPT, GPTBlock
+from flatshard.testing import internals
 
 VARIANTS = ("defaults", "no-keep-last", "no-fwd", "no-bwd", "none", "rs-all-reduce", "floor")
 
@@ -40,16 +40,14 @@ def build(variant: str) -> nn.Module:
     if variant == "floor":
         return model
     if variant in ("no-keep-last", "none"):
-        setattr(_runtime.ShardTree, "ends_forward", lambda self, runtime: False)  # noqa: B010
+        internals.no_keep_last_unit()
     if variant == "rs-all-reduce":
-        impl = _collectives.ReduceScatter.ALL_REDUCE
-        setattr(_collectives, "reduce_scatter_impl", lambda group: impl)  # noqa: B010
-    options: dict[str, Any] = {}
-    if variant in ("no-fwd", "none"):
-        options["forward_prefetch"] = False
-    if variant in ("no-bwd", "none"):
-        options["backward_prefetch"] = None
-    return flatshard.fully_shard(model, auto_wrap_policy={GPTBlock}, **options)
+        internals.forced_reduce_scatter(internals.ReduceScatter.ALL_REDUCE).__enter__()
+    prefetch = flatshard.Prefetch(
+        forward=variant not in ("no-fwd", "none"),
+        backward=None if variant in ("no-bwd", "none") else flatshard.BackwardPrefetch.BACKWARD_PRE,
+    )
+    return flatshard.fully_shard(model, auto_wrap_policy={GPTBlock}, prefetch=prefetch)
 
 
 def worker(rank: int, store: str, variant: str, steps: int, results: Any) -> None:

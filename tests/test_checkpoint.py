@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 import flatshard
+from flatshard.testing import internals
 from flatshard.testing.accounting import PeakStorage
 from flatshard.testing.models import Batch, build
 from flatshard.testing.parity import GLOBAL_BATCH, make_optimizer, slice_batch
@@ -196,17 +197,12 @@ def full_state_dict_memory_job(ctx: WorkerContext) -> dict[str, int] | None:
     if group is None:
         return None
     model = shard(build("gpt"), group, "FULL_SHARD")
-    largest = max(f.layout.unsharded_numel * 4 for f in flatshard_flat_params(model))
+    summary = flatshard.sharding_summary(model)
+    largest = max(f.shard_numel * f.factor * 4 for f in summary.flat_params)  # fp32 bytes
     with PeakStorage() as tracker:
         result = flatshard.full_state_dict(model)
     out = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in result.values()}.values())
     return {"peak": tracker.peak, "largest_unit": largest, "out": out}
-
-
-def flatshard_flat_params(model: nn.Module) -> list[Any]:
-    from flatshard._state_dict import flat_params
-
-    return list(flat_params(model))
 
 
 def test_full_state_dict_gathers_one_unit_at_a_time(pool: WorkerPool) -> None:
@@ -298,11 +294,7 @@ def test_failed_save_leaves_previous_checkpoint(
     path = tmp_path / "ckpt"
     old = _plain_checkpoint(path, scale=1.0)
 
-    def crash(*args: Any) -> None:
-        raise KeyboardInterrupt("killed mid-save")
-
-    monkeypatch.setattr("flatshard._checkpoint._share_of_checksums", crash)
-    with pytest.raises(KeyboardInterrupt):
+    with internals.checkpoint_save_dies_midway(), pytest.raises(KeyboardInterrupt):
         _plain_checkpoint(path, scale=2.0)
     loaded = build("mlp", seed=5)
     assert flatshard.load_checkpoint(path, loaded) == {"scale": 1.0}

@@ -8,8 +8,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 import flatshard
+from flatshard import comm_hooks
 from flatshard.testing.models import GPTBlock, MLPBlock, TinyGPT, build
 
 
@@ -82,12 +84,15 @@ def test_sharding_factor_needs_a_hybrid_strategy(local_group: dist.ProcessGroup)
 
 
 def test_one_hybrid_option_at_a_time(local_group: dist.ProcessGroup) -> None:
-    with pytest.raises(ValueError, match=r"not sharding_factor and hybrid_groups"):
+    mesh = DeviceMesh.from_group(
+        [local_group, local_group], "cpu", mesh=[[0]], mesh_dim_names=("replicate", "shard")
+    )
+    with pytest.raises(ValueError, match=r"sharding_factor or as a 2-D .* not both"):
         flatshard.fully_shard(
             build("mlp"),
             strategy=flatshard.ShardingStrategy.HYBRID_SHARD,
             sharding_factor=1,
-            hybrid_groups=(local_group, local_group),
+            process_group=mesh,
         )
 
 
@@ -157,4 +162,4 @@ def test_helper_option_errors(local_group: dist.ProcessGroup) -> None:
     with pytest.raises(ValueError, match=r"norm_type must be > 0, got -1.0"):
         flatshard.clip_grad_norm_(model, 1.0, norm_type=-1)
     with pytest.raises(TypeError, match=r"hook must be callable"):
-        flatshard.register_comm_hook(model, "bf16")  # type: ignore[arg-type]
+        comm_hooks.register_comm_hook(model, "bf16")  # type: ignore[arg-type]

@@ -54,7 +54,7 @@ def meta_job(ctx: WorkerContext, use_init_fn: bool) -> None:
         auto_wrap_policy={type(model.blocks[0])},
         process_group=group,
         param_init_fn=init_fn,
-        init_seed=7,
+        init=flatshard.InitOptions(seed=7),
     )
     assert model.head.weight is model.tok.weight  # the tie survives materialization
     full = _full_params(model)
@@ -129,7 +129,7 @@ def sync_job(ctx: WorkerContext) -> None:
         model,
         auto_wrap_policy={type(model.blocks[0])},
         process_group=group,
-        sync_module_states=True,
+        init=flatshard.InitOptions(sync_module_states=True),
     )
     config = ParityConfig(model="gpt", world_size=2)
     ours = train(model, config, ctx.rank, 2, group, "flatshard")
@@ -167,9 +167,9 @@ def mismatch_job(ctx: WorkerContext, case: str) -> str:
     if case == "weights" and odd:
         with torch.no_grad():
             model.head.weight.add_(1e-3)  # type: ignore[union-attr, operator]
-        options["check_weights"] = True
+        options["init"] = flatshard.InitOptions(check_weights=True)
     if case == "weights":
-        options["check_weights"] = True
+        options["init"] = flatshard.InitOptions(check_weights=True)
     start = time.perf_counter()
     try:
         flatshard.fully_shard(model, **options)

@@ -7,8 +7,7 @@ import math
 import pytest
 import torch
 
-from flatshard import plan_layout
-from flatshard._layout import FlatLayout
+from flatshard.report import FlatLayout, plan_layout
 
 
 def check_invariants(layout: FlatLayout) -> None:
@@ -17,14 +16,14 @@ def check_invariants(layout: FlatLayout) -> None:
     for slot in layout.slots:
         assert slot.offset >= cursor
         cursor = slot.end
-        for rank in range(layout.world_size):
+        for rank in range(layout.factor):
             boundary = rank * layout.shard_numel
             if slot.offset < boundary < slot.end:
                 assert (boundary - slot.offset) % slot.row_numel == 0, (slot, boundary)
     assert cursor <= layout.unsharded_numel
     # Each rank's pieces together are exactly the parameter.
     for slot in layout.slots:
-        held = [layout.shard_range(slot, r) for r in range(layout.world_size)]
+        held = [layout.shard_range(slot, r) for r in range(layout.factor)]
         assert sum(h.numel for h in held) == slot.numel
         assert sum(h.rows for h in held) == slot.rows
 
@@ -39,12 +38,12 @@ SHAPES = [
 
 
 @pytest.mark.parametrize("shapes", SHAPES)
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
-def test_invariants(shapes: list[tuple[int, ...]], world_size: int) -> None:
-    layout = plan_layout([torch.Size(s) for s in shapes], world_size)
+@pytest.mark.parametrize("factor", [1, 2, 3, 4, 8])
+def test_invariants(shapes: list[tuple[int, ...]], factor: int) -> None:
+    layout = plan_layout([torch.Size(s) for s in shapes], factor)
     check_invariants(layout)
     assert layout.param_numel == sum(math.prod(s) for s in shapes)
-    assert layout.unsharded_numel % world_size == 0
+    assert layout.unsharded_numel % factor == 0
     assert layout.padding_numel >= layout.alignment_padding_numel >= 0
 
 
@@ -85,8 +84,8 @@ def test_parameter_spanning_many_chunks_forces_row_multiple() -> None:
     assert layout.alignment_padding_numel == 0
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4, 8])
-def test_transformer_block_waste_is_at_most_one_row_per_chunk(world_size: int) -> None:
+@pytest.mark.parametrize("factor", [2, 3, 4, 8])
+def test_transformer_block_waste_is_at_most_one_row_per_chunk(factor: int) -> None:
     d = 64
     shapes = [
         (3 * d, d),
@@ -100,12 +99,12 @@ def test_transformer_block_waste_is_at_most_one_row_per_chunk(world_size: int) -
         (d, 4 * d),
         (d,),
     ]
-    layout = plan_layout([torch.Size(s) for s in shapes], world_size)
+    layout = plan_layout([torch.Size(s) for s in shapes], factor)
     check_invariants(layout)
     widest_row = 4 * d
-    assert layout.alignment_padding_numel <= world_size * widest_row
+    assert layout.alignment_padding_numel <= factor * widest_row
 
 
-def test_rejects_bad_world_size() -> None:
-    with pytest.raises(ValueError, match="world_size"):
+def test_rejects_bad_sharding_factor() -> None:
+    with pytest.raises(ValueError, match="sharding factor F must be >= 1, got 0"):
         plan_layout([torch.Size((2,))], 0)

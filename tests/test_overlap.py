@@ -15,6 +15,8 @@ import torch
 from torch import nn
 
 import flatshard
+from flatshard.report import describe_collectives
+from flatshard.testing import internals
 from flatshard.testing.delays import delayed_collectives
 from flatshard.testing.models import build
 from flatshard.testing.parity import (
@@ -72,7 +74,7 @@ def limiter_job(ctx: WorkerContext, limit: bool) -> dict[str, Any] | None:
     group = ctx.group(2)
     if group is None:
         return None
-    model = _sharded_gpt(group, limit_all_gathers=limit)
+    model = _sharded_gpt(group, prefetch=flatshard.Prefetch(limit_all_gathers=limit))
     blocks = cast(nn.ModuleList, cast(Any, model).blocks)
     flatshard.set_prefetch(model, forward=list(blocks))
     optim = make_optimizer(model, 1e-2)
@@ -85,9 +87,7 @@ def limiter_job(ctx: WorkerContext, limit: bool) -> dict[str, Any] | None:
             optim.step()
             optim.zero_grad()
             losses.append(loss.item())
-    tree = flatshard._runtime.shard_tree(model)
-    assert tree is not None
-    return {"ahead": tree.rate_limiter.max_ahead, "losses": losses}
+    return {"ahead": internals.rate_limiter_of(model).max_ahead, "losses": losses}
 
 
 def test_rate_limiter_bounds_gathers_ahead(pool: WorkerPool) -> None:
@@ -103,29 +103,16 @@ def limiter_calls_job(ctx: WorkerContext, strategy: str) -> dict[str, int] | Non
     group = ctx.group(2)
     if group is None:
         return None
-    from flatshard._rate_limiter import RateLimiter
-
     model = _sharded_gpt(group, strategy=flatshard.ShardingStrategy[strategy])
-    calls = {"before_prefetch": 0, "resharded": 0}
-    originals = {name: getattr(RateLimiter, name) for name in calls}
-
-    def counting(name: str) -> Any:
-        def call(self: RateLimiter, *args: Any) -> None:
-            calls[name] += 1
-            originals[name](self, *args)
-
-        return call
-
+    limiter = internals.rate_limiter_of(model)
     batch = cast(Any, model).make_batch(torch.Generator().manual_seed(0), 8)
     cast(Any, model).loss(batch).backward()  # records the forward order
-    try:
-        for name in calls:
-            setattr(RateLimiter, name, counting(name))
-        cast(Any, model).loss(batch).backward()
-    finally:
-        for name, original in originals.items():
-            setattr(RateLimiter, name, original)
-    return calls
+    before = (limiter.prefetches, limiter.frees)
+    cast(Any, model).loss(batch).backward()
+    return {
+        "before_prefetch": limiter.prefetches - before[0],
+        "resharded": limiter.frees - before[1],
+    }
 
 
 def test_rate_limiter_only_bounds_units_that_allocate(pool: WorkerPool) -> None:
@@ -138,9 +125,7 @@ def test_rate_limiter_only_bounds_units_that_allocate(pool: WorkerPool) -> None:
 
 
 def test_collective_choice_is_described(local_group: Any) -> None:
-    from flatshard._collectives import describe
-
-    text = describe(local_group)
+    text = describe_collectives(local_group)
     assert text.startswith("gloo:") and "all_to_all_single" in text
 
 
@@ -149,18 +134,12 @@ def reduce_scatter_job(ctx: WorkerContext, config: ParityConfig) -> None:
     group = ctx.group(config.world_size)
     if group is None:
         return
-    import flatshard._collectives as collectives
-
-    chosen = collectives.reduce_scatter_impl
     reference = run_reference(config) if ctx.rank == 0 else None
-    try:
-        for impl in collectives.ReduceScatter:
-            collectives.reduce_scatter_impl = lambda group, impl=impl: impl  # type: ignore[misc]
+    for impl in internals.ReduceScatter:
+        with internals.forced_reduce_scatter(impl):
             late = run_on_time_and_late(config, group)
-            if reference is not None:
-                assert_same(reference, late)
-    finally:
-        collectives.reduce_scatter_impl = chosen
+        if reference is not None:
+            assert_same(reference, late)
 
 
 @pytest.mark.parametrize(

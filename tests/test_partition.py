@@ -5,8 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from flatshard import SizePolicy
-from flatshard._partition import partition
-from flatshard._policy import select_unit_roots
+from flatshard.testing.internals import partition, select_unit_roots
 from flatshard.testing.models import GPTBlock, Inner, Nested, Outer, TinyGPT, build
 
 

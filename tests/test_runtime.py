@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import flatshard
+from flatshard.testing import internals
 from flatshard.testing.accounting import (
     ALL_GATHER,
     ALL_TO_ALL,
@@ -53,13 +54,9 @@ def profiler_ranges_job(ctx: WorkerContext) -> dict[str, list[str]] | None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         _step(model, batch, ctx.rank, 2)
     profiled = sorted({e.key for e in prof.key_averages() if e.key.startswith("flatshard::")})
-    entered: list[str] = []  # without a profiler no range is entered (each costs CPU time)
-    real = flatshard._runtime.record_function
-    flatshard._runtime.record_function = lambda name: entered.append(name)  # type: ignore[assignment]
-    try:
+    # Without a profiler no range is entered (each costs CPU time).
+    with internals.profiler_ranges_entered() as entered:
         _step(model, batch, ctx.rank, 2)
-    finally:
-        flatshard._runtime.record_function = real  # type: ignore[misc]
     return {"profiled": profiled, "unprofiled": entered}
 
 
@@ -112,7 +109,7 @@ def test_collective_counts_per_step(pool: WorkerPool, name: str) -> None:
     assert result["train"] == {
         ALL_GATHER: len(root) + 2 * len(others),
         # gloo: the shard group's reduce-scatter runs as an all-to-all
-        # (flatshard._collectives.reduce_scatter_impl).
+        # (flatshard.report.describe_collectives).
         ALL_TO_ALL: sum(1 for _, grad in flats if grad),
     }
     # From the second step on, the unit that ran last in forward stays gathered into
@@ -194,7 +191,7 @@ def test_peak_unsharded_by_prefetch(pool: WorkerPool, prefetch: str | None) -> N
     # reaches the previous block's output (whose hook gathers that block): one block at a
     # time, unless BACKWARD_PRE gathers the previous block while this one still computes.
     option = None if prefetch is None else flatshard.BackwardPrefetch[prefetch]
-    options = {"backward_prefetch": option, "forward_prefetch": False}
+    options = {"prefetch": flatshard.Prefetch(backward=option, forward=False)}
     for result in pool.run(memory_job, "gpt", 2, options)[:2]:
         unsharded = result["unsharded_bytes"]
         blocks = sorted(b for u, b in unsharded.items() if u != "<root>")
@@ -232,10 +229,10 @@ def prefetch_order_job(ctx: WorkerContext, options: dict[str, Any]) -> dict[str,
 
 
 def test_prefetch_changes_order_not_counts(pool: WorkerPool) -> None:
-    no_fwd = {"forward_prefetch": False}
-    none = pool.run(prefetch_order_job, {"backward_prefetch": None, **no_fwd})[0]
-    pre = pool.run(prefetch_order_job, no_fwd)[0]  # BACKWARD_PRE is the default
-    forward = pool.run(prefetch_order_job, {"backward_prefetch": None})[0]  # default: on
+    no_fwd = {"prefetch": flatshard.Prefetch(forward=False)}  # BACKWARD_PRE is the default
+    none = pool.run(prefetch_order_job, {"prefetch": flatshard.Prefetch(None, forward=False)})[0]
+    pre = pool.run(prefetch_order_job, no_fwd)[0]
+    forward = pool.run(prefetch_order_job, {"prefetch": flatshard.Prefetch(backward=None)})[0]
     off = pool.run(prefetch_order_job, {"explicit_off": True, **no_fwd})[0]
     both = pool.run(prefetch_order_job, {})[0]  # the defaults: forward and BACKWARD_PRE
     # TinyGPT, 3 blocks: forward gathers root + 3 blocks; backward the first 2 blocks

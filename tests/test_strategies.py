@@ -11,8 +11,12 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 import flatshard
+from flatshard import comm_hooks
+from flatshard.report import ShardGroups
+from flatshard.testing import internals
 from flatshard.testing.accounting import (
     ALL_GATHER,
     ALL_REDUCE,
@@ -109,11 +113,10 @@ def test_hybrid_groups_given_explicitly(pool: WorkerPool, hybrid_from: str) -> N
 def bad_groups_job(ctx: WorkerContext) -> str:
     world = ctx.group(4)
     try:
+        grid = [[0, 1], [2, 3]]  # claimed; both groups are the whole world: no grid
+        mesh = DeviceMesh.from_group([world, world], "cpu", mesh=grid, mesh_dim_names=("r", "s"))
         flatshard.fully_shard(
-            build("mlp"),
-            process_group=world,
-            strategy=flatshard.ShardingStrategy.HYBRID_SHARD,
-            hybrid_groups=(world, world),  # both the whole world: no grid
+            build("mlp"), process_group=mesh, strategy=flatshard.ShardingStrategy.HYBRID_SHARD
         )
     except ValueError as error:
         return str(error)
@@ -126,15 +129,15 @@ def test_inconsistent_hybrid_groups_are_an_error(pool: WorkerPool) -> None:
         assert "shard group [0, 1, 2, 3] and replicate group [0, 1, 2, 3]" in message
 
 
-def test_default_factor_is_ranks_per_host(monkeypatch: pytest.MonkeyPatch) -> None:
-    from flatshard._mesh import _ranks_per_host
+def test_default_factor_isranks_per_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    ranks_per_host = internals.ranks_per_host
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert _ranks_per_host(32) == 8
+    assert ranks_per_host(32) == 8
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
-    assert _ranks_per_host(32) == 32  # does not divide: shard over everything
+    assert ranks_per_host(32) == 32  # does not divide: shard over everything
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    assert _ranks_per_host(32) == 32
+    assert ranks_per_host(32) == 32
 
 
 # ---------------------------------------------------------------- collective counts
@@ -178,7 +181,7 @@ def test_collectives_per_step_by_strategy(
         # backward; SHARD_GRAD_OP / ZERO2 and the root keep parameters until backward.
         ALL_GATHER: gathers,
         # One reduce-scatter per unit inside the shard group (on gloo an all-to-all:
-        # flatshard._collectives.reduce_scatter_impl), then one all-reduce per unit
+        # flatshard.report.describe_collectives), then one all-reduce per unit
         # across the replicas.
         ALL_TO_ALL: units if F > 1 else 0,
         ALL_REDUCE: units if replicas > 1 else 0,
@@ -306,8 +309,8 @@ def overflow_job(ctx: WorkerContext, predivide: int | None) -> bool | None:
     group = ctx.group(4)
     if group is None:
         return None
-    groups = flatshard.ShardGroups(shard=group, replicate=None)
-    hook = flatshard.LowPrecisionHook(torch.float16, predivide=predivide)
+    groups = ShardGroups(shard=group, replicate=None)
+    hook = comm_hooks.LowPrecisionHook(torch.float16, predivide=predivide)
     shard = hook(torch.full((8,), 30000.0), groups)
     assert shard.dtype == torch.float32
     return bool(torch.isfinite(shard).all() and torch.allclose(shard, torch.full((2,), 30000.0)))
@@ -320,4 +323,4 @@ def test_predivision_avoids_fp16_overflow(pool: WorkerPool) -> None:
 
 def test_low_precision_hook_rejects_other_dtypes() -> None:
     with pytest.raises(ValueError, match=r"torch.bfloat16 or torch.float16"):
-        flatshard.LowPrecisionHook(torch.float32)
+        comm_hooks.LowPrecisionHook(torch.float32)

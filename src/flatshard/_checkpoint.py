@@ -39,6 +39,7 @@ from flatshard._optim_state import (
     load_optim_state_dict,
     sharded_optim_state_dict,
 )
+from flatshard._ranks import rank_in
 from flatshard._state_dict import (
     RowShard,
     check_keys,
@@ -77,7 +78,7 @@ def save_checkpoint(
     """
     target = Path(path)
     group = model_group(model)
-    rank = dist.get_rank(group) if group is not None else 0
+    rank = rank_in(group)
     partial = target.with_name(target.name + ".partial")
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
@@ -140,7 +141,7 @@ def _share_of_checksums(directory: Path, group: dist.ProcessGroup | None) -> dic
     """Size and CRC32 of every file, each rank reading a share of them."""
     names = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name != MANIFEST)
     world = dist.get_world_size(group) if group is not None else 1
-    rank = dist.get_rank(group) if group is not None else 0
+    rank = rank_in(group)
     mine = {name: _file_facts(directory / name) for name in names[rank::world]}
     if group is None:
         return mine
@@ -188,7 +189,7 @@ def load_checkpoint(
     """
     target = Path(path)
     group = model_group(model)
-    rank = dist.get_rank(group) if group is not None else 0
+    rank = rank_in(group)
     manifest = read_manifest(target)
     verify_files(target, manifest, group)
     metadata = FileSystemReader(target).read_metadata()
@@ -330,7 +331,7 @@ def verify_files(target: Path, manifest: dict[str, Any], group: dist.ProcessGrou
     expected: dict[str, dict[str, int]] = manifest["files"]
     names = sorted(expected)
     world = dist.get_world_size(group) if group is not None else 1
-    rank = dist.get_rank(group) if group is not None else 0
+    rank = rank_in(group)
     problems = [p for n in names[rank::world] if (p := _file_problem(target / n, expected[n]))]
     if group is not None:
         shares: list[list[str] | None] = [None] * world

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatshard._runtime import units_of
+from flatshard._unit import units_of
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -40,8 +40,8 @@ def _global_norm(model: nn.Module, norm_type: float) -> torch.Tensor:
     inf = math.isinf(norm_type)
     per_group: dict[int, tuple[dist.ProcessGroup | None, list[torch.Tensor]]] = {}
     managed: set[int] = set()
-    for runtime in units_of(model, "clip_grad_norm_"):
-        for flat in runtime.unit.trainable:
+    for unit in units_of(model, "clip_grad_norm_"):
+        for flat in unit.trainable:
             group = flat.groups.shard
             _, grads = per_group.setdefault(id(group), (group, []))
             for orig in flat.originals:

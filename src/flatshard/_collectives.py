@@ -119,7 +119,7 @@ def describe(group: dist.ProcessGroup) -> str:
     return f"{backend}: all-gather all_gather_into_tensor (async); gradient reduce {reduce}"
 
 
-def start_reduction(grad: torch.Tensor, groups: ShardGroups) -> PendingReduction:
+def reduce_gradient(grad: torch.Tensor, groups: ShardGroups) -> PendingReduction:
     """Average ``grad`` (C * F,) over all W ranks; this rank keeps its chunk (C,).
 
     Reduce-scatter inside the shard group, then all-reduce of the chunk inside the
@@ -132,7 +132,7 @@ def start_reduction(grad: torch.Tensor, groups: ShardGroups) -> PendingReduction
         if groups.replicate is not None:
             work = _ALL_REDUCE(grad, group=groups.replicate, async_op=True)
         return PendingReduction(work=work, input=grad, output=grad)
-    output = grad.new_empty(grad.numel() // groups.shard_size)  # (C,)
+    output = grad.new_empty(grad.numel() // groups.factor)  # (C,)
     if groups.replicate is not None:  # the all-reduce across replicas needs the chunk now
         _scatter_sum(output, grad, groups)
         work = _ALL_REDUCE(output, group=groups.replicate, async_op=True)
@@ -152,7 +152,7 @@ def sum_reduce(grad: torch.Tensor, groups: ShardGroups) -> torch.Tensor:
     """Sum ``grad`` (C * F,) over all W ranks and return this rank's chunk (C,); blocking."""
     output = grad
     if groups.shard is not None:
-        output = grad.new_empty(grad.numel() // groups.shard_size)
+        output = grad.new_empty(grad.numel() // groups.factor)
         _scatter_sum(output, grad, groups)
     if groups.replicate is not None:
         with WaitClock.measure():
@@ -172,7 +172,7 @@ def _start_scatter_sum(
         work = _ALL_TO_ALL(received, grad, group=group, async_op=True)
 
         def sum_received() -> None:
-            torch.sum(received.view(groups.shard_size, size), dim=0, out=output)
+            torch.sum(received.view(groups.factor, size), dim=0, out=output)
 
         return PendingReduction(work, grad, output, sum_received)
     if impl is ReduceScatter.ALL_REDUCE:  # in place: the gradient is ours to overwrite

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from flatshard._collectives import all_gather_into
 from flatshard._partition import UnitPlan
+from flatshard._ranks import join_name
 
 _SHOWN = 4  # differing lines quoted per rank
 
@@ -33,7 +34,7 @@ def structure_lines(plans: list[UnitPlan], strategy: str) -> list[str]:
         for mname, module in plan.modules:
             for bname, buf in module._buffers.items():
                 if buf is not None:
-                    name = f"{mname}.{bname}" if mname else bname
+                    name = join_name(mname, bname)
                     lines.append(f"  buffer '{name}' shape {tuple(buf.shape)} {str(buf.dtype)[6:]}")
     return lines
 

@@ -1,6 +1,6 @@
 """Export full weights as safetensors: from a live sharded model, or offline from a checkpoint.
 
-Both stream: a live model is gathered one FlatParameter at a time (rank 0 writes each
+Both stream: a live model is gathered one flat parameter group at a time (rank 0 writes each
 tensor as it arrives); a checkpoint directory is read one output file at a time on CPU,
 with no process group. The result loads with ``safetensors.torch.load_file`` into the plain
 model (same names as its ``state_dict()``; tied parameters are written under each name).
@@ -16,8 +16,10 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from flatshard._checkpoint import MODEL, checkpoint_metadata, load_raw, read_manifest, verify_files
+from flatshard._full_params import gather_copies
+from flatshard._ranks import rank_in
 from flatshard._safetensors import Entry, StreamWriter
-from flatshard._state_dict import Place, flat_params, gather_copies, group_rank, param_places
+from flatshard._state_dict import Place, flat_params, model_group, param_places
 
 DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size
 
@@ -31,11 +33,11 @@ def export_safetensors(
 ) -> list[str]:
     """Write the model's full state dict to ``out_dir`` as safetensors; a collective.
 
-    Rank 0 of the model's group writes; at most one FlatParameter is gathered at a time.
+    Rank 0 of the model's group writes; at most one flat parameter group is gathered at a time.
     ``dtype``: cast floating-point tensors (e.g. ``torch.bfloat16``); default as stored.
     Returns the files written (on rank 0; ``[]`` elsewhere).
     """
-    keep = group_rank(model) == 0
+    keep = rank_in(model_group(model)) == 0
     state = model.state_dict(keep_vars=True)
     names: dict[int, list[str]] = {}
     for key, value in state.items():

@@ -15,14 +15,45 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from flatshard._partition import UnitPlan
+from flatshard._ranks import join_name
 
 ParamInitFn = Callable[[nn.Module], None]
+
+
+@dataclass(frozen=True)
+class InitOptions:
+    """How ``fully_shard`` initializes and checks each unit before sharding it.
+
+    Attributes:
+        seed: base seed of meta initialization (default ``torch.initial_seed()``); see
+            [Note: deterministic initialization] and ``flatshard.init_weights``.
+        sync_module_states: broadcast rank 0's parameters and buffers, unit by unit, before
+            sharding: other ranks may build the model on meta, and only rank 0 needs to
+            load weights.
+        check_consistency: compare model structure, strategy and buffer values across
+            ranks at startup and raise, on every rank, if they differ (one small all-gather
+            per unit).
+        check_weights: also compare parameter values across ranks before sharding.
+    """
+
+    seed: int | None = None
+    sync_module_states: bool = False
+    check_consistency: bool = True
+    check_weights: bool = False
+
+    def __post_init__(self) -> None:
+        if self.check_weights and not self.check_consistency:
+            raise ValueError(
+                "flatshard.InitOptions: check_weights=True needs check_consistency=True "
+                "(parameter values are compared by the consistency check)."
+            )
 
 
 def default_device() -> torch.device:
@@ -158,7 +189,7 @@ def _materialize_buffers(
             if buf.is_meta:
                 new = torch.empty(buf.shape, dtype=buf.dtype, device=target)
                 module._buffers[bname] = new
-                fresh.append((f"{mname}.{bname}" if mname else bname, new))
+                fresh.append((join_name(mname, bname), new))
             elif buf.device != target:
                 module._buffers[bname] = buf.to(target)
     return fresh

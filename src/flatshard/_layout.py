@@ -1,11 +1,11 @@
-"""Layout math of the row-aligned FlatParameter: no process groups, no autograd.
+"""Layout math of the row-aligned flat parameter group: no process groups, no autograd.
 
-See [Note: row-aligned layout]. Everything here is pure arithmetic on shapes, so it is
-unit-tested in one process.
+See [Note: row-aligned layout]. Everything here is arithmetic on shapes (and views by
+it), so it is unit-tested in one process.
 
 [Note: row-aligned layout]
 The paper flattens a unit's parameters param-major into one 1-D buffer, pads the end to a
-multiple of the sharding factor W and cuts it into W equal chunks of C elements; rank r keeps
+multiple of the sharding factor F and cuts it into F equal chunks of C elements; rank r keeps
 chunk r. The all-gather output then *is* the unsharded buffer (zero copies). Its weak spot: a
 chunk boundary can cut through the middle of a row, so a rank's part of a parameter is a
 ragged 1-D slice and code such as ``p.dim() >= 2`` breaks.
@@ -59,15 +59,15 @@ class ShardRange:
 
 @dataclass(frozen=True)
 class FlatLayout:
-    """Placement of a group of parameters in a FlatParameter sharded over W ranks."""
+    """Placement of a group of parameters in a flat buffer cut across F ranks."""
 
     slots: tuple[ParamSlot, ...]
-    world_size: int
+    factor: int  # F: ranks the buffer is cut across
     shard_numel: int  # C: elements per rank
 
     @property
     def unsharded_numel(self) -> int:
-        return self.shard_numel * self.world_size
+        return self.shard_numel * self.factor
 
     @property
     def param_numel(self) -> int:
@@ -80,8 +80,8 @@ class FlatLayout:
 
     @property
     def alignment_padding_numel(self) -> int:
-        """Padding beyond what the paper's layout needs (ceil to a multiple of W)."""
-        return self.unsharded_numel - _ceil_div(self.param_numel, self.world_size) * self.world_size
+        """Padding beyond what the paper's layout needs (ceil to a multiple of F)."""
+        return self.unsharded_numel - _ceil_div(self.param_numel, self.factor) * self.factor
 
     def shard_range(self, slot: ParamSlot, rank: int) -> ShardRange:
         """The whole rows of ``slot`` that ``rank`` holds (maybe none)."""
@@ -96,16 +96,6 @@ class FlatLayout:
             first_row=(lo - slot.offset) // slot.row_numel,
             rows=(hi - lo) // slot.row_numel,
         )
-
-    def segment_sizes(self) -> list[int]:
-        """Sizes that split the unsharded buffer into [gap, param, gap, param, ..., tail]."""
-        sizes: list[int] = []
-        cursor = 0
-        for slot in self.slots:
-            sizes += [slot.offset - cursor, slot.numel]
-            cursor = slot.end
-        sizes.append(self.unsharded_numel - cursor)
-        return sizes
 
 
 def rows_shape(full_shape: torch.Size, rows: int) -> torch.Size:
@@ -122,22 +112,20 @@ def row_numel(shape: torch.Size) -> int:
     return max(1, math.prod(shape[1:]))
 
 
-def plan_layout(shapes: Sequence[torch.Size], world_size: int) -> FlatLayout:
-    """Lay out ``shapes`` param-major so that every chunk boundary falls between rows."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+def plan_layout(shapes: Sequence[torch.Size], factor: int) -> FlatLayout:
+    """Lay out ``shapes`` param-major, cut across F = ``factor`` ranks between rows."""
+    if factor < 1:
+        raise ValueError(f"the sharding factor F must be >= 1, got {factor}")
     total = sum(math.prod(s) for s in shapes)
-    shard_numel = max(1, _ceil_div(total, world_size))
+    shard_numel = max(1, _ceil_div(total, factor))
     while True:
-        attempt = _try_layout(shapes, world_size, shard_numel)
+        attempt = _try_layout(shapes, factor, shard_numel)
         if isinstance(attempt, FlatLayout):
             return attempt
         shard_numel = attempt  # a larger C that the next attempt must use
 
 
-def _try_layout(
-    shapes: Sequence[torch.Size], world_size: int, shard_numel: int
-) -> FlatLayout | int:
+def _try_layout(shapes: Sequence[torch.Size], factor: int, shard_numel: int) -> FlatLayout | int:
     """The layout for chunk size C, or a larger C to retry with."""
     slots: list[ParamSlot] = []
     cursor = 0
@@ -151,9 +139,9 @@ def _try_layout(
                 return _ceil_div(shard_numel, rown) * rown
         slots.append(ParamSlot(shape=shape, offset=offset, numel=numel, row_numel=rown))
         cursor = offset + numel
-    if cursor > shard_numel * world_size:
-        return _ceil_div(cursor, world_size)
-    return FlatLayout(slots=tuple(slots), world_size=world_size, shard_numel=shard_numel)
+    if cursor > shard_numel * factor:
+        return _ceil_div(cursor, factor)
+    return FlatLayout(slots=tuple(slots), factor=factor, shard_numel=shard_numel)
 
 
 def _rows_aligned(offset: int, numel: int, rown: int, chunk: int) -> bool:
@@ -174,3 +162,68 @@ def _boundaries_inside(offset: int, numel: int, chunk: int) -> int:
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+class ViewPlan:
+    """How one rank's flat tensors split into per-parameter views, computed once.
+
+    Asked for on every unshard and reduction. Each original is one piece of a split of a
+    flat tensor; the gaps between originals are pieces of their own, empty ones left out
+    (in forward each piece is a view, in backward a zero-filled input of the split's cat).
+    """
+
+    def __init__(self, layout: FlatLayout, rank: int) -> None:
+        self.layout = layout
+        self.held = [layout.shard_range(slot, rank) for slot in layout.slots]
+        self._full_sizes, self._full_pieces = _pieces(
+            [(slot.offset, slot.numel) for slot in layout.slots], layout.unsharded_numel
+        )
+        self._shard_sizes, self._shard_pieces = _pieces(
+            [(held.local_offset, held.numel) for held in self.held], layout.shard_numel
+        )
+        self._shard_shapes = [
+            rows_shape(slot.shape, held.rows)
+            for slot, held in zip(layout.slots, self.held, strict=True)
+        ]
+
+    def full_views(self, full: torch.Tensor) -> list[torch.Tensor]:
+        """Full-shape views of each original in a (C * F,) tensor laid out like the buffer."""
+        pieces = torch.split(full, self._full_sizes)
+        return [
+            _shaped(pieces[piece], slot.shape)
+            for piece, slot in zip(self._full_pieces, self.layout.slots, strict=True)
+        ]
+
+    def shard_views(self, flat_shard: torch.Tensor) -> list[torch.Tensor]:
+        """Views of each original's rows in a (C,) tensor laid out like the shard."""
+        pieces = torch.split(flat_shard, self._shard_sizes)
+        return [
+            _shaped(pieces[piece], shape)
+            for piece, shape in zip(self._shard_pieces, self._shard_shapes, strict=True)
+        ]
+
+
+def _pieces(ranges: list[tuple[int, int]], total: int) -> tuple[list[int], list[int]]:
+    """Split sizes covering ``total`` elements, and the piece of each (offset, numel) range.
+
+    Ranges come in offset order; the gaps between them become pieces of their own, empty
+    ones are left out (an empty range, e.g. rows a rank does not hold, is an empty piece).
+    """
+    sizes: list[int] = []
+    pieces: list[int] = []
+    cursor = 0
+    for offset, numel in ranges:
+        if numel and offset > cursor:
+            sizes.append(offset - cursor)
+            cursor = offset
+        pieces.append(len(sizes))
+        sizes.append(numel)
+        cursor += numel
+    if total > cursor:
+        sizes.append(total - cursor)
+    return sizes, pieces
+
+
+def _shaped(piece: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """``piece`` viewed as ``shape``; as it is when it already has it (no extra view)."""
+    return piece if piece.shape == shape else piece.view(shape)

@@ -5,7 +5,8 @@ A unit shards its parameters over a *shard group* of F ranks and replicates them
 group, then an all-reduce of the shard inside the replicate group.
 - FULL_SHARD / SHARD_GRAD_OP: F = W (no replicate group).
 - NO_SHARD: F = 1 (no shard group; gradients all-reduced like DDP).
-- HYBRID_SHARD / HYBRID_SHARD_ZERO2: 1 <= F <= W, by default the ranks of one host.
+- HYBRID_SHARD / HYBRID_SHARD_ZERO2: 1 <= F <= W, by default the ranks of one host; or
+  given as ``sharding_factor=F`` or a 2-D (replicate, shard) ``DeviceMesh``.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ class ShardingStrategy(Enum):
 
 @dataclass(frozen=True)
 class ShardGroups:
-    """Where a unit's FlatParameters live: sharded over ``shard``, replicated over ``replicate``.
+    """Where a unit's flat parameter groups live: sharded over ``shard``, replicated over
+    ``replicate``.
 
     None stands for a group of one rank (nothing to communicate).
     """
@@ -47,8 +49,8 @@ class ShardGroups:
     replicate: dist.ProcessGroup | None
 
     @property
-    def shard_size(self) -> int:
-        """F: ranks a FlatParameter is cut across."""
+    def factor(self) -> int:
+        """F: ranks a flat parameter group is cut across."""
         return 1 if self.shard is None else dist.get_world_size(self.shard)
 
     @property
@@ -62,51 +64,75 @@ class ShardGroups:
     @property
     def world_size(self) -> int:
         """W = F * replicas: the ranks a gradient is averaged over."""
-        return self.shard_size * self.replicate_size
+        return self.factor * self.replicate_size
+
+
+def model_group(where: dist.ProcessGroup | DeviceMesh | None) -> dist.ProcessGroup:
+    """The ranks that train the model together (W), from ``fully_shard(process_group=)``.
+
+    A process group or a 1-D mesh names them; a 2-D mesh spans the world.
+    """
+    if where is None:
+        return _world()
+    if isinstance(where, dist.ProcessGroup):
+        return where
+    if isinstance(where, DeviceMesh):
+        if where.ndim == 1:
+            return where.get_group()
+        if where.ndim == 2 and where.size() == dist.get_world_size():
+            return _world()
+        raise ValueError(
+            "flatshard.fully_shard: process_group may be a 1-D DeviceMesh, or a 2-D "
+            f"(replicate, shard) DeviceMesh over all {dist.get_world_size()} ranks for "
+            f"hybrid sharding; got the {where.ndim}-D mesh {where}."
+        )
+    raise TypeError(
+        "flatshard.fully_shard: process_group must be a torch.distributed ProcessGroup or "
+        f"a DeviceMesh, got {where!r}"
+    )
 
 
 def resolve_groups(
     strategy: ShardingStrategy,
-    process_group: dist.ProcessGroup,
+    where: dist.ProcessGroup | DeviceMesh | None,
     sharding_factor: int | None,
-    hybrid_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None,
-    device_mesh: DeviceMesh | None,
 ) -> ShardGroups:
-    """The shard and replicate groups that ``strategy`` and the options ask for."""
-    hybrid_options = [
+    """The shard and replicate groups that ``strategy`` and the options ask for.
+
+    Hybrid strategies take F from a 2-D mesh, or from ``sharding_factor``, or by default
+    from the ranks per host; the others shard over (FULL_SHARD, SHARD_GRAD_OP) or
+    replicate across (NO_SHARD) all W ranks.
+    """
+    group = model_group(where)
+    mesh_2d = where if isinstance(where, DeviceMesh) and where.ndim == 2 else None
+    given = [
         name
-        for name, value in [
-            ("sharding_factor", sharding_factor),
-            ("hybrid_groups", hybrid_groups),
-            ("device_mesh", device_mesh),
-        ]
-        if value is not None
+        for name, v in [("sharding_factor", sharding_factor), ("a 2-D mesh", mesh_2d)]
+        if v is not None
     ]
     if not strategy.is_hybrid:
-        if hybrid_options:
+        if given:
             raise ValueError(
-                f"flatshard.fully_shard: {hybrid_options[0]} only applies to HYBRID_SHARD "
+                f"flatshard.fully_shard: {given[0]} only applies to HYBRID_SHARD "
                 f"and HYBRID_SHARD_ZERO2, not {strategy.name}; drop it or choose a hybrid "
                 "strategy."
             )
         if strategy is ShardingStrategy.NO_SHARD:
-            return _groups(None, process_group)
-        return _groups(process_group, None)
-    if len(hybrid_options) > 1:
+            return _groups(None, group)
+        return _groups(group, None)
+    if len(given) > 1:
         raise ValueError(
-            f"flatshard.fully_shard: give one of sharding_factor, hybrid_groups or "
-            f"device_mesh, not {' and '.join(hybrid_options)}."
+            "flatshard.fully_shard: give F as sharding_factor or as a 2-D (replicate, shard) "
+            "mesh in process_group, not both."
         )
-    if hybrid_groups is not None:
-        return _explicit_groups(process_group, *hybrid_groups)
-    if device_mesh is not None:
-        return _mesh_groups(process_group, device_mesh)
-    world = dist.get_world_size(process_group)
-    factor = sharding_factor if sharding_factor is not None else _ranks_per_host(world)
-    return _factor_groups(process_group, factor)
+    if mesh_2d is not None:
+        return _explicit_groups(group, mesh_2d.get_group(1), mesh_2d.get_group(0))
+    world = dist.get_world_size(group)
+    factor = sharding_factor if sharding_factor is not None else ranks_per_host(world)
+    return _factor_groups(group, factor)
 
 
-def _ranks_per_host(world: int) -> int:
+def ranks_per_host(world: int) -> int:
     """Topology-aware default: torchrun's LOCAL_WORLD_SIZE, else every rank on one host."""
     local = os.environ.get("LOCAL_WORLD_SIZE")
     if local is not None and local.isdigit() and int(local) > 0 and world % int(local) == 0:
@@ -132,8 +158,8 @@ def _factor_groups(process_group: dist.ProcessGroup, factor: int) -> ShardGroups
         raise ValueError(
             f"flatshard.fully_shard: hybrid sharding with F={factor} over a process group of "
             f"{world} of the {dist.get_world_size()} ranks cannot create its groups (rank "
-            f"{dist.get_rank()}); create them on every rank and pass "
-            "hybrid_groups=(shard_group, replicate_group)."
+            f"{dist.get_rank()}); build a 2-D (replicate, shard) DeviceMesh over the world "
+            "and pass it as process_group."
         )
     return _world_factor_groups(ranks, factor)
 
@@ -167,21 +193,19 @@ def _explicit_groups(
         or not (shard_ranks | replicate_ranks) <= set(dist.get_process_group_ranks(process_group))
     ):
         raise ValueError(
-            "flatshard.fully_shard: hybrid_groups=(shard_group, replicate_group) must cut the "
-            f"W={world} ranks into a grid: F x (W / F) ranks meeting only at this rank; got "
+            "flatshard.fully_shard: a 2-D (replicate, shard) mesh must cut the W="
+            f"{world} ranks into a grid: F x (W / F) ranks meeting only at this rank; got "
             f"shard group {sorted(shard_ranks)} and replicate group {sorted(replicate_ranks)} "
             f"on rank {me}."
         )
     return _groups(shard, replicate)
 
 
-def _mesh_groups(process_group: dist.ProcessGroup, mesh: DeviceMesh) -> ShardGroups:
-    if mesh.ndim != 2:
-        raise ValueError(
-            "flatshard.fully_shard: device_mesh must be 2-D (replicate, shard) for hybrid "
-            f"sharding; got {mesh.ndim}-D mesh {mesh}."
-        )
-    return _explicit_groups(process_group, mesh.get_group(1), mesh.get_group(0))
+def _world() -> dist.ProcessGroup:
+    world = dist.group.WORLD
+    if world is None:  # only before init_process_group, which fully_shard checks first
+        raise RuntimeError("flatshard.fully_shard needs torch.distributed to be initialized")
+    return world
 
 
 def _groups(shard: dist.ProcessGroup | None, replicate: dist.ProcessGroup | None) -> ShardGroups:

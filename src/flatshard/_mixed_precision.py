@@ -75,7 +75,7 @@ class CPUOffload:
 
 @dataclass(frozen=True)
 class DtypeRow:
-    """What happens to one FlatParameter's data, in dtypes."""
+    """What happens to one flat parameter group's data, in dtypes."""
 
     unit: str
     params: int  # original parameter count
@@ -88,7 +88,7 @@ class DtypeRow:
 
 @dataclass(frozen=True)
 class DtypePlan:
-    """The resolved dtypes of every FlatParameter of a model."""
+    """The resolved dtypes of every flat parameter group of a model."""
 
     rows: tuple[DtypeRow, ...]
 

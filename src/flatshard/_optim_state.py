@@ -20,17 +20,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatshard._state_dict import (
-    Place,
-    RowShard,
-    _copy_out,
-    _global_rank,
-    flat_params,
-    gather_copies,
-    group_rank,
-    model_group,
-    param_places,
-)
+from flatshard._full_params import copy_out, gather_copies, pack_rows
+from flatshard._ranks import checked_on_rank0, global_rank, rank_in
+from flatshard._state_dict import Place, RowShard, flat_params, model_group, param_places
 
 OptimStateDict = dict[str, Any]
 
@@ -56,7 +48,7 @@ def named_param_groups(
         for param in group["params"]:
             if id(param) not in names:
                 raise ValueError(
-                    f"flatshard.{caller} (rank {_global_rank()}): parameter group {index} of "
+                    f"flatshard.{caller} (rank {global_rank()}): parameter group {index} of "
                     f"the optimizer holds a tensor of shape {tuple(param.shape)} that is not a "
                     "parameter of the model. Build the optimizer from model.parameters() "
                     "after fully_shard."
@@ -102,10 +94,10 @@ def full_optim_state_dict(
 ) -> OptimStateDict:
     """Every row value gathered to its parameter's full shape; a collective.
 
-    Gathered one FlatParameter and one state key at a time. ``rank0_only`` and
+    Gathered one flat parameter group and one state key at a time. ``rank0_only`` and
     ``cpu_offload`` as in ``full_state_dict``.
     """
-    keep = not rank0_only or group_rank(model) == 0
+    keep = not rank0_only or rank_in(model_group(model)) == 0
     groups = named_param_groups(model, optim, "full_optim_state_dict")
     gathered = _gather_row_values(model, optim, keep, cpu_offload)
     if not keep:
@@ -135,7 +127,7 @@ def _gather_row_values(
                 key
                 for index, (orig, st) in enumerate(zip(flat.originals, states, strict=True))
                 for key, value in st.items()
-                if is_row_value(key, value, orig.param.shape, len(flat.layout.slots[index].shape))
+                if is_row_value(key, value, orig.param.shape, len(flat.full_shapes[index]))
             }
         )
         for key in keys:
@@ -143,7 +135,7 @@ def _gather_row_values(
                 st[key] if key in st else torch.zeros_like(orig.param.detach())
                 for orig, st in zip(flat.originals, states, strict=True)
             ]
-            copies = gather_copies(flat, flat.pack_rows(local), keep, cpu_offload)
+            copies = gather_copies(flat, pack_rows(flat, local), keep, cpu_offload)
             for orig, st, copy in zip(flat.originals, states, copies, strict=keep):
                 if key in st:
                     gathered.setdefault(id(orig.param), {})[key] = copy
@@ -151,7 +143,7 @@ def _gather_row_values(
 
 
 def _copy_value(value: Any, cpu_offload: bool) -> Any:
-    return _copy_out(value, cpu_offload) if isinstance(value, torch.Tensor) else value
+    return copy_out(value, cpu_offload) if isinstance(value, torch.Tensor) else value
 
 
 def _named_groups(
@@ -187,7 +179,7 @@ def load_optim_state_dict(
     saved_state = state_dict.get("state")
     if not isinstance(saved_groups, list) or not isinstance(saved_state, dict):
         raise ValueError(
-            f"flatshard.load_optim_state_dict (rank {_global_rank()}): expected a dict with "
+            f"flatshard.load_optim_state_dict (rank {global_rank()}): expected a dict with "
             "'state' and 'param_groups' as made by flatshard.full_optim_state_dict or "
             f"sharded_optim_state_dict, found keys {sorted(state_dict)}"
         )
@@ -229,7 +221,7 @@ def _check_groups(
             )
             break
     raise ValueError(
-        f"flatshard.load_optim_state_dict (rank {_global_rank()}): {detail}. Build the "
+        f"flatshard.load_optim_state_dict (rank {global_rank()}): {detail}. Build the "
         "optimizer with the same parameter groups as the run that saved it."
     )
 
@@ -239,7 +231,7 @@ def _local_value(name: str, key: str, value: Any, place: Place) -> Any:
     if isinstance(value, RowShard):
         if not place.matches(value):
             raise ValueError(
-                f"flatshard.load_optim_state_dict (rank {_global_rank()}): state '{key}' of "
+                f"flatshard.load_optim_state_dict (rank {global_rank()}): state '{key}' of "
                 f"'{name}' holds {value.describe()}, this rank holds rows {place.first_row}.."
                 f"{place.first_row + place.rows}; reshard through flatshard.load_checkpoint"
             )
@@ -248,7 +240,7 @@ def _local_value(name: str, key: str, value: Any, place: Place) -> Any:
         return place.take(value).clone()
     if isinstance(value, torch.Tensor) and value.dim() > 0:
         raise ValueError(
-            f"flatshard.load_optim_state_dict (rank {_global_rank()}): state '{key}' of "
+            f"flatshard.load_optim_state_dict (rank {global_rank()}): state '{key}' of "
             f"'{name}' has shape {tuple(value.shape)}, expected the parameter's full shape "
             f"{tuple(place.full_shape)} or a scalar"
         )
@@ -276,16 +268,7 @@ def _receive_from_rank0(
     group = cast(dist.ProcessGroup, model_group(model))
     source = dist.get_global_rank(group, 0)
     places = param_places(model)
-    outline: list[object] = [None, None]  # (error message, outline of the dict)
-    if dist.get_rank(group) == 0:
-        try:
-            outline = [None, _outline(model, optim, state_dict, places)]
-        except ValueError as error:
-            outline = [str(error), None]
-    dist.broadcast_object_list(outline, src=source, group=group)
-    if outline[0] is not None:
-        raise ValueError(f"{outline[0]} (checked on rank 0)")
-    received = cast(OptimStateDict, outline[1])
+    received = checked_on_rank0(group, lambda: _outline(model, optim, state_dict, places))
     named = dict(model.named_parameters())
     for name, entries in received["state"].items():
         place = places[id(named[name])]

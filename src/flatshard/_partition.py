@@ -3,7 +3,7 @@
 A parameter belongs to the deepest unit whose module contains every module that registers
 it, so tied parameters (an embedding shared with the LM head) land in their lowest common
 ancestor unit and are flattened once (paper mechanism 15). Inside a unit, parameters are
-grouped by (requires_grad, dtype), one FlatParameter per group, in first-seen order.
+grouped by (requires_grad, dtype), one flat parameter group per group, in first-seen order.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from torch import nn
 
 from flatshard._flat_param import OriginalParam
 from flatshard._policy import is_within
+from flatshard._ranks import join_name
 
 
 @dataclass
@@ -79,7 +80,7 @@ def _collect(
         for pname, param in module._parameters.items():
             if param is None:
                 continue
-            fqn = f"{mname}.{pname}" if mname else pname
+            fqn = join_name(mname, pname)
             _check_param(param, fqn, rank)
             _check_not_tied_into(param, fqn, sharded_elsewhere, rank)
             orig = originals.setdefault(id(param), OriginalParam(param=param, fqn=fqn))

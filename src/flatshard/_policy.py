@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from flatshard._ranks import join_name
+
 
 @dataclass(frozen=True)
 class SizePolicy:
@@ -70,9 +72,7 @@ def _select_by_size(root: nn.Module, min_params: int, skip: Collection[str]) -> 
     def visit(module: nn.Module, name: str) -> int:
         if is_within(name, skip):
             return 0
-        remaining = sum(
-            visit(child, f"{name}.{c}" if name else c) for c, child in module.named_children()
-        )
+        remaining = sum(visit(child, join_name(name, c)) for c, child in module.named_children())
         for param in module.parameters(recurse=False):
             if id(param) not in seen:
                 seen.add(id(param))

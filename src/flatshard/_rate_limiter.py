@@ -22,17 +22,21 @@ DEFAULT_LIMIT = 2
 
 
 class RateLimiter:
-    """Bounds the units gathered ahead of use; ``max_ahead`` is for tests and reports."""
+    """Bounds the units gathered ahead of use."""
 
     def __init__(self, limit: int | None = DEFAULT_LIMIT) -> None:
         self.limit = limit  # None: no limit
         self._ahead: deque[Unit] = deque()
         self._frees: deque[torch.Event] = deque()  # accelerators only
-        self.max_ahead = 0
+        # For tests and reports (flatshard.testing.internals.rate_limiter_of):
+        self.max_ahead = 0  # the most units ever gathered ahead at once
+        self.prefetches = 0  # calls of before_prefetch
+        self.frees = 0  # calls of resharded
 
     def before_prefetch(self) -> None:
         """Make room for one more all-gather issued ahead of use."""
-        self._ahead = deque(unit for unit in self._ahead if unit.gathering)
+        self.prefetches += 1
+        self._ahead = deque(unit for unit in self._ahead if unit.gather_in_flight)
         if self.limit is None:
             return
         while len(self._ahead) >= self.limit:
@@ -41,12 +45,13 @@ class RateLimiter:
             self._frees.popleft().synchronize()  # the device has freed that unit
 
     def prefetched(self, unit: Unit) -> None:
-        if unit.gathering:
+        if unit.gather_in_flight:
             self._ahead.append(unit)
         self.max_ahead = max(self.max_ahead, len(self._ahead))
 
     def resharded(self, device: torch.device) -> None:
         """A unit was freed in forward: on an accelerator, note when the device gets there."""
+        self.frees += 1
         if self.limit is not None and device.type != "cpu":
             event = torch.Event(device=device)
             event.record()

@@ -20,10 +20,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatshard._flat_param import FlatParameter
+from flatshard._flat_param import FlatParamGroup
+from flatshard._full_params import copy_out, gather_copies
 from flatshard._layout import rows_shape
-from flatshard._runtime import shard_tree, unit_runtime
-from flatshard._unit import TrainingState
+from flatshard._ranks import checked_on_rank0, global_rank, rank_in
+from flatshard._step import context_of
+from flatshard._unit import unit_of
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,7 @@ class Place:
     full_shape: torch.Size
     first_row: int
     rows: int
-    flat: FlatParameter | None = None  # None: not sharded, every rank holds all of it
+    flat: FlatParamGroup | None = None  # None: not sharded, every rank holds all of it
     index: int = 0  # the parameter's position in ``flat``
 
     @property
@@ -79,10 +81,9 @@ def param_places(model: nn.Module) -> dict[int, Place]:
     """``id(parameter) -> Place`` for every parameter of ``model`` (sharded or not)."""
     places: dict[int, Place] = {}
     for flat in flat_params(model):
-        for index, orig in enumerate(flat.originals):
-            held = flat.held_rows(index)
-            slot = flat.layout.slots[index]
-            places[id(orig.param)] = Place(slot.shape, held.first_row, held.rows, flat, index)
+        for index, (orig, held) in enumerate(zip(flat.originals, flat.views.held, strict=True)):
+            full_shape = flat.full_shapes[index]
+            places[id(orig.param)] = Place(full_shape, held.first_row, held.rows, flat, index)
     for param in model.parameters():
         if id(param) not in places:
             rows = param.shape[0] if param.dim() else 1
@@ -90,12 +91,12 @@ def param_places(model: nn.Module) -> dict[int, Place]:
     return places
 
 
-def flat_params(model: nn.Module) -> Iterator[FlatParameter]:
-    """Every FlatParameter in ``model``, in the same order on every rank."""
+def flat_params(model: nn.Module) -> Iterator[FlatParamGroup]:
+    """Every flat parameter group in ``model``, in the same order on every rank."""
     for module in model.modules():
-        runtime = unit_runtime(module)
-        if runtime is not None:
-            yield from runtime.unit.flat_params
+        unit = unit_of(module)
+        if unit is not None:
+            yield from unit.flat_params
 
 
 def reshard_for_load(model: nn.Module, caller: str) -> None:
@@ -105,31 +106,25 @@ def reshard_for_load(model: nn.Module, caller: str) -> None:
     otherwise run its next forward on the old values.
     """
     for module in model.modules():
-        runtime = unit_runtime(module)
-        if runtime is None:
+        unit = unit_of(module)
+        if unit is None:
             continue
-        if runtime.unit.state is not TrainingState.IDLE:
-            raise RuntimeError(
-                f"flatshard.{caller}: unit '{runtime.unit.label}' is in its "
-                f"{runtime.unit.state.name.lower()} pass (rank {_global_rank()}); load "
-                "between steps, not inside forward or backward."
-            )
-        runtime.unit.reshard()
+        unit.require_idle(caller, "load between steps, not inside forward or backward.")
+        unit.reshard()
 
 
 def model_group(model: nn.Module) -> dist.ProcessGroup | None:
     """The process group ``fully_shard`` was given for ``model`` (None: not sharded)."""
-    tree = shard_tree(model)
-    return tree.process_group if tree is not None else None
+    context = context_of(model)
+    return context.process_group if context is not None else None
 
 
-def group_rank(model: nn.Module) -> int:
-    group = model_group(model)
-    return dist.get_rank(group) if group is not None else 0
-
-
-def _global_rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+def entries_do_not_fit(caller: str, problems: list[str]) -> ValueError:
+    """One error listing every state dict entry that does not fit the model."""
+    return ValueError(
+        f"flatshard.{caller} (rank {global_rank()}): {len(problems)} entries do not fit the "
+        "model:\n  " + "\n  ".join(problems)
+    )
 
 
 # ---------------------------------------------------------------- producing state dicts
@@ -138,12 +133,12 @@ def full_state_dict(
 ) -> dict[str, torch.Tensor]:
     """The model's ``state_dict()`` with full tensors, keyed by the original names.
 
-    A collective over the model's ranks. FlatParameters are gathered one at a time and
+    A collective over the model's ranks. flat parameter groups are gathered one at a time and
     copied out before the next, so at most one unit's parameters are unsharded at once.
     ``rank0_only``: only rank 0 of the model's group keeps the result (others get ``{}``).
     ``cpu_offload``: results are copied to CPU (otherwise they stay on the shard's device).
     """
-    keep = not rank0_only or group_rank(model) == 0
+    keep = not rank0_only or rank_in(model_group(model)) == 0
     gathered: dict[int, torch.Tensor] = {}
     for flat in flat_params(model):
         copies = gather_copies(flat, flat.shard, keep, cpu_offload)
@@ -153,7 +148,7 @@ def full_state_dict(
     result: dict[str, torch.Tensor] = {}
     for key, value in model.state_dict(keep_vars=True).items():
         found = gathered.get(id(value))
-        result[key] = found if found is not None else _copy_out(value.detach(), cpu_offload)
+        result[key] = found if found is not None else copy_out(value.detach(), cpu_offload)
     return result
 
 
@@ -171,24 +166,6 @@ def sharded_state_dict(model: nn.Module) -> dict[str, RowShard | torch.Tensor]:
         else:
             result[key] = value.detach()
     return result
-
-
-def gather_copies(
-    flat: FlatParameter, flat_shard: torch.Tensor, keep: bool, cpu_offload: bool
-) -> list[torch.Tensor]:
-    """Gather ``flat_shard`` (laid out like the shard) and copy out each original's part.
-
-    Returns nothing when not ``keep``. A function of its own so that the gathered buffer
-    (which every view keeps alive) is freed on return, before the next gather.
-    """
-    views = flat.gather_full(flat_shard)[1]
-    return [_copy_out(view, cpu_offload) for view in views] if keep else []
-
-
-def _copy_out(tensor: torch.Tensor, cpu_offload: bool) -> torch.Tensor:
-    """A fresh copy: a view would keep the whole gathered buffer alive."""
-    device = torch.device("cpu") if cpu_offload else tensor.device
-    return tensor.detach().to(device, copy=True)
 
 
 # ---------------------------------------------------------------- loading
@@ -225,10 +202,7 @@ def load_state_dict(
         if problem:
             problems.append(problem)
     if problems:
-        raise ValueError(
-            f"flatshard.load_state_dict (rank {_global_rank()}): {len(problems)} entries do "
-            "not fit the model:\n  " + "\n  ".join(problems)
-        )
+        raise entries_do_not_fit("load_state_dict", problems)
 
 
 def _load_one(
@@ -267,18 +241,14 @@ def _load_from_rank0(
     source = dist.get_global_rank(group, 0)
     targets = model.state_dict(keep_vars=True)
     places = param_places(model)
-    verdict: list[object] = [None, None]  # (error message, keys rank 0 has)
-    if dist.get_rank(group) == 0:
-        try:
-            _check_full(targets, places, state_dict, strict)
-            verdict = [None, [k for k in targets if k in state_dict]]
-        except ValueError as error:
-            verdict = [str(error), None]
-    dist.broadcast_object_list(verdict, src=source, group=group)
-    if verdict[0] is not None:
-        raise ValueError(f"{verdict[0]} (checked on rank 0)")
+
+    def keys_rank0_sends() -> list[str]:
+        _check_full(targets, places, state_dict, strict)
+        return [k for k in targets if k in state_dict]
+
+    sent = checked_on_rank0(group, keys_rank0_sends)
     reshard_for_load(model, "load_state_dict")
-    for key in cast(list[str], verdict[1]):
+    for key in sent:
         target = targets[key]
         place = places.get(id(target))
         shape = place.full_shape if place is not None else target.shape
@@ -310,10 +280,7 @@ def _check_full(
             found = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
             problems.append(f"'{key}': expected a tensor of shape {tuple(shape)}, found {found}")
     if problems:
-        raise ValueError(
-            f"flatshard.load_state_dict (rank {_global_rank()}): {len(problems)} entries do "
-            "not fit the model:\n  " + "\n  ".join(problems)
-        )
+        raise entries_do_not_fit("load_state_dict", problems)
 
 
 def check_keys(caller: str, expected: Iterable[str], given: Iterable[str], strict: bool) -> None:
@@ -323,7 +290,7 @@ def check_keys(caller: str, expected: Iterable[str], given: Iterable[str], stric
     unexpected = [k for k in have if k not in set(want)]
     if strict and (missing or unexpected):
         raise ValueError(
-            f"flatshard.{caller} (rank {_global_rank()}): the state dict does not match the "
+            f"flatshard.{caller} (rank {global_rank()}): the state dict does not match the "
             f"model. Missing: {_names(missing)}. Unexpected: {_names(unexpected)}. "
             "Pass strict=False to load the entries that match."
         )

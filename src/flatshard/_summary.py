@@ -1,4 +1,4 @@
-"""A report of how a sharded model is laid out: units, FlatParameters, padding."""
+"""A report of how a sharded model is laid out: units, flat parameter groups, padding."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ from dataclasses import dataclass
 from torch import nn
 
 from flatshard._mixed_precision import DtypePlan, DtypeRow, dtype_name
-from flatshard._runtime import units_of
+from flatshard._unit import units_of
 
 
 @dataclass(frozen=True)
 class FlatParamSummary:
-    """One FlatParameter of one unit, in elements."""
+    """One flat parameter group of one unit, in elements."""
 
     unit: str  # the unit's module name ("<root>" for the top)
     param_names: tuple[str, ...]  # original names, in layout order
@@ -21,14 +21,14 @@ class FlatParamSummary:
     dtype: str
     param_numel: int  # the originals' elements
     shard_numel: int  # C: elements each rank stores
-    world_size: int
-    padding_numel: int  # C * W - param_numel
+    factor: int  # F: ranks the group is cut across
+    padding_numel: int  # C * F - param_numel
     alignment_padding_numel: int  # the part of the padding that keeps rows whole
 
 
 @dataclass(frozen=True)
 class ShardingSummary:
-    """Every FlatParameter of a sharded model."""
+    """Every flat parameter group of a sharded model."""
 
     flat_params: tuple[FlatParamSummary, ...]
 
@@ -61,22 +61,19 @@ class ShardingSummary:
 def sharding_summary(model: nn.Module) -> ShardingSummary:
     """How ``model``'s parameters are flattened, padded and sharded on this rank."""
     entries = []
-    for runtime in units_of(model, "sharding_summary"):
-        for flat in runtime.unit.flat_params:
+    for unit in units_of(model, "sharding_summary"):
+        for flat in unit.flat_params:
             layout = flat.layout
             entries.append(
                 FlatParamSummary(
-                    unit=runtime.unit.label,
+                    unit=unit.label,
                     param_names=tuple(o.fqn for o in flat.originals),
-                    held_rows=tuple(
-                        (held.first_row, held.rows)
-                        for held in (layout.shard_range(s, flat.rank) for s in layout.slots)
-                    ),
+                    held_rows=tuple((held.first_row, held.rows) for held in flat.views.held),
                     requires_grad=flat.requires_grad,
                     dtype=str(flat.shard.dtype).removeprefix("torch."),
                     param_numel=layout.param_numel,
                     shard_numel=layout.shard_numel,
-                    world_size=layout.world_size,
+                    factor=layout.factor,
                     padding_numel=layout.padding_numel,
                     alignment_padding_numel=layout.alignment_padding_numel,
                 )
@@ -85,17 +82,17 @@ def sharding_summary(model: nn.Module) -> ShardingSummary:
 
 
 def dtype_plan(model: nn.Module) -> DtypePlan:
-    """The resolved dtypes of every FlatParameter: master (and optimizer state),
+    """The resolved dtypes of every flat parameter group: master (and optimizer state),
     all-gather, compute and reduction, and where the master shard lives."""
     rows = []
-    for runtime in units_of(model, "dtype_plan"):
-        for flat in runtime.unit.flat_params:
+    for unit in units_of(model, "dtype_plan"):
+        for flat in unit.flat_params:
             rows.append(
                 DtypeRow(
-                    unit=runtime.unit.label,
+                    unit=unit.label,
                     params=len(flat.originals),
                     master=dtype_name(flat.shard.dtype),
-                    all_gather=dtype_name(flat.compute_dtype) if flat.gathers else "-",
+                    all_gather=dtype_name(flat.compute_dtype) if flat.needs_all_gather else "-",
                     compute=dtype_name(flat.compute_dtype),
                     reduce=dtype_name(flat.reduce_dtype) if flat.requires_grad else "-",
                     master_device=str(flat.shard.device),

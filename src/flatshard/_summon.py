@@ -5,11 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
-import torch.distributed as dist
 from torch import nn
 
-from flatshard._runtime import units_of
-from flatshard._unit import TrainingState
+from flatshard._full_params import full_params
+from flatshard._unit import units_of
 
 
 @contextmanager
@@ -21,24 +20,21 @@ def summon_full_params(model: nn.Module, writeback: bool = True) -> Iterator[Non
     back to the shards on exit; with False they are discarded. Gradients are not gathered.
     Do not run forward or backward inside it.
     """
-    runtimes = units_of(model, "summon_full_params")
-    for runtime in runtimes:
-        unit = runtime.unit
-        if unit.state is not TrainingState.IDLE:
-            raise RuntimeError(
-                f"flatshard.summon_full_params: unit '{unit.label}' is in its "
-                f"{unit.state.name.lower()} pass (rank {dist.get_rank()}); enter "
-                "summon_full_params between steps, not inside forward or backward."
-            )
+    units = units_of(model, "summon_full_params")
+    for unit in units:
+        unit.require_idle(
+            "summon_full_params",
+            "enter summon_full_params between steps, not inside forward or backward.",
+        )
         unit.reshard()  # a root kept unsharded must not go stale under writeback
     with ExitStack() as stack:
-        for runtime in runtimes:
-            for flat in runtime.unit.flat_params:
-                stack.enter_context(flat.full_params(writeback))
-        for runtime in runtimes:
-            runtime.unit.params_are_full = True
+        for unit in units:
+            for flat in unit.flat_params:
+                stack.enter_context(full_params(flat, writeback))
+        for unit in units:
+            unit.params_are_full = True
         try:
             yield
         finally:
-            for runtime in runtimes:
-                runtime.unit.params_are_full = False
+            for unit in units:
+                unit.params_are_full = False

@@ -1,79 +1,127 @@
-"""One FSDP unit: a module whose parameters are sharded, unsharded and reduced together."""
+"""One FSDP unit: a module whose parameters are sharded, unsharded and reduced together.
+
+A ``Unit`` owns its configuration, its flat parameter groups, its per-step state and the
+bodies of its hooks (paper section "autograd integration"); ``_hooks.py`` registers them:
+- pre-forward: unshard (all-gather; the modules then hold views of the unsharded buffer);
+  prefetch the next unit; wrap the inputs so that autograd tells us when their gradients
+  are done (units with frozen groups only).
+- post-forward: register the pre-backward hook on the outputs; reshard (the modules get the
+  original parameters back), except the root and the last unit of forward when a backward
+  will follow (they would all-gather again at once) and except during checkpoint
+  recomputation inside backward.
+- pre-backward (first gradient reaching any output): unshard again; prefetch; queue the
+  end-of-backward callback once per pass (``StepContext``).
+- post-backward (autograd accumulated a group's flat gradient): start its reduction and
+  free the unsharded buffer.
+What is shared by the units of one root (execution order, the reduction in flight, the
+end-of-backward callback, ``no_sync``) is the ``StepContext`` (``_step.py``).
+"""
 
 from __future__ import annotations
 
+import warnings
+from dataclasses import dataclass, replace
 from enum import Enum, auto
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
 
-from flatshard._flat_param import FlatParameter
+from flatshard._flat_param import FlatParamGroup
+from flatshard._inputs import cast_floats, tensors_in, watch_input_grads
 from flatshard._mesh import ShardingStrategy
 from flatshard._mixed_precision import MixedPrecision
-from flatshard._prefetch import BackwardPrefetch
+from flatshard._prefetch import (
+    BackwardPrefetch,
+    Prefetch,
+    PrefetchTargets,
+    backward_targets,
+    forward_targets,
+    issue,
+)
+from flatshard._profiling import traced
+from flatshard._ranks import global_rank, join_name
+
+if TYPE_CHECKING:
+    from flatshard._step import StepContext
+
+UNIT_ATTR = "_flatshard_unit"  # attribute of a unit's module holding its Unit
 
 
 class TrainingState(Enum):
-    """Where a unit is in the step. Only the runtime's hooks change it."""
+    """Where a unit is in the step. Only the unit's hooks change it."""
 
     IDLE = auto()  # outside forward and backward: parameters are shard views
     FORWARD = auto()  # between the unit's pre-forward and post-forward hooks
     BACKWARD = auto()  # the unit's pre-backward ran in the current backward pass
 
 
+@dataclass(frozen=True)
+class UnitConfig:
+    """How a unit runs: the options of the ``fully_shard`` call that made it."""
+
+    strategy: ShardingStrategy
+    mixed_precision: MixedPrecision | None
+    prefetch: Prefetch
+
+
 class Unit:
-    """A module plus the FlatParameters that hold the parameters assigned to it."""
+    """A module plus the flat parameter groups holding the parameters assigned to it."""
 
     def __init__(
         self,
         module: nn.Module,
         fqn: str,
-        flat_params: list[FlatParameter],
-        strategy: ShardingStrategy,
+        flat_params: list[FlatParamGroup],
         modules: list[tuple[str, nn.Module]],
-        mixed_precision: MixedPrecision | None = None,
-        backward_prefetch: BackwardPrefetch | None = None,
-        forward_prefetch: bool = False,
+        config: UnitConfig,
     ) -> None:
+        # Fixed at construction (``fqn`` and ``config`` change once if a later call adopts it)
         self.module = module
         self.fqn = fqn  # the module's name in the model passed to fully_shard ("" = root)
         self.flat_params = flat_params
-        self.strategy = strategy
+        self.config = config
         # Modules inside the unit (not inner units) that register its parameters directly:
-        # calling one of them while the unit is sharded is an error (see _runtime).
-        owned = {id(m) for _, f in enumerate(flat_params) for o in f.originals for m, _ in o.usages}
+        # calling one of them while the unit is sharded is an error (see _hooks.py).
+        owned = {id(m) for f in flat_params for o in f.originals for m, _ in o.usages}
         self.inner_modules = [(n, m) for n, m in modules if id(m) in owned and m is not module]
-        self.params_are_full = False  # inside summon_full_params
-        self.mixed_precision = mixed_precision
-        self.backward_prefetch = backward_prefetch
-        self.forward_prefetch = forward_prefetch
+        self.prefetch_targets = PrefetchTargets()  # set_prefetch
+        self.context: StepContext  # set when a StepContext adds the unit
+        # Changed by summon_full_params only:
+        self.params_are_full = False
+        # Per step, changed by the hooks; reset by the end of each backward pass:
         self.state = TrainingState.IDLE
-        # Per backward pass, reset by the final callback:
         self.expects_backward = False  # a forward with grad ran: every rank must reduce
         self.pending_input_grads = 0  # forwards whose inputs' gradients are still to come
 
+    # ------------------------------------------------------------------ identity
     @property
     def label(self) -> str:
         """The unit's name for messages and profiler ranges."""
         return self.fqn or "<root>"
 
+    @property
+    def is_root(self) -> bool:
+        return self.module is self.context.root
+
     def rename(self, prefix: str) -> None:
         """Name the unit and its parameters as seen from a parent ``prefix`` module."""
-        self.fqn = f"{prefix}.{self.fqn}" if self.fqn else prefix
+        self.fqn = join_name(prefix, self.fqn)
         for flat in self.flat_params:
             for orig in flat.originals:
-                orig.fqn = f"{prefix}.{orig.fqn}"
+                orig.fqn = join_name(prefix, orig.fqn)
 
     def inherit(self, policy: MixedPrecision) -> None:
         """Adopt the mixed-precision policy of the call that shards the enclosing model."""
-        self.mixed_precision = policy
+        self.config = replace(self.config, mixed_precision=policy)
         for flat in self.flat_params:
             compute = policy.compute_dtype(flat.shard.dtype, full_precision_module=False)
             flat.set_compute_dtype(compute, policy.gradient_reduce_dtype(compute))
 
     def full_precision_modules(self) -> list[nn.Module]:
         """Modules inside the unit whose parameters compute in the master dtype."""
-        policy = self.mixed_precision
+        policy = self.config.mixed_precision
         if policy is None or policy.param_dtype is None or not policy.keep_full_precision:
             return []
         keep = tuple(policy.keep_full_precision)
@@ -81,28 +129,43 @@ class Unit:
             m for m in [self.module, *(m for _, m in self.inner_modules)] if isinstance(m, keep)
         ]
 
+    def require_idle(self, caller: str, advice: str) -> None:
+        """An error unless the unit is between steps (not inside forward or backward)."""
+        if self.state is not TrainingState.IDLE:
+            raise RuntimeError(
+                f"flatshard.{caller}: unit '{self.label}' is in its "
+                f"{self.state.name.lower()} pass (rank {global_rank()}); {advice}"
+            )
+
+    # ------------------------------------------------------------------ groups
     @property
-    def trainable(self) -> list[FlatParameter]:
+    def trainable(self) -> list[FlatParamGroup]:
         return [f for f in self.flat_params if f.requires_grad]
 
     @property
-    def frozen(self) -> list[FlatParameter]:
+    def frozen(self) -> list[FlatParamGroup]:
         return [f for f in self.flat_params if not f.requires_grad]
 
+    @property
+    def compute_device(self) -> torch.device:
+        return self.flat_params[0].compute_device if self.flat_params else torch.device("cpu")
+
+    @property
+    def is_gathered(self) -> bool:
+        """Whether the original parameters may be read full-size right now."""
+        return self.params_are_full or all(f.is_unsharded for f in self.flat_params)
+
+    # ------------------------------------------------------------------ unshard / reshard
     def unshard(self) -> None:
-        """All-gather every FlatParameter; the modules then hold views of the buffers."""
+        """All-gather every group; the modules then hold views of the buffers."""
         self.start_unshard()  # every gather in flight before the first wait
         for flat in self.flat_params:
             flat.unshard()
 
     def start_unshard(self) -> None:
-        """Start every FlatParameter's all-gather (prefetch); the unit's hook waits."""
+        """Start every group's all-gather (prefetch); the unit's hook waits."""
         for flat in self.flat_params:
             flat.start_unshard()
-
-    @property
-    def gathering(self) -> bool:
-        return any(flat.gathering for flat in self.flat_params)
 
     def finish_unshard(self) -> None:
         """Wait for the all-gathers a prefetch started (views come with ``unshard``)."""
@@ -110,8 +173,8 @@ class Unit:
             flat.finish_unshard()
 
     @property
-    def compute_device(self) -> torch.device:
-        return self.flat_params[0].compute_device if self.flat_params else torch.device("cpu")
+    def gather_in_flight(self) -> bool:
+        return any(flat.gather_in_flight for flat in self.flat_params)
 
     @property
     def unshard_allocates(self) -> bool:
@@ -126,18 +189,145 @@ class Unit:
         freed = [flat.reshard() for flat in self.flat_params]
         return any(freed)
 
-    def frozen_safe_to_reshard(self) -> bool:
-        """Whether backward can no longer read the frozen FlatParameters.
+    # ------------------------------------------------------------------ hooks
+    def pre_forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        with traced(f"pre_forward {self.label}"):
+            if self.state is not TrainingState.BACKWARD:
+                self.state = TrainingState.FORWARD
+                self.context.order.record_forward(self, self.is_root)
+            self.unshard()
+            if self.state is TrainingState.FORWARD:
+                issue(forward_targets(self, self.context.order), self.context.rate_limiter)
+            policy = self.config.mixed_precision
+            if policy is not None and policy.param_dtype is not None and policy.cast_forward_inputs:
+                args, kwargs = cast_floats((args, kwargs), policy.param_dtype)
+            # Only frozen groups wait for the inputs' gradients (_reshard_frozen_if_done).
+            if self.frozen and torch.is_grad_enabled() and self.state is TrainingState.FORWARD:
+                args, kwargs, watched = watch_input_grads(args, kwargs, self._inputs_grad_done)
+                self.pending_input_grads += watched
+        return args, kwargs
 
-        Any backward op that reads a frozen parameter computes a gradient for something:
-        this unit's inputs or its trainable parameters. Once both are done, none is left.
-        """
-        trainable_done = all(f.grad_done_in_backward for f in self.trainable)
-        return trainable_done and self.pending_input_grads == 0
+    def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        with traced(f"post_forward {self.label}"):
+            needs_grad = [t for t in tensors_in(output) if t.requires_grad]
+            if needs_grad:
+                self.expects_backward = True
+                register_multi_grad_hook(needs_grad, self.pre_backward, mode="any")
+            if self.state is TrainingState.BACKWARD:
+                return output  # recomputation inside backward: keep the parameters
+            self.state = TrainingState.IDLE
+            # Kept until backward: the root and the last unit of the forward order
+            # (backward starts with them, they would be gathered again at once, with no
+            # compute to hide the wait), and units whose strategy keeps parameters from
+            # forward to backward (SHARD_GRAD_OP, ZERO2).
+            keep = needs_grad and (
+                self.is_root
+                or self.context.order.ended_last_forward(self)
+                or not self.config.strategy.reshard_after_forward
+            )
+            hidden_graph = not needs_grad and self._may_hide_graph(output)
+            if not (keep or hidden_graph) and self.reshard():
+                self.context.rate_limiter.resharded(self.compute_device)
+        return output
 
-    def reset_backward_state(self) -> None:
+    def pre_backward(self, *unused: Any) -> None:
+        with traced(f"pre_backward {self.label}"):
+            self.context.queue_finish_backward()
+            self.state = TrainingState.BACKWARD
+            # Autograd runs hooks with grad disabled; views made so would not require grad,
+            # and checkpoint recomputation reading them would save other tensors than
+            # forward did.
+            with torch.enable_grad():
+                self.unshard()
+                if self.config.prefetch.backward is BackwardPrefetch.BACKWARD_PRE:
+                    self._prefetch_backward()
+
+    def post_backward(self, flat: FlatParamGroup, *unused: Any) -> None:
+        with traced(f"post_backward {self.label}"):
+            self.context.queue_finish_backward()  # in case no pre-backward hook could fire
+            self.context.reduce(flat)
+            flat.reshard()
+            self._reshard_frozen_if_done()
+            last = all(f.reduction.done_in_backward for f in self.trainable)
+            if last and self.config.prefetch.backward is BackwardPrefetch.BACKWARD_POST:
+                with torch.enable_grad():
+                    self._prefetch_backward()
+
+    def end_backward(self) -> None:
+        """The end of a backward pass: every reduction waited for, everything resharded."""
+        for flat in self.flat_params:
+            flat.reduction.finish()
+        self.reshard()
         self.state = TrainingState.IDLE
         self.expects_backward = False
         self.pending_input_grads = 0
         for flat in self.flat_params:
-            flat.grad_done_in_backward = False
+            flat.reduction.done_in_backward = False
+
+    # ------------------------------------------------------------------ hook helpers
+    def _prefetch_backward(self) -> None:
+        issue(backward_targets(self, self.context.order), self.context.rate_limiter)
+
+    def _inputs_grad_done(self) -> None:
+        self.pending_input_grads -= 1
+        self._reshard_frozen_if_done()
+
+    def _reshard_frozen_if_done(self) -> None:
+        """Free the frozen groups once backward can no longer read them.
+
+        Any backward op that reads a frozen parameter computes a gradient for something:
+        this unit's inputs or its trainable parameters. Once both are done, none is left.
+        """
+        if not self.frozen:
+            return
+        trainable_done = all(f.reduction.done_in_backward for f in self.trainable)
+        if trainable_done and self.pending_input_grads == 0:
+            for flat in self.frozen:
+                flat.reshard()
+
+    def _may_hide_graph(self, output: Any) -> bool:
+        """Whether the output may carry a graph through tensors flatshard cannot find.
+
+        Without them there is no pre-backward hook to unshard again, so the unit must stay
+        unsharded until its gradient is reduced (or the backward pass ends).
+        """
+        if not (torch.is_grad_enabled() and self.trainable) or tensors_in(output):
+            return False
+        warnings.warn(
+            f"flatshard: unit '{self.label}' returned {type(output).__name__} with no tensor "
+            "flatshard can find, so it stays unsharded until its backward. Return tensors in "
+            "tuples, lists or dicts, or register the type with torch.utils._pytree.",
+            stacklevel=3,
+        )
+        return True
+
+
+def unit_of(module: nn.Module) -> Unit | None:
+    """The unit rooted at ``module``, if any."""
+    found = module.__dict__.get(UNIT_ATTR)
+    return found if isinstance(found, Unit) else None
+
+
+def units_of(model: nn.Module, caller: str) -> list[Unit]:
+    """Every unit inside ``model``; an error if ``fully_shard`` never touched it."""
+    units = [u for m in model.modules() if (u := unit_of(m)) is not None]
+    if not units:
+        raise ValueError(
+            f"flatshard.{caller}: {type(model).__name__} holds no flatshard unit; call "
+            "flatshard.fully_shard(model, ...) first."
+        )
+    return units
+
+
+def unit_or_error(module: nn.Module, caller: str) -> Unit:
+    """The unit rooted at ``module``; an error naming ``caller`` if there is none."""
+    unit = unit_of(module)
+    if unit is None:
+        raise ValueError(
+            f"flatshard.{caller}: {type(module).__name__} is not a flatshard "
+            "unit; pass the module fully_shard made a unit (the model itself, or a "
+            "submodule chosen by auto_wrap_policy)."
+        )
+    return unit

@@ -11,22 +11,25 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from flatshard._consistency import check_same_on_all_ranks, structure_lines, value_lines
-from flatshard._flat_param import FlatParameter, OriginalParam
+from flatshard._flat_param import FlatParamGroup, OriginalParam, Placement
+from flatshard._hooks import install
 from flatshard._init import (
+    InitOptions,
     ParamInitFn,
     broadcast_unit,
     default_device,
     init_module,
     materialize_unit,
 )
-from flatshard._mesh import ShardGroups, ShardingStrategy, resolve_groups
+from flatshard._mesh import ShardGroups, ShardingStrategy, model_group, resolve_groups
 from flatshard._mixed_precision import CPUOffload, MixedPrecision
 from flatshard._partition import UnitPlan, partition
 from flatshard._policy import AutoWrapPolicy, is_within, select_unit_roots
-from flatshard._prefetch import BackwardPrefetch
+from flatshard._prefetch import Prefetch
+from flatshard._ranks import join_name
 from flatshard._rate_limiter import DEFAULT_LIMIT, RateLimiter
-from flatshard._runtime import TREE_ATTR, ShardTree, install, shard_tree, unit_runtime
-from flatshard._unit import Unit
+from flatshard._step import CONTEXT_ATTR, StepContext, context_of
+from flatshard._unit import Unit, UnitConfig, unit_of
 
 M = TypeVar("M", bound=nn.Module)
 _CPU = torch.device("cpu")
@@ -36,22 +39,15 @@ def fully_shard(
     module: M,
     *,
     auto_wrap_policy: AutoWrapPolicy = None,
-    process_group: dist.ProcessGroup | None = None,
     strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
+    process_group: dist.ProcessGroup | DeviceMesh | None = None,
     sharding_factor: int | None = None,
-    hybrid_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None,
-    device_mesh: DeviceMesh | None = None,
-    device: torch.device | str | None = None,
-    param_init_fn: ParamInitFn | None = None,
-    init_seed: int | None = None,
-    sync_module_states: bool = False,
-    check_consistency: bool = True,
-    check_weights: bool = False,
     mixed_precision: MixedPrecision | None = None,
     cpu_offload: CPUOffload | None = None,
-    backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
-    forward_prefetch: bool = True,
-    limit_all_gathers: bool = True,
+    device: torch.device | str | None = None,
+    param_init_fn: ParamInitFn | None = None,
+    init: InitOptions | None = None,
+    prefetch: Prefetch | None = None,
 ) -> M:
     """Shard ``module``'s parameters over ``process_group`` in place and return it.
 
@@ -70,59 +66,44 @@ def fully_shard(
         auto_wrap_policy: a set of module classes (e.g. ``{Block}``), a callable
             ``(module, name) -> bool``, ``flatshard.SizePolicy(min_params=N)``, or None
             (``module`` is the only unit).
-        process_group: the W ranks that train together; default the world.
         strategy: FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2: no second all-gather in
             backward), NO_SHARD (DDP), HYBRID_SHARD / HYBRID_SHARD_ZERO2 (shard inside
             groups of F ranks, replicate across the W / F groups).
-        sharding_factor: F for the hybrid strategies; by default torchrun's
-            LOCAL_WORLD_SIZE (shard inside a host), else W.
-        hybrid_groups: for the hybrid strategies, an explicit (shard_group,
-            replicate_group) pair instead of ``sharding_factor``.
-        device_mesh: for the hybrid strategies, a 2-D mesh of (replicate, shard) dims.
-        device: where meta parameters are materialized (default: the current accelerator,
-            else the CPU); parameters on another device are moved there unit by unit.
-        param_init_fn: initializes one module's own meta parameters and buffers
-            (default: the module's ``reset_parameters()``); see ``flatshard.init_weights``.
-        init_seed: base seed of that initialization (default ``torch.initial_seed()``).
-        sync_module_states: broadcast rank 0's parameters and buffers, unit by unit, before
-            sharding: other ranks may build the model on meta, and only rank 0 needs to
-            load weights.
-        check_consistency: compare model structure, strategy and buffer values across
-            ranks at startup and raise, on every rank, if they differ (one small
-            all-gather per unit).
-        check_weights: also compare parameter values across ranks before sharding.
+        process_group: where to shard: the W ranks that train together as a process group
+            or a 1-D ``DeviceMesh`` (default: the world), or, for the hybrid strategies, a
+            2-D ``DeviceMesh`` of (replicate, shard) dims over the world.
+        sharding_factor: F for the hybrid strategies, instead of a 2-D mesh; by default
+            torchrun's LOCAL_WORLD_SIZE (shard inside a host), else W.
         mixed_precision: dtypes of all-gather/compute, reduction and buffers
             (``flatshard.MixedPrecision``); the sharded master parameters keep theirs.
         cpu_offload: ``flatshard.CPUOffload(params=True)`` keeps the sharded parameters and
             their gradients on the CPU (the optimizer steps there); compute runs on
             ``device``.
-        backward_prefetch: gather the next unit (reverse of this iteration's forward
-            order) in the current unit's pre-backward (BACKWARD_PRE: more overlap, two
-            units gathered), after its reduction (BACKWARD_POST), or not (None).
-        forward_prefetch: start gathering the next unit (previous iteration's forward
-            order) when a unit's forward starts, so its all-gather overlaps this unit's
-            compute (one unit more gathered in forward; a wrong guess costs memory only).
-        limit_all_gathers: the rate limiter: at most two units' all-gathers issued ahead of
-            their use (prefetches wait for the oldest beyond that); False: no limit.
+        device: where meta parameters are materialized (default: the current accelerator,
+            else the CPU); parameters on another device are moved there unit by unit.
+        param_init_fn: initializes one module's own meta parameters and buffers
+            (default: the module's ``reset_parameters()``); see ``flatshard.init_weights``.
+        init: seed, rank-0 broadcast and startup checks (``flatshard.InitOptions``).
+        prefetch: how far ahead units are all-gathered, and the rate limiter
+            (``flatshard.Prefetch``; default: backward BACKWARD_PRE, forward on, limited).
     """
     _check_distributed()
-    group = process_group if process_group is not None else dist.group.WORLD
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"process_group must be a torch.distributed ProcessGroup, got {group!r}")
     if not isinstance(strategy, ShardingStrategy):
         raise TypeError(f"strategy must be a flatshard.ShardingStrategy, got {strategy!r}")
+    group = model_group(process_group)
+    init = init or InitOptions()
+    prefetch = prefetch or Prefetch()
     rank = dist.get_rank()
     _check_not_sharded(module, rank)
     target = _target_device(module, device, rank)
-    earlier = _earlier_trees(module)
+    earlier = _earlier_contexts(module)
     _check_inherited_precision(earlier, mixed_precision, rank)
     unit_names = select_unit_roots(module, auto_wrap_policy, skip=earlier.keys())
-    managed = {name: _managed_param_ids(tree) for name, tree in earlier.items()}
+    managed = {name: _managed_param_ids(context) for name, context in earlier.items()}
     plans = partition(module, unit_names, managed, rank)
-    if check_consistency:
-        strategy_line = _strategy_line(strategy, group, sharding_factor, hybrid_groups)
+    if init.check_consistency:
         check_same_on_all_ranks(
-            structure_lines(plans, strategy_line),
+            structure_lines(plans, _strategy_line(strategy, group, sharding_factor)),
             group,
             target or _CPU,
             "built different models or sharding options",
@@ -130,29 +111,24 @@ def fully_shard(
             "fully_shard options on every rank.",
         )
     build = _UnitBuild(
-        groups=resolve_groups(strategy, group, sharding_factor, hybrid_groups, device_mesh),
+        groups=resolve_groups(strategy, process_group, sharding_factor),
         process_group=group,
-        strategy=strategy,
-        mixed_precision=mixed_precision,
+        config=UnitConfig(strategy, mixed_precision, prefetch),
         device=target,
         offload=cpu_offload is not None and cpu_offload.params,
         param_init_fn=param_init_fn,
-        seed=torch.initial_seed() if init_seed is None else init_seed,
-        sync_module_states=sync_module_states,
-        check_consistency=check_consistency,
-        check_weights=check_weights,
-        backward_prefetch=backward_prefetch,
-        forward_prefetch=forward_prefetch,
+        init=init,
     )
-    tree = ShardTree(module, group)
-    tree.rate_limiter = RateLimiter(DEFAULT_LIMIT if limit_all_gathers else None)
-    for name, sub_tree in earlier.items():
-        tree.adopt(sub_tree, prefix=name, mixed_precision=mixed_precision)
+    limiter = RateLimiter(DEFAULT_LIMIT if prefetch.limit_all_gathers else None)
+    context = StepContext(module, group, limiter)
+    for name, sub_context in earlier.items():
+        context.adopt(sub_context, prefix=name, mixed_precision=mixed_precision)
     for plan in plans:
         unit = _build_unit(plan, build, rank)
         if unit is not None:
-            install(unit, tree)
-    module.__dict__[TREE_ATTR] = tree
+            context.add(unit)
+            install(unit)
+    module.__dict__[CONTEXT_ATTR] = context
     return module
 
 
@@ -162,17 +138,11 @@ class _UnitBuild:
 
     groups: ShardGroups
     process_group: dist.ProcessGroup
-    strategy: ShardingStrategy
-    mixed_precision: MixedPrecision | None
+    config: UnitConfig
     device: torch.device | None  # where full tensors are materialized and computed on
     offload: bool  # shards live on the CPU
     param_init_fn: ParamInitFn | None
-    seed: int
-    sync_module_states: bool
-    check_consistency: bool
-    check_weights: bool
-    backward_prefetch: BackwardPrefetch | None
-    forward_prefetch: bool
+    init: InitOptions
 
     @property
     def compute_device(self) -> torch.device:
@@ -185,44 +155,38 @@ class _UnitBuild:
 
 def _build_unit(plan: UnitPlan, build: _UnitBuild, rank: int) -> Unit | None:
     """Materialize (or receive) one unit's values, check them, and shard them."""
-    policy = build.mixed_precision or MixedPrecision()
+    policy = build.config.mixed_precision or MixedPrecision()
     # Allocate the shards first: the unit's full tensors then meet nothing else large.
     flat_params = [
-        FlatParameter(
+        FlatParamGroup(
             params,
             build.groups,
-            build.master_device,
-            compute_dtype=dtype,
-            reduce_dtype=policy.gradient_reduce_dtype(dtype),
-            compute_device=build.compute_device,
+            Placement(
+                master_device=build.master_device,
+                compute_device=build.compute_device,
+                compute_dtype=dtype,
+                reduce_dtype=policy.gradient_reduce_dtype(dtype),
+            ),
         )
         for params, dtype in _split_by_compute_dtype(plan.groups, policy)
     ]
     _prepare(plan, build, rank)
     _cast_buffers(plan, policy.buffer_dtype)
-    if build.check_consistency:
+    if build.init.check_consistency:
         check_same_on_all_ranks(
-            value_lines(plan, with_params=build.check_weights),
+            value_lines(plan, with_params=build.init.check_weights),
             build.process_group,
             build.compute_device,
             "hold different values",
             "Start every rank from the same weights: seed identically before building "
-            "the model, load the same checkpoint, or pass sync_module_states=True.",
+            "the model, load the same checkpoint, or pass "
+            "init=flatshard.InitOptions(sync_module_states=True).",
         )
     for flat in flat_params:
         flat.load_shard()
     if not flat_params:
         return None
-    return Unit(
-        plan.module,
-        plan.fqn,
-        flat_params,
-        build.strategy,
-        plan.modules,
-        build.mixed_precision,
-        build.backward_prefetch,
-        build.forward_prefetch,
-    )
+    return Unit(plan.module, plan.fqn, flat_params, plan.modules, build.config)
 
 
 def _split_by_compute_dtype(
@@ -253,10 +217,12 @@ def _cast_buffers(plan: UnitPlan, dtype: torch.dtype | None) -> None:
 def _prepare(plan: UnitPlan, build: _UnitBuild, rank: int) -> None:
     """Materialize, initialize or receive the unit's full values, just before sharding."""
 
-    def init(name: str, module: nn.Module) -> None:
-        init_module(module, name, build.param_init_fn, build.seed)
+    seed = torch.initial_seed() if build.init.seed is None else build.init.seed
 
-    if not build.sync_module_states:
+    def init(name: str, module: nn.Module) -> None:
+        init_module(module, name, build.param_init_fn, seed)
+
+    if not build.init.sync_module_states:
         materialize_unit(plan, build.device, init, rank)
         return
     source = dist.get_rank(build.process_group) == 0
@@ -290,17 +256,11 @@ def _target_device(
 
 
 def _strategy_line(
-    strategy: ShardingStrategy,
-    group: dist.ProcessGroup,
-    sharding_factor: int | None,
-    hybrid_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None,
+    strategy: ShardingStrategy, group: dist.ProcessGroup, sharding_factor: int | None
 ) -> str:
     line = f"strategy {strategy.name} over {dist.get_world_size(group)} ranks"
     if sharding_factor is not None:
         line += f", sharding_factor {sharding_factor}"
-    if hybrid_groups is not None:
-        sizes = [dist.get_world_size(g) for g in hybrid_groups]
-        line += f", hybrid groups of {sizes[0]} x {sizes[1]}"
     return line
 
 
@@ -314,7 +274,7 @@ def _check_distributed() -> None:
 
 
 def _check_not_sharded(module: nn.Module, rank: int) -> None:
-    if shard_tree(module) is not None or unit_runtime(module) is not None:
+    if context_of(module) is not None or unit_of(module) is not None:
         raise ValueError(
             f"flatshard.fully_shard: {type(module).__name__} is already sharded (rank "
             f"{rank}); call fully_shard once per module."
@@ -322,26 +282,25 @@ def _check_not_sharded(module: nn.Module, rank: int) -> None:
 
 
 def _check_inherited_precision(
-    earlier: dict[str, ShardTree], policy: MixedPrecision | None, rank: int
+    earlier: dict[str, StepContext], policy: MixedPrecision | None, rank: int
 ) -> None:
     """Units of earlier calls without a policy inherit this one, except keep_full_precision.
 
-    Modules kept in full precision need FlatParameters of their own, and a unit's
-    FlatParameters were made by the earlier call: silently computing them in low
+    Modules kept in full precision need flat parameter groups of their own, and a unit's
+    flat parameter groups were made by the earlier call: silently computing them in low
     precision would ignore what the user asked for.
     """
     if policy is None or policy.param_dtype is None or not policy.keep_full_precision:
         return
     keep = tuple(policy.keep_full_precision)
-    for prefix, tree in earlier.items():
-        for runtime in tree.units:
-            unit = runtime.unit
-            if unit.mixed_precision is not None:
+    for prefix, context in earlier.items():
+        for unit in context.units:
+            if unit.config.mixed_precision is not None:
                 continue
             modules = [unit.module, *(m for _, m in unit.inner_modules)]
             kept = sorted({type(m).__name__ for m in modules if isinstance(m, keep)})
             if kept:
-                label = f"{prefix}.{unit.fqn}" if unit.fqn else prefix
+                label = join_name(prefix, unit.fqn)
                 raise ValueError(
                     f"flatshard.fully_shard (rank {rank}): unit '{label}' was sharded by an "
                     "earlier fully_shard call without mixed_precision, so it would compute its "
@@ -351,20 +310,20 @@ def _check_inherited_precision(
                 )
 
 
-def _earlier_trees(module: nn.Module) -> dict[str, ShardTree]:
-    """Trees of earlier fully_shard calls on submodules, outermost only."""
+def _earlier_contexts(module: nn.Module) -> dict[str, StepContext]:
+    """Step contexts of earlier fully_shard calls on submodules, outermost only."""
     found = {
-        name: tree
+        name: context
         for name, sub in module.named_modules()
-        if name and (tree := shard_tree(sub)) is not None
+        if name and (context := context_of(sub)) is not None
     }
-    return {n: t for n, t in found.items() if not is_within(n, [o for o in found if o != n])}
+    return {n: c for n, c in found.items() if not is_within(n, [o for o in found if o != n])}
 
 
-def _managed_param_ids(tree: ShardTree) -> set[int]:
+def _managed_param_ids(context: StepContext) -> set[int]:
     return {
         id(orig.param)
-        for runtime in tree.units
-        for flat in runtime.unit.flat_params
+        for unit in context.units
+        for flat in unit.flat_params
         for orig in flat.originals
     }

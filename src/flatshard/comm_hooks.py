@@ -1,6 +1,6 @@
 """Communication hooks: replace how a unit's gradient is reduced (paper mechanism 13).
 
-A hook is any callable ``hook(grad, groups) -> shard`` (see ``flatshard.CommHook``);
+A hook is any callable ``hook(grad, groups) -> shard`` (see ``CommHook``);
 ``register_comm_hook(model, hook)`` installs it on every unit inside ``model`` (call it on a
 submodule afterwards to override those units).
 """
@@ -13,9 +13,11 @@ import torch
 from torch import nn
 
 from flatshard._collectives import sum_reduce
-from flatshard._flat_param import CommHook
 from flatshard._mesh import ShardGroups
-from flatshard._runtime import units_of
+from flatshard._reduction import CommHook
+from flatshard._unit import units_of
+
+__all__ = ["CommHook", "LowPrecisionHook", "register_comm_hook", "split_division"]
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -24,9 +26,9 @@ def register_comm_hook(model: nn.Module, hook: CommHook | None) -> None:
     """Reduce the gradients of every unit inside ``model`` with ``hook`` (None: built-in)."""
     if hook is not None and not callable(hook):
         raise TypeError(f"flatshard.register_comm_hook: hook must be callable, got {hook!r}")
-    for runtime in units_of(model, "register_comm_hook"):
-        for flat in runtime.unit.trainable:
-            flat.comm_hook = hook
+    for unit in units_of(model, "register_comm_hook"):
+        for flat in unit.trainable:
+            flat.reduction.comm_hook = hook
 
 
 def split_division(world_size: int) -> tuple[int, int]:

@@ -272,7 +272,9 @@ def _wrap(model: GPT, system: str, device: torch.device) -> nn.Module:
         return flatshard.fully_shard(model, auto_wrap_policy={GPTBlock})
     if system == "flatshard-noprefetch":
         return flatshard.fully_shard(
-            model, auto_wrap_policy={GPTBlock}, backward_prefetch=None, forward_prefetch=False
+            model,
+            auto_wrap_policy={GPTBlock},
+            prefetch=flatshard.Prefetch(backward=None, forward=False),
         )
     if system == "fsdp2":
         from torch.distributed.fsdp import fully_shard

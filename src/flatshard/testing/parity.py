@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import flatshard
+from flatshard import comm_hooks
 from flatshard.testing.models import Batch, build
 from flatshard.testing.workers import WorkerContext
 
@@ -200,12 +201,12 @@ def shard_with_flatshard(model: nn.Module, config: ParityConfig, group: dist.Pro
         options["mixed_precision"] = flatshard.MixedPrecision(param_dtype, reduce_dtype)
     if config.offload:
         options["cpu_offload"] = flatshard.CPUOffload()
-    prefetch = config.backward_prefetch
-    options["backward_prefetch"] = (
-        None if prefetch is None else flatshard.BackwardPrefetch[prefetch]
+    backward = config.backward_prefetch
+    options["prefetch"] = flatshard.Prefetch(
+        backward=None if backward is None else flatshard.BackwardPrefetch[backward],
+        forward=config.forward_prefetch,
+        limit_all_gathers=config.limit_all_gathers,
     )
-    options["forward_prefetch"] = config.forward_prefetch
-    options["limit_all_gathers"] = config.limit_all_gathers
     if strategy.is_hybrid:
         options.update(_hybrid_options(config, group))
     policies: dict[str, Any] = {
@@ -221,8 +222,8 @@ def shard_with_flatshard(model: nn.Module, config: ParityConfig, group: dist.Pro
         root = flatshard.ShardingStrategy[config.root_strategy or config.strategy]
         root_options = {**options, "strategy": root}
         if not root.is_hybrid:
-            for name in ("sharding_factor", "hybrid_groups", "device_mesh"):
-                root_options.pop(name, None)
+            root_options.pop("sharding_factor", None)
+            root_options["process_group"] = group  # not a 2-D mesh
         flatshard.fully_shard(model, **root_options)
     elif config.policy in policies:
         flatshard.fully_shard(model, auto_wrap_policy=policies[config.policy], **options)
@@ -230,7 +231,7 @@ def shard_with_flatshard(model: nn.Module, config: ParityConfig, group: dist.Pro
         raise ValueError(f"unknown policy {config.policy!r}")
     if config.comm_hook is not None:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[config.comm_hook]
-        flatshard.register_comm_hook(model, flatshard.LowPrecisionHook(dtype))
+        comm_hooks.register_comm_hook(model, comm_hooks.LowPrecisionHook(dtype))
 
 
 def _dtypes(config: ParityConfig) -> tuple[torch.dtype | None, torch.dtype | None]:
@@ -242,7 +243,8 @@ def _dtypes(config: ParityConfig) -> tuple[torch.dtype | None, torch.dtype | Non
 
 
 def _hybrid_options(config: ParityConfig, group: dist.ProcessGroup) -> dict[str, Any]:
-    """The hybrid factor as the config asks: a number, a (shard, replicate) pair or a mesh."""
+    """The hybrid factor as the config asks: a number, or a 2-D (replicate, shard) mesh
+    made by torch (``mesh``) or from (replicate, shard) groups made here (``groups``)."""
     if config.hybrid_from == "factor":
         return {"sharding_factor": config.sharding_factor}
     factor = config.sharding_factor or config.world_size
@@ -252,7 +254,7 @@ def _hybrid_options(config: ParityConfig, group: dist.ProcessGroup) -> dict[str,
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (config.world_size // factor, factor))
-        return {"device_mesh": mesh}
+        return {"process_group": mesh}
     me, world = dist.get_rank(), config.world_size
     shard = replicate = None
     for start in range(0, world, factor):  # every rank creates every group, same order
@@ -261,7 +263,15 @@ def _hybrid_options(config: ParityConfig, group: dist.ProcessGroup) -> dict[str,
     for offset in range(factor):
         made = dist.new_group(list(range(offset, world, factor)))
         replicate = made if me % factor == offset else replicate
-    return {"hybrid_groups": (shard, replicate)}
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if shard is None or replicate is None:
+        raise ValueError(f"rank {me} is in no hybrid group of {config}")
+    grid = torch.arange(world).view(world // factor, factor)
+    mesh = DeviceMesh.from_group(
+        [replicate, shard], "cpu", mesh=grid, mesh_dim_names=("replicate", "shard")
+    )
+    return {"process_group": mesh}
 
 
 def shard_with_fsdp2(model: nn.Module, config: ParityConfig, group: dist.ProcessGroup) -> None:

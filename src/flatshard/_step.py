@@ -1,0 +1,111 @@
+"""StepContext: what the units of one root share during a training step.
+
+One per ``fully_shard`` call on a root (bottom-up calls merge into the outermost): the
+units, the execution order prefetch predicts from, the one gradient reduction in flight,
+the end-of-backward callback and the ``no_sync`` flag.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+
+from flatshard._flat_param import FlatParamGroup
+from flatshard._mixed_precision import MixedPrecision
+from flatshard._prefetch import ExecutionOrder
+from flatshard._profiling import traced
+from flatshard._rate_limiter import RateLimiter
+from flatshard._reduction import GradientReduction
+from flatshard._unit import Unit, units_of
+
+CONTEXT_ATTR = "_flatshard_context"  # attribute of a module fully_shard was called on
+
+
+class StepContext:
+    """The per-root state of a step, shared by the units of one ``fully_shard`` call."""
+
+    def __init__(
+        self, root: nn.Module, process_group: dist.ProcessGroup, rate_limiter: RateLimiter
+    ) -> None:
+        self.root = root
+        self.process_group = process_group  # all the ranks that train the model together
+        self.rate_limiter = rate_limiter  # Prefetch.limit_all_gathers (see _rate_limiter.py)
+        self.units: list[Unit] = []  # inner units first; forward order is not assumed
+        self.order = ExecutionOrder()
+        self.sync_gradients = True  # False inside no_sync: keep unsharded gradients
+        # Per backward pass:
+        self.callback_queued = False  # the end-of-backward callback is queued
+        # The one gradient reduction left in flight: each waits for the one before, so at
+        # most one unsharded gradient waits on communication (see ``reduce``).
+        self.in_flight: GradientReduction | None = None
+
+    def add(self, unit: Unit) -> None:
+        unit.context = self
+        self.units.append(unit)
+
+    def adopt(
+        self, other: StepContext, prefix: str, mixed_precision: MixedPrecision | None
+    ) -> None:
+        """Take over the units of an earlier call on the submodule named ``prefix``.
+
+        Units sharded without a mixed-precision policy inherit ``mixed_precision`` (all but
+        ``keep_full_precision``, which needs its own groups).
+        """
+        for unit in other.units:
+            unit.rename(prefix)
+            if unit.config.mixed_precision is None and mixed_precision is not None:
+                unit.inherit(replace(mixed_precision, keep_full_precision=frozenset()))
+            self.add(unit)
+        other.units = []
+
+    def reduce(self, flat: FlatParamGroup) -> None:
+        """A group's gradient is complete in backward: start reducing it (or keep it).
+
+        The previous reduction had this unit's whole backward to finish; waiting for it
+        now frees its unsharded gradient before the next one is held.
+        """
+        if not self.sync_gradients:
+            flat.reduction.keep_unreduced()
+            return
+        if self.in_flight is not None:
+            self.in_flight.finish()
+        flat.reduction.start()
+        self.in_flight = flat.reduction
+
+    def queue_finish_backward(self) -> None:
+        """Queue ``finish_backward`` to run once autograd is done with this pass."""
+        if not self.callback_queued:
+            self.callback_queued = True
+            Variable._execution_engine.queue_callback(self.finish_backward)
+
+    def finish_backward(self) -> None:
+        """The end of a backward pass: reduce what did not reach the hook, wait, reshard.
+
+        A unit that ran forward with grad on this rank may get no gradient here (its output
+        did not reach this rank's loss); it still reduces (zeros), as every rank must.
+        """
+        with traced("finish_backward"):
+            for unit in self.units:
+                if unit.expects_backward and self.sync_gradients:
+                    for flat in unit.trainable:
+                        if not flat.reduction.done_in_backward:
+                            flat.reduction.start()
+            for unit in self.units:
+                unit.end_backward()
+            self.in_flight = None
+            self.callback_queued = False
+
+
+def context_of(module: nn.Module) -> StepContext | None:
+    """The step context of the ``fully_shard`` call made on ``module``, if any."""
+    found = module.__dict__.get(CONTEXT_ATTR)
+    return found if isinstance(found, StepContext) else None
+
+
+def contexts_under(model: nn.Module, caller: str) -> list[StepContext]:
+    """The distinct step contexts of every unit inside ``model`` (an error if none)."""
+    found = {id(unit.context): unit.context for unit in units_of(model, caller)}
+    return list(found.values())

@@ -1,0 +1,103 @@
+"""The one documented place where tests and benchmarks reach into flatshard's internals.
+
+Tests otherwise drive the public API. What is here answers questions the public API does
+not (how often the rate limiter ran, which profiler ranges were opened) or makes a fault or
+an alternative happen on purpose (a save that dies midway, another reduce-scatter form, no
+"keep the last unit" rule). Nothing here is for training code, and names may change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
+
+from torch import nn
+
+from flatshard import _checkpoint, _collectives
+from flatshard._collectives import ReduceScatter
+from flatshard._mesh import ranks_per_host
+from flatshard._partition import UnitPlan, partition
+from flatshard._policy import select_unit_roots
+from flatshard._prefetch import ExecutionOrder
+from flatshard._profiling import Ranges
+from flatshard._rate_limiter import RateLimiter
+from flatshard._step import context_of
+
+__all__ = [
+    "ReduceScatter",
+    "UnitPlan",
+    "checkpoint_save_dies_midway",
+    "forced_reduce_scatter",
+    "no_keep_last_unit",
+    "partition",
+    "profiler_ranges_entered",
+    "ranks_per_host",
+    "rate_limiter_of",
+    "select_unit_roots",
+]
+
+
+def rate_limiter_of(model: nn.Module) -> RateLimiter:
+    """The rate limiter of the ``fully_shard`` call on ``model``: its counters say how
+    often it ran (``prefetches``, ``frees``) and the most units it saw ahead
+    (``max_ahead``)."""
+    context = context_of(model)
+    if context is None:
+        raise ValueError(f"fully_shard was not called on {type(model).__name__}")
+    return context.rate_limiter
+
+
+@contextmanager
+def profiler_ranges_entered() -> Iterator[list[str]]:
+    """Inside: every profiler range flatshard opens is appended to the yielded list
+    instead of being opened."""
+    entered: list[str] = []
+
+    def record(name: str) -> AbstractContextManager[object]:
+        entered.append(name)
+        return nullcontext()
+
+    real = Ranges.open
+    Ranges.open = record
+    try:
+        yield entered
+    finally:
+        Ranges.open = real
+
+
+@contextmanager
+def forced_reduce_scatter(impl: ReduceScatter) -> Iterator[None]:
+    """Inside: every gradient reduce-scatter uses ``impl`` whatever the backend."""
+    chosen = _collectives.reduce_scatter_impl
+    _collectives.reduce_scatter_impl = lambda group: impl
+    try:
+        yield
+    finally:
+        _collectives.reduce_scatter_impl = chosen
+
+
+def no_keep_last_unit() -> None:
+    """From now on in this process, the last unit of forward is resharded like the others
+    (for A/B benchmarks of that rule)."""
+
+    def never(self: ExecutionOrder, unit: Any) -> bool:
+        return False
+
+    ExecutionOrder.ended_last_forward = never  # type: ignore[method-assign]
+
+
+@contextmanager
+def checkpoint_save_dies_midway() -> Iterator[None]:
+    """Inside: ``save_checkpoint`` raises ``KeyboardInterrupt`` after writing its data,
+    before its manifest (a process killed mid-save)."""
+
+    def crash(*args: Any) -> None:
+        raise KeyboardInterrupt("killed mid-save")
+
+    real = _checkpoint._share_of_checksums
+    _checkpoint._share_of_checksums = crash  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        _checkpoint._share_of_checksums = real
