@@ -1,0 +1,126 @@
+"""The shape of the code and of the public API, checked so that it stays as agreed.
+
+Limits (one concept per file, short functions, few parameters) and the public contract
+(``fully_shard``'s keywords, the names outside code relies on, the README's export list,
+tests that read through the public API or ``flatshard.testing.internals``).
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+from pathlib import Path
+
+import flatshard
+import flatshard.report
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCES = sorted([*(ROOT / "src" / "flatshard").rglob("*.py"), *(ROOT / "tests").glob("*.py")])
+MAX_FILE_LINES = 400
+MAX_FUNCTION_LINES = 60  # body, docstring aside
+MAX_PARAMETERS = 8  # self/cls aside
+
+# Keywords outside code passes to fully_shard (ARCHITECTURE.md): they must stay.
+CONTRACT_KEYWORDS = {
+    "auto_wrap_policy",
+    "strategy",
+    "process_group",
+    "sharding_factor",
+    "mixed_precision",
+    "device",
+    "param_init_fn",
+}
+CONTRACT_NAMES = {
+    "summon_full_params",
+    "clip_grad_norm_",
+    "no_sync",
+    "full_state_dict",
+    "sharded_state_dict",
+    "load_state_dict",
+    "save_checkpoint",
+    "load_checkpoint",
+    "export_safetensors",
+    "register_entry_point",
+    "ShardingStrategy",
+    "MixedPrecision",
+    "SizePolicy",
+}
+
+
+def _functions(path: Path) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    tree = ast.parse(path.read_text())
+    return [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+
+
+def _body_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    body = node.body
+    first = body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+        body = body[1:]  # the docstring
+    if not body:
+        return 0
+    end = body[-1].end_lineno or body[-1].lineno
+    return end - body[0].lineno + 1
+
+
+def _parameters(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
+    args = node.args
+    named = [*args.posonlyargs, *args.args, *args.kwonlyargs]
+    extra = [a for a in (args.vararg, args.kwarg) if a is not None]
+    return [a.arg for a in [*named, *extra] if a.arg not in ("self", "cls")]
+
+
+def test_files_are_short() -> None:
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in SOURCES
+        if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES
+    }
+    assert not long, f"files over {MAX_FILE_LINES} lines: {long}"
+
+
+def test_functions_are_short_and_take_few_parameters() -> None:
+    too_long, too_many = [], []
+    for path in SOURCES:
+        for node in _functions(path):
+            where = f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"
+            if _body_lines(node) > MAX_FUNCTION_LINES:
+                too_long.append(where)
+            if len(_parameters(node)) > MAX_PARAMETERS and node.name != "fully_shard":
+                too_many.append(where)
+    assert not too_long, f"functions over {MAX_FUNCTION_LINES} lines: {too_long}"
+    assert not too_many, f"functions with over {MAX_PARAMETERS} parameters: {too_many}"
+
+
+def test_fully_shard_takes_at_most_ten_options_including_the_contract() -> None:
+    signature = inspect.signature(flatshard.fully_shard)
+    options = [p for p in signature.parameters.values() if p.kind is p.KEYWORD_ONLY]
+    assert len(options) <= 10, [p.name for p in options]
+    assert {p.name for p in options} >= CONTRACT_KEYWORDS
+
+
+def test_contract_names_are_exported() -> None:
+    assert set(flatshard.__all__) >= CONTRACT_NAMES
+    for name in [*flatshard.__all__, *flatshard.report.__all__]:
+        assert hasattr(flatshard, name) or hasattr(flatshard.report, name), name
+    from flatshard.models.gpt import GPT  # noqa: F401  (part of the contract too)
+
+
+def test_readme_lists_every_public_export() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Public API", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"`([A-Za-z_]+)`", section))
+    missing = [n for n in [*flatshard.__all__, *flatshard.report.__all__] if n not in listed]
+    assert not missing, f"exports the README's 'Public API' section does not list: {missing}"
+
+
+def test_tests_use_public_api_or_the_testing_hook() -> None:
+    private = re.compile(r"flatshard\._|from flatshard import _")
+    offenders = [
+        f"{p.name}:{i}"
+        for p in (ROOT / "tests").glob("*.py")
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if private.search(line) and p.name != Path(__file__).name
+    ]
+    assert not offenders, f"tests reaching into private modules: {offenders}"
