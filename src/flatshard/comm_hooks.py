@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from flatshard._collectives import sum_reduce
+from flatshard._collectives import split_division, sum_reduce
 from flatshard._mesh import ShardGroups
 from flatshard._reduction import CommHook
 from flatshard._unit import units_of
@@ -25,23 +25,12 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 def register_comm_hook(model: nn.Module, hook: CommHook | None) -> None:
     """Reduce the gradients of every unit inside ``model`` with ``hook`` (None: built-in)."""
     if hook is not None and not callable(hook):
-        raise TypeError(f"flatshard.register_comm_hook: hook must be callable, got {hook!r}")
+        raise TypeError(
+            f"flatshard.comm_hooks.register_comm_hook: hook must be callable, got {hook!r}"
+        )
     for unit in units_of(model, "register_comm_hook"):
         for flat in unit.trainable:
             flat.reduction.comm_hook = hook
-
-
-def split_division(world_size: int) -> tuple[int, int]:
-    """(pre, post) with pre * post = W: divide by ``pre`` before summing, ``post`` after.
-
-    Dividing by all of W first can underflow small low-precision gradients; not dividing
-    first can overflow the sum. ``pre`` is the smallest power of two >= sqrt(W) that
-    divides W (as FSDP does), splitting the range between the two risks.
-    """
-    pre = 1
-    while world_size % (pre * 2) == 0 and world_size / pre > pre:
-        pre *= 2
-    return pre, world_size // pre
 
 
 @dataclass(frozen=True)
