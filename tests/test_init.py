@@ -292,3 +292,15 @@ def test_registered_entry_point_gathers(pool: WorkerPool) -> None:
 def test_entry_point_needs_a_unit(local_group: dist.ProcessGroup) -> None:
     with pytest.raises(ValueError, match=r"is not a flatshard unit"):
         flatshard.register_entry_point(nn.Linear(2, 2), "forward")
+
+
+def test_weight_check_memory_is_bounded(local_group: Any) -> None:
+    # A 4 MiB weight: its exact checksum widens bytes to int64 and weights them by position
+    # (two int64 tensors: 16 bytes per byte, 64 MiB at once; 96+ MiB as first written).
+    # Taken 1 MiB at a time: 16 MiB, beside the shard and the briefly allocated unsharded
+    # buffer (4 MiB each).
+    mib = 1 << 20
+    model = nn.Linear(1024, 1024, bias=False)
+    with PeakStorage() as tracker:
+        flatshard.fully_shard(model, init=flatshard.InitOptions(check_weights=True))
+    assert tracker.peak <= 2 * 4 * mib + 16 * mib, tracker.peak / mib

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -223,3 +223,37 @@ def test_units_inherit_the_root_policy(pool: WorkerPool) -> None:
     overridden = pool.run(inherit_job, True)[0]
     assert overridden["plan"]["blocks.0"] == "float32"  # MixedPrecision(): full precision
     assert overridden["plan"]["<root>"] == "bfloat16"
+
+
+class _Scaled(nn.Module):
+    """loss = sum(w) * scale: every rank's gradient is ``scale`` in every element."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(8))
+
+    def forward(self, scale: float) -> torch.Tensor:
+        return self.w.sum() * scale
+
+
+def tiny_gradient_job(ctx: WorkerContext) -> list[float] | None:
+    group = ctx.group(4)
+    if group is None:
+        return None
+    model = flatshard.fully_shard(
+        _Scaled(),
+        process_group=group,
+        mixed_precision=flatshard.MixedPrecision(reduce_dtype=torch.float16),
+    )
+    model(1e-7).backward()
+    grad = model.w.grad
+    assert grad is not None
+    return cast(list[float], grad.tolist())
+
+
+def test_fp16_reduction_divides_around_the_sum(pool: WorkerPool) -> None:
+    # 1e-7 in fp16 is the subnormal 1.19e-7. Divided by W = 4 before the sum it rounds to 0
+    # (half the smallest step, to even); divided by 2 before and 2 after, the average
+    # of four equal gradients comes back as itself.
+    for grads in pool.run(tiny_gradient_job)[:4]:
+        assert grads and all(g == pytest.approx(1.19e-7, rel=0.01) for g in grads), grads

@@ -37,7 +37,8 @@ def views_job(ctx: WorkerContext, world_size: int) -> dict[str, Any] | None:
     flatshard.fully_shard(
         model, auto_wrap_policy=flatshard.SizePolicy(min_params=50), process_group=group
     )
-    assert list(model.state_dict()) == keys_before
+    assert list(flatshard.sharded_state_dict(model)) == keys_before
+    assert list(flatshard.full_state_dict(model, rank0_only=False)) == keys_before
     assert [n for n, _ in model.named_parameters()] == list(full)
     rows = {}
     for name, param in model.named_parameters():

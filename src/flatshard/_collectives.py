@@ -58,6 +58,7 @@ class PendingReduction(NamedTuple):
     input: torch.Tensor  # (C * F,) the unsharded gradient
     output: torch.Tensor  # (C,) this rank's averaged shard once ``work`` is done
     finish: Callable[[], None] | None = None
+    post_divide: int = 1  # the part of W divided after the sum (see split_division)
 
 
 def all_gather_into(unsharded: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> None:
@@ -123,10 +124,17 @@ def reduce_gradient(grad: torch.Tensor, groups: ShardGroups) -> PendingReduction
     """Average ``grad`` (C * F,) over all W ranks; this rank keeps its chunk (C,).
 
     Reduce-scatter inside the shard group, then all-reduce of the chunk inside the
-    replicate group. Divides before summing so that low-precision sums do not overflow.
+    replicate group. Divides by part of W before the sum and the rest after
+    (``split_division``), so that low-precision sums neither overflow nor underflow.
     """
-    if groups.world_size > 1:
-        grad.div_(groups.world_size)
+    pre, post = split_division(groups.world_size)
+    if pre > 1:
+        grad.div_(pre)
+    return _start_sum(grad, groups)._replace(post_divide=post)
+
+
+def _start_sum(grad: torch.Tensor, groups: ShardGroups) -> PendingReduction:
+    """Start summing ``grad`` (C * F,) over all W ranks into this rank's chunk (C,)."""
     if groups.shard is None:
         work = None
         if groups.replicate is not None:
@@ -140,11 +148,26 @@ def reduce_gradient(grad: torch.Tensor, groups: ShardGroups) -> PendingReduction
     return _start_scatter_sum(output, grad, groups)
 
 
+def split_division(world_size: int) -> tuple[int, int]:
+    """(pre, post) with pre * post = W: divide by ``pre`` before summing, ``post`` after.
+
+    Dividing by all of W first can underflow small low-precision gradients at large W;
+    not dividing first can overflow the sum. ``pre`` is the smallest power of two >=
+    sqrt(W) that divides W (as FSDP does), splitting the range between the two risks.
+    """
+    pre = 1
+    while world_size % (pre * 2) == 0 and world_size / pre > pre:
+        pre *= 2
+    return pre, world_size // pre
+
+
 def wait_reduction(pending: PendingReduction) -> torch.Tensor:
     """Block until the reduction is done; returns this rank's averaged shard."""
     wait_work(pending.work)
     if pending.finish is not None:
         pending.finish()
+    if pending.post_divide > 1:
+        pending.output.div_(pending.post_divide)
     return pending.output
 
 

@@ -18,6 +18,7 @@ from flatshard._partition import UnitPlan
 from flatshard._ranks import join_name
 
 _SHOWN = 4  # differing lines quoted per rank
+_CHUNK_BYTES = 1 << 20  # bytes checksummed at a time
 
 
 def structure_lines(plans: list[UnitPlan], strategy: str) -> list[str]:
@@ -47,7 +48,7 @@ def value_lines(plan: UnitPlan, with_params: bool) -> list[str]:
     for mname, module in plan.modules:
         for bname, buf in module._buffers.items():
             if buf is not None:
-                named.append((f"buffer '{mname + '.' if mname else ''}{bname}'", buf))
+                named.append((f"buffer '{join_name(mname, bname)}'", buf))
     return [f"{name} checksum {_checksum(t)}" for name, t in named if not t.is_meta]
 
 
@@ -90,8 +91,21 @@ def check_same_on_all_ranks(
     )
 
 
-def _checksum(tensor: torch.Tensor) -> str:
-    """An exact, order-sensitive checksum of the tensor's bytes (integer arithmetic)."""
-    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).to(torch.int64)
-    weights = torch.arange(data.numel(), device=data.device) % 65521 + 1
-    return f"{int(data.sum())}:{int((data * weights).sum())}"
+def _checksum(tensor: torch.Tensor, chunk: int = _CHUNK_BYTES) -> str:
+    """An exact, order-sensitive checksum of the tensor's bytes (integer arithmetic).
+
+    Bytes are widened to int64 (8x) and weighted by position (an int64 tensor as long), so
+    they are taken ``chunk`` bytes at a time and weighted in place: the extra memory is
+    16 x ``chunk`` (plus the copy a non-contiguous tensor needs), not 16x the tensor, which
+    would not fit beside a large unit on a GPU.
+    """
+    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    plain = weighted = 0
+    for start in range(0, data.numel(), chunk):
+        part = data[start : start + chunk].to(torch.int64)
+        plain += int(part.sum())
+        weights = torch.arange(start, start + part.numel(), device=data.device)
+        weights.remainder_(65521).add_(1)
+        weighted += int(part.mul_(weights).sum())
+        del part, weights  # before the next chunk's: loop variables outlive their turn
+    return f"{plain}:{weighted}"

@@ -19,7 +19,13 @@ from flatshard._checkpoint import MODEL, checkpoint_metadata, load_raw, read_man
 from flatshard._full_params import gather_copies
 from flatshard._ranks import rank_in
 from flatshard._safetensors import Entry, StreamWriter
-from flatshard._state_dict import Place, flat_params, model_group, param_places
+from flatshard._state_dict import (
+    Place,
+    flat_params,
+    model_group,
+    param_places,
+    plain_state_dict,
+)
 
 DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size
 
@@ -38,7 +44,7 @@ def export_safetensors(
     Returns the files written (on rank 0; ``[]`` elsewhere).
     """
     keep = rank_in(model_group(model)) == 0
-    state = model.state_dict(keep_vars=True)
+    state = plain_state_dict(model)
     names: dict[int, list[str]] = {}
     for key, value in state.items():
         names.setdefault(id(value), []).append(key)

@@ -32,11 +32,28 @@ issues the all-gather with ``async_op=True``; ``finish_unshard`` waits on the wo
 Prefetch only starts; the unit's own hook finishes (and registers views), so the gather
 runs while the current unit computes. On CPU (gloo) the collective runs in gloo's threads
 and ``wait()`` blocks the CPU until the data is there. On CUDA (NCCL) it runs on NCCL's
-internal stream and ``wait()`` makes the compute stream wait for it without blocking the
-CPU; c10d records the buffers' use on that stream for the caching allocator, so freeing
-the buffer later (``reshard``) cannot hand its memory to another tensor while NCCL still
-writes it. The cast source is held until the wait for the same reason. The CPU may then
-run ahead of the GPU; the rate limiter (``_rate_limiter.py``) bounds how far.
+internal stream and ``wait()`` makes the current (compute) stream wait for it without
+blocking the CPU. Since torch 2.8 the NCCL process group no longer calls ``record_stream``:
+a Work object keeps its tensors referenced until ``wait()``. A reference does not stop
+``untyped_storage().resize_(0)`` from releasing the memory, so safety rests on one rule:
+a buffer a collective uses is waited for before it is freed or re-allocated (``reshard``
+and ``set_compute_dtype`` wait for a gather in flight first; a reduction keeps its input
+until it is waited for). After the wait the compute stream is ordered after the
+collective, and the buffer was allocated on that stream, so the caching allocator can
+hand its memory only to work that runs later. The cast source is held until the wait for
+the same reason. The CPU may run ahead of the GPU; the rate limiter
+(``_rate_limiter.py``) bounds how far.
+
+[Note: stale gathers]
+A gathered buffer is a copy of the shards at the time its all-gather started. If the shard
+is written afterwards (``optimizer.step()`` after a forward that prefetched a unit it never
+ran, or kept a unit gathered for a backward that never came; an EMA swap; any in-place
+edit), that copy is stale, and on NCCL the gather may even have read the shard while the
+step wrote it. So each gather records a fingerprint of the shard's writes: the version
+counters of the shard and of every original parameter (``param.data = view`` gives a
+parameter its own counter, which the optimizer's in-place updates bump). ``unshard`` finds
+a gathered or gathering buffer whose fingerprint moved, waits for it, frees it and gathers
+again. Every rank runs the same optimizer steps and edits, so every rank decides alike.
 """
 
 from __future__ import annotations
@@ -118,6 +135,8 @@ class FlatParamGroup:
         # (original's index, its module's parameter dict, its name there), on first use.
         self._registrations: list[tuple[int, dict[str, torch.Tensor], str]] | None = None
         self._gather: tuple[dist.Work, torch.Tensor] | None = None  # started, not waited
+        self.views_registered = False  # the modules hold views of ``unsharded``
+        self._gathered_version = -1  # shard writes seen by the last gather [Note: stale gathers]
         self._allocate_unsharded()
         self.reduction = GradientReduction(self)
 
@@ -163,6 +182,7 @@ class FlatParamGroup:
 
     def set_compute_dtype(self, compute_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
         """Change the dtype of gathering and compute (before first use: inherited policy)."""
+        self.finish_unshard()  # a gather in flight writes the buffer about to be replaced
         if self.is_unsharded and not self.aliases_shard:
             raise RuntimeError(
                 "a flat parameter group's compute dtype can only change while sharded"
@@ -184,6 +204,7 @@ class FlatParamGroup:
         if self.is_unsharded or self._gather is not None:
             return
         allocate_storage(self._unsharded_data, self._unsharded_nbytes)
+        self._gathered_version = self._shard_version()
         # Cast once per unshard (not once per op), before communicating.
         source = self.shard.to(self.compute_device, self.compute_dtype, non_blocking=True)
         if self.groups.shard is None:
@@ -203,11 +224,27 @@ class FlatParamGroup:
     def unshard(self) -> None:
         """All-gather the shards (unless unsharded) and register fresh views in the modules.
 
-        Views are made anew on every call so that they follow the current grad mode.
+        Views are made anew on every call so that they follow the current grad mode. A
+        gathered buffer the shard was written after is gathered again (see [Note: stale
+        gathers]).
         """
+        if self.holds_stale_gather:
+            self.reshard()
         self.start_unshard()
         self.finish_unshard()
         self.register_views(self.views.full_views(self.unsharded))
+
+    @property
+    def holds_stale_gather(self) -> bool:
+        """Whether the buffer was (or is being) gathered from shards written since."""
+        gathered = self.is_unsharded or self._gather is not None
+        return (
+            gathered and not self.aliases_shard and self._shard_version() != self._gathered_version
+        )
+
+    def _shard_version(self) -> int:
+        """How often the shard and its original parameters were written (in place)."""
+        return self.shard._version + sum(orig.param._version for orig in self.originals)
 
     @property
     def unshard_allocates(self) -> bool:
@@ -250,6 +287,7 @@ class FlatParamGroup:
         values = [o.param for o in self.originals] if views is None else views
         for i, registry, name in self._registrations:
             registry[name] = values[i]
+        self.views_registered = views is not None
 
     # ------------------------------------------------------------------ gradients
     def take_grad(self) -> torch.Tensor:

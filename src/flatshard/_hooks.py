@@ -7,8 +7,9 @@ public helpers that change what a unit's hooks do (``register_entry_point``,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial, wraps
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -30,6 +31,12 @@ def install(unit: Unit) -> None:
         inner.register_forward_pre_hook(partial(_check_gathered, unit, name))
     if any(m is module for f in unit.flat_params for o in f.originals for m, _ in o.usages):
         _guard_direct_forward(unit)  # no inner module would notice a bypass
+    # torch's stubs leave these two unannotated; the casts state their real signatures.
+    for register, hook in [
+        (module.register_state_dict_pre_hook, _refuse_partial_state_dict),
+        (module.register_load_state_dict_pre_hook, _refuse_partial_load),
+    ]:
+        cast(Callable[[Callable[..., None]], object], register)(partial(hook, unit))
     policy = unit.config.mixed_precision
     if policy is not None and policy.param_dtype is not None:
         for kept in unit.full_precision_modules():
@@ -120,6 +127,48 @@ def _check_gathered(unit: Unit, name: str, module: nn.Module, args: Any) -> None
         "flatshard.summon_full_params(model), or register the method that calls it with "
         "flatshard.register_entry_point(unit_module, 'method')."
     )
+
+
+def _refuse_partial_state_dict(unit: Unit, module: nn.Module, *unused: Any) -> None:
+    """Plain ``state_dict()`` of a sharded unit is an error: it would hold this rank's rows.
+
+    ``torch.save(model.state_dict())`` on one rank (or ``save_pretrained``) would write a
+    truncated model without a word. Allowed where the result is whole: inside
+    ``summon_full_params`` or forward, for NO_SHARD units, and for flatshard's own calls.
+    """
+    if unit.own_state_dict_call or unit.is_gathered or not unit.is_sharded:
+        return
+    raise RuntimeError(
+        f"flatshard: {type(module).__name__}.state_dict() would return only this rank's rows "
+        f"of unit '{unit.label}' (rank {global_rank()}), e.g. {_example_rows(unit)}; saving "
+        "it would write a truncated model. Use flatshard.full_state_dict(model) (full "
+        "tensors, kept on rank 0), flatshard.sharded_state_dict(model) or "
+        "flatshard.save_checkpoint(path, model, optim), or call state_dict() inside "
+        "flatshard.summon_full_params(model)."
+    )
+
+
+def _refuse_partial_load(unit: Unit, module: nn.Module, *unused: Any) -> None:
+    """Plain ``load_state_dict()`` of a sharded unit is an error (it would load rows)."""
+    if unit.own_state_dict_call or unit.is_gathered or not unit.is_sharded:
+        return
+    raise RuntimeError(
+        f"flatshard: {type(module).__name__}.load_state_dict() would load into this rank's "
+        f"rows of unit '{unit.label}' only (rank {global_rank()}), e.g. "
+        f"{_example_rows(unit)}. Use flatshard.load_state_dict(model, state_dict) (full or "
+        "sharded dicts; from_rank0=True when only rank 0 holds it) or "
+        "flatshard.load_checkpoint(path, model, optim), or load inside "
+        "flatshard.summon_full_params(model) (written back to the shards on exit)."
+    )
+
+
+def _example_rows(unit: Unit) -> str:
+    """One parameter of ``unit`` as this rank holds it, against its full shape."""
+    for flat in unit.flat_params:
+        for orig, full in zip(flat.originals, flat.full_shapes, strict=True):
+            if orig.param.shape != full:
+                return f"'{orig.fqn}' {tuple(orig.param.shape)} of {tuple(full)}"
+    return "no rows of some parameters"
 
 
 def _cast_inputs(

@@ -113,6 +113,23 @@ def reshard_for_load(model: nn.Module, caller: str) -> None:
         unit.reshard()
 
 
+def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict(keep_vars=True)``, the rows as they are: flatshard's own call.
+
+    The keys and the live tensors (this rank's rows of sharded parameters) that the
+    functions here turn into full or sharded state dicts. A plain call by the user is an
+    error on a sharded model (``_hooks._refuse_partial_state_dict``).
+    """
+    units = [u for m in model.modules() if (u := unit_of(m)) is not None]
+    for unit in units:
+        unit.own_state_dict_call = True
+    try:
+        return model.state_dict(keep_vars=True)
+    finally:
+        for unit in units:
+            unit.own_state_dict_call = False
+
+
 def model_group(model: nn.Module) -> dist.ProcessGroup | None:
     """The process group ``fully_shard`` was given for ``model`` (None: not sharded)."""
     context = context_of(model)
@@ -146,7 +163,7 @@ def full_state_dict(
     if not keep:
         return {}
     result: dict[str, torch.Tensor] = {}
-    for key, value in model.state_dict(keep_vars=True).items():
+    for key, value in plain_state_dict(model).items():
         found = gathered.get(id(value))
         result[key] = found if found is not None else copy_out(value.detach(), cpu_offload)
     return result
@@ -159,7 +176,7 @@ def sharded_state_dict(model: nn.Module) -> dict[str, RowShard | torch.Tensor]:
     """
     places = param_places(model)
     result: dict[str, RowShard | torch.Tensor] = {}
-    for key, value in model.state_dict(keep_vars=True).items():
+    for key, value in plain_state_dict(model).items():
         place = places.get(id(value))
         if place is not None and place.flat is not None:
             result[key] = place.row_shard(value.detach())
@@ -190,7 +207,7 @@ def load_state_dict(
         _load_from_rank0(model, state_dict, strict)
         return
     reshard_for_load(model, "load_state_dict")
-    targets = model.state_dict(keep_vars=True)
+    targets = plain_state_dict(model)
     places = param_places(model)
     check_keys("load_state_dict", targets.keys(), state_dict.keys(), strict)
     problems: list[str] = []
@@ -239,7 +256,7 @@ def _load_from_rank0(
         load_state_dict(model, state_dict, strict=strict)
         return
     source = dist.get_global_rank(group, 0)
-    targets = model.state_dict(keep_vars=True)
+    targets = plain_state_dict(model)
     places = param_places(model)
 
     def keys_rank0_sends() -> list[str]:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
+from flatshard._changes import ChangeWatch, check_parameters
 from flatshard._flat_param import FlatParamGroup
 from flatshard._mixed_precision import MixedPrecision
 from flatshard._prefetch import ExecutionOrder
@@ -35,7 +36,9 @@ class StepContext:
         self.rate_limiter = rate_limiter  # Prefetch.limit_all_gathers (see _rate_limiter.py)
         self.units: list[Unit] = []  # inner units first; forward order is not assumed
         self.order = ExecutionOrder()
+        self.changes = ChangeWatch()  # parameters registered since the last check
         self.sync_gradients = True  # False inside no_sync: keep unsharded gradients
+        self.forward_depth = 0  # units whose forward runs now (nested calls)
         # Per backward pass:
         self.callback_queued = False  # the end-of-backward callback is queued
         # The one gradient reduction left in flight: each waits for the one before, so at
@@ -61,6 +64,12 @@ class StepContext:
             self.add(unit)
         other.units = []
 
+    def check_unchanged(self) -> None:
+        """An error if parameters were added, removed or replaced since ``fully_shard``."""
+        if self.changes.to_check:
+            check_parameters(self.root, self.units)
+            self.changes.to_check = False
+
     def reduce(self, flat: FlatParamGroup) -> None:
         """A group's gradient is complete in backward: start reducing it (or keep it).
 
@@ -74,6 +83,25 @@ class StepContext:
             self.in_flight.finish()
         flat.reduction.start()
         self.in_flight = flat.reduction
+
+    def forward_started(self, unit: Unit) -> None:
+        if unit.is_root:
+            self.forward_depth = 0  # a new iteration: forget a forward that raised
+        self.forward_depth += 1
+
+    def forward_ended(self) -> None:
+        """After the outermost forward: free what no backward will use.
+
+        Without a backward to come (``no_grad``, eval, one unit called alone), a prefetch
+        that guessed wrong would otherwise stay gathered until some later use, and could be
+        read after the optimizer wrote its shards (see [Note: stale gathers]).
+        """
+        self.forward_depth = max(0, self.forward_depth - 1)
+        if self.forward_depth or any(u.expects_backward for u in self.units):
+            return
+        for unit in self.units:
+            if unit.reshard():
+                self.rate_limiter.resharded(unit.compute_device)
 
     def queue_finish_backward(self) -> None:
         """Queue ``finish_backward`` to run once autograd is done with this pass."""

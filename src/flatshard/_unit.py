@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
+from flatshard._changes import check_requires_grad
 from flatshard._flat_param import FlatParamGroup
 from flatshard._inputs import cast_floats, tensors_in, watch_input_grads
 from flatshard._mesh import ShardingStrategy
@@ -90,6 +91,8 @@ class Unit:
         self.context: StepContext  # set when a StepContext adds the unit
         # Changed by summon_full_params only:
         self.params_are_full = False
+        # True while flatshard itself calls state_dict() (see _hooks._refuse_partial_state_dict)
+        self.own_state_dict_call = False
         # Per step, changed by the hooks; reset by the end of each backward pass:
         self.state = TrainingState.IDLE
         self.expects_backward = False  # a forward with grad ran: every rank must reduce
@@ -151,6 +154,11 @@ class Unit:
         return self.flat_params[0].compute_device if self.flat_params else torch.device("cpu")
 
     @property
+    def is_sharded(self) -> bool:
+        """Whether the originals hold only this rank's rows (some group has F > 1)."""
+        return any(flat.factor > 1 for flat in self.flat_params)
+
+    @property
     def is_gathered(self) -> bool:
         """Whether the original parameters may be read full-size right now."""
         return self.params_are_full or all(f.is_unsharded for f in self.flat_params)
@@ -195,7 +203,11 @@ class Unit:
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         with traced(f"pre_forward {self.label}"):
             if self.state is not TrainingState.BACKWARD:
+                check_requires_grad(self)
+                if self.is_root:
+                    self.context.check_unchanged()
                 self.state = TrainingState.FORWARD
+                self.context.forward_started(self)
                 self.context.order.record_forward(self, self.is_root)
             self.unshard()
             if self.state is TrainingState.FORWARD:
@@ -228,8 +240,10 @@ class Unit:
                 or not self.config.strategy.reshard_after_forward
             )
             hidden_graph = not needs_grad and self._may_hide_graph(output)
+            self.expects_backward |= hidden_graph  # its gradient may still come
             if not (keep or hidden_graph) and self.reshard():
                 self.context.rate_limiter.resharded(self.compute_device)
+            self.context.forward_ended()
         return output
 
     def pre_backward(self, *unused: Any) -> None:
