@@ -18,6 +18,7 @@ from flatshard.testing import internals
 from flatshard.testing.accounting import (
     ALL_GATHER,
     ALL_TO_ALL,
+    STEP_CHECK,
     CollectiveTracker,
     distinct_storage_bytes,
 )
@@ -91,7 +92,7 @@ def test_collective_counts_perloss_backward(pool: WorkerPool, name: str) -> None
     root = [f for f in flats if f[0] == "<root>"]
     others = [f for f in flats if f[0] != "<root>"]
     assert result["train"] == {
-        ALL_GATHER: len(root) + 2 * len(others),
+        ALL_GATHER: len(root) + 2 * len(others) + STEP_CHECK,
         # gloo: the shard group's reduce-scatter runs as an all-to-all
         # (flatshard.report.describe_collectives).
         ALL_TO_ALL: sum(1 for _, grad in flats if grad),
@@ -104,7 +105,7 @@ def test_collective_counts_perloss_backward(pool: WorkerPool, name: str) -> None
         ALL_GATHER: result["train"][ALL_GATHER] - last_unit_flats,
     }
     # A no_grad forward gathers each FlatParameter once and reduces nothing.
-    assert result["eval"] == {ALL_GATHER: len(flats)}
+    assert result["eval"] == {ALL_GATHER: len(flats) + STEP_CHECK}
 
 
 # ---------------------------------------------------------------- memory
@@ -223,7 +224,7 @@ def test_prefetch_changes_order_not_counts(pool: WorkerPool) -> None:
     # again (the last block of the forward order stays gathered into backward, like the
     # root: backward starts with it).
     for result in (none, pre, forward, off, both):
-        assert result["counts"] == {ALL_GATHER: 6, ALL_TO_ALL: 4}
+        assert result["counts"] == {ALL_GATHER: 6 + STEP_CHECK, ALL_TO_ALL: 4}
     # Backward starts with the last block, still gathered; BACKWARD_PRE gathers the block
     # before it before the last block's reduce-scatter.
     assert none["gathers_before_first_reduce"] == 4

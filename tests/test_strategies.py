@@ -22,6 +22,7 @@ from flatshard.testing.accounting import (
     ALL_REDUCE,
     ALL_TO_ALL,
     REDUCE_SCATTER,
+    STEP_CHECK,
     CollectiveTracker,
     distinct_storage_bytes,
 )
@@ -129,7 +130,7 @@ def test_inconsistent_hybrid_groups_are_an_error(pool: WorkerPool) -> None:
         assert "shard group [0, 1, 2, 3] and replicate group [0, 1, 2, 3]" in message
 
 
-def test_default_factor_isranks_per_host(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_default_factor_is_ranks_per_host(monkeypatch: pytest.MonkeyPatch) -> None:
     ranks_per_host = internals.ranks_per_host
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
@@ -179,7 +180,7 @@ def test_collectives_per_step_by_strategy(
     expected = {
         # F = 1: nothing to gather. FULL_SHARD / HYBRID_SHARD gather each block again in
         # backward; SHARD_GRAD_OP / ZERO2 and the root keep parameters until backward.
-        ALL_GATHER: gathers,
+        ALL_GATHER: gathers + STEP_CHECK,
         # One reduce-scatter per unit inside the shard group (on gloo an all-to-all:
         # flatshard.report.describe_collectives), then one all-reduce per unit
         # across the replicas.

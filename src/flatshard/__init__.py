@@ -13,6 +13,7 @@ from flatshard._export import export_checkpoint, export_safetensors
 from flatshard._grad_scaler import ShardedGradScaler
 from flatshard._hooks import register_entry_point, set_prefetch
 from flatshard._init import InitOptions, init_weights
+from flatshard._ledger import CollectiveMismatchError
 from flatshard._mesh import ShardingStrategy
 from flatshard._mixed_precision import CPUOffload, MixedPrecision
 from flatshard._no_sync import no_sync
@@ -37,6 +38,7 @@ __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
     "CheckpointError",
+    "CollectiveMismatchError",
     "InitOptions",
     "MixedPrecision",
     "Prefetch",

@@ -137,6 +137,9 @@ class FlatParamGroup:
         self._gather: tuple[dist.Work, torch.Tensor] | None = None  # started, not waited
         self.views_registered = False  # the modules hold views of ``unsharded``
         self._gathered_version = -1  # shard writes seen by the last gather [Note: stale gathers]
+        # Told of every collective issued for the group: (kind, elements sent). The unit
+        # records them in its root's ledger (see _ledger.py).
+        self.on_collective: Callable[[str, int], None] = _ignore
         self._allocate_unsharded()
         self.reduction = GradientReduction(self)
 
@@ -211,6 +214,7 @@ class FlatParamGroup:
             self._unsharded_data.copy_(source)
             self.is_unsharded = True
             return
+        self.on_collective("all_gather", source.numel())
         work = start_all_gather(self._unsharded_data, source, self.groups.shard)
         self._gather = (work, source)  # the source must outlive the collective
 
@@ -311,3 +315,7 @@ class FlatParamGroup:
             self.unsharded.register_post_accumulate_grad_hook,
         )
         register(hook)
+
+
+def _ignore(kind: str, numel: int) -> None:
+    """``on_collective`` of a group no unit watches (yet)."""

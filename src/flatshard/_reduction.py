@@ -46,6 +46,8 @@ class GradientReduction:
             self.finish()
         grad = grad.to(self.flat.reduce_dtype).contiguous()
         groups = self.flat.groups
+        if groups.world_size > 1:
+            self.flat.on_collective("reduce", grad.numel())
         if self.comm_hook is not None:
             reduced = self.comm_hook(grad, groups)
             self.pending = PendingReduction(work=None, input=grad, output=reduced)

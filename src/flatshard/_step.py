@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
 from flatshard._changes import ChangeWatch, check_parameters
 from flatshard._flat_param import FlatParamGroup
+from flatshard._ledger import StepLedger
 from flatshard._mixed_precision import MixedPrecision
 from flatshard._prefetch import ExecutionOrder
 from flatshard._profiling import traced
@@ -36,6 +38,7 @@ class StepContext:
         self.rate_limiter = rate_limiter  # Prefetch.limit_all_gathers (see _rate_limiter.py)
         self.units: list[Unit] = []  # inner units first; forward order is not assumed
         self.order = ExecutionOrder()
+        self.ledger = StepLedger()  # collectives issued since the ranks last compared them
         self.changes = ChangeWatch()  # parameters registered since the last check
         self.sync_gradients = True  # False inside no_sync: keep unsharded gradients
         self.forward_depth = 0  # units whose forward runs now (nested calls)
@@ -102,6 +105,7 @@ class StepContext:
         for unit in self.units:
             if unit.reshard():
                 self.rate_limiter.resharded(unit.compute_device)
+        self.ledger.check(self.process_group, self._device, "forward without backward")
 
     def queue_finish_backward(self) -> None:
         """Queue ``finish_backward`` to run once autograd is done with this pass."""
@@ -125,6 +129,13 @@ class StepContext:
                 unit.end_backward()
             self.in_flight = None
             self.callback_queued = False
+            # Before optimizer.step() can apply what a mismatch produced.
+            self.ledger.check(self.process_group, self._device, "backward pass")
+
+    @property
+    def _device(self) -> torch.device:
+        """Where a collective over the whole model group runs (NCCL: the accelerator)."""
+        return self.units[0].compute_device if self.units else torch.device("cpu")
 
 
 def context_of(module: nn.Module) -> StepContext | None:

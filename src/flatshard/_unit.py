@@ -87,6 +87,8 @@ class Unit:
         # calling one of them while the unit is sharded is an error (see _hooks.py).
         owned = {id(m) for f in flat_params for o in f.originals for m, _ in o.usages}
         self.inner_modules = [(n, m) for n, m in modules if id(m) in owned and m is not module]
+        for flat in flat_params:
+            flat.on_collective = self._record
         self.prefetch_targets = PrefetchTargets()  # set_prefetch
         self.context: StepContext  # set when a StepContext adds the unit
         # Changed by summon_full_params only:
@@ -281,6 +283,9 @@ class Unit:
             flat.reduction.done_in_backward = False
 
     # ------------------------------------------------------------------ hook helpers
+    def _record(self, kind: str, numel: int) -> None:
+        self.context.ledger.record(kind, self.label, numel)
+
     def _prefetch_backward(self) -> None:
         issue(backward_targets(self, self.context.order), self.context.rate_limiter)
 

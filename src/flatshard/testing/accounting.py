@@ -17,6 +17,10 @@ ALL_GATHER = "all_gather"
 REDUCE_SCATTER = "reduce_scatter"
 ALL_REDUCE = "all_reduce"
 ALL_TO_ALL = "all_to_all"
+# The end-of-step check (flatshard/_ledger.py): one all-gather of an 8-byte digest per
+# rank at the end of every backward pass and of every forward without backward.
+STEP_CHECK = 1  # all-gathers per check
+STEP_CHECK_BYTES = 8  # bytes each rank contributes
 
 _KINDS = {
     "c10d._allgather_base_": ALL_GATHER,

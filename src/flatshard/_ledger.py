@@ -1,0 +1,110 @@
+"""The collectives a model's units issue in a step, and the check that ranks issued the same.
+
+[Note: collectives pair by issue order]
+gloo and NCCL pair collectives on a group by the order each rank issues them, not by what
+they are for. If ranks issue the same number of equally sized collectives for different
+units (an expert that got no tokens on one rank is skipped there; a unit whose output
+reaches the loss on some ranks only is reduced mid-backward there and at the end of
+backward elsewhere), every collective completes and the results are silently wrong: a rank
+computes with another unit's weights, or sums another unit's gradients.
+
+So each root keeps a ``StepLedger`` of what its units issued since the last check (unit,
+collective, elements, in order), and at the end of every backward pass, and of every
+forward that has no backward, the ranks all-gather one 8-byte digest of it. Different
+digests: every rank exchanges its list and raises the same ``CollectiveMismatchError``,
+naming the first call where the ranks differ, before ``optimizer.step()`` can apply
+anything. Counts that differ (one rank issues more) hang or mispair before this check
+can run; that is for a timeout to report.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+import torch.distributed as dist
+
+from flatshard._collectives import all_gather_into
+from flatshard._ranks import global_rank
+
+_SHOWN = 6  # calls quoted per rank around the first difference
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Ranks issued different collectives in one step: the results would pair wrongly."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """One collective flatshard issued for a unit."""
+
+    op: str  # "all_gather" or "reduce"
+    unit: str  # the unit's name
+    numel: int  # elements this rank sent
+
+    def __str__(self) -> str:
+        return f"{self.op} of unit '{self.unit}' ({self.numel:,} elements)"
+
+
+class StepLedger:
+    """The collectives a root's units issued since the last check, in issue order."""
+
+    def __init__(self) -> None:
+        self.calls: list[Call] = []
+
+    def record(self, op: str, unit: str, numel: int) -> None:
+        self.calls.append(Call(op, unit, numel))
+
+    def check(self, group: dist.ProcessGroup, device: torch.device, when: str) -> None:
+        """An error on every rank unless all ranks issued the same calls; then forget them.
+
+        A collective over ``group``: every rank calls it at the same point (the end of a
+        backward pass, or of a forward without backward: ``when``).
+        """
+        calls, self.calls = self.calls, []
+        world = dist.get_world_size(group)
+        if world == 1:
+            return
+        text = "\n".join(map(str, calls))
+        digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
+        mine = torch.tensor([digest], dtype=torch.int64, device=device)
+        every = mine.new_empty(world)
+        all_gather_into(every, mine, group)
+        if bool((every == mine).all()):
+            return
+        gathered: list[object] = [None] * world
+        dist.all_gather_object(gathered, [str(c) for c in calls], group=group)
+        raise CollectiveMismatchError(_report(cast(list[list[str]], gathered), when))
+
+
+def _report(per_rank: list[list[str]], when: str) -> str:
+    first = _first_difference(per_rank)
+    lines = [
+        f"flatshard: ranks issued different collectives in one {when} (seen on rank "
+        f"{global_rank()}); collectives pair by issue order, so the results would mix units "
+        f"(see docs/design.md, 'collectives pair by issue order'). First difference at call "
+        f"{first + 1}:"
+    ]
+    for rank, calls in enumerate(per_rank):
+        window = calls[max(0, first - 1) : first + _SHOWN - 1]
+        shown = "; ".join(window) if window else "(no further call)"
+        lines.append(f"  rank {rank} ({len(calls)} calls): {shown}")
+    lines.append(
+        "Every rank must run every unit in the same order, and each unit's output must reach "
+        "the loss on every rank: run conditional units (e.g. experts that got no tokens) on "
+        "every rank, or keep all of them in one unit, and add 0 * output.sum() to the loss for "
+        "outputs a rank does not use."
+    )
+    return "\n".join(lines)
+
+
+def _first_difference(per_rank: list[list[str]]) -> int:
+    """The index of the first call not the same on every rank."""
+    longest = max(len(calls) for calls in per_rank)
+    for index in range(longest):
+        seen = {calls[index] if index < len(calls) else None for calls in per_rank}
+        if len(seen) > 1:
+            return index
+    return longest
