@@ -57,13 +57,16 @@ class StepLedger:
     def record(self, op: str, unit: str, numel: int) -> None:
         self.calls.append(Call(op, unit, numel))
 
-    def check(self, group: dist.ProcessGroup, device: torch.device, when: str) -> None:
+    def check(self, group: dist.ProcessGroup | None, device: torch.device, when: str) -> None:
         """An error on every rank unless all ranks issued the same calls; then forget them.
 
         A collective over ``group``: every rank calls it at the same point (the end of a
-        backward pass, or of a forward without backward: ``when``).
+        backward pass, or of a forward without backward: ``when``). None: no group left
+        (interpreter exit), nothing to compare.
         """
         calls, self.calls = self.calls, []
+        if group is None:
+            return
         world = dist.get_world_size(group)
         if world == 1:
             return
@@ -72,7 +75,11 @@ class StepLedger:
         mine = torch.tensor([digest], dtype=torch.int64, device=device)
         every = mine.new_empty(world)
         all_gather_into(every, mine, group)
-        if bool((every == mine).all()):
+        same = bool((every == mine).all())
+        # Waited for, so freed now: gloo's worker thread lets go of its reference a moment
+        # after the wait, and the memory would outlive the step until then.
+        every.untyped_storage().resize_(0)
+        if same:
             return
         gathered: list[object] = [None] * world
         dist.all_gather_object(gathered, [str(c) for c in calls], group=group)

@@ -7,6 +7,8 @@ the end-of-backward callback and the ``no_sync`` flag.
 
 from __future__ import annotations
 
+import atexit
+import weakref
 from dataclasses import replace
 
 import torch
@@ -17,6 +19,7 @@ from torch.autograd import Variable
 from flatshard._changes import ChangeWatch, check_parameters
 from flatshard._flat_param import FlatParamGroup
 from flatshard._ledger import StepLedger
+from flatshard._mesh import ShardGroups
 from flatshard._mixed_precision import MixedPrecision
 from flatshard._prefetch import ExecutionOrder
 from flatshard._profiling import traced
@@ -34,7 +37,8 @@ class StepContext:
         self, root: nn.Module, process_group: dist.ProcessGroup, rate_limiter: RateLimiter
     ) -> None:
         self.root = root
-        self.process_group = process_group  # all the ranks that train the model together
+        # All the ranks that train the model together (None after interpreter exit began).
+        self.process_group: dist.ProcessGroup | None = process_group
         self.rate_limiter = rate_limiter  # Prefetch.limit_all_gathers (see _rate_limiter.py)
         self.units: list[Unit] = []  # inner units first; forward order is not assumed
         self.order = ExecutionOrder()
@@ -47,6 +51,22 @@ class StepContext:
         # The one gradient reduction left in flight: each waits for the one before, so at
         # most one unsharded gradient waits on communication (see ``reduce``).
         self.in_flight: GradientReduction | None = None
+        atexit.register(_release_at_exit, weakref.ref(self))
+
+    def release_process_groups(self) -> None:
+        """Drop every reference this root holds to a process group (interpreter exit).
+
+        A gloo process group joins its worker threads only when its last Python reference
+        dies. Held here, that would be during interpreter finalization, after
+        ``destroy_process_group``; a worker still finishing its last collective then needs
+        the GIL and the process dies with SIGABRT ("terminate called without an active
+        exception"). Dropped at exit, while the interpreter is whole, the group is torn
+        down then.
+        """
+        self.process_group = None
+        for unit in self.units:
+            for flat in unit.flat_params:
+                flat.groups = ShardGroups(shard=None, replicate=None)
 
     def add(self, unit: Unit) -> None:
         unit.context = self
@@ -148,3 +168,9 @@ def contexts_under(model: nn.Module, caller: str) -> list[StepContext]:
     """The distinct step contexts of every unit inside ``model`` (an error if none)."""
     found = {id(unit.context): unit.context for unit in units_of(model, caller)}
     return list(found.values())
+
+
+def _release_at_exit(ref: weakref.ref[StepContext]) -> None:
+    context = ref()
+    if context is not None:
+        context.release_process_groups()
