@@ -59,12 +59,20 @@ def _clock(seconds: float) -> str:
 
 
 class MetricsLog:
-    """Appends ``StepMetrics`` to ``metrics.jsonl`` (started afresh unless resuming)."""
+    """Appends ``StepMetrics`` to ``metrics.jsonl``: one line per step, also across resumes.
 
-    def __init__(self, path: Path, resume: bool) -> None:
+    ``resumed_at``: the step a resumed run starts after (None: a fresh start, the file is
+    emptied). Lines for later steps, written before the crash, are dropped: the resumed run
+    trains and logs those steps again.
+    """
+
+    def __init__(self, path: Path, resumed_at: int | None) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        if not resume:
-            path.write_text("")
+        kept = []
+        if resumed_at is not None and path.exists():
+            lines = [line for line in path.read_text().splitlines() if line.strip()]
+            kept = [line for line in lines if json.loads(line)["step"] <= resumed_at]
+        path.write_text("".join(line + "\n" for line in kept))
         self.path = path
 
     def write(self, m: StepMetrics) -> None:

@@ -10,9 +10,9 @@ an optional TOML file (--config run.toml; flags win).
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import shutil
+import sys
 import tempfile
 import time
 from contextlib import nullcontext
@@ -29,6 +29,7 @@ from flatshard._checkpoint import CheckpointError, read_manifest
 from flatshard.cli.config import ConfigError, add_config_parser, config_from_args
 from flatshard.cli.data import Corpus, batch_for_step, decode, encode, load_corpus
 from flatshard.cli.devices import backend_for, init_rank, peak_memory_mib, resolve_device
+from flatshard.cli.launch import run_local_ranks, stop_with_parent
 from flatshard.cli.lm import LanguageModel, build_language_model, check_hugging_face
 from flatshard.cli.progress import MetricsLog, ProgressBar, StepMetrics, plot
 from flatshard.cli.train_config import PRECISIONS, TrainConfig
@@ -53,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
     load_corpus(config.data, config.seq_len)  # a missing file fails here, once
     if config.resume:
         _check_resume(config)
+    check_checkpoint_dir(config)
     if config.model.startswith("hf:"):
         check_hugging_face(config)  # a bad config or missing transformers fails here too
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
@@ -68,23 +70,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _spawn(config: TrainConfig, store: str) -> int:
-    """Start one process per local rank; the first failure's exit code is ours."""
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, config, store)) for r in range(config.nproc)]
-    for proc in procs:
-        proc.start()
-    while any(p.is_alive() for p in procs):
-        if any(p.exitcode for p in procs):  # a rank failed: the others would wait forever
-            for proc in procs:
-                proc.terminate()
-        procs[0].join(timeout=0.2)
-    return 1 if any(p.exitcode for p in procs) else 0
+    """One process per local rank (see ``launch.run_local_ranks``)."""
+    return run_local_ranks(config.nproc, _worker, (config, store))
 
 
-def _worker(rank: int, config: TrainConfig, store: str) -> None:
+def _worker(rank: int, config: TrainConfig, store: str, launcher: int) -> None:
+    stop_with_parent(launcher)  # never outlive the launcher
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(config.nproc)
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(config.nproc))
-    _train(config, store)
+    try:
+        _train(config, store)
+    except ConfigError as error:  # found by every rank alike: one line, from rank 0
+        if rank == 0:
+            print(f"flatshard train: error: {error}", file=sys.stderr)
+        sys.exit(2)
 
 
 # ---------------------------------------------------------------- one rank
@@ -165,22 +164,80 @@ class Trainer:
                 shutil.rmtree(old, ignore_errors=True)
         return path
 
-    def resume(self, spec: str) -> Path:
-        path = latest_checkpoint(self.config.checkpoint_dir) if spec == "latest" else Path(spec)
+    def resume(self, path: Path) -> None:
         extra = flatshard.load_checkpoint(path, self.model, self.optim)
         self.step = int(extra["step"])
         torch.set_rng_state(extra["rng"])
-        return path
 
 
 def _check_resume(config: TrainConfig) -> None:
     """A checkpoint to resume from must exist and be whole: one line if not."""
+    resume_from(config)
+
+
+def resume_from(config: TrainConfig) -> Path | None:
+    """The checkpoint ``--resume`` names (None: start from step 0).
+
+    A directory; ``latest``, the newest ``step_*`` (an error if there is none or it is
+    damaged); ``auto``, the newest whole one, or a fresh start if there is none: the
+    setting for a job that is restarted after a crash (a save cut short is never picked).
+    """
+    if not config.resume:
+        return None
+    if config.resume == "auto":
+        for path in reversed(saved_checkpoints(config.checkpoint_dir)):
+            try:
+                read_manifest(path)
+                return path
+            except CheckpointError:
+                continue  # damaged: an older one may be whole
+        return None
     latest = config.resume == "latest"
     path = latest_checkpoint(config.checkpoint_dir) if latest else Path(config.resume)
     try:
         read_manifest(path)
     except CheckpointError as error:
         raise ConfigError(f"--resume: {str(error).removeprefix('flatshard: ')}") from None
+    return path
+
+
+def check_checkpoint_dir(config: TrainConfig) -> None:
+    """An unwritable ``--ckpt-dir`` is found before training, not at the first save."""
+    if not config.ckpt_every:
+        return
+    directory = config.checkpoint_dir
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"0")
+        probe.unlink()
+    except OSError as error:
+        raise ConfigError(
+            f"--ckpt-dir {directory}: cannot write there ({error.strerror or error}); choose "
+            "a writable directory (or --ckpt-every 0 to save nothing)."
+        ) from None
+
+
+def check_checkpoint_room(config: TrainConfig, params: int) -> None:
+    """A ``--ckpt-dir`` too small for the checkpoints kept is found before training.
+
+    A checkpoint holds the parameters and AdamW's two moments in fp32 (12 bytes per
+    parameter); ``--keep-ckpts`` of them stay, and one more is written before the oldest
+    is removed.
+    """
+    if not config.ckpt_every:
+        return
+    directory = config.checkpoint_dir
+    need = 12 * params * (config.keep_ckpts + 1)
+    free = shutil.disk_usage(directory).free
+    if free < need:
+        raise ConfigError(
+            f"--ckpt-dir {directory}: {free / 2**20:,.0f} MiB free, but --keep-ckpts "
+            f"{config.keep_ckpts} checkpoints plus the one being written need about "
+            f"{need / 2**20:,.0f} MiB ({12 * params / 2**20:,.0f} MiB each: parameters and "
+            "AdamW moments in fp32). Free space, lower --keep-ckpts, or choose another "
+            "--ckpt-dir."
+        )
 
 
 def saved_checkpoints(directory: Path) -> list[Path]:
@@ -232,13 +289,18 @@ def _train(config: TrainConfig, store: str | None) -> None:
 def _loop(trainer: Trainer, backend: str) -> None:
     config, lead = trainer.config, trainer.rank == 0
     out = Path(config.out_dir)
-    if config.resume:
-        path = trainer.resume(config.resume)
+    check_checkpoint_room(config, trainer.params)
+    path = resume_from(config)
+    if path is not None:
+        trainer.resume(path)
         if lead:
             print(f"resumed from {path} at step {trainer.step}")
+    elif config.resume == "auto" and lead:
+        print(f"--resume auto: no whole checkpoint in {config.checkpoint_dir}, starting afresh")
     if lead:
         _print_start(trainer, backend)
-    log = MetricsLog(out / "metrics.jsonl", resume=bool(config.resume)) if lead else None
+    resumed_at = trainer.step if path is not None else None
+    log = MetricsLog(out / "metrics.jsonl", resumed_at) if lead else None
     bar = ProgressBar(config.steps, trainer.step + 1, config.log_every) if lead else None
     started = time.perf_counter()
     while trainer.step < config.steps:
@@ -249,10 +311,8 @@ def _loop(trainer: Trainer, backend: str) -> None:
         facts = torch.tensor([local, peak], dtype=torch.float64, device=trainer.device)
         everyone = [torch.zeros_like(facts) for _ in range(trainer.world)]
         dist.all_gather(everyone, facts)
-        if config.ckpt_every and (
-            trainer.step % config.ckpt_every == 0 or trainer.step == config.steps
-        ):
-            trainer.save()
+        # Logged before the save: a crash during the save keeps the step's line, and a
+        # resume from an older checkpoint drops it (MetricsLog) and logs it again.
         if log is not None and bar is not None:
             tokens = config.batch * config.grad_accum * config.seq_len * trainer.world
             metrics = StepMetrics(
@@ -265,6 +325,10 @@ def _loop(trainer: Trainer, backend: str) -> None:
             )
             log.write(metrics)
             bar.update(metrics)
+        if config.ckpt_every and (
+            trainer.step % config.ckpt_every == 0 or trainer.step == config.steps
+        ):
+            trainer.save()
     _finish(trainer, out)
 
 

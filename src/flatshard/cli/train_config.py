@@ -85,7 +85,8 @@ class TrainConfig:
     keep_ckpts: int = 2
     """checkpoints to keep (older ones are deleted)"""
     resume: str = ""
-    """continue from a checkpoint directory, or 'latest' in --ckpt-dir"""
+    """continue from a checkpoint directory; 'latest' (the newest in --ckpt-dir); or 'auto'
+    (the newest whole one, else start afresh: for jobs restarted after a crash)"""
     sample_bytes: int = 300
     """bytes of text to generate at the end (0: none)"""
 
