@@ -36,6 +36,9 @@ class CollectiveMismatchError(RuntimeError):
     """Ranks issued different collectives in one step: the results would pair wrongly."""
 
 
+CollectiveMismatchError.__module__ = "flatshard"  # its public home, in tracebacks
+
+
 @dataclass(frozen=True)
 class Call:
     """One collective flatshard issued for a unit."""
