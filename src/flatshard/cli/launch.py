@@ -56,16 +56,16 @@ _STOP = (signal.SIGTERM, signal.SIGINT)
 
 def _supervise(procs: list[Any], received: list[int]) -> tuple[int, int] | None:
     """Wait for the ranks; at a failure or a signal, stop the rest. The first failure."""
-    first: tuple[int, int] | None = None
-    while any(p.is_alive() for p in procs):
+    while True:
+        # Checked once more after the last rank ended: ranks that all fail at once (a bad
+        # option every rank finds) must not look like a success.
         failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode]
-        if failed and first is None:
-            first = failed[0]  # a rank failed: the others would wait forever
-        if first is not None or received:
-            _stop(procs)
-            break
+        if failed or received:
+            _stop(procs)  # a rank failed: the others would wait forever
+            return failed[0] if failed else None
+        if not any(p.is_alive() for p in procs):
+            return None
         procs[0].join(timeout=0.2)
-    return first
 
 
 def _stop(procs: list[Any], grace_s: float = 5.0) -> None:
