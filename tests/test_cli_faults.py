@@ -38,6 +38,8 @@ def test_resume_auto_after_a_crash_logs_every_step_once(tmp_path: Path) -> None:
     # A crash while step 6 was being saved: its checkpoint is not whole (no manifest), and
     # the metrics already hold step 6 (logged before the save).
     (tmp_path / "checkpoints" / "step_000006" / "flatshard.json").unlink()
+    with (tmp_path / "metrics.jsonl").open("a") as metrics:
+        metrics.write('{"step": 7, "lo')  # and a line cut short by the kill
     again = _run(*common, "--steps", "9")
     assert again.returncode == 0, again.stderr
     assert "resumed from" in again.stdout and "step_000003 at step 3" in again.stdout

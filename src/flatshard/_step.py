@@ -171,6 +171,8 @@ def contexts_under(model: nn.Module, caller: str) -> list[StepContext]:
 
 
 def _release_at_exit(ref: weakref.ref[StepContext]) -> None:
+    """At exit, once ``destroy_process_group`` ran: while the groups live, an exit handler
+    of the user's (they run in reverse order of registration) may still use the model."""
     context = ref()
-    if context is not None:
+    if context is not None and not dist.is_initialized():
         context.release_process_groups()

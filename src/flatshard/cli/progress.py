@@ -70,14 +70,25 @@ class MetricsLog:
         path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
         if resumed_at is not None and path.exists():
-            lines = [line for line in path.read_text().splitlines() if line.strip()]
-            kept = [line for line in lines if json.loads(line)["step"] <= resumed_at]
+            kept = [
+                line
+                for line in path.read_text().splitlines()
+                if (step := _step_of(line)) is not None and step <= resumed_at
+            ]
         path.write_text("".join(line + "\n" for line in kept))
         self.path = path
 
     def write(self, m: StepMetrics) -> None:
         with self.path.open("a") as handle:
             handle.write(json.dumps(asdict(m)) + "\n")
+
+
+def _step_of(line: str) -> int | None:
+    """The step a metrics line is for; None for a line cut short by a crash."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def read_metrics(path: Path) -> list[StepMetrics]:
