@@ -52,26 +52,40 @@ def value_lines(plan: UnitPlan, with_params: bool) -> list[str]:
     return [f"{name} checksum {_checksum(t)}" for name, t in named if not t.is_meta]
 
 
-def check_same_on_all_ranks(
-    lines: list[str], group: dist.ProcessGroup, device: torch.device, what: str, fix: str
-) -> None:
-    """Raise on every rank, naming ranks and differing lines, unless all ranks agree.
+def lines_if_different(
+    lines: list[str], group: dist.ProcessGroup, device: torch.device
+) -> list[list[str]] | None:
+    """Every rank's ``lines`` if they are not the same on all ranks, else None.
 
-    The digests travel as a tensor on ``device`` (the backend's own device: NCCL needs a
-    GPU tensor); only on a mismatch do ranks exchange their lines as objects.
+    A collective over ``group``. One 8-byte digest per rank travels as a tensor on
+    ``device`` (the backend's own device: NCCL needs a GPU tensor); only on a mismatch do
+    ranks exchange their lines as objects, so every rank can raise the same error.
     """
     world = dist.get_world_size(group)
     if world == 1:
-        return
+        return None
     digest = hashlib.sha256("\n".join(lines).encode()).digest()[:8]
     mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], device=device)
     every_digest = mine.new_empty(world)
     all_gather_into(every_digest, mine, group)
-    if bool((every_digest == mine).all()):
-        return
+    same = bool((every_digest == mine).all())
+    # Waited for, so freed now: gloo's worker thread lets go of its reference a moment
+    # after the wait, and the memory would outlive the check until then.
+    every_digest.untyped_storage().resize_(0)
+    if same:
+        return None
     gathered: list[object] = [None] * world
     dist.all_gather_object(gathered, lines, group=group)
-    every = [cast(list[str], g) for g in gathered]
+    return [cast(list[str], g) for g in gathered]
+
+
+def check_same_on_all_ranks(
+    lines: list[str], group: dist.ProcessGroup, device: torch.device, what: str, fix: str
+) -> None:
+    """Raise on every rank, naming ranks and differing lines, unless all ranks agree."""
+    every = lines_if_different(lines, group, device)
+    if every is None:
+        return
     reference = set(every[0])
     reports = []
     for rank, theirs in enumerate(every):

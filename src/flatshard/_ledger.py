@@ -19,14 +19,12 @@ can run; that is for a timeout to report.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
-from typing import cast
 
 import torch
 import torch.distributed as dist
 
-from flatshard._collectives import all_gather_into
+from flatshard._consistency import lines_if_different
 from flatshard._ranks import global_rank
 
 _SHOWN = 6  # calls quoted per rank around the first difference
@@ -70,23 +68,9 @@ class StepLedger:
         calls, self.calls = self.calls, []
         if group is None:
             return
-        world = dist.get_world_size(group)
-        if world == 1:
-            return
-        text = "\n".join(map(str, calls))
-        digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
-        mine = torch.tensor([digest], dtype=torch.int64, device=device)
-        every = mine.new_empty(world)
-        all_gather_into(every, mine, group)
-        same = bool((every == mine).all())
-        # Waited for, so freed now: gloo's worker thread lets go of its reference a moment
-        # after the wait, and the memory would outlive the step until then.
-        every.untyped_storage().resize_(0)
-        if same:
-            return
-        gathered: list[object] = [None] * world
-        dist.all_gather_object(gathered, [str(c) for c in calls], group=group)
-        raise CollectiveMismatchError(_report(cast(list[list[str]], gathered), when))
+        every = lines_if_different([str(c) for c in calls], group, device)
+        if every is not None:
+            raise CollectiveMismatchError(_report(every, when))
 
 
 def _report(per_rank: list[list[str]], when: str) -> str:
