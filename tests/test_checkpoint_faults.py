@@ -5,6 +5,7 @@ checkpoint loadable.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -104,12 +105,26 @@ def test_failed_save_leaves_previous_checkpoint(
     path = tmp_path / "ckpt"
     old = _plain_checkpoint(path, scale=1.0)
 
-    with internals.checkpoint_save_dies_midway(), pytest.raises(KeyboardInterrupt):
+    killed = KeyboardInterrupt("killed mid-save")
+    with internals.checkpoint_save_fails(killed), pytest.raises(KeyboardInterrupt):
         _plain_checkpoint(path, scale=2.0)
     loaded = build("mlp", seed=5)
     assert flatshard.load_checkpoint(path, loaded) == {"scale": 1.0}
     for a, b in zip(loaded.parameters(), old.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_full_disk_is_said_in_words_and_the_partial_save_removed(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    _plain_checkpoint(path, scale=1.0)
+    full = OSError(errno.ENOSPC, "No space left on device")
+    with (
+        internals.checkpoint_save_fails(full),
+        pytest.raises(flatshard.CheckpointError, match="no space left on the device of"),
+    ):
+        _plain_checkpoint(path, scale=2.0)
+    assert not (tmp_path / "ckpt.partial").exists()  # it would keep the disk full
+    assert flatshard.load_checkpoint(path, build("mlp", seed=5)) == {"scale": 1.0}
 
 
 KILL_SCRIPT = """

@@ -14,6 +14,7 @@ garbage weights. Keys inside DCP: ``model/<name>``, ``optim/<name>/<state key>``
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -56,7 +57,7 @@ MODEL, OPTIM, GROUPS, EXTRA = "model/", "optim/", "optim/param_groups", "extra/"
 
 
 class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be loaded: missing, foreign, truncated, corrupt."""
+    """A checkpoint that cannot be loaded (missing, foreign, truncated, corrupt) or saved."""
 
 
 # ---------------------------------------------------------------- saving
@@ -78,8 +79,42 @@ def save_checkpoint(
     """
     target = Path(path)
     group = model_group(model)
-    rank = rank_in(group)
     partial = target.with_name(target.name + ".partial")
+    try:
+        _save(target, partial, model, optimizer, extra)
+    except Exception as error:
+        if rank_in(group) == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # or it keeps the disk full
+        if _out_of_space(error):
+            raise CheckpointError(
+                f"flatshard.save_checkpoint: no space left on the device of {target.parent} "
+                f"while writing '{target.name}'; the partial save was removed, the checkpoint "
+                "already there (if any) is untouched. Free space or keep fewer checkpoints."
+            ) from error
+        raise
+
+
+def _out_of_space(error: BaseException | None, depth: int = 0) -> bool:
+    """Whether a full disk caused ``error`` or its causes: ENOSPC, or its text (torch.save's
+    "unexpected pos"; DCP's exception carries each rank's failure as text)."""
+    if error is None or depth > 16:
+        return False
+    if (isinstance(error, OSError) and error.errno == errno.ENOSPC) or any(
+        text in str(error) for text in ("No space left", "unexpected pos")
+    ):
+        return True
+    return _out_of_space(error.__cause__ or error.__context__, depth + 1)
+
+
+def _save(
+    target: Path,
+    partial: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    extra: dict[str, Any] | None,
+) -> None:
+    group = model_group(model)
+    rank = rank_in(group)
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
     _barrier(group)

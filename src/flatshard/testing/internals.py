@@ -27,7 +27,7 @@ from flatshard._step import context_of
 __all__ = [
     "ReduceScatter",
     "UnitPlan",
-    "checkpoint_save_dies_midway",
+    "checkpoint_save_fails",
     "forced_reduce_scatter",
     "no_keep_last_unit",
     "partition",
@@ -88,15 +88,16 @@ def no_keep_last_unit() -> None:
 
 
 @contextmanager
-def checkpoint_save_dies_midway() -> Iterator[None]:
-    """Inside: ``save_checkpoint`` raises ``KeyboardInterrupt`` after writing its data,
-    before its manifest (a process killed mid-save)."""
+def checkpoint_save_fails(error: BaseException) -> Iterator[None]:
+    """Inside: ``save_checkpoint`` raises ``error`` after writing its data, before its
+    manifest (``KeyboardInterrupt``: a process killed mid-save; ``OSError(ENOSPC)``: a
+    full disk)."""
 
-    def crash(*args: Any) -> None:
-        raise KeyboardInterrupt("killed mid-save")
+    def fail(*args: Any) -> None:
+        raise error
 
     real = _checkpoint._share_of_checksums
-    _checkpoint._share_of_checksums = crash  # type: ignore[assignment]
+    _checkpoint._share_of_checksums = fail  # type: ignore[assignment]
     try:
         yield
     finally:
