@@ -8,12 +8,18 @@ Submodules: ``flatshard.comm_hooks`` (custom gradient reduction), ``flatshard.re
 """
 
 from flatshard._checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from flatshard._checks import Checks, set_checks
 from flatshard._clip import clip_grad_norm_
+from flatshard._collective_errors import (
+    CollectiveError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    PeerLostError,
+)
 from flatshard._export import export_checkpoint, export_safetensors
 from flatshard._grad_scaler import ShardedGradScaler
 from flatshard._hooks import register_entry_point, set_prefetch
 from flatshard._init import InitOptions, init_weights
-from flatshard._ledger import CollectiveMismatchError
 from flatshard._mesh import ShardingStrategy
 from flatshard._mixed_precision import CPUOffload, MixedPrecision
 from flatshard._no_sync import no_sync
@@ -38,9 +44,13 @@ __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
     "CheckpointError",
+    "Checks",
+    "CollectiveError",
     "CollectiveMismatchError",
+    "CollectiveTimeoutError",
     "InitOptions",
     "MixedPrecision",
+    "PeerLostError",
     "Prefetch",
     "RowShard",
     "ShardedGradScaler",
@@ -64,6 +74,7 @@ __all__ = [
     "register_entry_point",
     # checkpoints
     "save_checkpoint",
+    "set_checks",
     "set_prefetch",
     "sharded_optim_state_dict",
     "sharded_state_dict",

@@ -23,7 +23,7 @@ import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from flatshard._collectives import all_gather_object, barrier
 from flatshard._dcp import RowShardLoadPlanner, RowShardSavePlanner
 from flatshard._optim_state import (
     OptimStateDict,
@@ -49,6 +50,7 @@ from flatshard._state_dict import (
     reshard_for_load,
     sharded_state_dict,
 )
+from flatshard._step import every_rank_calls
 
 MANIFEST = "flatshard.json"
 FORMAT = "flatshard-checkpoint"
@@ -61,6 +63,7 @@ class CheckpointError(ValueError):
 
 
 # ---------------------------------------------------------------- saving
+@every_rank_calls("save_checkpoint", model_arg=1)
 def save_checkpoint(
     path: str | os.PathLike[str],
     model: nn.Module,
@@ -117,7 +120,7 @@ def _save(
     rank = rank_in(group)
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
-    _barrier(group)
+    barrier(group)
     state: dict[str, Any] = {MODEL + k: v for k, v in sharded_state_dict(model).items()}
     if optimizer is not None:
         state.update(_optim_entries(sharded_optim_state_dict(model, optimizer)))
@@ -142,7 +145,7 @@ def _save(
         }
         (partial / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
         _swap_in(partial, target)
-    _barrier(group)
+    barrier(group)
 
 
 def _optim_entries(osd: OptimStateDict) -> dict[str, Any]:
@@ -180,8 +183,7 @@ def _share_of_checksums(directory: Path, group: dist.ProcessGroup | None) -> dic
     mine = {name: _file_facts(directory / name) for name in names[rank::world]}
     if group is None:
         return mine
-    shares: list[dict[str, Any] | None] = [None] * world
-    dist.all_gather_object(shares, mine, group=group)
+    shares = cast(list[dict[str, Any] | None], all_gather_object(mine, group))
     return {k: v for share in shares if share for k, v in share.items()}
 
 
@@ -202,12 +204,8 @@ def _single_process_is_intended() -> Iterator[None]:
         yield
 
 
-def _barrier(group: dist.ProcessGroup | None) -> None:
-    if group is not None:
-        dist.barrier(group=group)
-
-
 # ---------------------------------------------------------------- loading
+@every_rank_calls("load_checkpoint", model_arg=1)
 def load_checkpoint(
     path: str | os.PathLike[str],
     model: nn.Module,
@@ -369,8 +367,7 @@ def verify_files(target: Path, manifest: dict[str, Any], group: dist.ProcessGrou
     rank = rank_in(group)
     problems = [p for n in names[rank::world] if (p := _file_problem(target / n, expected[n]))]
     if group is not None:
-        shares: list[list[str] | None] = [None] * world
-        dist.all_gather_object(shares, problems, group=group)
+        shares = cast(list[list[str] | None], all_gather_object(problems, group))
         problems = [p for share in shares if share for p in share]
     if problems:
         raise CheckpointError(

@@ -8,9 +8,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flatshard._collectives import all_reduce
+from flatshard._step import every_rank_calls
 from flatshard._unit import units_of
 
 
+@every_rank_calls("clip_grad_norm_")
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip the gradients of ``model`` in place by their global norm; return that norm.
 
@@ -55,9 +58,7 @@ def _global_norm(model: nn.Module, norm_type: float) -> torch.Tensor:
     for group, grads in per_group.values():
         partial = _partial(grads, norm_type, device)
         if group is not None:
-            dist.all_reduce(
-                partial, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group
-            )
+            all_reduce(partial, group, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
         partials.append(partial)
     stacked = torch.stack(partials)
     return stacked.max() if inf else stacked.sum() ** (1.0 / norm_type)

@@ -1,7 +1,9 @@
 """The collectives flatshard issues, as free functions with explicit groups.
 
-Every all-gather and gradient reduction of the runtime goes through here, so that counting,
-tagging and choosing an implementation per backend have one home.
+Every collective flatshard issues goes through here, tagged with what it is for (``Tag``):
+the watchdog records it, waits for it with a timeout and diagnoses a hang (see
+[Note: diagnosing a hang] in ``_watchdog.py``); choosing an implementation per backend has
+its home here too.
 """
 
 from __future__ import annotations
@@ -10,12 +12,15 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import Enum
-from typing import NamedTuple
+from functools import partial
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from flatshard._checks import Tag, current_tag
 from flatshard._mesh import ShardGroups
+from flatshard._watchdog import watchdog
 
 # torch 2.13 renamed the tensor collectives; older releases only have the old names.
 # Module attributes looked up at call time, so that tests can delay them
@@ -61,28 +66,99 @@ class PendingReduction(NamedTuple):
     post_divide: int = 1  # the part of W divided after the sum (see split_division)
 
 
-def all_gather_into(unsharded: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> None:
+def _issue(
+    group: dist.ProcessGroup,
+    op: str,
+    tensor: torch.Tensor,
+    tag: Tag | None,
+    launch: Callable[[], Any],
+) -> dist.Work:
+    """Record a collective with the watchdog, issue it (``launch``), and track its work."""
+    tag = tag or current_tag()
+    dog = watchdog()
+    record = dog.issue(group, op, tensor.numel(), str(tensor.dtype)[6:], tag) if dog else None
+    work: dist.Work = launch()
+    if dog is not None and record is not None:
+        dog.track(work, record, group)
+    return work
+
+
+def all_gather_into(
+    unsharded: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, tag: Tag | None = None
+) -> None:
     """Fill ``unsharded`` (C * F,) with every rank's ``shard`` (C,), in rank order; blocking."""
-    with WaitClock.measure():
-        _ALL_GATHER(unsharded, shard, group=group)
+    wait_work(start_all_gather(unsharded, shard, group, tag))
 
 
 def start_all_gather(
-    unsharded: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup
+    unsharded: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, tag: Tag | None = None
 ) -> dist.Work:
     """``all_gather_into`` without waiting: ``wait_work`` before reading ``unsharded``.
 
     ``shard`` must stay alive until then (the collective reads it in the background).
     """
-    work: dist.Work = _ALL_GATHER(unsharded, shard, group=group, async_op=True)
-    return work
+    launch = partial(_ALL_GATHER, unsharded, shard, group=group, async_op=True)
+    return _issue(group, "all_gather", shard, tag, launch)
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup,
+    tag: Tag | None = None,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+) -> None:
+    """Reduce ``tensor`` in place over ``group``; blocking."""
+    launch = partial(_ALL_REDUCE, tensor, op=op, group=group, async_op=True)
+    wait_work(_issue(group, "all_reduce", tensor, tag, launch))
+
+
+def broadcast(
+    tensor: torch.Tensor, group_src: int, group: dist.ProcessGroup, tag: Tag | None = None
+) -> None:
+    """Copy ``tensor`` of the group's rank ``group_src`` into every rank's; blocking."""
+    launch = partial(dist.broadcast, tensor, group_src=group_src, group=group, async_op=True)
+    wait_work(_issue(group, "broadcast", tensor, tag, launch))
+
+
+def barrier(group: dist.ProcessGroup | None, tag: Tag | None = None) -> None:
+    """Wait until every rank of ``group`` got here (None: a process alone, nothing to do)."""
+    if group is not None:
+        launch = partial(dist.barrier, group=group, async_op=True)
+        wait_work(_issue(group, "barrier", torch.empty(0), tag, launch))
+
+
+def all_gather_object(
+    obj: object, group: dist.ProcessGroup, tag: Tag | None = None
+) -> list[object]:
+    """Every rank's ``obj``, in group rank order (pickled; for small objects)."""
+    dog = watchdog()
+    if dog is not None:
+        dog.issue(group, "all_gather_object", 1, "object", tag or current_tag())
+    gathered: list[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
+def broadcast_object_list(
+    objects: list[object], group_src: int, group: dist.ProcessGroup, tag: Tag | None = None
+) -> None:
+    """Replace ``objects`` on every rank by the group's rank ``group_src``'s (pickled)."""
+    dog = watchdog()
+    if dog is not None:
+        dog.issue(group, "broadcast_object_list", len(objects), "object", tag or current_tag())
+    dist.broadcast_object_list(objects, group_src=group_src, group=group)
 
 
 def wait_work(work: dist.Work | None) -> None:
     """Block until ``work`` is done (on CUDA: make the current stream wait for it)."""
-    if work is not None:
-        with WaitClock.measure():
+    if work is None:
+        return
+    with WaitClock.measure():
+        dog = watchdog()
+        if dog is None:
             work.wait()
+        else:
+            dog.wait(work)
 
 
 class ReduceScatter(Enum):
@@ -120,7 +196,7 @@ def describe(group: dist.ProcessGroup) -> str:
     return f"{backend}: all-gather all_gather_into_tensor (async); gradient reduce {reduce}"
 
 
-def reduce_gradient(grad: torch.Tensor, groups: ShardGroups) -> PendingReduction:
+def reduce_gradient(grad: torch.Tensor, groups: ShardGroups, tag: Tag | None) -> PendingReduction:
     """Average ``grad`` (C * F,) over all W ranks; this rank keeps its chunk (C,).
 
     Reduce-scatter inside the shard group, then all-reduce of the chunk inside the
@@ -130,22 +206,27 @@ def reduce_gradient(grad: torch.Tensor, groups: ShardGroups) -> PendingReduction
     pre, post = split_division(groups.world_size)
     if pre > 1:
         grad.div_(pre)
-    return _start_sum(grad, groups)._replace(post_divide=post)
+    return _start_sum(grad, groups, tag)._replace(post_divide=post)
 
 
-def _start_sum(grad: torch.Tensor, groups: ShardGroups) -> PendingReduction:
+def _start_sum(grad: torch.Tensor, groups: ShardGroups, tag: Tag | None) -> PendingReduction:
     """Start summing ``grad`` (C * F,) over all W ranks into this rank's chunk (C,)."""
     if groups.shard is None:
         work = None
         if groups.replicate is not None:
-            work = _ALL_REDUCE(grad, group=groups.replicate, async_op=True)
+            work = _start_all_reduce(grad, groups.replicate, tag)
         return PendingReduction(work=work, input=grad, output=grad)
     output = grad.new_empty(grad.numel() // groups.factor)  # (C,)
     if groups.replicate is not None:  # the all-reduce across replicas needs the chunk now
-        _scatter_sum(output, grad, groups)
-        work = _ALL_REDUCE(output, group=groups.replicate, async_op=True)
+        _scatter_sum(output, grad, groups, tag)
+        work = _start_all_reduce(output, groups.replicate, tag)
         return PendingReduction(work=work, input=grad, output=output)
-    return _start_scatter_sum(output, grad, groups)
+    return _start_scatter_sum(output, grad, groups, tag)
+
+
+def _start_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, tag: Tag | None) -> dist.Work:
+    launch = partial(_ALL_REDUCE, tensor, group=group, async_op=True)
+    return _issue(group, "all_reduce", tensor, tag, launch)
 
 
 def split_division(world_size: int) -> tuple[int, int]:
@@ -171,20 +252,19 @@ def wait_reduction(pending: PendingReduction) -> torch.Tensor:
     return pending.output
 
 
-def sum_reduce(grad: torch.Tensor, groups: ShardGroups) -> torch.Tensor:
+def sum_reduce(grad: torch.Tensor, groups: ShardGroups, tag: Tag | None = None) -> torch.Tensor:
     """Sum ``grad`` (C * F,) over all W ranks and return this rank's chunk (C,); blocking."""
     output = grad
     if groups.shard is not None:
         output = grad.new_empty(grad.numel() // groups.factor)
-        _scatter_sum(output, grad, groups)
+        _scatter_sum(output, grad, groups, tag)
     if groups.replicate is not None:
-        with WaitClock.measure():
-            _ALL_REDUCE(output, group=groups.replicate)
+        wait_work(_start_all_reduce(output, groups.replicate, tag))
     return output
 
 
 def _start_scatter_sum(
-    output: torch.Tensor, grad: torch.Tensor, groups: ShardGroups
+    output: torch.Tensor, grad: torch.Tensor, groups: ShardGroups, tag: Tag | None
 ) -> PendingReduction:
     """Start summing ``grad`` (C * F,) over the shard group into ``output`` (C,)."""
     assert groups.shard is not None
@@ -192,25 +272,29 @@ def _start_scatter_sum(
     impl = reduce_scatter_impl(group)
     if impl is ReduceScatter.ALL_TO_ALL:
         received = torch.empty_like(grad)  # (F, C): every rank's copy of this rank's chunk
-        work = _ALL_TO_ALL(received, grad, group=group, async_op=True)
+        launch = partial(_ALL_TO_ALL, received, grad, group=group, async_op=True)
+        work = _issue(group, "reduce_scatter", grad, tag, launch)
 
         def sum_received() -> None:
             torch.sum(received.view(groups.factor, size), dim=0, out=output)
 
         return PendingReduction(work, grad, output, sum_received)
     if impl is ReduceScatter.ALL_REDUCE:  # in place: the gradient is ours to overwrite
-        work = _ALL_REDUCE(grad, group=group, async_op=True)
+        work = _start_all_reduce(grad, group, tag)
         chunk = grad[groups.shard_rank * size : (groups.shard_rank + 1) * size]
 
         def copy_chunk() -> None:
             output.copy_(chunk)
 
         return PendingReduction(work, grad, output, copy_chunk)
-    work = _REDUCE_SCATTER(output, grad, group=group, async_op=True)
+    launch = partial(_REDUCE_SCATTER, output, grad, group=group, async_op=True)
+    work = _issue(group, "reduce_scatter", grad, tag, launch)
     return PendingReduction(work, grad, output)
 
 
-def _scatter_sum(output: torch.Tensor, grad: torch.Tensor, groups: ShardGroups) -> None:
+def _scatter_sum(
+    output: torch.Tensor, grad: torch.Tensor, groups: ShardGroups, tag: Tag | None
+) -> None:
     """Blocking reduce-scatter of ``grad`` (C * F,) into ``output`` (C,)."""
-    pending = _start_scatter_sum(output, grad, groups)
+    pending = _start_scatter_sum(output, grad, groups, tag)
     wait_reduction(pending)

@@ -13,7 +13,7 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
-from flatshard._collectives import all_gather_into
+from flatshard._collectives import all_gather_into, all_gather_object
 from flatshard._partition import UnitPlan
 from flatshard._ranks import join_name
 
@@ -74,8 +74,7 @@ def lines_if_different(
     every_digest.untyped_storage().resize_(0)
     if same:
         return None
-    gathered: list[object] = [None] * world
-    dist.all_gather_object(gathered, lines, group=group)
+    gathered = all_gather_object(lines, group)
     return [cast(list[str], g) for g in gathered]
 
 

@@ -26,10 +26,12 @@ from flatshard._state_dict import (
     param_places,
     plain_state_dict,
 )
+from flatshard._step import every_rank_calls
 
 DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size
 
 
+@every_rank_calls("export_safetensors")
 def export_safetensors(
     model: nn.Module,
     out_dir: str | os.PathLike[str],

@@ -66,6 +66,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flatshard._checks import Tag
 from flatshard._collectives import start_all_gather, wait_work
 from flatshard._layout import FlatLayout, ViewPlan, plan_layout
 from flatshard._mesh import ShardGroups
@@ -137,9 +138,9 @@ class FlatParamGroup:
         self._gather: tuple[dist.Work, torch.Tensor] | None = None  # started, not waited
         self.views_registered = False  # the modules hold views of ``unsharded``
         self._gathered_version = -1  # shard writes seen by the last gather [Note: stale gathers]
-        # Told of every collective issued for the group: (kind, elements sent). The unit
-        # records them in its root's ledger (see _ledger.py).
-        self.on_collective: Callable[[str, int], None] = _ignore
+        # Told of every collective issued for the group: (kind, elements sent); gives the
+        # tag to issue it with. The unit records it in its root's ledger (see _ledger.py).
+        self.on_collective: Callable[[str, int], Tag | None] = _ignore
         self._allocate_unsharded()
         self.reduction = GradientReduction(self)
 
@@ -214,8 +215,8 @@ class FlatParamGroup:
             self._unsharded_data.copy_(source)
             self.is_unsharded = True
             return
-        self.on_collective("all_gather", source.numel())
-        work = start_all_gather(self._unsharded_data, source, self.groups.shard)
+        tag = self.on_collective("all_gather", source.numel())
+        work = start_all_gather(self._unsharded_data, source, self.groups.shard, tag)
         self._gather = (work, source)  # the source must outlive the collective
 
     def finish_unshard(self) -> None:
@@ -317,5 +318,6 @@ class FlatParamGroup:
         register(hook)
 
 
-def _ignore(kind: str, numel: int) -> None:
+def _ignore(kind: str, numel: int) -> Tag | None:
     """``on_collective`` of a group no unit watches (yet)."""
+    return None

@@ -7,6 +7,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from flatshard._checks import Tag
+from flatshard._collectives import all_reduce
+
 
 class ShardedGradScaler(torch.amp.GradScaler):
     """``torch.amp.GradScaler`` for sharded gradients.
@@ -34,4 +37,6 @@ class ShardedGradScaler(torch.amp.GradScaler):
             return
         state = self._per_optimizer_states[id(optimizer)]
         for found_inf in state["found_inf_per_device"].values():
-            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.process_group)
+            group = self.process_group or dist.group.WORLD
+            assert group is not None
+            all_reduce(found_inf, group, Tag("ShardedGradScaler.unscale_"), dist.ReduceOp.MAX)

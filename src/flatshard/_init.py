@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flatshard._collectives import broadcast
 from flatshard._partition import UnitPlan
 from flatshard._ranks import join_name
 
@@ -148,7 +149,7 @@ def broadcast_unit(plan: UnitPlan, group: dist.ProcessGroup) -> None:
         by_dtype.setdefault(tensor.dtype, []).append(tensor)
     for group_tensors in by_dtype.values():
         flat = torch.cat([t.reshape(-1) for t in group_tensors])
-        dist.broadcast(flat, group_src=0, group=group)
+        broadcast(flat, group_src=0, group=group)
         pieces = torch.split(flat, [t.numel() for t in group_tensors])
         for tensor, piece in zip(group_tensors, pieces, strict=True):
             tensor.copy_(piece.view_as(tensor))

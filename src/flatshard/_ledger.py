@@ -24,17 +24,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from flatshard._checks import Tag, tagged
+from flatshard._collective_errors import CollectiveMismatchError
 from flatshard._consistency import lines_if_different
 from flatshard._ranks import global_rank
 
 _SHOWN = 6  # calls quoted per rank around the first difference
-
-
-class CollectiveMismatchError(RuntimeError):
-    """Ranks issued different collectives in one step: the results would pair wrongly."""
-
-
-CollectiveMismatchError.__module__ = "flatshard"  # its public home, in tracebacks
 
 
 @dataclass(frozen=True)
@@ -58,7 +53,9 @@ class StepLedger:
     def record(self, op: str, unit: str, numel: int) -> None:
         self.calls.append(Call(op, unit, numel))
 
-    def check(self, group: dist.ProcessGroup | None, device: torch.device, when: str) -> None:
+    def check(
+        self, group: dist.ProcessGroup | None, device: torch.device, when: str, tag: Tag
+    ) -> None:
         """An error on every rank unless all ranks issued the same calls; then forget them.
 
         A collective over ``group``: every rank calls it at the same point (the end of a
@@ -68,7 +65,8 @@ class StepLedger:
         calls, self.calls = self.calls, []
         if group is None:
             return
-        every = lines_if_different([str(c) for c in calls], group, device)
+        with tagged(tag):
+            every = lines_if_different([str(c) for c in calls], group, device)
         if every is not None:
             raise CollectiveMismatchError(_report(every, when))
 

@@ -20,9 +20,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flatshard._collectives import broadcast
 from flatshard._full_params import copy_out, gather_copies, pack_rows
 from flatshard._ranks import checked_on_rank0, global_rank, rank_in
 from flatshard._state_dict import Place, RowShard, flat_params, model_group, param_places
+from flatshard._step import every_rank_calls
 
 OptimStateDict = dict[str, Any]
 
@@ -63,6 +65,7 @@ def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- producing
+@every_rank_calls("sharded_optim_state_dict")
 def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> OptimStateDict:
     """This rank's rows of every row value (``RowShard``), other values as they are."""
     places = param_places(model)
@@ -85,6 +88,7 @@ def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> 
     return {"state": state, "param_groups": _named_groups(optim, groups)}
 
 
+@every_rank_calls("full_optim_state_dict")
 def full_optim_state_dict(
     model: nn.Module,
     optim: torch.optim.Optimizer,
@@ -156,6 +160,7 @@ def _named_groups(
 
 
 # ---------------------------------------------------------------- loading
+@every_rank_calls("load_optim_state_dict")
 def load_optim_state_dict(
     model: nn.Module,
     optim: torch.optim.Optimizer,
@@ -266,7 +271,6 @@ def _receive_from_rank0(
     broadcast and every rank keeps its rows of the row values.
     """
     group = cast(dist.ProcessGroup, model_group(model))
-    source = dist.get_global_rank(group, 0)
     places = param_places(model)
     received = checked_on_rank0(group, lambda: _outline(model, optim, state_dict, places))
     named = dict(model.named_parameters())
@@ -280,7 +284,7 @@ def _receive_from_rank0(
                 full = state_dict["state"][name][key].to(device, value.dtype).contiguous()
             else:
                 full = torch.empty(value.shape, dtype=value.dtype, device=device)
-            dist.broadcast(full, src=source, group=group)
+            broadcast(full, group_src=0, group=group)
             local = place.take(full).to(named[name].device).clone()
             entries[key] = place.row_shard(local) if place.flat is not None else local
     return received

@@ -14,6 +14,8 @@ from typing import TypeVar, cast
 
 import torch.distributed as dist
 
+from flatshard._collectives import broadcast_object_list
+
 T = TypeVar("T")
 
 
@@ -45,7 +47,7 @@ def checked_on_rank0(group: dist.ProcessGroup, check: Callable[[], T]) -> T:
             verdict = [None, check()]
         except ValueError as error:
             verdict = [str(error), None]
-    dist.broadcast_object_list(verdict, src=dist.get_global_rank(group, 0), group=group)
+    broadcast_object_list(verdict, group_src=0, group=group)
     if verdict[0] is not None:
         raise ValueError(f"{verdict[0]} (checked on rank 0)")
     return cast(T, verdict[1])

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from flatshard._checks import current_tag, tagged
 from flatshard._collectives import PendingReduction, reduce_gradient, wait_reduction
 from flatshard._mesh import ShardGroups
 
@@ -46,13 +47,15 @@ class GradientReduction:
             self.finish()
         grad = grad.to(self.flat.reduce_dtype).contiguous()
         groups = self.flat.groups
+        tag = None
         if groups.world_size > 1:
-            self.flat.on_collective("reduce", grad.numel())
+            tag = self.flat.on_collective("reduce", grad.numel())
         if self.comm_hook is not None:
-            reduced = self.comm_hook(grad, groups)
+            with tagged(tag or current_tag()):
+                reduced = self.comm_hook(grad, groups)
             self.pending = PendingReduction(work=None, input=grad, output=reduced)
         else:
-            self.pending = reduce_gradient(grad, groups)
+            self.pending = reduce_gradient(grad, groups, tag)
         self.done_in_backward = True
 
     def keep_unreduced(self) -> None:

@@ -20,11 +20,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flatshard._collectives import broadcast
 from flatshard._flat_param import FlatParamGroup
 from flatshard._full_params import copy_out, gather_copies
 from flatshard._layout import rows_shape
 from flatshard._ranks import checked_on_rank0, global_rank, rank_in
-from flatshard._step import context_of
+from flatshard._step import context_of, every_rank_calls
 from flatshard._unit import unit_of
 
 
@@ -145,6 +146,7 @@ def entries_do_not_fit(caller: str, problems: list[str]) -> ValueError:
 
 
 # ---------------------------------------------------------------- producing state dicts
+@every_rank_calls("full_state_dict")
 def full_state_dict(
     model: nn.Module, *, rank0_only: bool = True, cpu_offload: bool = True
 ) -> dict[str, torch.Tensor]:
@@ -169,6 +171,7 @@ def full_state_dict(
     return result
 
 
+@every_rank_calls("sharded_state_dict")
 def sharded_state_dict(model: nn.Module) -> dict[str, RowShard | torch.Tensor]:
     """This rank's rows of every parameter (``RowShard``) and full buffers; no copies.
 
@@ -186,6 +189,7 @@ def sharded_state_dict(model: nn.Module) -> dict[str, RowShard | torch.Tensor]:
 
 
 # ---------------------------------------------------------------- loading
+@every_rank_calls("load_state_dict")
 def load_state_dict(
     model: nn.Module,
     state_dict: dict[str, RowShard | torch.Tensor],
@@ -255,7 +259,6 @@ def _load_from_rank0(
     if group is None:
         load_state_dict(model, state_dict, strict=strict)
         return
-    source = dist.get_global_rank(group, 0)
     targets = plain_state_dict(model)
     places = param_places(model)
 
@@ -274,7 +277,7 @@ def _load_from_rank0(
             full = cast(torch.Tensor, state_dict[key]).to(device, target.dtype).contiguous()
         else:
             full = torch.empty(shape, dtype=target.dtype, device=device)
-        dist.broadcast(full, src=source, group=group)
+        broadcast(full, group_src=0, group=group)
         with torch.no_grad():
             target.detach().copy_(place.take(full) if place is not None else full)
 

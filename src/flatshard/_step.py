@@ -8,8 +8,13 @@ the end-of-backward callback and the ``no_sync`` flag.
 from __future__ import annotations
 
 import atexit
+import functools
 import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import replace
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -17,6 +22,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from flatshard._changes import ChangeWatch, check_parameters
+from flatshard._checks import Tag, tagged
 from flatshard._flat_param import FlatParamGroup
 from flatshard._ledger import StepLedger
 from flatshard._mesh import ShardGroups
@@ -25,7 +31,8 @@ from flatshard._prefetch import ExecutionOrder
 from flatshard._profiling import traced
 from flatshard._rate_limiter import RateLimiter
 from flatshard._reduction import GradientReduction
-from flatshard._unit import Unit, units_of
+from flatshard._unit import Unit, unit_of, units_of
+from flatshard._watchdog import watchdog
 
 CONTEXT_ATTR = "_flatshard_context"  # attribute of a module fully_shard was called on
 
@@ -34,7 +41,10 @@ class StepContext:
     """The per-root state of a step, shared by the units of one ``fully_shard`` call."""
 
     def __init__(
-        self, root: nn.Module, process_group: dist.ProcessGroup, rate_limiter: RateLimiter
+        self,
+        root: nn.Module,
+        process_group: dist.ProcessGroup,
+        rate_limiter: RateLimiter,
     ) -> None:
         self.root = root
         # All the ranks that train the model together (None after interpreter exit began).
@@ -46,6 +56,8 @@ class StepContext:
         self.changes = ChangeWatch()  # parameters registered since the last check
         self.sync_gradients = True  # False inside no_sync: keep unsharded gradients
         self.forward_depth = 0  # units whose forward runs now (nested calls)
+        self.step = 0  # backward passes completed (the ledger's and the reports' step)
+        self.phase = "forward"  # what the units do now, in the reports' words
         # Per backward pass:
         self.callback_queued = False  # the end-of-backward callback is queued
         # The one gradient reduction left in flight: each waits for the one before, so at
@@ -67,6 +79,10 @@ class StepContext:
         for unit in self.units:
             for flat in unit.flat_params:
                 flat.groups = ShardGroups(shard=None, replicate=None)
+
+    def tag(self, unit: str = "", phase: str | None = None) -> Tag:
+        """What a collective issued now is for (see ``_watchdog.py``)."""
+        return Tag(phase or self.phase, unit, self.step)
 
     def add(self, unit: Unit) -> None:
         unit.context = self
@@ -111,6 +127,7 @@ class StepContext:
         if unit.is_root:
             self.forward_depth = 0  # a new iteration: forget a forward that raised
         self.forward_depth += 1
+        self.phase = "forward"
 
     def forward_ended(self) -> None:
         """After the outermost forward: free what no backward will use.
@@ -125,12 +142,14 @@ class StepContext:
         for unit in self.units:
             if unit.reshard():
                 self.rate_limiter.resharded(unit.compute_device)
-        self.ledger.check(self.process_group, self._device, "forward without backward")
+        tag = self.tag(phase="end-of-forward check")
+        self.ledger.check(self.process_group, self._device, "forward without backward", tag)
 
     def queue_finish_backward(self) -> None:
         """Queue ``finish_backward`` to run once autograd is done with this pass."""
         if not self.callback_queued:
             self.callback_queued = True
+            self.phase = "backward"
             Variable._execution_engine.queue_callback(self.finish_backward)
 
     def finish_backward(self) -> None:
@@ -150,7 +169,10 @@ class StepContext:
             self.in_flight = None
             self.callback_queued = False
             # Before optimizer.step() can apply what a mismatch produced.
-            self.ledger.check(self.process_group, self._device, "backward pass")
+            tag = self.tag(phase="end-of-backward check")
+            self.ledger.check(self.process_group, self._device, "backward pass", tag)
+            self.step += 1
+            self.phase = "between steps"
 
     @property
     def _device(self) -> torch.device:
@@ -176,3 +198,52 @@ def _release_at_exit(ref: weakref.ref[StepContext]) -> None:
     context = ref()
     if context is not None and not dist.is_initialized():
         context.release_process_groups()
+
+
+_IN_CALL: ContextVar[bool] = ContextVar("flatshard_in_call", default=False)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@contextmanager
+def collective_call(model: nn.Module, caller: str) -> Iterator[None]:
+    """A call every rank of the model's group must make (``caller``: summon, state dicts,
+    ``clip_grad_norm_``, checkpoints), which a program may well make on some ranks only.
+
+    The ranks first agree on it through the c10d store (``Watchdog.entry``), so a rank
+    that calls it alone waits there, and is reported, instead of sending its collectives to
+    a backend that would pair them with another rank's (gloo aborts on a size mismatch).
+    Its collectives are tagged with ``caller`` and the model's step.
+    """
+    units = [u for m in model.modules() if (u := unit_of(m)) is not None]
+    contexts = list({id(u.context): u.context for u in units}.values())
+    if _IN_CALL.get() or not contexts:  # agreed on already; or not sharded (the call says)
+        yield
+        return
+    tag = contexts[0].tag(phase=caller)
+    dog = watchdog()
+    groups = {id(c.process_group): c.process_group for c in contexts}
+    for group in groups.values():
+        if dog is not None and group is not None:
+            dog.entry(group, tag)
+    token = _IN_CALL.set(True)
+    try:
+        with tagged(tag):
+            yield
+    finally:
+        _IN_CALL.reset(token)
+
+
+def every_rank_calls(caller: str, model_arg: int = 0) -> Callable[[F], F]:
+    """Decorate ``fn`` as a ``collective_call`` named ``caller`` on its argument
+    ``model_arg`` (the model)."""
+
+    def decorate(fn: F) -> F:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            model = args[model_arg] if len(args) > model_arg else kwargs["model"]
+            with collective_call(model, caller):
+                return fn(*args, **kwargs)
+
+        return cast(F, wrapper)
+
+    return decorate

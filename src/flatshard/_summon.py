@@ -8,6 +8,7 @@ from contextlib import ExitStack, contextmanager
 from torch import nn
 
 from flatshard._full_params import full_params
+from flatshard._step import collective_call
 from flatshard._unit import units_of
 
 
@@ -21,16 +22,17 @@ def summon_full_params(model: nn.Module, writeback: bool = True) -> Iterator[Non
     Do not run forward or backward inside it.
     """
     units = units_of(model, "summon_full_params")
-    for unit in units:
-        unit.require_idle(
-            "summon_full_params",
-            "enter summon_full_params between steps, not inside forward or backward.",
-        )
-        unit.reshard()  # a root kept unsharded must not go stale under writeback
     with ExitStack() as stack:
-        for unit in units:
-            for flat in unit.flat_params:
-                stack.enter_context(full_params(flat, writeback))
+        with collective_call(model, "summon_full_params"):  # its gathers, not the body's
+            for unit in units:
+                unit.require_idle(
+                    "summon_full_params",
+                    "enter summon_full_params between steps, not inside forward or backward.",
+                )
+                unit.reshard()  # a root kept unsharded must not go stale under writeback
+            for unit in units:
+                for flat in unit.flat_params:
+                    stack.enter_context(full_params(flat, writeback))
         for unit in units:
             unit.params_are_full = True
         try:

@@ -29,6 +29,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
 from flatshard._changes import check_requires_grad
+from flatshard._checks import Tag
 from flatshard._flat_param import FlatParamGroup
 from flatshard._inputs import cast_floats, tensors_in, watch_input_grads
 from flatshard._mesh import ShardingStrategy
@@ -283,8 +284,10 @@ class Unit:
             flat.reduction.done_in_backward = False
 
     # ------------------------------------------------------------------ hook helpers
-    def _record(self, kind: str, numel: int) -> None:
+    def _record(self, kind: str, numel: int) -> Tag:
+        """A collective for this unit: in the step's ledger; its tag (see _watchdog.py)."""
         self.context.ledger.record(kind, self.label, numel)
+        return self.context.tag(self.label)
 
     def _prefetch_backward(self) -> None:
         issue(backward_targets(self, self.context.order), self.context.rate_limiter)

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from flatshard._checks import Tag, tagged
 from flatshard._consistency import check_same_on_all_ranks, structure_lines, value_lines
 from flatshard._flat_param import FlatParamGroup, OriginalParam, Placement
 from flatshard._hooks import install
@@ -91,45 +92,46 @@ def fully_shard(
     if not isinstance(strategy, ShardingStrategy):
         raise TypeError(f"strategy must be a flatshard.ShardingStrategy, got {strategy!r}")
     group = model_group(process_group)
-    init = init or InitOptions()
-    prefetch = prefetch or Prefetch()
-    rank = dist.get_rank()
-    _check_not_sharded(module, rank)
-    target = _target_device(module, device, rank)
-    earlier = _earlier_contexts(module)
-    _check_inherited_precision(earlier, mixed_precision, rank)
-    unit_names = select_unit_roots(module, auto_wrap_policy, skip=earlier.keys())
-    managed = {name: _managed_param_ids(context) for name, context in earlier.items()}
-    plans = partition(module, unit_names, managed, rank)
-    if init.check_consistency:
-        check_same_on_all_ranks(
-            structure_lines(plans, _strategy_line(strategy, group, sharding_factor)),
-            group,
-            target or _CPU,
-            "built different models or sharding options",
-            "Build the same model (same code, config and dtypes) and pass the same "
-            "fully_shard options on every rank.",
+    with tagged(Tag("fully_shard")):
+        init = init or InitOptions()
+        prefetch = prefetch or Prefetch()
+        rank = dist.get_rank()
+        _check_not_sharded(module, rank)
+        target = _target_device(module, device, rank)
+        earlier = _earlier_contexts(module)
+        _check_inherited_precision(earlier, mixed_precision, rank)
+        unit_names = select_unit_roots(module, auto_wrap_policy, skip=earlier.keys())
+        managed = {name: _managed_param_ids(context) for name, context in earlier.items()}
+        plans = partition(module, unit_names, managed, rank)
+        if init.check_consistency:
+            check_same_on_all_ranks(
+                structure_lines(plans, _strategy_line(strategy, group, sharding_factor)),
+                group,
+                target or _CPU,
+                "built different models or sharding options",
+                "Build the same model (same code, config and dtypes) and pass the same "
+                "fully_shard options on every rank.",
+            )
+        build = _UnitBuild(
+            groups=resolve_groups(strategy, process_group, sharding_factor),
+            process_group=group,
+            config=UnitConfig(strategy, mixed_precision, prefetch),
+            device=target,
+            offload=cpu_offload is not None and cpu_offload.params,
+            param_init_fn=param_init_fn,
+            init=init,
         )
-    build = _UnitBuild(
-        groups=resolve_groups(strategy, process_group, sharding_factor),
-        process_group=group,
-        config=UnitConfig(strategy, mixed_precision, prefetch),
-        device=target,
-        offload=cpu_offload is not None and cpu_offload.params,
-        param_init_fn=param_init_fn,
-        init=init,
-    )
-    limiter = RateLimiter(DEFAULT_LIMIT if prefetch.limit_all_gathers else None)
-    context = StepContext(module, group, limiter)
-    for name, sub_context in earlier.items():
-        context.adopt(sub_context, prefix=name, mixed_precision=mixed_precision)
-    for plan in plans:
-        unit = _build_unit(plan, build, rank)
-        if unit is not None:
-            context.add(unit)
-            install(unit)
-    module.__dict__[CONTEXT_ATTR] = context
-    return module
+        limiter = RateLimiter(DEFAULT_LIMIT if prefetch.limit_all_gathers else None)
+        context = StepContext(module, group, limiter)
+        for name, sub_context in earlier.items():
+            context.adopt(sub_context, prefix=name, mixed_precision=mixed_precision)
+        for plan in plans:
+            unit = _build_unit(plan, build, rank)
+            if unit is not None:
+                context.add(unit)
+                install(unit)
+        module.__dict__[CONTEXT_ATTR] = context
+        return module
 
 
 @dataclass(frozen=True)

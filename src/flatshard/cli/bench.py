@@ -37,7 +37,7 @@ from flatshard.testing.accounting import CollectiveTracker
 
 SYSTEMS = ("flatshard", "fsdp2", "ddp", "floor")
 # Also available, not run by default: flatshard without any prefetch (what prefetch buys).
-EXTRA_SYSTEMS = ("flatshard-noprefetch",)
+EXTRA_SYSTEMS = ("flatshard-noprefetch", "flatshard-debug")
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,8 @@ class BenchConfig:
     device: str = "auto"
     """auto | cpu | cuda (auto: cuda with NCCL, one GPU per rank, when GPUs are visible)"""
     systems: str = ",".join(SYSTEMS)
-    """comma-separated subset of flatshard,fsdp2,ddp,floor,flatshard-noprefetch"""
+    """comma-separated subset of flatshard,fsdp2,ddp,floor,flatshard-noprefetch,
+    flatshard-debug (every collective checked across ranks first: Checks(debug=True))"""
     vocab: int = 8192
     """vocabulary of the GPT (the default model has about 31M parameters)"""
     dim: int = 512
@@ -276,6 +277,9 @@ def _wrap(model: GPT, system: str, device: torch.device) -> nn.Module:
             auto_wrap_policy={GPTBlock},
             prefetch=flatshard.Prefetch(backward=None, forward=False),
         )
+    if system == "flatshard-debug":
+        flatshard.set_checks(flatshard.Checks(debug=True))  # this system's processes only
+        return flatshard.fully_shard(model, auto_wrap_policy={GPTBlock})
     if system == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 

@@ -1,0 +1,278 @@
+"""The watchdog: every flatshard collective recorded, waited for with a timeout, diagnosed.
+
+[Note: diagnosing a hang]
+A rank that waits on a collective its peers never issue waits for the process group's
+timeout (30 minutes by default) and then gets the backend's words ("Connection closed by
+peer", "Timed out waiting 1800000ms"), which name neither the step nor the unit nor who
+stopped. flatshard's waits on host-blocking backends (gloo) run in slices of ``SLICE_S``;
+when one has waited past the timeout (``flatshard.Checks``), the rank asks every rank what
+it is doing through the c10d store that ``init_process_group`` (or torchrun) already made.
+The store is out of band: it answers while a peer is blocked in a native collective, and
+a dead peer simply gives no answer. Each rank's responder thread polls the store for
+requests every ``POLL_S`` and publishes its status: the collective it waits for, if any,
+and its last collectives. A waiting rank that sees a request does not wait out its own
+timeout: it takes part at once. So every rank in a flatshard wait raises the same
+``CollectiveTimeoutError`` (or ``PeerLostError`` when the backend reports a closed
+connection) within seconds of the first timeout.
+
+On backends whose wait does not block the host (NCCL: it makes the stream wait), the wait
+is left to the backend's own watchdog.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from datetime import timedelta
+from typing import NamedTuple, NoReturn
+
+import torch.distributed as dist
+
+from flatshard._checks import Tag, current_checks
+from flatshard._collective_errors import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    PeerLostError,
+)
+from flatshard._diagnosis import SAME_CALLS, Status, report
+from flatshard._record import Record
+
+SLICE_S = 1.0  # a wait looks for diagnosis requests this often
+POLL_S = 0.5  # a responder thread looks for diagnosis requests this often
+_GRACE_S = 3 * POLL_S + 1.0  # how long answers are awaited
+_KEPT = 16  # collectives a rank reports
+_REQUESTS = "flatshard/diagnosis/requests"
+_Attempt = Callable[[float], bool]  # wait up to this many seconds: True if done
+
+
+class _Tracked(NamedTuple):
+    """A collective in flight: waited for through ``Watchdog.wait``."""
+
+    work: dist.Work
+    record: Record
+    group: dist.ProcessGroup
+
+
+class Watchdog:
+    """The collectives of this process, and its side of the out-of-band diagnosis."""
+
+    def __init__(self, world: dist.ProcessGroup) -> None:
+        self.world = world
+        self.store = dist.distributed_c10d._get_default_store()
+        self.rank = dist.get_rank()
+        self.recent: deque[Record] = deque(maxlen=_KEPT)
+        self._seq: dict[str, int] = {}  # group name -> collectives issued on it
+        self._agreements: dict[str, int] = {}  # group name -> agreements made on it
+        self._tracked: list[_Tracked] = []
+        self.waiting: tuple[str, float] | None = None  # (what, since) while blocked
+        self.seen_requests = self._requests()  # earlier incidents are not ours
+        self.failed = False  # raised: collectives may be left in flight
+        self._stop = threading.Event()
+        self._answered = self.seen_requests
+        self._thread = threading.Thread(target=self._respond, name="flatshard-watchdog")
+        self._thread.daemon = True
+        self._thread.start()
+        atexit.register(self._at_exit)
+
+    # ------------------------------------------------------------------ recording
+    def issue(self, group: dist.ProcessGroup, op: str, numel: int, dtype: str, tag: Tag) -> Record:
+        """Record a collective about to be issued (debug mode: agree on it first)."""
+        name = group.group_name
+        seq = self._seq[name] = self._seq.get(name, 0) + 1
+        record = Record(seq, name, op, numel, dtype, tag.phase, tag.unit, tag.step)
+        if current_checks().debug_on:
+            self.agree(group, record)
+        self.recent.append(record)
+        return record
+
+    def track(self, work: dist.Work, record: Record, group: dist.ProcessGroup) -> None:
+        self._tracked.append(_Tracked(work, record, group))
+        del self._tracked[:-_KEPT]  # works dropped unwaited must not pile up
+
+    def entry(self, group: dist.ProcessGroup, tag: Tag) -> None:
+        """A call every rank of ``group`` must make (summon, state dict, clip, checkpoint):
+        agree on it through the store before any of its collectives reach the backend."""
+        if group.size() == 1:
+            return
+        seq = self._seq.get(group.group_name, 0)
+        record = Record(seq, group.group_name, "call", 0, "", tag.phase, tag.unit, tag.step)
+        self.agree(group, record)
+
+    # ------------------------------------------------------------------ waiting
+    def wait(self, work: dist.Work) -> None:
+        """Wait for ``work``: with a timeout and a diagnosis where the wait blocks the host."""
+        found = next((t for t in self._tracked if t.work is work), None)
+        if found is None or dist.get_backend(found.group) != dist.Backend.GLOO:
+            work.wait()
+            return
+        self._tracked.remove(found)
+        timeout = current_checks().timeout_s(found.group)
+        what = found.record.describe()
+        self._waiting_for(what, found.group, timeout, lambda s: _try_wait(work, s))
+
+    def _waiting_for(
+        self, what: str, group: dist.ProcessGroup, timeout: float, attempt: _Attempt
+    ) -> None:
+        start = time.monotonic()
+        self.waiting = (what, start)
+        try:
+            while True:
+                remaining = timeout - (time.monotonic() - start)
+                try:
+                    if attempt(max(0.001, min(SLICE_S, remaining))):
+                        return
+                except RuntimeError as error:
+                    cause = f"flatshard: a peer left while rank {self.rank} waited for {what}"
+                    self._diagnose(group, cause, PeerLostError, error)
+                if self._requests() > self.seen_requests:
+                    cause = f"flatshard: another rank timed out; rank {self.rank} waited for {what}"
+                    self._diagnose(group, cause)
+                if remaining <= SLICE_S:
+                    cause = f"flatshard: {what} did not complete within {timeout:g} s"
+                    self._diagnose(group, f"{cause} (seen on rank {self.rank})")
+        finally:
+            self.waiting = None
+
+    # ------------------------------------------------------------------ agreement
+    def agree(self, group: dist.ProcessGroup, record: Record) -> None:
+        """Every rank of ``group`` shows the same ``record`` through the store, or raises."""
+        name = group.group_name
+        count = self._agreements[name] = self._agreements.get(name, 0) + 1
+        prefix = f"flatshard/agree/{name}/{count}/"
+        self.store.set(prefix + str(self.rank), record.descriptor())
+        ranks = dist.get_process_group_ranks(group)
+        keys = [prefix + str(r) for r in ranks]
+        what = f"the other ranks to reach {record.describe()}"
+        self._waiting_for(
+            what, group, current_checks().timeout_s(group), lambda s: _try_keys(self.store, keys, s)
+        )
+        seen = {r: self.store.get(k).decode() for r, k in zip(ranks, keys, strict=True)}
+        if count > 2:  # every rank has read agreement count - 2 before writing this one
+            self.store.delete_key(f"flatshard/agree/{name}/{count - 2}/{self.rank}")
+        if len(set(seen.values())) > 1:
+            raise CollectiveMismatchError(_mismatch(seen, self.rank))
+
+    # ------------------------------------------------------------------ diagnosis
+    def _requests(self) -> int:
+        return int(self.store.add(_REQUESTS, 0))
+
+    def _diagnose(
+        self,
+        group: dist.ProcessGroup,
+        cause: str,
+        error: type[Exception] = CollectiveTimeoutError,
+        original: BaseException | None = None,
+    ) -> NoReturn:
+        """Ask every rank what it is doing; raise ``error`` with the table on this rank."""
+        current = self._requests()
+        generation = current if current > self.seen_requests else int(self.store.add(_REQUESTS, 1))
+        self._publish(generation)
+        ranks = dist.get_process_group_ranks(group)
+        statuses = self._collect(generation, ranks)
+        self.seen_requests = max(self.seen_requests, generation)
+        self.failed = True
+        timeout = current_checks().timeout_s(group)
+        settings = (
+            f"Timeout in force: {timeout:g} s (flatshard.set_checks(flatshard.Checks(timeout=...)) "
+            "or FLATSHARD_TIMEOUT; by default the process group's own). FLATSHARD_DEBUG=1 "
+            "checks every collective across ranks before it is issued."
+        )
+        raise error(report(cause, group.group_name, ranks, statuses, settings)) from original
+
+    def _publish(self, generation: int) -> None:
+        waiting = self.waiting
+        status = Status(
+            rank=self.rank,
+            host=socket.gethostname(),
+            waiting=None if waiting is None else waiting[0],
+            waiting_s=0.0 if waiting is None else time.monotonic() - waiting[1],
+            recent=[(r.group, r.seq, r.describe()) for r in list(self.recent)],
+        )
+        self.store.set(
+            f"flatshard/diagnosis/{generation}/{self.rank}", json.dumps(status.to_json())
+        )
+
+    def _collect(self, generation: int, ranks: list[int]) -> dict[int, Status]:
+        keys = {r: f"flatshard/diagnosis/{generation}/{r}" for r in ranks}
+        deadline = time.monotonic() + _GRACE_S
+        while time.monotonic() < deadline and not self.store.check(list(keys.values())):
+            time.sleep(0.05)
+        found = {}
+        for rank, key in keys.items():
+            if self.store.check([key]):
+                found[rank] = Status.from_json(json.loads(self.store.get(key)))
+        return found
+
+    def _respond(self) -> None:
+        """The responder thread: answer diagnosis requests until stopped or the store goes."""
+        while not self._stop.wait(POLL_S):
+            try:
+                requested = self._requests()
+                while self._answered < requested:
+                    self._answered += 1
+                    self._publish(self._answered)
+            except Exception:  # the store went away: the job is over
+                return
+
+    def _at_exit(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * POLL_S)
+        if self.failed and any(not t.work.is_completed() for t in self._tracked):
+            # A collective left in flight after the error would hold the process at exit
+            # until the backend's own timeout (its worker thread cannot be joined).
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+
+
+def _try_wait(work: dist.Work, seconds: float) -> bool:
+    """Wait up to ``seconds``: True if done. A failed collective raises RuntimeError."""
+    try:
+        work.wait(timeout=timedelta(seconds=seconds))
+    except RuntimeError as error:
+        if "Operation timed out" in str(error):
+            return False
+        raise
+    return True
+
+
+def _try_keys(store: dist.distributed_c10d.Store, keys: list[str], seconds: float) -> bool:
+    try:
+        store.wait(keys, timedelta(seconds=seconds))
+    except RuntimeError:  # the store's "Wait timeout"
+        return False
+    return True
+
+
+def _mismatch(seen: dict[int, str], rank: int) -> str:
+    lines = [
+        f"flatshard: ranks are about to issue different collectives (seen on rank {rank}); "
+        "nothing was sent:"
+    ]
+    lines += [
+        f"  rank {r}: {Record.from_descriptor(d).describe()}" for r, d in sorted(seen.items())
+    ]
+    lines.append(SAME_CALLS)
+    return "\n".join(lines)
+
+
+_WATCHDOG: Watchdog | None = None
+
+
+def watchdog() -> Watchdog | None:
+    """This process's watchdog (made on first use); None outside a distributed job."""
+    global _WATCHDOG
+    if not dist.is_initialized():
+        return None
+    world = dist.group.WORLD
+    if _WATCHDOG is None or _WATCHDOG.world is not world:
+        assert isinstance(world, dist.ProcessGroup)
+        _WATCHDOG = Watchdog(world)
+    return _WATCHDOG

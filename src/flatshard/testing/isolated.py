@@ -1,0 +1,87 @@
+"""Ranks in fresh processes, for faults that leave a process group unusable.
+
+A job that hangs, aborts or kills a rank cannot run on the shared ``WorkerPool``: its
+collectives stay in flight and would pair with the next job's. ``run_isolated`` starts
+``world_size`` new processes, runs ``fn(rank)`` in each after ``init_process_group``, and
+reports what became of every rank: its return value, ``Died(exit code)`` or ``Hung``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flatshard import _watchdog
+
+
+@dataclass(frozen=True)
+class Died:
+    """The rank's process ended without a result (negative: killed by that signal)."""
+
+    exitcode: int | None
+
+
+@dataclass(frozen=True)
+class Hung:
+    """The rank gave no result within the deadline and was killed."""
+
+
+def run_isolated(
+    fn: Callable[..., Any], *args: Any, world_size: int = 2, deadline_s: float = 60.0
+) -> list[Any]:
+    """Run ``fn(rank, *args)`` on ``world_size`` fresh ranks (gloo); each rank's outcome."""
+    ctx = mp.get_context("spawn")
+    results: Any = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="flatshard-isolated-") as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=_main, args=(fn, args, rank, world_size, store, results))
+            for rank in range(world_size)
+        ]
+        for proc in procs:
+            proc.start()
+        outcomes: dict[int, Any] = {}
+        end = time.monotonic() + deadline_s
+        while len(outcomes) < world_size and time.monotonic() < end:
+            try:
+                rank, value = results.get(timeout=0.2)
+                outcomes[rank] = value
+            except queue.Empty:
+                for rank, proc in enumerate(procs):
+                    if rank not in outcomes and proc.exitcode is not None:
+                        outcomes[rank] = Died(proc.exitcode)
+        for proc in procs:
+            proc.join(timeout=max(0.0, end - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    return [outcomes.get(rank, Hung()) for rank in range(world_size)]
+
+
+def _main(
+    fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world: int, store: str, out: Any
+) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
+    out.put((rank, fn(rank, *args)))
+    out.close()
+    out.join_thread()
+    dog = _watchdog._WATCHDOG
+    if dog is None or not dog.failed:  # else collectives are left in flight: see _at_exit
+        dist.destroy_process_group()

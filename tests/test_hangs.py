@@ -1,0 +1,232 @@
+"""Ranks that stop agreeing end with a flatshard error on every rank: no hang, no abort.
+
+Each job runs in fresh processes (``run_isolated``): a fault leaves collectives in flight.
+The timeout is 1 s (``flatshard.Checks``); every rank must end within timeout + 15 s.
+Without the watchdog each of these hung until the group's timeout (60 s here, 30 min by
+default) or aborted inside gloo.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import flatshard
+from flatshard.testing.isolated import Died, run_isolated
+
+CHECKS = flatshard.Checks(timeout=1.0)
+LIMIT_S = 1.0 + 15.0
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.relu(self.lin(x))
+        return out
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        out: torch.Tensor = self.out(h)
+        return out
+
+
+def _net(**options: Any) -> nn.Module:
+    flatshard.set_checks(CHECKS)
+    torch.manual_seed(0)
+    return flatshard.fully_shard(Net(), auto_wrap_policy={Block}, **options)
+
+
+def _step(model: nn.Module, backward: bool = True) -> None:
+    loss = model(torch.randn(3, 4)).sum()
+    if backward:
+        loss.backward()
+
+
+def _outcome(run: Any) -> tuple[str, str, float]:
+    """(error class, message, seconds) of ``run()``; ("", "", s) if it ended normally."""
+    start = time.monotonic()
+    try:
+        run()
+    except flatshard.CollectiveError as error:
+        return type(error).__name__, str(error), time.monotonic() - start
+    return "", "", time.monotonic() - start
+
+
+def _all_raised(outcomes: list[Any], error: str) -> list[str]:
+    messages = []
+    for rank, outcome in enumerate(outcomes):
+        assert isinstance(outcome, tuple), f"rank {rank}: {outcome}"
+        name, message, seconds = outcome
+        assert name == error, f"rank {rank} ended with {name or 'no error'}: {message}"
+        assert seconds < LIMIT_S, f"rank {rank} took {seconds:.1f} s"
+        messages.append(message)
+    return messages
+
+
+def skip_backward_job(rank: int) -> tuple[str, str, float]:
+    model = _net()
+
+    def run() -> None:
+        _step(model)
+        _step(model, backward=rank == 0)  # rank 1 skips one backward
+        _step(model)
+
+    return _outcome(run)
+
+
+def test_a_rank_that_skips_a_backward_is_reported_on_every_rank() -> None:
+    for message in _all_raised(run_isolated(skip_backward_job), "CollectiveTimeoutError"):
+        assert "What each rank of the group was doing" in message
+        assert "rank 0: waiting" in message and "rank 1: waiting" in message
+        assert "(step 1, backward)" in message and "(step 1, forward)" in message
+        assert "Where the ranks diverged, at collective #" in message
+        assert "Timeout in force: 1 s" in message and "FLATSHARD_TIMEOUT" in message
+
+
+def clip_alone_job(rank: int) -> tuple[str, str, float]:
+    model = _net()
+
+    def run() -> None:
+        _step(model)
+        if rank == 1:
+            flatshard.clip_grad_norm_(model, 1.0)
+        _step(model)
+
+    return _outcome(run)
+
+
+def test_clip_on_one_rank_is_reported_on_every_rank() -> None:
+    for message in _all_raised(run_isolated(clip_alone_job), "CollectiveTimeoutError"):
+        assert "rank 1: waiting" in message and "clip_grad_norm_ at step 1" in message
+        assert "rank 0: waiting" in message and "(step 1, forward): all_gather" in message
+
+
+@pytest.mark.parametrize("call", ["summon_full_params", "full_state_dict"])
+def test_a_call_on_rank_0_only_never_reaches_gloo(call: str) -> None:
+    """Before: rank 0 died with SIGABRT inside gloo (mismatched sizes)."""
+    for message in _all_raised(run_isolated(rank0_only_job, call), "CollectiveTimeoutError"):
+        assert "rank 0: waiting" in message and f"{call} at step 1" in message
+        assert "rank 1: waiting" in message
+
+
+def rank0_only_job(rank: int, call: str) -> tuple[str, str, float]:
+    model = _net()
+
+    def run() -> None:
+        _step(model)
+        if rank == 0:
+            if call == "summon_full_params":
+                with flatshard.summon_full_params(model):
+                    pass
+            else:
+                flatshard.full_state_dict(model)
+        _step(model)
+
+    return _outcome(run)
+
+
+def extra_step_job(rank: int) -> tuple[str, str, float]:
+    """Rank 1 got one batch more (uneven data); rank 0 then waits in its own barrier."""
+    model = _net()
+
+    def run() -> None:
+        for _ in range(3 if rank == 1 else 2):
+            _step(model)
+
+    outcome = _outcome(run)
+    if rank == 0:
+        time.sleep(4.5)  # still alive (not in a flatshard collective) when rank 1 asks
+    return outcome
+
+
+def test_a_rank_with_one_batch_more_is_told_the_others_ran_out() -> None:
+    done, (name, message, seconds) = run_isolated(extra_step_job)
+    assert done[0] == "", done  # rank 0 finished its batches
+    assert name == "CollectiveTimeoutError" and seconds < LIMIT_S, message
+    assert "rank 0: not in a flatshard collective; its last: " in message
+    assert "Rank(s) 0 issued fewer collectives and wait for none" in message
+    assert "ran out of batches" in message and "drop_last=True" in message
+
+
+def killed_job(rank: int) -> tuple[str, str, float]:
+    model = _net()
+
+    def run() -> None:
+        _step(model)
+        if rank == 1:
+            os._exit(3)  # dies like an OOM kill, mid-training
+        _step(model)
+
+    return _outcome(run)
+
+
+def test_a_rank_that_dies_is_named_by_the_survivor() -> None:
+    survivor, dead = run_isolated(killed_job)
+    assert dead == Died(3)
+    name, message, seconds = survivor
+    assert name == "PeerLostError" and seconds < LIMIT_S, message
+    assert "a peer left while rank 0 waited for collective #" in message
+    assert "rank 1: no answer (the process is gone" in message
+
+
+def moe_unequal_job(rank: int) -> tuple[str, str, float]:
+    """Experts are units; rank 0 routed tokens to 2 experts, rank 1 to 1 (counts differ)."""
+    model = _net()
+
+    def run() -> None:
+        x = torch.randn(3, 8)
+        chosen = [0, 2] if rank == 0 else [1]
+        blocks: Any = model.blocks
+        sum((blocks[i](x) for i in chosen), torch.zeros(3, 8)).sum().backward()
+
+    return _outcome(run)
+
+
+def test_experts_that_run_on_some_ranks_only_are_reported() -> None:
+    for message in _all_raised(run_isolated(moe_unequal_job), "CollectiveTimeoutError"):
+        assert "Where the ranks diverged, at collective #" in message
+        assert "all_gather of unit 'blocks.0'" in message
+        assert "all_gather of unit 'blocks.1'" in message
+        assert "Run conditional units (e.g. experts that got no tokens) on every rank" in message
+
+
+def test_debug_mode_reports_before_sending(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLATSHARD_DEBUG", "1")
+    for message in _all_raised(run_isolated(skip_backward_job), "CollectiveMismatchError"):
+        assert "ranks are about to issue different collectives" in message
+        assert "nothing was sent" in message
+        assert "rank 0: collective #22 (step 1, backward): all_gather of unit 'blocks.1'" in message
+        assert "rank 1: collective #22 (step 1, forward): all_gather of unit 'blocks.0'" in message
+
+
+def test_the_timeout_comes_from_checks_the_environment_or_the_group(
+    local_group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert flatshard.Checks(timeout=3).timeout_s(local_group) == 3
+    monkeypatch.setenv("FLATSHARD_TIMEOUT", "7")
+    assert flatshard.Checks().timeout_s(local_group) == 7
+    monkeypatch.delenv("FLATSHARD_TIMEOUT")
+    assert flatshard.Checks().timeout_s(local_group) == 1800  # init_process_group's default
+    with pytest.raises(ValueError, match="timeout must be > 0 seconds, got 0"):
+        flatshard.Checks(timeout=0)
+    with pytest.raises(TypeError, match=r"expected a flatshard\.Checks, got 5"):
+        flatshard.set_checks(5)  # type: ignore[arg-type]
