@@ -1,7 +1,7 @@
 """Ranks that stop agreeing end with a flatshard error on every rank: no hang, no abort.
 
 Each job runs in fresh processes (``run_isolated``): a fault leaves collectives in flight.
-The timeout is 1 s (``flatshard.Checks``); every rank must end within timeout + 15 s.
+The timeout is 2 s (``flatshard.Checks``); every rank must end within timeout + 15 s.
 Without the watchdog each of these hung until the group's timeout (60 s here, 30 min by
 default) or aborted inside gloo.
 """
@@ -20,8 +20,8 @@ from torch import nn
 import flatshard
 from flatshard.testing.isolated import Died, run_isolated
 
-CHECKS = flatshard.Checks(timeout=1.0)
-LIMIT_S = 1.0 + 15.0
+CHECKS = flatshard.Checks(timeout=2.0)
+LIMIT_S = 2.0 + 15.0
 
 
 class Block(nn.Module):
@@ -99,7 +99,7 @@ def test_a_rank_that_skips_a_backward_is_reported_on_every_rank() -> None:
         assert "rank 0: waiting" in message and "rank 1: waiting" in message
         assert "(step 1, backward)" in message and "(step 1, forward)" in message
         assert "Where the ranks diverged, at collective #" in message
-        assert "Timeout in force: 1 s" in message and "FLATSHARD_TIMEOUT" in message
+        assert "Timeout in force: 2 s" in message and "FLATSHARD_TIMEOUT" in message
 
 
 def clip_alone_job(rank: int) -> tuple[str, str, float]:
@@ -154,7 +154,7 @@ def extra_step_job(rank: int) -> tuple[str, str, float]:
 
     outcome = _outcome(run)
     if rank == 0:
-        time.sleep(4.5)  # still alive (not in a flatshard collective) when rank 1 asks
+        time.sleep(6)  # still alive (not in a flatshard collective) when rank 1 asks
     return outcome
 
 
@@ -230,3 +230,35 @@ def test_the_timeout_comes_from_checks_the_environment_or_the_group(
         flatshard.Checks(timeout=0)
     with pytest.raises(TypeError, match=r"expected a flatshard\.Checks, got 5"):
         flatshard.set_checks(5)  # type: ignore[arg-type]
+
+
+class Trunk(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.a(x)
+        return self.b(h), self.c(h)
+
+
+def unused_output_job(rank: int) -> tuple[str, str, float]:
+    """Head c's output reaches the loss on rank 0 only, under FULL_SHARD: rank 0 re-gathers
+    and reduces c mid-backward, rank 1 only reduces it at the end. The gathers and
+    reductions interleave differently, so this hung before the watchdog (the equal-count
+    case under SHARD_GRAD_OP is caught by the end-of-step check: test_ledger.py)."""
+    flatshard.set_checks(CHECKS)
+    torch.manual_seed(0)
+    model = flatshard.fully_shard(Trunk(), auto_wrap_policy={nn.Linear})
+
+    def run() -> None:
+        b, c = model(torch.randn(4, 8))
+        (b.sum() + (c.sum() if rank == 0 else 0)).backward()
+
+    return _outcome(run)
+
+
+def test_an_output_that_reaches_the_loss_on_one_rank_only_is_reported() -> None:
+    for message in _all_raised(run_isolated(unused_output_job), "CollectiveTimeoutError"):
+        assert "Where the ranks diverged, at collective #" in message
+        assert "unit 'c'" in message

@@ -29,7 +29,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for param in model.parameters():
         if param.grad is not None:
-            param.grad.mul_(coef.to(param.grad.dtype))
+            param.grad.mul_(coef.to(param.grad.device, param.grad.dtype))
     return total
 
 
@@ -60,7 +60,7 @@ def _global_norm(model: nn.Module, norm_type: float) -> torch.Tensor:
         if group is not None:
             all_reduce(partial, group, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
         partials.append(partial)
-    stacked = torch.stack(partials)
+    stacked = torch.stack([p.to(device) for p in partials])  # offloaded norms: on the CPU
     return stacked.max() if inf else stacked.sum() ** (1.0 / norm_type)
 
 

@@ -107,9 +107,35 @@ def all_reduce(
     tag: Tag | None = None,
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
 ) -> None:
-    """Reduce ``tensor`` in place over ``group``; blocking."""
-    launch = partial(_ALL_REDUCE, tensor, op=op, group=group, async_op=True)
-    wait_work(_issue(group, "all_reduce", tensor, tag, launch))
+    """Reduce ``tensor`` in place over ``group``; blocking.
+
+    A CPU tensor over a group without a CPU backend (NCCL only: what
+    ``init_process_group("nccl")`` makes) is reduced on the accelerator and copied back:
+    with ``CPUOffload`` the norms ``clip_grad_norm_`` reduces and the scaler's found-inf
+    flags live on the CPU.
+    """
+    sent = tensor
+    if tensor.device.type == "cpu" and not _has_cpu_backend(group):
+        sent = tensor.to(_accelerator())
+    launch = partial(_ALL_REDUCE, sent, op=op, group=group, async_op=True)
+    wait_work(_issue(group, "all_reduce", sent, tag, launch))
+    if sent is not tensor:
+        tensor.copy_(sent)
+
+
+def _has_cpu_backend(group: dist.ProcessGroup) -> bool:
+    try:
+        group._get_backend(torch.device("cpu"))
+    except RuntimeError:
+        return False
+    return True
+
+
+def _accelerator() -> torch.device:
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is None:
+        raise RuntimeError("flatshard: a process group without a CPU backend needs an accelerator")
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
 
 
 def broadcast(

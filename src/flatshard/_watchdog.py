@@ -113,30 +113,43 @@ class Watchdog:
             work.wait()
             return
         self._tracked.remove(found)
+        start = time.monotonic()
+        try:
+            if _try_wait(work, SLICE_S):  # the common case, kept cheap: done within a slice
+                return
+        except RuntimeError:
+            pass  # a peer left: waited for again below, which says so
         timeout = current_checks().timeout_s(found.group)
         what = found.record.describe()
-        self._waiting_for(what, found.group, timeout, lambda s: _try_wait(work, s))
+        self._waiting_for(what, found.group, timeout, lambda s: _try_wait(work, s), start)
 
     def _waiting_for(
-        self, what: str, group: dist.ProcessGroup, timeout: float, attempt: _Attempt
+        self,
+        what: str,
+        group: dist.ProcessGroup,
+        timeout: float,
+        attempt: _Attempt,
+        start: float | None = None,
     ) -> None:
-        start = time.monotonic()
+        """Call ``attempt`` in slices until it succeeds; diagnose a timeout, a request from
+        another rank, or a failed collective (a peer that left)."""
+        start = time.monotonic() if start is None else start
         self.waiting = (what, start)
         try:
             while True:
+                if self._requests() > self.seen_requests:
+                    cause = f"flatshard: another rank timed out; rank {self.rank} waited for {what}"
+                    self._diagnose(group, cause)
                 remaining = timeout - (time.monotonic() - start)
+                if remaining <= 0:
+                    cause = f"flatshard: {what} did not complete within {timeout:g} s"
+                    self._diagnose(group, f"{cause} (seen on rank {self.rank})")
                 try:
                     if attempt(max(0.001, min(SLICE_S, remaining))):
                         return
                 except RuntimeError as error:
                     cause = f"flatshard: a peer left while rank {self.rank} waited for {what}"
                     self._diagnose(group, cause, PeerLostError, error)
-                if self._requests() > self.seen_requests:
-                    cause = f"flatshard: another rank timed out; rank {self.rank} waited for {what}"
-                    self._diagnose(group, cause)
-                if remaining <= SLICE_S:
-                    cause = f"flatshard: {what} did not complete within {timeout:g} s"
-                    self._diagnose(group, f"{cause} (seen on rank {self.rank})")
         finally:
             self.waiting = None
 

@@ -329,7 +329,8 @@ def _summarize(
 
 
 def _table(summary: dict[str, dict[str, float]], memory: str) -> str:
-    header = f"{'system':<10} {'step s':>8} {'tokens/s':>10} {f'peak {memory} MiB':>15} "
+    width = max(10, *(len(system) for system in summary))
+    header = f"{'system':<{width}} {'step s':>8} {'tokens/s':>10} {f'peak {memory} MiB':>15} "
     header += f"{'coll. MB':>9} {'comm wait s':>12} {'over floor s':>13} {'vs fsdp2':>9} "
     header += f"{'vs ddp':>7} {'vs floor':>9}"
     lines = [header]
@@ -337,7 +338,7 @@ def _table(summary: dict[str, dict[str, float]], memory: str) -> str:
         ratios = [row.get(f"time_vs_{o}") for o in ("fsdp2", "ddp", "floor")]
         cells = [_cell(r, "x", w) for r, w in zip(ratios, (9, 7, 9), strict=True)]
         lines.append(
-            f"{system:<10} {row['median_step_s']:>8.3f} {row['tokens_per_s']:>10,.0f} "
+            f"{system:<{width}} {row['median_step_s']:>8.3f} {row['tokens_per_s']:>10,.0f} "
             f"{row['peak_mem_mib']:>15,.0f} {row['collective_output_bytes'] / 1e6:>9.1f} "
             f"{_cell(row.get('exposed_comm_s'), '', 12)} "
             f"{_cell(row.get('over_floor_s'), '', 13)} " + " ".join(cells)

@@ -29,6 +29,7 @@ from flatshard._checkpoint import CheckpointError, read_manifest
 from flatshard.cli.config import ConfigError, add_config_parser, config_from_args
 from flatshard.cli.data import Corpus, batch_for_step, decode, encode, load_corpus
 from flatshard.cli.devices import backend_for, init_rank, peak_memory_mib, resolve_device
+from flatshard.cli.elastic import run_elastic
 from flatshard.cli.launch import run_local_ranks, stop_with_parent
 from flatshard.cli.lm import LanguageModel, build_language_model, check_hugging_face
 from flatshard.cli.progress import MetricsLog, ProgressBar, StepMetrics, plot
@@ -64,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
         _train(replace(config, device=resolve_device(config.device, local)), store=None)
         return 0
     config.check_world(config.nproc)
+    if config.max_restarts:
+        resume = [] if config.resume else ["--resume", "auto"]
+        return run_elastic(config.nproc, config.max_restarts, [*sys.argv[1:], *resume])
     config = replace(config, device=resolve_device(config.device, config.nproc))
     with tempfile.TemporaryDirectory(prefix="flatshard-train-") as tmp:
         return _spawn(config, os.path.join(tmp, "store"))

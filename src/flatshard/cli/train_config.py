@@ -33,6 +33,9 @@ class TrainConfig:
     """a UTF-8 text file to train on; empty: the shipped public-domain corpus"""
     nproc: int = 2
     """local ranks to start (ignored under torchrun, which starts them)"""
+    max_restarts: int = 0
+    """restart all ranks this many times when one fails, each time from the newest whole
+    checkpoint (torch's elastic agent; implies --resume auto; ignored under torchrun)"""
     device: str = "auto"
     """auto | cpu | cuda: where ranks compute (auto: one GPU per rank with NCCL when GPUs
     are visible, else CPUs with gloo)"""
@@ -95,7 +98,13 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 fail(name, f"must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup_steps", "ckpt_every", "sample_bytes", "sharding_factor"):
+        for name in (
+            "warmup_steps",
+            "ckpt_every",
+            "sample_bytes",
+            "sharding_factor",
+            "max_restarts",
+        ):
             if getattr(self, name) < 0:
                 fail(name, f"must be >= 0, got {getattr(self, name)}")
         if self.log_every < 1 or self.keep_ckpts < 1:
@@ -111,6 +120,8 @@ class TrainConfig:
         _one_of("strategy", self.strategy, tuple(s.name for s in flatshard.ShardingStrategy))
         if self.model != "gpt" and not self.model.startswith("hf:"):
             fail("model", f"must be 'gpt' or 'hf:<config>', got {self.model!r}")
+        if self.max_restarts and self.resume not in ("", "auto"):
+            fail("max_restarts", f"resumes with --resume auto, not {self.resume!r}")
         if self.hf_overrides and not self.model.startswith("hf:"):
             fail("hf_overrides", "only applies to --model hf:...")
 

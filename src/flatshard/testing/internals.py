@@ -12,9 +12,12 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from flatshard import _checkpoint, _collectives
+from flatshard._checks import Tag
 from flatshard._collectives import ReduceScatter
 from flatshard._mesh import ranks_per_host
 from flatshard._partition import UnitPlan, partition
@@ -28,7 +31,9 @@ __all__ = [
     "ReduceScatter",
     "UnitPlan",
     "checkpoint_save_fails",
+    "collective_tag",
     "forced_reduce_scatter",
+    "gather_now",
     "no_keep_last_unit",
     "partition",
     "profiler_ranges_entered",
@@ -102,3 +107,13 @@ def checkpoint_save_fails(error: BaseException) -> Iterator[None]:
         yield
     finally:
         _checkpoint._share_of_checksums = real
+
+
+def collective_tag() -> Tag:
+    """A tag as a unit's forward gives its collectives (benchmarks/watchdog_overhead.py)."""
+    return Tag("forward", "bench", 0)
+
+
+def gather_now(out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, tag: Tag) -> None:
+    """One all-gather the way flatshard issues and waits for it (recorded, watched)."""
+    _collectives.all_gather_into(out, shard, group, tag)

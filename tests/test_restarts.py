@@ -1,0 +1,149 @@
+"""Crash and restart as an operator meets it: a rank SIGKILLed mid-run and once more while
+a checkpoint is being written, under ``flatshard train --max-restarts`` (torch's elastic
+agent) and under the README's torchrun recipe. The ranks restart, resume from the last
+whole checkpoint, and log exactly the losses of an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+TINY = ["--dim", "32", "--layers", "2", "--heads", "2", "--seq-len", "128", "--batch", "16"]
+RUN = [*TINY, "--steps", "24", "--ckpt-every", "8", "--keep-ckpts", "3", "--sample-bytes", "0"]
+MAIN = [sys.executable, "-m", "flatshard.cli.main"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+TORCHRUN += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--max-restarts", "2"]
+KILL_AT_STEP = 15  # after the checkpoint of step 8, before that of step 16
+
+
+def _losses(out_dir: Path) -> dict[int, float]:
+    lines = (out_dir / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines if line]
+    steps = [row["step"] for row in rows]
+    assert steps == sorted(set(steps)), f"each step once, in order: {steps}"
+    return {row["step"]: row["loss"] for row in rows}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    out = tmp_path_factory.mktemp("uninterrupted")
+    done = subprocess.run(
+        [*MAIN, "train", *RUN, "--out-dir", str(out)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    return _losses(out)
+
+
+def _descendants(pid: int) -> list[int]:
+    found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    children = [int(p) for p in found.split()]
+    return children + [d for c in children for d in _descendants(c)]
+
+
+def _rank_pid(root: int, rank: int) -> int | None:
+    """The process of training rank ``rank`` under ``root`` (its environment says RANK)."""
+    for pid in _descendants(root):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if b"flatshard.cli.main" in cmdline and f"RANK={rank}".encode() in environ:
+            return pid
+    return None
+
+
+def _last_step(out_dir: Path) -> int:
+    try:
+        lines = (out_dir / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return 0
+    return max((json.loads(line)["step"] for line in lines if line.endswith("}")), default=0)
+
+
+def _kill(root: int, rank: int) -> float:
+    pid = _rank_pid(root, rank)
+    assert pid is not None, f"no process for rank {rank}"
+    os.kill(pid, signal.SIGKILL)
+    return time.monotonic()
+
+
+def _wait(condition: object, seconds: float = 120.0) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if callable(condition) and condition():
+            return
+        time.sleep(0.005)
+    raise AssertionError("timed out waiting")
+
+
+def _being_saved(ckpt_dir: Path) -> str | None:
+    """The checkpoint being written now (its directory ends in .partial), if any."""
+    partial = [p.name for p in ckpt_dir.glob("*.partial")]
+    return partial[0].removesuffix(".partial") if partial else None
+
+
+def _kill_twice(command: list[str], out: Path) -> tuple[str, float]:
+    """Run ``command``; SIGKILL rank 1 mid-run, then rank 0 while a checkpoint is being
+    written. Returns the run's stdout, after checking it ended well, and the seconds from the
+    first kill to the first step logged after it."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait(lambda: _last_step(out) >= KILL_AT_STEP)
+    killed = _kill(proc.pid, 1)
+    _wait(lambda: _last_step(out) < KILL_AT_STEP)  # resumed: later lines dropped
+    _wait(lambda: _last_step(out) > 8)  # the first step trained again after step 8
+    back_after = time.monotonic() - killed
+    saving: list[str] = []
+    _wait(lambda: (name := _being_saved(out / "checkpoints")) and not saving.append(name))
+    _kill(proc.pid, 0)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert stdout.count("resumed from") == 2, stdout  # one resume per kill
+    assert f"{saving[0]} at step" not in stdout  # the save cut short is never resumed from
+    return stdout, back_after
+
+
+def test_max_restarts_resumes_exactly_after_two_kills(
+    tmp_path: Path, uninterrupted: dict[int, float]
+) -> None:
+    command = [*MAIN, "train", *RUN, "--max-restarts", "2", "--out-dir", str(tmp_path)]
+    _, back_after = _kill_twice(command, tmp_path)
+    assert _losses(tmp_path) == uninterrupted  # bit-identical: same data, moments and RNG
+    print(f"--max-restarts: first resumed step logged {back_after:.1f} s after the kill")
+
+
+def test_torchrun_recipe_resumes_exactly_after_two_kills(
+    tmp_path: Path, uninterrupted: dict[int, float], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    command = [*TORCHRUN, "-m", "flatshard.cli.main", "train", *RUN, "--resume", "auto"]
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # the README says why
+    _, back_after = _kill_twice([*command, "--out-dir", str(tmp_path)], tmp_path)
+    assert _losses(tmp_path) == uninterrupted
+    print(f"torchrun: first resumed step logged {back_after:.1f} s after the kill")
+
+
+def test_two_torchrun_agents_as_two_nodes(tmp_path: Path) -> None:
+    """Multi-node as torchrun runs it, two agents on this host (``--nnodes 2``)."""
+    with socket.socket() as probe:  # a free port for the rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"]
+    agent += ["--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-id", "two-nodes"]
+    agent += ["--rdzv-endpoint", f"127.0.0.1:{port}", "-m", "flatshard.cli.main", "train"]
+    agent += [*TINY, "--steps", "4", "--sample-bytes", "0", "--out-dir", str(tmp_path)]
+    agents = [
+        subprocess.Popen(agent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outputs = [a.communicate(timeout=300) for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], outputs
+    assert "2 ranks (gloo, FULL_SHARD)" in "".join(out for out, _ in outputs)
+    assert sorted(_losses(tmp_path)) == [1, 2, 3, 4]
