@@ -20,6 +20,7 @@ from flatshard._export import export_checkpoint, export_safetensors
 from flatshard._grad_scaler import ShardedGradScaler
 from flatshard._hooks import register_entry_point, set_prefetch
 from flatshard._init import InitOptions, init_weights
+from flatshard._load import load_safetensors
 from flatshard._mesh import ShardingStrategy
 from flatshard._mixed_precision import CPUOffload, MixedPrecision
 from flatshard._no_sync import no_sync
@@ -30,6 +31,7 @@ from flatshard._optim_state import (
 )
 from flatshard._policy import SizePolicy
 from flatshard._prefetch import BackwardPrefetch, Prefetch
+from flatshard._skip_init import skip_init
 from flatshard._state_dict import (
     RowShard,
     full_state_dict,
@@ -68,6 +70,7 @@ __all__ = [
     "init_weights",
     "load_checkpoint",
     "load_optim_state_dict",
+    "load_safetensors",
     "load_state_dict",
     # during training
     "no_sync",
@@ -80,5 +83,6 @@ __all__ = [
     "sharded_state_dict",
     # reports (their types: flatshard.report)
     "sharding_summary",
+    "skip_init",
     "summon_full_params",
 ]

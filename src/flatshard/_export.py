@@ -43,7 +43,9 @@ def export_safetensors(
 
     Rank 0 of the model's group writes; at most one flat parameter group is gathered at a time.
     ``dtype``: cast floating-point tensors (e.g. ``torch.bfloat16``); default as stored.
-    Returns the files written (on rank 0; ``[]`` elsewhere).
+    A Hugging Face model also gets its ``config.json`` (and ``generation_config.json``), so
+    ``from_pretrained(out_dir)`` loads the result: this is ``save_pretrained`` for a sharded
+    model. Returns the files written (on rank 0; ``[]`` elsewhere).
     """
     keep = rank_in(model_group(model)) == 0
     state = plain_state_dict(model)
@@ -67,7 +69,23 @@ def export_safetensors(
     for key in order:
         if key not in written:
             _write(writer, key, state[key].detach(), dtype)
-    return writer.finish() if writer is not None else []
+    if writer is None:
+        return []
+    return writer.finish() + _write_hugging_face_configs(model, Path(out_dir))
+
+
+def _write_hugging_face_configs(model: nn.Module, out_dir: Path) -> list[str]:
+    """``config.json`` and ``generation_config.json`` of a transformers model, if it is one."""
+    written = []
+    for attribute, file in (
+        ("config", "config.json"),
+        ("generation_config", "generation_config.json"),
+    ):
+        config = getattr(model, attribute, None)
+        if callable(getattr(config, "save_pretrained", None)):
+            config.save_pretrained(out_dir)  # type: ignore[union-attr]
+            written.append(str(out_dir / file))
+    return written
 
 
 def _write_order(model: nn.Module, state: dict[str, torch.Tensor]) -> list[str]:

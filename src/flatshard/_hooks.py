@@ -144,7 +144,9 @@ def _refuse_partial_state_dict(unit: Unit, module: nn.Module, *unused: Any) -> N
         "it would write a truncated model. Use flatshard.full_state_dict(model) (full "
         "tensors, kept on rank 0), flatshard.sharded_state_dict(model) or "
         "flatshard.save_checkpoint(path, model, optim), or call state_dict() inside "
-        "flatshard.summon_full_params(model)."
+        "flatshard.summon_full_params(model). For save_pretrained use "
+        "flatshard.export_safetensors(model, dir): it writes the full model and its config "
+        "for from_pretrained."
     )
 
 

@@ -44,6 +44,7 @@ from flatshard._prefetch import (
 )
 from flatshard._profiling import traced
 from flatshard._ranks import global_rank, join_name
+from flatshard._skip_init import check_loaded
 
 if TYPE_CHECKING:
     from flatshard._step import StepContext
@@ -100,6 +101,8 @@ class Unit:
         self.state = TrainingState.IDLE
         self.expects_backward = False  # a forward with grad ran: every rank must reduce
         self.pending_input_grads = 0  # forwards whose inputs' gradients are still to come
+        # (name, tensor) left to flatshard.load_safetensors by skip_init (see _skip_init.py)
+        self.awaiting_load: list[tuple[str, torch.Tensor]] = []
 
     # ------------------------------------------------------------------ identity
     @property
@@ -206,6 +209,8 @@ class Unit:
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         with traced(f"pre_forward {self.label}"):
             if self.state is not TrainingState.BACKWARD:
+                if self.awaiting_load:
+                    check_loaded(self.label, self.awaiting_load)
                 check_requires_grad(self)
                 if self.is_root:
                     self.context.check_unchanged()

@@ -29,6 +29,7 @@ from flatshard._policy import AutoWrapPolicy, is_within, select_unit_roots
 from flatshard._prefetch import Prefetch
 from flatshard._ranks import join_name
 from flatshard._rate_limiter import DEFAULT_LIMIT, RateLimiter
+from flatshard._skip_init import awaits_load, mark_awaiting
 from flatshard._step import CONTEXT_ATTR, StepContext, context_of
 from flatshard._unit import Unit, UnitConfig, unit_of
 
@@ -188,7 +189,18 @@ def _build_unit(plan: UnitPlan, build: _UnitBuild, rank: int) -> Unit | None:
         flat.load_shard()
     if not flat_params:
         return None
-    return Unit(plan.module, plan.fqn, flat_params, plan.modules, build.config)
+    unit = Unit(plan.module, plan.fqn, flat_params, plan.modules, build.config)
+    unit.awaiting_load = _awaiting_load(plan)
+    return unit
+
+
+def _awaiting_load(plan: UnitPlan) -> list[tuple[str, torch.Tensor]]:
+    """The unit's tensors ``skip_init`` left for ``load_safetensors`` (see _skip_init.py)."""
+    named: list[tuple[str, torch.Tensor | None]] = [(o.fqn, o.param) for o in plan.originals]
+    named += [
+        (join_name(m, b), t) for m, module in plan.modules for b, t in module._buffers.items()
+    ]
+    return [(name, t) for name, t in named if t is not None and awaits_load(t)]
 
 
 def _split_by_compute_dtype(
@@ -213,7 +225,9 @@ def _cast_buffers(plan: UnitPlan, dtype: torch.dtype | None) -> None:
     for _, module in plan.modules:
         for name, buf in module._buffers.items():
             if buf is not None and buf.is_floating_point():
-                module._buffers[name] = buf.to(dtype)
+                module._buffers[name] = cast = buf.to(dtype)
+                if awaits_load(buf):
+                    mark_awaiting(cast)
 
 
 def _prepare(plan: UnitPlan, build: _UnitBuild, rank: int) -> None:

@@ -1,0 +1,72 @@
+"""``flatshard.skip_init``: allocate a unit's tensors now, fill them from a checkpoint later.
+
+[Note: tensors awaiting a load]
+Fine-tuning starts from pretrained weights, so initializing them first is wasted work, and
+some modules cannot initialize themselves on the meta device at all (transformers'
+RMSNorm has no ``reset_parameters``). As ``param_init_fn``, ``skip_init`` zero-fills the
+module's own parameters and persistent buffers (zeros, not garbage, so nothing reads
+uninitialized memory) and marks each as awaiting a load. ``flatshard.load_safetensors``
+clears the mark of every tensor it writes; a unit's forward raises while any tensor of it
+is still marked, so a forgotten or partial load cannot train silently on zeros. A
+non-persistent buffer (e.g. rotary frequencies) is in no checkpoint, so it cannot be left
+for a load: ``skip_init`` refuses its module.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+_MARK = "_flatshard_awaits_load"
+
+
+def skip_init(module: nn.Module) -> None:
+    """A ``param_init_fn`` that leaves the module's values to ``flatshard.load_safetensors``.
+
+    ``fully_shard(model, param_init_fn=flatshard.skip_init)`` on a model built under
+    ``torch.device("meta")`` allocates each unit's shards without initializing them; the
+    model refuses to run forward until ``load_safetensors`` has filled every tensor.
+    """
+    transient = [
+        n for n in module._non_persistent_buffers_set if module._buffers.get(n) is not None
+    ]
+    if transient:
+        raise ValueError(
+            f"flatshard.skip_init: {type(module).__name__} holds non-persistent buffer(s) "
+            f"{', '.join(repr(n) for n in sorted(transient))}, which no checkpoint holds, so "
+            "they cannot be left for load_safetensors. Build that module outside the meta "
+            "device (e.g. re-create it after building the model under meta), or pass a "
+            "param_init_fn that computes them for it."
+        )
+    own = [*module._parameters.values(), *module._buffers.values()]
+    for tensor in own:
+        if tensor is not None:
+            with torch.no_grad():
+                tensor.zero_()
+            mark_awaiting(tensor)
+
+
+def mark_awaiting(tensor: torch.Tensor) -> None:
+    setattr(tensor, _MARK, True)
+
+
+def awaits_load(tensor: torch.Tensor) -> bool:
+    return bool(getattr(tensor, _MARK, False))
+
+
+def mark_loaded(tensor: torch.Tensor) -> None:
+    if awaits_load(tensor):
+        delattr(tensor, _MARK)
+
+
+def check_loaded(unit_label: str, awaiting: list[tuple[str, torch.Tensor]]) -> None:
+    """Drop loaded tensors from ``awaiting`` (in place); raise if any is left."""
+    awaiting[:] = [(name, t) for name, t in awaiting if awaits_load(t)]
+    if awaiting:
+        names = ", ".join(repr(name) for name, _ in awaiting[:6])
+        more = f" and {len(awaiting) - 6} more" if len(awaiting) > 6 else ""
+        raise RuntimeError(
+            f"flatshard: unit '{unit_label}' was sharded with param_init_fn=flatshard.skip_init "
+            f"and {len(awaiting)} of its tensors were never loaded ({names}{more}): they hold "
+            "zeros. Call flatshard.load_safetensors(model, path) before the first forward."
+        )

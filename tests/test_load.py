@@ -1,0 +1,200 @@
+"""Sharded loading from safetensors (``flatshard.load_safetensors``, ``flatshard.skip_init``).
+
+A model built on the meta device and sharded with ``skip_init`` loads a checkpoint written
+by an unsharded model (several files and an index, tied weights stored once): at world
+sizes 2 and 3 its full state dict and its logits equal the unsharded model's, and while
+loading a rank holds no more than the largest tensor's rows beyond its shard.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+import flatshard
+from flatshard.testing.accounting import PeakStorage
+from flatshard.testing.models import TinyGPT
+from flatshard.testing.workers import WorkerContext, WorkerPool
+
+SEED = 3
+
+
+def _reference() -> TinyGPT:
+    torch.manual_seed(SEED)
+    return TinyGPT(vocab=41, dim=16, heads=2, layers=3)  # its causal masks: persistent buffers
+
+
+def write_checkpoint(directory: Path) -> None:
+    """The reference model's state dict in two files and an index; the tied head once."""
+    state = {k: v.clone() for k, v in _reference().state_dict().items() if k != "head.weight"}
+    names = sorted(state)
+    halves = {"model-00001-of-00002.safetensors": names[::2]}
+    halves["model-00002-of-00002.safetensors"] = names[1::2]
+    weight_map = {}
+    for file, keys in halves.items():
+        save_file({k: state[k] for k in keys}, str(directory / file))
+        weight_map.update(dict.fromkeys(keys, file))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _meta_sharded(ctx: WorkerContext, world: int) -> nn.Module | None:
+    group = ctx.group(world)
+    if group is None:
+        return None
+    with torch.device("meta"):
+        model = TinyGPT(vocab=41, dim=16, heads=2, layers=3)
+    return flatshard.fully_shard(
+        model,
+        auto_wrap_policy=set(TinyGPT.UNIT_CLASSES),
+        process_group=group,
+        param_init_fn=flatshard.skip_init,
+        device="cpu",
+    )
+
+
+def load_job(ctx: WorkerContext, world: int, directory: str) -> dict[str, Any] | None:
+    model = _meta_sharded(ctx, world)
+    if model is None:
+        return None
+    idx = torch.randint(0, 41, (2, 9), generator=torch.Generator().manual_seed(0))
+    try:
+        model(idx)
+        refused = ""
+    except RuntimeError as error:
+        refused = str(error)
+    shard = sum(p.numel() * p.element_size() for p in model.parameters())
+    with PeakStorage() as peak:
+        flatshard.load_safetensors(model, directory)
+    largest_rows = max(p.numel() * p.element_size() for p in model.parameters())
+    full = flatshard.full_state_dict(model)
+    with torch.no_grad():
+        logits = model(idx)
+    return {
+        "refused": refused,
+        "peak": peak.peak,
+        "largest_rows": largest_rows,
+        "shard": shard,
+        "full": full,
+        "logits": logits,
+    }
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_load_equals_the_unsharded_model(pool: WorkerPool, tmp_path: Path, world: int) -> None:
+    write_checkpoint(tmp_path)
+    reference = _reference()
+    idx = torch.randint(0, 41, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = reference(idx)
+    results = pool.run(load_job, world, str(tmp_path))[:world]
+    for rank, result in enumerate(results):
+        assert "was sharded with param_init_fn=flatshard.skip_init" in result["refused"]
+        assert "Call flatshard.load_safetensors(model, path)" in result["refused"]
+        if rank == 0:
+            for key, value in reference.state_dict().items():
+                assert torch.equal(result["full"][key], value), key
+        torch.testing.assert_close(result["logits"], expected, rtol=1e-6, atol=0)
+        # One tensor's rows in flight at a time, beyond the shard itself.
+        assert result["peak"] <= result["largest_rows"] + 1024, result
+
+
+def bad_checkpoint_job(ctx: WorkerContext, directory: str) -> str | None:
+    model = _meta_sharded(ctx, 2)
+    if model is None:
+        return None
+    try:
+        flatshard.load_safetensors(model, directory)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_every_entry_that_does_not_fit_is_one_error(pool: WorkerPool, tmp_path: Path) -> None:
+    state = {k: v.clone() for k, v in _reference().state_dict().items() if k != "head.weight"}
+    del state["blocks.0.attn.qkv.weight"]
+    state["tok.weight"] = torch.zeros(40, 16)
+    state["extra.weight"] = torch.zeros(2)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    for message in pool.run(bad_checkpoint_job, str(tmp_path))[:2]:
+        assert "3 entries do not fit the model" in message, message
+        assert "'tok.weight': the file holds shape (40, 16), the model (41, 16)" in message
+        assert "'blocks.0.attn.qkv.weight': missing from the checkpoint" in message
+        assert "'extra.weight': in the checkpoint, not in the model" in message
+
+
+LLAMA = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
+
+
+def llama_job(ctx: WorkerContext, world: int, directory: str) -> dict[str, Any] | None:
+    """The README's recipe: build on meta, re-create the rotary embedding (non-persistent
+    buffers, in no checkpoint) on the real device, shard with skip_init, load."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    group = ctx.group(world)
+    if group is None:
+        return None
+    config = LlamaConfig(**LLAMA)
+    options: dict[str, Any] = {"auto_wrap_policy": {LlamaDecoderLayer}, "process_group": group}
+    options |= {"param_init_fn": flatshard.skip_init, "device": "cpu"}
+    with torch.device("meta"):
+        as_is = LlamaForCausalLM(config)
+    try:
+        flatshard.fully_shard(as_is, **options)
+        refused = ""
+    except ValueError as error:
+        refused = str(error)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.model.rotary_emb = LlamaRotaryEmbedding(config=config)
+    flatshard.fully_shard(model, **options)
+    flatshard.load_safetensors(model, directory)
+    with torch.no_grad():
+        logits = model(torch.arange(12).reshape(2, 6)).logits
+    try:
+        model.save_pretrained(f"{directory}/plain-{world}")
+        plain = "no error"
+    except RuntimeError as error:
+        plain = str(error)
+    exported = f"{directory}/export-{world}"
+    flatshard.export_safetensors(model, exported)
+    reloaded = None
+    if ctx.rank == 0:
+        with torch.no_grad():
+            reloaded = LlamaForCausalLM.from_pretrained(exported)(torch.arange(12).reshape(2, 6))
+    return {"refused": refused, "logits": logits, "plain": plain, "reloaded": reloaded}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_hugging_face_llama_loads_from_save_pretrained(
+    pool: WorkerPool, tmp_path: Path, world: int
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(SEED)
+    reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
+    reference.save_pretrained(tmp_path, max_shard_size="20KB")  # several files and an index
+    assert len(list(tmp_path.glob("*.safetensors"))) > 2
+    with torch.no_grad():
+        expected = reference(torch.arange(12).reshape(2, 6)).logits
+    results = pool.run(llama_job, world, str(tmp_path))[:world]
+    for result in results:
+        assert "holds non-persistent buffer(s) 'inv_freq', 'original_inv_freq'" in result["refused"]
+        torch.testing.assert_close(result["logits"], expected, rtol=1e-6, atol=0)
+        assert "For save_pretrained use flatshard.export_safetensors" in result["plain"]
+    # export_safetensors is save_pretrained for a sharded model: from_pretrained loads it.
+    assert torch.equal(results[0]["reloaded"].logits, expected)
