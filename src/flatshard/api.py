@@ -132,6 +132,10 @@ def fully_shard(
                 context.add(unit)
                 install(unit)
         module.__dict__[CONTEXT_ATTR] = context
+        # transformers keeps ranks decoding in step (generate's synced_gpus) for modules
+        # marked so, as FSDP2's integration marks them: a rank that stops early keeps
+        # running forwards, and the units' all-gathers stay paired.
+        module.__dict__["_is_fsdp_managed_module"] = True
         return module
 
 

@@ -1,0 +1,114 @@
+"""Hugging Face models end to end: a Llama saved with ``save_pretrained`` loads into a
+meta-built sharded model (``load_safetensors``), exports back for ``from_pretrained``
+(``export_safetensors``), and ``generate`` works when ranks stop at different lengths."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import flatshard
+from flatshard.testing.workers import WorkerContext, WorkerPool
+
+transformers = pytest.importorskip("transformers")
+
+SEED = 3
+
+
+LLAMA = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
+
+
+def llama_job(ctx: WorkerContext, world: int, directory: str) -> dict[str, Any] | None:
+    """The README's recipe: build on meta, re-create the rotary embedding (non-persistent
+    buffers, in no checkpoint) on the real device, shard with skip_init, load."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    group = ctx.group(world)
+    if group is None:
+        return None
+    config = LlamaConfig(**LLAMA)
+    options: dict[str, Any] = {"auto_wrap_policy": {LlamaDecoderLayer}, "process_group": group}
+    options |= {"param_init_fn": flatshard.skip_init, "device": "cpu"}
+    with torch.device("meta"):
+        as_is = LlamaForCausalLM(config)
+    try:
+        flatshard.fully_shard(as_is, **options)
+        refused = ""
+    except ValueError as error:
+        refused = str(error)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.model.rotary_emb = LlamaRotaryEmbedding(config=config)
+    flatshard.fully_shard(model, **options)
+    flatshard.load_safetensors(model, directory)
+    with torch.no_grad():
+        logits = model(torch.arange(12).reshape(2, 6)).logits
+    try:
+        model.save_pretrained(f"{directory}/plain-{world}")
+        plain = "no error"
+    except RuntimeError as error:
+        plain = str(error)
+    exported = f"{directory}/export-{world}"
+    flatshard.export_safetensors(model, exported)
+    reloaded = None
+    if ctx.rank == 0:
+        with torch.no_grad():
+            reloaded = LlamaForCausalLM.from_pretrained(exported)(torch.arange(12).reshape(2, 6))
+    return {"refused": refused, "logits": logits, "plain": plain, "reloaded": reloaded}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_hugging_face_llama_loads_from_save_pretrained(
+    pool: WorkerPool, tmp_path: Path, world: int
+) -> None:
+    torch.manual_seed(SEED)
+    reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
+    reference.save_pretrained(tmp_path, max_shard_size="20KB")  # several files and an index
+    assert len(list(tmp_path.glob("*.safetensors"))) > 2
+    with torch.no_grad():
+        expected = reference(torch.arange(12).reshape(2, 6)).logits
+    results = pool.run(llama_job, world, str(tmp_path))[:world]
+    for result in results:
+        assert "holds non-persistent buffer(s) 'inv_freq', 'original_inv_freq'" in result["refused"]
+        torch.testing.assert_close(result["logits"], expected, rtol=1e-6, atol=0)
+        assert "For save_pretrained use flatshard.export_safetensors" in result["plain"]
+    # export_safetensors is save_pretrained for a sharded model: from_pretrained loads it.
+    assert torch.equal(results[0]["reloaded"].logits, expected)
+
+
+def generate_job(ctx: WorkerContext, directory: str) -> list[int]:
+    from transformers import LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    group = ctx.group(ctx.world_size)  # transformers syncs over the default group: the world
+    assert group is not None
+    model = LlamaForCausalLM.from_pretrained(directory)
+    flatshard.fully_shard(model, auto_wrap_policy={LlamaDecoderLayer}, process_group=group)
+    prompt = torch.arange(4).reshape(1, 4) + 3 * ctx.rank
+    # Rank 0 stops after 2 new tokens, rank 1 after 4, ...: transformers keeps the ranks
+    # that are done running forwards (synced_gpus) until the last is, since fully_shard
+    # marks the model.
+    out = model.generate(prompt, max_new_tokens=2 + 2 * ctx.rank, do_sample=False)
+    return [int(t) for t in out[0]]
+
+
+def test_generate_with_different_stop_lengths_per_rank(pool: WorkerPool, tmp_path: Path) -> None:
+    torch.manual_seed(SEED)
+    reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
+    reference.save_pretrained(tmp_path)
+    for rank, tokens in enumerate(pool.run(generate_job, str(tmp_path))):
+        prompt = torch.arange(4).reshape(1, 4) + 3 * rank
+        expected = reference.generate(prompt, max_new_tokens=2 + 2 * rank, do_sample=False)
+        assert tokens == [int(t) for t in expected[0]], rank
