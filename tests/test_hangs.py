@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -120,15 +121,16 @@ def test_clip_on_one_rank_is_reported_on_every_rank() -> None:
         assert "rank 0: waiting" in message and "(step 1, forward): all_gather" in message
 
 
-@pytest.mark.parametrize("call", ["summon_full_params", "full_state_dict"])
-def test_a_call_on_rank_0_only_never_reaches_gloo(call: str) -> None:
-    """Before: rank 0 died with SIGABRT inside gloo (mismatched sizes)."""
-    for message in _all_raised(run_isolated(rank0_only_job, call), "CollectiveTimeoutError"):
+@pytest.mark.parametrize("call", ["summon_full_params", "full_state_dict", "save_checkpoint"])
+def test_a_call_on_rank_0_only_never_reaches_gloo(call: str, tmp_path: Path) -> None:
+    """Before: rank 0 died with SIGABRT inside gloo (mismatched sizes), or hung."""
+    outcomes = run_isolated(rank0_only_job, call, str(tmp_path))
+    for message in _all_raised(outcomes, "CollectiveTimeoutError"):
         assert "rank 0: waiting" in message and f"{call} at step 1" in message
         assert "rank 1: waiting" in message
 
 
-def rank0_only_job(rank: int, call: str) -> tuple[str, str, float]:
+def rank0_only_job(rank: int, call: str, directory: str) -> tuple[str, str, float]:
     model = _net()
 
     def run() -> None:
@@ -137,8 +139,10 @@ def rank0_only_job(rank: int, call: str) -> tuple[str, str, float]:
             if call == "summon_full_params":
                 with flatshard.summon_full_params(model):
                     pass
-            else:
+            elif call == "full_state_dict":
                 flatshard.full_state_dict(model)
+            else:
+                flatshard.save_checkpoint(f"{directory}/step_1", model)
         _step(model)
 
     return _outcome(run)
@@ -167,25 +171,28 @@ def test_a_rank_with_one_batch_more_is_told_the_others_ran_out() -> None:
     assert "ran out of batches" in message and "drop_last=True" in message
 
 
-def killed_job(rank: int) -> tuple[str, str, float]:
+def dying_job(rank: int, how: str, world: int) -> tuple[str, str, float]:
     model = _net()
 
     def run() -> None:
         _step(model)
-        if rank == 1:
-            os._exit(3)  # dies like an OOM kill, mid-training
+        if rank == world - 1:
+            if how == "killed":
+                os._exit(3)  # dies like an OOM kill, mid-training
+            raise ValueError("a data error on the last rank")  # the process then ends
         _step(model)
 
     return _outcome(run)
 
 
-def test_a_rank_that_dies_is_named_by_the_survivor() -> None:
-    survivor, dead = run_isolated(killed_job)
-    assert dead == Died(3)
-    name, message, seconds = survivor
-    assert name == "PeerLostError" and seconds < LIMIT_S, message
-    assert "a peer left while rank 0 waited for collective #" in message
-    assert "rank 1: no answer (the process is gone" in message
+@pytest.mark.parametrize(("how", "world"), [("killed", 2), ("raises", 2), ("killed", 3)])
+def test_a_rank_that_dies_is_named_by_the_survivors(how: str, world: int) -> None:
+    *survivors, dead = run_isolated(dying_job, how, world, world_size=world)
+    assert dead == Died(3 if how == "killed" else 1)
+    for rank, (name, message, seconds) in enumerate(survivors):
+        assert name == "PeerLostError" and seconds < LIMIT_S, message
+        assert f"a peer left while rank {rank} waited for collective #" in message
+        assert f"rank {world - 1}: no answer (the process is gone" in message
 
 
 def moe_unequal_job(rank: int) -> tuple[str, str, float]:

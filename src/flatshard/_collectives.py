@@ -115,7 +115,7 @@ def all_reduce(
     flags live on the CPU.
     """
     sent = tensor
-    if tensor.device.type == "cpu" and not _has_cpu_backend(group):
+    if tensor.device.type == "cpu" and not has_cpu_backend(group):
         sent = tensor.to(_accelerator())
     launch = partial(_ALL_REDUCE, sent, op=op, group=group, async_op=True)
     wait_work(_issue(group, "all_reduce", sent, tag, launch))
@@ -123,7 +123,8 @@ def all_reduce(
         tensor.copy_(sent)
 
 
-def _has_cpu_backend(group: dist.ProcessGroup) -> bool:
+def has_cpu_backend(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` can communicate CPU tensors (gloo can; NCCL alone cannot)."""
     try:
         group._get_backend(torch.device("cpu"))
     except RuntimeError:

@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from flatshard._checks import Tag, tagged
+from flatshard._collectives import has_cpu_backend
 from flatshard._consistency import check_same_on_all_ranks, structure_lines, value_lines
 from flatshard._flat_param import FlatParamGroup, OriginalParam, Placement
 from flatshard._hooks import install
@@ -99,6 +100,7 @@ def fully_shard(
         rank = dist.get_rank()
         _check_not_sharded(module, rank)
         target = _target_device(module, device, rank)
+        _check_backend_reaches(target, group, rank)
         earlier = _earlier_contexts(module)
         _check_inherited_precision(earlier, mixed_precision, rank)
         unit_names = select_unit_roots(module, auto_wrap_policy, skip=earlier.keys())
@@ -273,6 +275,22 @@ def _target_device(
     if real:
         return next(iter(real))
     return default_device() if tensors else None
+
+
+def _check_backend_reaches(
+    target: torch.device | None, group: dist.ProcessGroup, rank: int
+) -> None:
+    """A model that stays on the CPU over a group with no CPU backend (NCCL) is an error."""
+    if target is None or target.type != "cpu" or group.size() == 1:
+        return  # at one rank nothing is communicated
+    if not has_cpu_backend(group):
+        raise ValueError(
+            f"flatshard.fully_shard: the model is on the CPU (rank {rank}) but the process "
+            f"group's backend ({dist.get_backend(group)}) cannot communicate CPU tensors. "
+            "Pass device='cuda' (each unit is moved there as it is sharded), move the model "
+            "to the GPU first, or init_process_group('cpu:gloo,cuda:nccl') to keep it on "
+            "the CPU."
+        )
 
 
 def _strategy_line(
