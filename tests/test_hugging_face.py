@@ -112,3 +112,33 @@ def test_generate_with_different_stop_lengths_per_rank(pool: WorkerPool, tmp_pat
         prompt = torch.arange(4).reshape(1, 4) + 3 * rank
         expected = reference.generate(prompt, max_new_tokens=2 + 2 * rank, do_sample=False)
         assert tokens == [int(t) for t in expected[0]], rank
+
+
+def test_train_fine_tunes_from_pretrained_weights(tmp_path: Path) -> None:
+    """``flatshard train --model hf:<dir> --init pretrained --freeze ...``: the sharded load
+    starts from the checkpoint's weights (a learning rate of 1e-12 keeps them), the frozen
+    embedding is untouched, and the export loads with ``from_pretrained``."""
+    import subprocess
+    import sys
+
+    torch.manual_seed(SEED)
+    config = transformers.LlamaConfig(**{**LLAMA, "vocab_size": 300})
+    pretrained = transformers.LlamaForCausalLM(config)
+    pretrained.save_pretrained(tmp_path / "pretrained", max_shard_size="40KB")
+    out = tmp_path / "run"
+    argv = ["--model", f"hf:{tmp_path / 'pretrained'}", "--init", "pretrained"]
+    argv += ["--freeze", "model.embed_tokens.*", "--steps", "2", "--lr", "1e-12"]
+    argv += ["--min-lr", "0", "--seq-len", "16", "--batch", "2", "--sample-bytes", "0"]
+    done = subprocess.run(
+        [sys.executable, "-m", "flatshard.cli.main", "train", *argv, "--out-dir", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "pretrained weights" in done.stdout
+    tuned = transformers.LlamaForCausalLM.from_pretrained(out / "hf_model")
+    before, after = pretrained.state_dict(), tuned.state_dict()
+    assert torch.equal(after["model.embed_tokens.weight"], before["model.embed_tokens.weight"])
+    for key, value in before.items():
+        torch.testing.assert_close(after[key], value, rtol=0, atol=1e-9)

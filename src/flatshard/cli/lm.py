@@ -6,6 +6,8 @@ asked for logits the same way; the unit policy is the transformer block class.
 
 from __future__ import annotations
 
+import contextlib
+import fnmatch
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -13,6 +15,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+import flatshard
 from flatshard.cli.config import ConfigError
 from flatshard.cli.data import VOCAB
 from flatshard.cli.train_config import TrainConfig
@@ -27,13 +30,31 @@ class LanguageModel:
     unit_classes: set[type[nn.Module]]
     description: str
     logits: Callable[[nn.Module, torch.Tensor], torch.Tensor]  # (B, T) ids -> (B, T, V)
+    # --init pretrained: the module is on meta; fully_shard it with ``param_init_fn``, then
+    # load the safetensors in ``weights``.
+    weights: str | None = None
+    param_init_fn: Callable[[nn.Module], None] | None = None
 
 
 def build_language_model(config: TrainConfig) -> LanguageModel:
     torch.manual_seed(config.seed)
-    if config.model.startswith("hf:"):
-        return _hugging_face(config)
-    return _gpt(config)
+    lm = _hugging_face(config) if config.model.startswith("hf:") else _gpt(config)
+    freeze(lm.module, config.freeze)
+    return lm
+
+
+def freeze(model: nn.Module, patterns: str) -> None:
+    """``requires_grad=False`` for parameters whose names match a pattern (fnmatch)."""
+    wanted = [p.strip() for p in patterns.split(",") if p.strip()]
+    names = [name for name, _ in model.named_parameters()]
+    for pattern in wanted:
+        if not fnmatch.filter(names, pattern):
+            raise ConfigError(f"--freeze: {pattern!r} matches no parameter (e.g. {names[0]!r})")
+    for name, param in model.named_parameters():
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in wanted):
+            param.requires_grad_(False)
+    if wanted and not any(p.requires_grad for p in model.parameters()):
+        raise ConfigError(f"--freeze {patterns!r} freezes every parameter: nothing to train")
 
 
 def _gpt(config: TrainConfig) -> LanguageModel:
@@ -77,14 +98,43 @@ def _transformers() -> Any:
 def _hugging_face(config: TrainConfig) -> LanguageModel:
     transformers = _transformers()
     hf_config = _hf_config(transformers, config)
-    model = cast(nn.Module, transformers.AutoModelForCausalLM.from_config(hf_config))
+    pretrained = config.init == "pretrained"
+    with torch.device("meta") if pretrained else contextlib.nullcontext():
+        model = cast(nn.Module, transformers.AutoModelForCausalLM.from_config(hf_config))
     if config.checkpoint_activations:
         cast(Any, model).gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False}
         )
     block = block_class(model)
     description = f"{type(model).__name__} from {config.model[3:]} (units: {block.__name__})"
-    return LanguageModel(model, {block}, description, _call_hf_model)
+    lm = LanguageModel(model, {block}, description, _call_hf_model)
+    if pretrained:
+        lm.weights, lm.param_init_fn = config.model[3:], _pretrained_init(hf_config)
+        lm.description += ", pretrained weights"
+    return lm
+
+
+def _pretrained_init(hf_config: Any) -> Callable[[nn.Module], None]:
+    """``skip_init`` (the weights come from the checkpoint), except for modules holding
+    non-persistent buffers (rotary frequencies: in no checkpoint), which are built afresh
+    from the config and give their buffers."""
+
+    def init(module: nn.Module) -> None:
+        if not module._non_persistent_buffers_set:
+            flatshard.skip_init(module)
+            return
+        try:
+            with torch.device("cpu"):
+                fresh = type(module)(config=hf_config)
+        except TypeError as error:
+            raise ConfigError(
+                f"--init pretrained: cannot rebuild {type(module).__name__} for its "
+                f"non-persistent buffers: {error}"
+            ) from None
+        for name, buffer in module.named_buffers(recurse=False):
+            buffer.copy_(fresh.get_buffer(name))
+
+    return init
 
 
 def _hf_config(transformers: Any, config: TrainConfig) -> Any:
@@ -99,6 +149,13 @@ def _hf_config(transformers: Any, config: TrainConfig) -> Any:
     except (OSError, ValueError) as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ConfigError(f"--model {config.model}: {first}") from None
+    if config.init == "pretrained":  # the checkpoint's vocabulary; byte ids are some of it
+        if hf_config.vocab_size < VOCAB:
+            raise ConfigError(
+                f"--init pretrained: the vocabulary ({hf_config.vocab_size}) has fewer "
+                f"than {VOCAB} ids: the byte data would not fit"
+            )
+        return hf_config
     hf_config.vocab_size = VOCAB
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         value = getattr(hf_config, name, None)

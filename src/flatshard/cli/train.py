@@ -263,7 +263,19 @@ def _shard(lm: LanguageModel, config: TrainConfig, device: torch.device) -> nn.M
         options["sharding_factor"] = config.sharding_factor
     if low is not None:
         options["mixed_precision"] = flatshard.MixedPrecision(low, reduce_dtype=torch.float32)
-    return flatshard.fully_shard(lm.module.to(device), auto_wrap_policy=lm.unit_classes, **options)
+    if lm.weights is None:
+        return flatshard.fully_shard(
+            lm.module.to(device), auto_wrap_policy=lm.unit_classes, **options
+        )
+    model = flatshard.fully_shard(
+        lm.module,  # on meta: each unit is allocated on ``device`` and filled by the load
+        auto_wrap_policy=lm.unit_classes,
+        param_init_fn=lm.param_init_fn,
+        device=device,
+        **options,
+    )
+    flatshard.load_safetensors(model, lm.weights)
+    return model
 
 
 def _optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
@@ -356,8 +368,14 @@ def _finish(trainer: Trainer, out: Path) -> None:
     """Held-out loss, a text sample, the plot (collectives first, then rank 0 prints)."""
     val = trainer.val_loss()
     text = trainer.sample(trainer.config.sample_bytes) if trainer.config.sample_bytes else ""
+    exported = None
+    if trainer.config.model.startswith("hf:"):  # for from_pretrained (config.json included)
+        exported = out / "hf_model"
+        flatshard.export_safetensors(trainer.model, exported)
     if trainer.rank != 0:
         return
+    if exported is not None:
+        print(f"exported for from_pretrained: {exported}")
     print(
         f"held-out loss {val:.4f} nats/byte (unigram entropy {trainer.corpus.unigram_entropy:.3f})"
     )

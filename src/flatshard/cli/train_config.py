@@ -29,6 +29,11 @@ class TrainConfig:
     Hugging Face causal LM built from its config with random weights (needs transformers)"""
     hf_overrides: str = ""
     """comma-separated key=value settings for the Hugging Face config, e.g. 'n_layer=2,n_embd=64'"""
+    init: str = "random"
+    """random | pretrained: start from the weights in --model hf:<dir> (safetensors, loaded
+    sharded: each rank reads only its rows); the model's vocabulary is kept"""
+    freeze: str = ""
+    """comma-separated patterns of parameter names not to train, e.g. 'model.embed_tokens.*'"""
     data: str = ""
     """a UTF-8 text file to train on; empty: the shipped public-domain corpus"""
     nproc: int = 2
@@ -122,6 +127,9 @@ class TrainConfig:
             fail("model", f"must be 'gpt' or 'hf:<config>', got {self.model!r}")
         if self.max_restarts and self.resume not in ("", "auto"):
             fail("max_restarts", f"resumes with --resume auto, not {self.resume!r}")
+        _one_of("init", self.init, ("random", "pretrained"))
+        if self.init == "pretrained" and not self.model.startswith("hf:"):
+            fail("init", "pretrained needs --model hf:<directory with config and weights>")
         if self.hf_overrides and not self.model.startswith("hf:"):
             fail("hf_overrides", "only applies to --model hf:...")
 
