@@ -191,7 +191,8 @@ def test_a_rank_that_dies_is_named_by_the_survivors(how: str, world: int) -> Non
     assert dead == Died(3 if how == "killed" else 1)
     for rank, (name, message, seconds) in enumerate(survivors):
         assert name == "PeerLostError" and seconds < LIMIT_S, message
-        assert f"a peer left while rank {rank} waited for collective #" in message
+        assert "a peer left" in message, message  # seen by this rank, or by another
+        assert f"rank {rank} waited for collective #" in message
         assert f"rank {world - 1}: no answer (the process is gone" in message
 
 

@@ -138,8 +138,7 @@ class Watchdog:
         try:
             while True:
                 if self._requests() > self.seen_requests:
-                    cause = f"flatshard: another rank timed out; rank {self.rank} waited for {what}"
-                    self._diagnose(group, cause)
+                    self._join_diagnosis(group, what)
                 remaining = timeout - (time.monotonic() - start)
                 if remaining <= 0:
                     cause = f"flatshard: {what} did not complete within {timeout:g} s"
@@ -185,7 +184,10 @@ class Watchdog:
     ) -> NoReturn:
         """Ask every rank what it is doing; raise ``error`` with the table on this rank."""
         current = self._requests()
-        generation = current if current > self.seen_requests else int(self.store.add(_REQUESTS, 1))
+        generation = current
+        if current <= self.seen_requests:  # the first to ask: say why, for those who join
+            generation = int(self.store.add(_REQUESTS, 1))
+            self.store.set(f"flatshard/diagnosis/{generation}/cause", error.__name__)
         self._publish(generation)
         ranks = dist.get_process_group_ranks(group)
         statuses = self._collect(generation, ranks)
@@ -198,6 +200,14 @@ class Watchdog:
             "checks every collective across ranks before it is issued."
         )
         raise error(report(cause, group.group_name, ranks, statuses, settings)) from original
+
+    def _join_diagnosis(self, group: dist.ProcessGroup, what: str) -> NoReturn:
+        """Another rank asked: raise its kind of error (a lost peer, or a timeout)."""
+        key = f"flatshard/diagnosis/{self._requests()}/cause"
+        lost = _try_keys(self.store, [key], SLICE_S) and self.store.get(key) == b"PeerLostError"
+        seen = "a peer left" if lost else "another rank timed out"
+        cause = f"flatshard: {seen}; rank {self.rank} waited for {what}"
+        self._diagnose(group, cause, PeerLostError if lost else CollectiveTimeoutError)
 
     def _publish(self, generation: int) -> None:
         waiting = self.waiting
