@@ -7,7 +7,10 @@ turn, one step each: machine drift hits all systems alike (the memory of all of 
 needed at once). "floor" is each rank training alone without communicating:
 the time any data-parallel system adds on top of it is communication it did not hide plus
 its own software overhead. gloo on CPUs; NCCL with one GPU per rank where GPUs are visible
-(``--device``). Peak memory is the resident set on CPU and ``max_memory_allocated`` on GPUs;
+(``--device``). "tensors MiB" is the steady-state peak of tensor memory per rank, tracked
+at the dispatcher in a pass of its own after the timed steps (see [Note: honest memory] in
+``cli/bench_memory.py``): what sharding saves. "peak RSS" (CPU) or
+``max_memory_allocated`` (GPUs) is the process's peak, model building included;
 "comm wait" (flatshard's time blocked on its collectives: exposed communication) is
 measured on CPU only, since on GPUs waiting is the device's, not the CPU's.
 """
@@ -30,6 +33,7 @@ from torch import nn
 
 import flatshard
 from flatshard._collectives import WaitClock, describe
+from flatshard.cli.bench_memory import steady_state_peak
 from flatshard.cli.config import ConfigError, add_config_parser, config_from_args
 from flatshard.cli.devices import init_rank, peak_memory_mib, resolve_device
 from flatshard.models import GPT, GPTBlock
@@ -193,6 +197,7 @@ def _interleaved_round(config: BenchConfig) -> dict[str, dict[str, Any]]:
                     "step_times": times[system.system],
                     "comm_waits": waits[system.system] if answers[0]["waits_measured"] else [],
                     "peak_mem_mib": max(a["peak_mem_mib"] for a in answers),
+                    "tensor_peak_mib": max(a["tensor_peak_mib"] for a in answers),
                 }
         finally:
             for system in systems:
@@ -225,10 +230,7 @@ def _serve(
     inbox: Any,
     answers: Any,
 ) -> dict[str, Any]:
-    torch.manual_seed(0)
-    gpt = GPT(config.vocab, config.dim, config.heads, config.layers, config.seq_len)
-    model = _wrap(gpt.to(device), system, device)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, optim = _build(config, system, device)
     gen = torch.Generator().manual_seed(1 + rank)
     tracker = CollectiveTracker()
     answers.put({"rank": rank, "ready": True})
@@ -240,18 +242,18 @@ def _serve(
         dist.barrier()
         start, waited = time.perf_counter(), WaitClock.seconds
         with tracker if step == config.warmup else _Nothing():
-            loss = nn.functional.cross_entropy(
-                model(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten()
-            )
-            torch.autograd.backward(loss)
-            optim.step()
-            optim.zero_grad()
+            _train_step(model, optim, idx)
         _synchronize(device)
         dist.barrier()
         elapsed = time.perf_counter() - start
         answers.put({"rank": rank, "time": elapsed, "wait": WaitClock.seconds - waited})
         step += 1
+    del model, optim  # the memory pass builds its own
+    tensor_peak = steady_state_peak(
+        lambda: _build(config, system, device), lambda m, o: _train_step(m, o, idx)
+    )
     return {
+        "tensor_peak_mib": tensor_peak / 2**20,
         # flatshard's time blocked on its collectives: exposed communication on CPU only.
         "waits_measured": system.startswith("flatshard") and device.type == "cpu",
         "collectives": describe(cast(dist.ProcessGroup, dist.group.WORLD))
@@ -260,6 +262,22 @@ def _serve(
         "collective_output_bytes": int(sum(tracker.bytes.values())),
         "peak_mem_mib": peak_memory_mib(device),
     }
+
+
+def _build(
+    config: BenchConfig, system: str, device: torch.device
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    gpt = GPT(config.vocab, config.dim, config.heads, config.layers, config.seq_len)
+    model = _wrap(gpt.to(device), system, device)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def _train_step(model: nn.Module, optim: torch.optim.Optimizer, idx: torch.Tensor) -> None:
+    loss = nn.functional.cross_entropy(model(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten())
+    torch.autograd.backward(loss)
+    optim.step()
+    optim.zero_grad()
 
 
 def _synchronize(device: torch.device) -> None:
@@ -312,6 +330,7 @@ def _summarize(
             "median_step_s": median,
             "tokens_per_s": tokens / median,
             "peak_mem_mib": max(r["peak_mem_mib"] for r in system_runs),
+            "tensor_peak_mib": max(r["tensor_peak_mib"] for r in system_runs),
             "collective_output_bytes": system_runs[0]["collective_output_bytes"],
         }
         waits = [w for r in system_runs for w in r["comm_waits"]]
@@ -330,7 +349,8 @@ def _summarize(
 
 def _table(summary: dict[str, dict[str, float]], memory: str) -> str:
     width = max(10, *(len(system) for system in summary))
-    header = f"{'system':<{width}} {'step s':>8} {'tokens/s':>10} {f'peak {memory} MiB':>15} "
+    header = f"{'system':<{width}} {'step s':>8} {'tokens/s':>10} {'tensors MiB':>11} "
+    header += f"{f'peak {memory} MiB':>15} "
     header += f"{'coll. MB':>9} {'comm wait s':>12} {'over floor s':>13} {'vs fsdp2':>9} "
     header += f"{'vs ddp':>7} {'vs floor':>9}"
     lines = [header]
@@ -339,6 +359,7 @@ def _table(summary: dict[str, dict[str, float]], memory: str) -> str:
         cells = [_cell(r, "x", w) for r, w in zip(ratios, (9, 7, 9), strict=True)]
         lines.append(
             f"{system:<{width}} {row['median_step_s']:>8.3f} {row['tokens_per_s']:>10,.0f} "
+            f"{row['tensor_peak_mib']:>11,.1f} "
             f"{row['peak_mem_mib']:>15,.0f} {row['collective_output_bytes'] / 1e6:>9.1f} "
             f"{_cell(row.get('exposed_comm_s'), '', 12)} "
             f"{_cell(row.get('over_floor_s'), '', 13)} " + " ".join(cells)

@@ -122,6 +122,10 @@ class PeakStorage(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._live: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self.peak = 0
 
+    def reset_peak(self) -> None:
+        """From now on, the peak counts from the bytes alive now (still tracked)."""
+        self.peak = _alive_bytes(self._live)
+
     def __torch_dispatch__(
         self,
         func: Any,
