@@ -20,26 +20,17 @@ from torch import nn
 
 import flatshard
 from flatshard.testing.isolated import Died, run_isolated
+from flatshard.testing.models import ReluLinear, Trunk
 
 CHECKS = flatshard.Checks(timeout=2.0)
 LIMIT_S = 2.0 + 15.0
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = torch.relu(self.lin(x))
-        return out
 
 
 class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.inp = nn.Linear(4, 8)
-        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.blocks = nn.ModuleList(ReluLinear() for _ in range(3))
         self.out = nn.Linear(8, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -53,7 +44,7 @@ class Net(nn.Module):
 def _net(**options: Any) -> nn.Module:
     flatshard.set_checks(CHECKS)
     torch.manual_seed(0)
-    return flatshard.fully_shard(Net(), auto_wrap_policy={Block}, **options)
+    return flatshard.fully_shard(Net(), auto_wrap_policy={ReluLinear}, **options)
 
 
 def _step(model: nn.Module, backward: bool = True) -> None:
@@ -238,16 +229,6 @@ def test_the_timeout_comes_from_checks_the_environment_or_the_group(
         flatshard.Checks(timeout=0)
     with pytest.raises(TypeError, match=r"expected a flatshard\.Checks, got 5"):
         flatshard.set_checks(5)  # type: ignore[arg-type]
-
-
-class Trunk(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.a(x)
-        return self.b(h), self.c(h)
 
 
 def unused_output_job(rank: int) -> tuple[str, str, float]:

@@ -14,17 +14,8 @@ import torch
 from torch import nn
 
 import flatshard
+from flatshard.testing.models import ReluLinear, Trunk
 from flatshard.testing.workers import WorkerContext, WorkerPool
-
-
-class Expert(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = torch.relu(self.lin(x))
-        return out
 
 
 class MoE(nn.Module):
@@ -32,7 +23,7 @@ class MoE(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.experts = nn.ModuleList(Expert() for _ in range(4))
+        self.experts = nn.ModuleList(ReluLinear() for _ in range(4))
         self.head = nn.Linear(8, 1)
 
     def forward(self, x: torch.Tensor, chosen: list[int]) -> torch.Tensor:
@@ -46,7 +37,7 @@ def _sharded_moe(ctx: WorkerContext) -> nn.Module | None:
     if group is None:
         return None
     torch.manual_seed(0)
-    return flatshard.fully_shard(MoE(), auto_wrap_policy={Expert}, process_group=group)
+    return flatshard.fully_shard(MoE(), auto_wrap_policy={ReluLinear}, process_group=group)
 
 
 def _error_of(run: Any) -> str:
@@ -87,16 +78,6 @@ def test_experts_run_on_some_ranks_only_are_an_error(pool: WorkerPool) -> None:
 def test_forward_only_mismatch_is_an_error(pool: WorkerPool) -> None:
     for message in pool.run(moe_job, False)[:2]:
         assert "different collectives in one forward without backward" in message, message
-
-
-class Trunk(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.a(x)
-        return self.b(h), self.c(h)
 
 
 def unused_output_job(ctx: WorkerContext) -> str | None:

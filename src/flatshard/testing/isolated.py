@@ -15,13 +15,12 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from flatshard import _watchdog
+from flatshard.testing.workers import join_gloo_world
 
 
 @dataclass(frozen=True)
@@ -71,14 +70,7 @@ def run_isolated(
 def _main(
     fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world: int, store: str, out: Any
 ) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=60),
-    )
+    join_gloo_world(rank, world, store)
     out.put((rank, fn(rank, *args)))
     out.close()
     out.join_thread()

@@ -235,3 +235,27 @@ def build(name: str, seed: int = 0) -> nn.Module:
     """The named reference model, initialized from ``seed`` (identical on every rank)."""
     torch.manual_seed(seed)
     return MODELS[name]()
+
+
+class ReluLinear(nn.Module):
+    """relu(Linear(8, 8)): a block, or an expert, that is a unit of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.relu(self.lin(x))
+        return out
+
+
+class Trunk(nn.Module):
+    """A trunk ``a`` with two heads ``b`` and ``c``: a loss may use one head or both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.a(x)
+        return self.b(h), self.c(h)

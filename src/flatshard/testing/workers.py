@@ -112,7 +112,8 @@ class WorkerPool:
             self._store_dir = None
 
 
-def _worker_main(rank: int, world_size: int, store: str, tasks: Any, results: Any) -> None:
+def join_gloo_world(rank: int, world_size: int, store: str) -> None:
+    """Make this process rank ``rank`` of a gloo world met through the file ``store``."""
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -121,6 +122,10 @@ def _worker_main(rank: int, world_size: int, store: str, tasks: Any, results: An
         world_size=world_size,
         timeout=COLLECTIVE_TIMEOUT,
     )
+
+
+def _worker_main(rank: int, world_size: int, store: str, tasks: Any, results: Any) -> None:
+    join_gloo_world(rank, world_size, store)
     try:
         groups = {k: dist.new_group(list(range(k))) for k in range(1, world_size + 1)}
         ctx = WorkerContext(rank=rank, world_size=world_size, groups=groups)
