@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial, wraps
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -18,13 +18,16 @@ from flatshard._inputs import cast_floats
 from flatshard._ranks import global_rank
 from flatshard._unit import UNIT_ATTR, Unit, unit_or_error
 
+F = TypeVar("F", bound=Callable[..., Any])
+
 
 def install(unit: Unit) -> None:
     """Register every hook of ``unit``."""
     module = unit.module
     module.__dict__[UNIT_ATTR] = unit
-    module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
-    module.register_forward_hook(unit.post_forward)
+    # Outside any compiled region: see [Note: hooks and torch.compile].
+    module.register_forward_pre_hook(_eager(unit.pre_forward), with_kwargs=True)
+    module.register_forward_hook(_eager(unit.post_forward))
     for flat in unit.trainable:
         flat.register_post_accumulate_hook(partial(unit.post_backward, flat))
     for name, inner in unit.inner_modules:
@@ -43,6 +46,19 @@ def install(unit: Unit) -> None:
             master = next(kept.parameters()).dtype
             kept.register_forward_pre_hook(partial(_cast_inputs, master), with_kwargs=True)
             kept.register_forward_hook(partial(_cast_output, policy.param_dtype))
+
+
+def _eager(hook: F) -> F:
+    """``hook`` run eagerly, never traced by torch.compile.
+
+    [Note: hooks and torch.compile]
+    ``module.compile()`` (or ``torch.compile(module)``) compiles the module's call,
+    forward hooks included. Traced, flatshard's hooks break the graph inside it (the
+    profiler check, the asynchronous all-gather, ``register_multi_grad_hook``: 5 breaks
+    for a 2-block GPT compiled per block). Marked as not to be traced, they run eagerly
+    around the compiled forward, which stays one graph.
+    """
+    return cast(F, torch._dynamo.disable(hook, recursive=True))  # type: ignore[no-untyped-call]
 
 
 def register_entry_point(module: nn.Module, method_name: str) -> None:

@@ -18,6 +18,7 @@ measured on CPU only, since on GPUs waiting is the device's, not the CPU's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -73,6 +74,8 @@ class BenchConfig:
     """timed steps per system and round"""
     rounds: int = 2
     """rounds: fresh processes for every system, which then take their steps in turn"""
+    compile: bool = False
+    """torch.compile every system's transformer blocks alike (warm up with --warmup 2+)"""
     out: str = "runs/bench"
     """directory for bench.json and bench.png"""
 
@@ -241,7 +244,7 @@ def _serve(
         _synchronize(device)
         dist.barrier()
         start, waited = time.perf_counter(), WaitClock.seconds
-        with tracker if step == config.warmup else _Nothing():
+        with tracker if step == config.warmup else contextlib.nullcontext():
             _train_step(model, optim, idx)
         _synchronize(device)
         dist.barrier()
@@ -270,6 +273,9 @@ def _build(
     torch.manual_seed(0)
     gpt = GPT(config.vocab, config.dim, config.heads, config.layers, config.seq_len)
     model = _wrap(gpt.to(device), system, device)
+    if config.compile:
+        for block in gpt.blocks:
+            block.compile()
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
@@ -309,14 +315,6 @@ def _wrap(model: GPT, system: str, device: torch.device) -> nn.Module:
         ids = None if device.type == "cpu" else [device]
         return nn.parallel.DistributedDataParallel(model, device_ids=ids)
     return model  # floor: every rank trains alone
-
-
-class _Nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *args: object) -> None:
-        return None
 
 
 def _summarize(

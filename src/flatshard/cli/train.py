@@ -101,7 +101,7 @@ class Trainer:
         self.corpus: Corpus = load_corpus(config.data, config.seq_len)
         self.lm: LanguageModel = build_language_model(config)
         self.params = sum(p.numel() for p in self.lm.module.parameters())
-        self.model = _shard(self.lm, config, device)
+        self.model = _compiled(_shard(self.lm, config, device), self.lm, config)
         self.optim = _optimizer(self.model, config)
         low = PRECISIONS[config.mixed_precision]
         self.scaler = flatshard.ShardedGradScaler(device.type, enabled=low is torch.float16)
@@ -275,6 +275,15 @@ def _shard(lm: LanguageModel, config: TrainConfig, device: torch.device) -> nn.M
         **options,
     )
     flatshard.load_safetensors(model, lm.weights)
+    return model
+
+
+def _compiled(model: nn.Module, lm: LanguageModel, config: TrainConfig) -> nn.Module:
+    """--compile: each block compiled; the model's other parts and the hooks stay eager."""
+    if config.compile:
+        for module in model.modules():
+            if type(module) in lm.unit_classes:
+                module.compile()
     return model
 
 

@@ -80,6 +80,9 @@ class TrainConfig:
     """none | bf16 | fp16 (fp16 adds a ShardedGradScaler)"""
     checkpoint_activations: bool = False
     """recompute each block's activations in backward (less memory, more compute)"""
+    compile: bool = False
+    """torch.compile each transformer block (one graph per block: flatshard's hooks run
+    outside it)"""
     seed: int = 0
     """model, data and sampling seed"""
     out_dir: str = "runs/train"
