@@ -64,7 +64,7 @@ class Watchdog:
     """The collectives of this process, and its side of the out-of-band diagnosis."""
 
     def __init__(self, world: dist.ProcessGroup) -> None:
-        self.world = world
+        self.world: dist.ProcessGroup | None = world  # None once released at exit
         self.store = dist.distributed_c10d._get_default_store()
         self.rank = dist.get_rank()
         self.recent: deque[Record] = deque(maxlen=_KEPT)
@@ -253,6 +253,11 @@ class Watchdog:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(1)
+        if not dist.is_initialized():
+            # Process groups must not outlive the interpreter's teardown: see
+            # StepContext.release_process_groups (gloo's workers would abort the exit).
+            self._tracked.clear()
+            self.world = None
 
 
 def _try_wait(work: dist.Work, seconds: float) -> bool:
