@@ -142,3 +142,50 @@ def test_train_fine_tunes_from_pretrained_weights(tmp_path: Path) -> None:
     assert torch.equal(after["model.embed_tokens.weight"], before["model.embed_tokens.weight"])
     for key, value in before.items():
         torch.testing.assert_close(after[key], value, rtol=0, atol=1e-9)
+
+
+T5 = {"vocab_size": 64, "d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 2, "num_heads": 4}
+
+
+def t5_job(ctx: WorkerContext, world: int, directory: str) -> torch.Tensor | None:
+    """An encoder-decoder whose embedding is tied three ways (shared, encoder, decoder)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+    from transformers.models.t5.modeling_t5 import T5Block
+
+    group = ctx.group(world)
+    if group is None:
+        return None
+    with torch.device("meta"):
+        model = T5ForConditionalGeneration(T5Config(**T5, decoder_start_token_id=0))
+    flatshard.fully_shard(
+        model,
+        auto_wrap_policy={T5Block},
+        process_group=group,
+        param_init_fn=flatshard.skip_init,
+        device="cpu",
+    )
+    flatshard.load_safetensors(model, directory)
+    model.eval()  # as from_pretrained leaves it: no dropout
+    with torch.no_grad():
+        out: torch.Tensor = model(**_t5_inputs()).logits
+    return out
+
+
+def _t5_inputs() -> dict[str, torch.Tensor]:
+    return {
+        "input_ids": torch.arange(10).reshape(2, 5),
+        "decoder_input_ids": torch.arange(8).reshape(2, 4),
+    }
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_t5_loads_from_save_pretrained(pool: WorkerPool, tmp_path: Path, world: int) -> None:
+    torch.manual_seed(SEED)
+    config = transformers.T5Config(**T5, decoder_start_token_id=0)
+    transformers.T5ForConditionalGeneration(config).save_pretrained(tmp_path, max_shard_size="30KB")
+    reference = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path)
+    with torch.no_grad():
+        expected = reference(**_t5_inputs()).logits
+    for logits in pool.run(t5_job, world, str(tmp_path))[:world]:
+        # Computed in another process with one thread: sums in another order.
+        torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
