@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 import flatshard
 from flatshard.testing.workers import WorkerContext, WorkerPool
@@ -189,3 +190,73 @@ def test_a_t5_loads_from_save_pretrained(pool: WorkerPool, tmp_path: Path, world
     for logits in pool.run(t5_job, world, str(tmp_path))[:world]:
         # Computed in another process with one thread: sums in another order.
         torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def _lora_llama() -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(SEED)
+    base = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
+    lora = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )
+    return get_peft_model(base, lora)
+
+
+def _lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    loss: torch.Tensor = model(input_ids=ids, labels=ids).loss
+    return loss
+
+
+def lora_job(ctx: WorkerContext) -> dict[str, Any]:
+    """peft then fully_shard (the recipe) against the same peft model unsharded, 3 steps of
+    AdamW on one global batch of 4 (2 per rank); then get_peft_model after fully_shard."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    group = ctx.group(2)
+    assert group is not None or ctx.rank >= 2
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0))
+    reference, model = _lora_llama(), _lora_llama()
+    if group is None:
+        return {}
+    flatshard.fully_shard(model, auto_wrap_policy={LlamaDecoderLayer}, process_group=group)
+    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, model)]
+    mine = ids[2 * ctx.rank : 2 * ctx.rank + 2]
+    for _ in range(3):
+        for net, batch, optim in zip((reference, model), (ids, mine), optims, strict=True):
+            _lm_loss(net, batch).backward()
+            optim.step()
+            optim.zero_grad(set_to_none=False)
+    base_grads = [p.grad for n, p in model.named_parameters() if "lora_" not in n]
+    full = flatshard.full_state_dict(model)
+    return {
+        "full": full,
+        "expected": reference.state_dict(),
+        "frozen_without_grad": all(g is None for g in base_grads),
+        "late": _peft_after_fully_shard(group, ids),
+    }
+
+
+def _peft_after_fully_shard(group: Any, ids: torch.Tensor) -> str:
+    from peft import LoraConfig, get_peft_model
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    torch.manual_seed(SEED)
+    base = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
+    flatshard.fully_shard(base, auto_wrap_policy={LlamaDecoderLayer}, process_group=group)
+    late = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"]))
+    try:
+        _lm_loss(late, ids).backward()
+    except (RuntimeError, ValueError) as error:
+        return str(error)
+    return "no error"
+
+
+def test_lora_with_peft_then_fully_shard_matches_unsharded(pool: WorkerPool) -> None:
+    pytest.importorskip("peft")
+    results = pool.run(lora_job)[:2]
+    for result in results:
+        assert result["frozen_without_grad"]  # the base is frozen: no gradient, no reduction
+        assert "after fully_shard" in result["late"], result["late"]
+    for key, value in results[0]["expected"].items():  # full state dicts live on rank 0
+        torch.testing.assert_close(results[0]["full"][key], value, rtol=1e-5, atol=1e-6)
