@@ -94,11 +94,22 @@ def set_checks(checks: Checks) -> None:
     if not isinstance(checks, Checks):
         raise TypeError(f"flatshard.set_checks: expected a flatshard.Checks, got {checks!r}")
     _SETTINGS[0] = checks
+    _DEBUG.clear()
 
 
 def current_checks() -> Checks:
     """The ``Checks`` in force (``set_checks``; by default the environment's and the group's)."""
     return _SETTINGS[0]
+
+
+_DEBUG: list[bool] = []  # debug_on of the Checks in force, once read (set_checks resets it)
+
+
+def debug_enabled() -> bool:
+    """Whether debug mode is on: asked before every collective, so read once."""
+    if not _DEBUG:
+        _DEBUG.append(current_checks().debug_on)
+    return _DEBUG[0]
 
 
 _CURRENT: ContextVar[Tag | None] = ContextVar("flatshard_tag", default=None)

@@ -35,7 +35,7 @@ from typing import NamedTuple, NoReturn
 
 import torch.distributed as dist
 
-from flatshard._checks import Tag, current_checks
+from flatshard._checks import Tag, current_checks, debug_enabled
 from flatshard._collective_errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -87,7 +87,7 @@ class Watchdog:
         name = group.group_name
         seq = self._seq[name] = self._seq.get(name, 0) + 1
         record = Record(seq, name, op, numel, dtype, tag.phase, tag.unit, tag.step)
-        if current_checks().debug_on:
+        if debug_enabled():
             self.agree(group, record)
         self.recent.append(record)
         return record
@@ -297,10 +297,9 @@ _WATCHDOG: Watchdog | None = None
 def watchdog() -> Watchdog | None:
     """This process's watchdog (made on first use); None outside a distributed job."""
     global _WATCHDOG
-    if not dist.is_initialized():
+    world = dist.group.WORLD  # None before init_process_group and after destroy
+    if world is None:
         return None
-    world = dist.group.WORLD
     if _WATCHDOG is None or _WATCHDOG.world is not world:
-        assert isinstance(world, dist.ProcessGroup)
         _WATCHDOG = Watchdog(world)
     return _WATCHDOG
