@@ -260,3 +260,43 @@ def test_lora_with_peft_then_fully_shard_matches_unsharded(pool: WorkerPool) -> 
         assert "after fully_shard" in result["late"], result["late"]
     for key, value in results[0]["expected"].items():  # full state dicts live on rank 0
         torch.testing.assert_close(results[0]["full"][key], value, rtol=1e-5, atol=1e-6)
+
+
+def gathered_generate_job(ctx: WorkerContext, directory: str) -> dict[str, Any] | None:
+    """generate inside summon_full_params: every unit stays gathered, no all-gather."""
+    from transformers import LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from flatshard.testing.accounting import CollectiveTracker
+
+    group = ctx.group(2)
+    if group is None:
+        return None
+    model = LlamaForCausalLM.from_pretrained(directory)
+    flatshard.fully_shard(model, auto_wrap_policy={LlamaDecoderLayer}, process_group=group)
+    prompt = torch.arange(4).reshape(1, 4)
+    summoned = flatshard.summon_full_params(model, writeback=False)
+    with summoned, torch.no_grad(), CollectiveTracker() as tracker:
+        out = model.generate(prompt, max_new_tokens=5, do_sample=False, synced_gpus=False)
+    try:
+        with flatshard.summon_full_params(model, writeback=False):
+            model(prompt)
+        refused = ""
+    except RuntimeError as error:
+        refused = str(error)
+    return {
+        "tokens": [int(t) for t in out[0]],
+        "bytes": sum(tracker.bytes.values()),
+        "refused": refused,
+    }
+
+
+def test_generate_inside_summon_gathers_nothing(pool: WorkerPool, tmp_path: Path) -> None:
+    torch.manual_seed(SEED)
+    reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
+    reference.save_pretrained(tmp_path)
+    expected = reference.generate(torch.arange(4).reshape(1, 4), max_new_tokens=5, do_sample=False)
+    for result in pool.run(gathered_generate_job, str(tmp_path))[:2]:
+        assert result["tokens"] == [int(t) for t in expected[0]]
+        assert result["bytes"] == 0  # no collective at all while decoding
+        assert "ran forward with gradients inside summon_full_params" in result["refused"]

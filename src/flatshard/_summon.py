@@ -19,7 +19,9 @@ def summon_full_params(model: nn.Module, writeback: bool = True) -> Iterator[Non
     A collective: every rank of the model's process group must enter it. With
     ``writeback=True`` in-place edits of the full parameters (or new ``.data``) are written
     back to the shards on exit; with False they are discarded. Gradients are not gathered.
-    Do not run forward or backward inside it.
+    A forward under ``torch.no_grad()`` inside it runs on the full parameters without any
+    all-gather (e.g. ``generate``: the whole model on every rank, no collective per
+    token); a forward with gradients inside it is an error.
     """
     units = units_of(model, "summon_full_params")
     with ExitStack() as stack:

@@ -207,6 +207,9 @@ class Unit:
     def pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if self.params_are_full:  # inside summon_full_params: nothing to gather
+            self._check_inference_only()
+            return args, kwargs
         with traced(f"pre_forward {self.label}"):
             if self.state is not TrainingState.BACKWARD:
                 if self.awaiting_load:
@@ -230,6 +233,8 @@ class Unit:
         return args, kwargs
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if self.params_are_full:
+            return output
         with traced(f"post_forward {self.label}"):
             needs_grad = [t for t in tensors_in(output) if t.requires_grad]
             if needs_grad:
@@ -289,6 +294,18 @@ class Unit:
             flat.reduction.done_in_backward = False
 
     # ------------------------------------------------------------------ hook helpers
+    def _check_inference_only(self) -> None:
+        """Inside summon_full_params a forward may not record a graph: its backward would
+        write full-size gradients no reduction would see."""
+        if torch.is_grad_enabled() and any(f.requires_grad for f in self.flat_params):
+            raise RuntimeError(
+                f"flatshard: unit '{self.label}' ran forward with gradients inside "
+                f"summon_full_params (rank {global_rank()}); its backward would not be "
+                "reduced. Run it under torch.no_grad() (e.g. generate: every unit stays "
+                "gathered, no all-gather per token), or train outside summon_full_params."
+            )
+
+
     def _record(self, kind: str, numel: int) -> Tag:
         """A collective for this unit: in the step's ledger; its tag (see _watchdog.py)."""
         self.context.ledger.record(kind, self.label, numel)
