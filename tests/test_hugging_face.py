@@ -208,9 +208,10 @@ def _lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return loss
 
 
-def lora_job(ctx: WorkerContext) -> dict[str, Any]:
+def lora_job(ctx: WorkerContext, out_dir: str) -> dict[str, Any]:
     """peft then fully_shard (the recipe) against the same peft model unsharded, 3 steps of
-    AdamW on one global batch of 4 (2 per rank); then get_peft_model after fully_shard."""
+    AdamW on one global batch of 4 (2 per rank); the result exported for from_pretrained
+    (full state dict, LoRA merged on rank 0); then get_peft_model after fully_shard."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     group = ctx.group(2)
@@ -229,7 +230,18 @@ def lora_job(ctx: WorkerContext) -> dict[str, Any]:
             optim.zero_grad(set_to_none=False)
     base_grads = [p.grad for n, p in model.named_parameters() if "lora_" not in n]
     full = flatshard.full_state_dict(model)
+    with torch.no_grad():
+        live = model(input_ids=ids).logits
+    exported = None
+    if ctx.rank == 0:  # the export recipe: full state dict, merged into the base, saved
+        merged = _lora_llama()
+        merged.load_state_dict(full)
+        merged.merge_and_unload().save_pretrained(out_dir)
+        with torch.no_grad():
+            exported = transformers.LlamaForCausalLM.from_pretrained(out_dir)(ids).logits
     return {
+        "live": live,
+        "exported": exported,
         "full": full,
         "expected": reference.state_dict(),
         "frozen_without_grad": all(g is None for g in base_grads),
@@ -252,14 +264,18 @@ def _peft_after_fully_shard(group: Any, ids: torch.Tensor) -> str:
     return "no error"
 
 
-def test_lora_with_peft_then_fully_shard_matches_unsharded(pool: WorkerPool) -> None:
+def test_lora_with_peft_then_fully_shard_matches_unsharded(
+    pool: WorkerPool, tmp_path: Path
+) -> None:
     pytest.importorskip("peft")
-    results = pool.run(lora_job)[:2]
+    results = pool.run(lora_job, str(tmp_path))[:2]
     for result in results:
         assert result["frozen_without_grad"]  # the base is frozen: no gradient, no reduction
         assert "after fully_shard" in result["late"], result["late"]
     for key, value in results[0]["expected"].items():  # full state dicts live on rank 0
         torch.testing.assert_close(results[0]["full"][key], value, rtol=1e-5, atol=1e-6)
+    # Fine-tuned, exported, reloaded with from_pretrained: the live model's logits.
+    torch.testing.assert_close(results[0]["exported"], results[0]["live"], rtol=1e-5, atol=1e-5)
 
 
 def gathered_generate_job(ctx: WorkerContext, directory: str) -> dict[str, Any] | None:
