@@ -305,7 +305,6 @@ class Unit:
                 "gathered, no all-gather per token), or train outside summon_full_params."
             )
 
-
     def _record(self, kind: str, numel: int) -> Tag:
         """A collective for this unit: in the step's ledger; its tag (see _watchdog.py)."""
         self.context.ledger.record(kind, self.label, numel)

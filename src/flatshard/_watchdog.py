@@ -109,10 +109,11 @@ class Watchdog:
     def wait(self, work: dist.Work) -> None:
         """Wait for ``work``: with a timeout and a diagnosis where the wait blocks the host."""
         found = next((t for t in self._tracked if t.work is work), None)
+        if found is not None:  # a work holds its tensors: never kept past its wait
+            self._tracked.remove(found)
         if found is None or dist.get_backend(found.group) != dist.Backend.GLOO:
             work.wait()
             return
-        self._tracked.remove(found)
         start = time.monotonic()
         try:
             if _try_wait(work, SLICE_S):  # the common case, kept cheap: done within a slice
@@ -137,7 +138,12 @@ class Watchdog:
         self.waiting = (what, start)
         try:
             while True:
-                if self._requests() > self.seen_requests:
+                try:
+                    requested = self._requests() > self.seen_requests
+                except RuntimeError as error:  # the store went with its host
+                    cause = f"flatshard: the c10d store stopped answering; rank {self.rank}"
+                    self._diagnose(group, f"{cause} waited for {what}", PeerLostError, error)
+                if requested:
                     self._join_diagnosis(group, what)
                 remaining = timeout - (time.monotonic() - start)
                 if remaining <= 0:
@@ -183,16 +189,13 @@ class Watchdog:
         original: BaseException | None = None,
     ) -> NoReturn:
         """Ask every rank what it is doing; raise ``error`` with the table on this rank."""
-        current = self._requests()
-        generation = current
-        if current <= self.seen_requests:  # the first to ask: say why, for those who join
-            generation = int(self.store.add(_REQUESTS, 1))
-            self.store.set(f"flatshard/diagnosis/{generation}/cause", error.__name__)
-        self._publish(generation)
         ranks = dist.get_process_group_ranks(group)
-        statuses = self._collect(generation, ranks)
-        self.seen_requests = max(self.seen_requests, generation)
         self.failed = True
+        try:
+            statuses = self._ask_everyone(ranks, error)
+        except Exception as unreachable:  # its host (rank 0, or the launcher) is gone
+            statuses = {}
+            cause += f" (the c10d store did not answer either: {unreachable})"
         timeout = current_checks().timeout_s(group)
         settings = (
             f"Timeout in force: {timeout:g} s (flatshard.set_checks(flatshard.Checks(timeout=...)) "
@@ -201,10 +204,25 @@ class Watchdog:
         )
         raise error(report(cause, group.group_name, ranks, statuses, settings)) from original
 
+    def _ask_everyone(self, ranks: list[int], error: type[Exception]) -> dict[int, Status]:
+        """Every answering rank's status, through the store (see the module's note)."""
+        current = self._requests()
+        generation = current
+        if current <= self.seen_requests:  # the first to ask: say why, for those who join
+            generation = int(self.store.add(_REQUESTS, 1))
+            self.store.set(f"flatshard/diagnosis/{generation}/cause", error.__name__)
+        self._publish(generation)
+        statuses = self._collect(generation, ranks)
+        self.seen_requests = max(self.seen_requests, generation)
+        return statuses
+
     def _join_diagnosis(self, group: dist.ProcessGroup, what: str) -> NoReturn:
         """Another rank asked: raise its kind of error (a lost peer, or a timeout)."""
-        key = f"flatshard/diagnosis/{self._requests()}/cause"
-        lost = _try_keys(self.store, [key], SLICE_S) and self.store.get(key) == b"PeerLostError"
+        try:
+            key = f"flatshard/diagnosis/{self._requests()}/cause"
+            lost = _try_keys(self.store, [key], SLICE_S) and self.store.get(key) == b"PeerLostError"
+        except RuntimeError:  # the store went with its host: someone is gone
+            lost = True
         seen = "a peer left" if lost else "another rank timed out"
         cause = f"flatshard: {seen}; rank {self.rank} waited for {what}"
         self._diagnose(group, cause, PeerLostError if lost else CollectiveTimeoutError)
