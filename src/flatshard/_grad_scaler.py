@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from flatshard._checks import Tag
 from flatshard._collectives import all_reduce
+from flatshard._watchdog import watchdog
 
 
 class ShardedGradScaler(torch.amp.GradScaler):
@@ -36,7 +37,11 @@ class ShardedGradScaler(torch.amp.GradScaler):
         if not self.is_enabled():
             return
         state = self._per_optimizer_states[id(optimizer)]
+        group = self.process_group or dist.group.WORLD
+        assert group is not None
+        tag = Tag("ShardedGradScaler.unscale_")
+        dog = watchdog()
+        if dog is not None:  # a rank that unscales alone waits in the store, not in gloo
+            dog.entry(group, tag)
         for found_inf in state["found_inf_per_device"].values():
-            group = self.process_group or dist.group.WORLD
-            assert group is not None
-            all_reduce(found_inf, group, Tag("ShardedGradScaler.unscale_"), dist.ReduceOp.MAX)
+            all_reduce(found_inf, group, tag, dist.ReduceOp.MAX)
