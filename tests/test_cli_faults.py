@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from flatshard.testing.isolated import alive
+
 TINY = ["--dim", "32", "--layers", "2", "--heads", "2", "--seq-len", "32", "--batch", "4"]
 TRAIN = [sys.executable, "-m", "flatshard.cli.main", "train"]
 
@@ -54,14 +56,6 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in found.split()]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
-        return False
-    return state != "Z"  # a zombie has exited; only its parent has not reaped it
-
-
 def _start_long_run(tmp_path: Path) -> tuple[subprocess.Popen[str], list[int]]:
     """A run that would take minutes; returns once its ranks are training."""
     argv = [*TINY, "--steps", "100000", "--log-every", "1", "--sample-bytes", "0"]
@@ -85,7 +79,7 @@ def _start_long_run(tmp_path: Path) -> tuple[subprocess.Popen[str], list[int]]:
 def _gone_within(pids: list[int], seconds: float) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        if not any(_alive(p) for p in pids):
+        if not any(alive(p) for p in pids):
             return True
         time.sleep(0.2)
     return False

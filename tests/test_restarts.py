@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from flatshard.testing.isolated import alive
+
 TINY = ["--dim", "32", "--layers", "2", "--heads", "2", "--seq-len", "128", "--batch", "16"]
 RUN = [*TINY, "--steps", "24", "--ckpt-every", "8", "--keep-ckpts", "3", "--sample-bytes", "0"]
 MAIN = [sys.executable, "-m", "flatshard.cli.main"]
@@ -75,16 +77,8 @@ def _kill(root: int, rank: int) -> float:
     assert pid is not None, f"no process for rank {rank}"
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
-    _wait(lambda: not _alive(pid), 10.0)
+    _wait(lambda: not alive(pid), 10.0)
     return killed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
-        return False
-    return state != "Z"  # a zombie has exited; only its parent has not reaped it
 
 
 def _wait(condition: object, seconds: float = 120.0) -> None:

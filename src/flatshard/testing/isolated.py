@@ -15,6 +15,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -65,6 +66,15 @@ def run_isolated(
                 proc.kill()
                 proc.join()
     return [outcomes.get(rank, Hung()) for rank in range(world_size)]
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie has exited; its parent did not reap it)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
 
 
 def _main(
