@@ -127,3 +127,30 @@ def test_every_entry_that_does_not_fit_is_one_error(pool: WorkerPool, tmp_path: 
         assert "'tok.weight': the file holds shape (40, 16), the model (41, 16)" in message
         assert "'blocks.0.attn.qkv.weight': missing from the checkpoint" in message
         assert "'extra.weight': in the checkpoint, not in the model" in message
+
+
+def two_checkpoints_job(ctx: WorkerContext, first: str, second: str) -> str | None:
+    model = _meta_sharded(ctx, 2)
+    if model is None:
+        return None
+    try:
+        flatshard.load_safetensors(model, first if ctx.rank == 0 else second)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_ranks_given_different_checkpoints_is_an_error(pool: WorkerPool, tmp_path: Path) -> None:
+    """Each rank reads only its rows: two checkpoints would make one model of both."""
+    (tmp_path / "a").mkdir()
+    write_checkpoint(tmp_path / "a")
+    torch.manual_seed(SEED + 1)
+    other = TinyGPT(vocab=41, dim=16, heads=2, layers=3).state_dict()
+    save_file(
+        {k: v for k, v in other.items() if k != "head.weight"}, str(tmp_path / "b.safetensors")
+    )
+    for message in pool.run(
+        two_checkpoints_job, str(tmp_path / "a"), str(tmp_path / "b.safetensors")
+    )[:2]:
+        assert "flatshard.load_safetensors: ranks read different checkpoints" in message, message
+        assert "Pass the same checkpoint" in message

@@ -8,7 +8,7 @@ ranks only (``summon_full_params``, state dicts, ``clip_grad_norm_``, checkpoint
 agree through the c10d store, so a rank that calls one alone waits there instead of
 sending mismatched buffers to the backend (gloo aborts the process on a size mismatch).
 Debug mode agrees through the store before every collective: a few store round trips
-each, which a training step notices (``benchmarks/checks_overhead.py``).
+each, which a training step notices (``benchmarks/watchdog_overhead.py``).
 """
 
 from __future__ import annotations

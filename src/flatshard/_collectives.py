@@ -74,12 +74,13 @@ def _issue(
     launch: Callable[[], Any],
 ) -> dist.Work:
     """Record a collective with the watchdog, issue it (``launch``), and track its work."""
-    tag = tag or current_tag()
     dog = watchdog()
-    record = dog.issue(group, op, tensor.numel(), str(tensor.dtype)[6:], tag) if dog else None
-    work: dist.Work = launch()
-    if dog is not None and record is not None:
-        dog.track(work, record, group)
+    if dog is None:
+        work: dist.Work = launch()
+        return work
+    record = dog.issue(group, op, tensor.numel(), str(tensor.dtype)[6:], tag or current_tag())
+    work = launch()
+    dog.track(work, record, group)
     return work
 
 
@@ -158,9 +159,7 @@ def all_gather_object(
     obj: object, group: dist.ProcessGroup, tag: Tag | None = None
 ) -> list[object]:
     """Every rank's ``obj``, in group rank order (pickled; for small objects)."""
-    dog = watchdog()
-    if dog is not None:
-        dog.issue(group, "all_gather_object", 1, "object", tag or current_tag())
+    _record_object_collective(group, "all_gather_object", 1, tag)
     gathered: list[object] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, obj, group=group)
     return gathered
@@ -170,10 +169,17 @@ def broadcast_object_list(
     objects: list[object], group_src: int, group: dist.ProcessGroup, tag: Tag | None = None
 ) -> None:
     """Replace ``objects`` on every rank by the group's rank ``group_src``'s (pickled)."""
+    _record_object_collective(group, "broadcast_object_list", len(objects), tag)
+    dist.broadcast_object_list(objects, group_src=group_src, group=group)
+
+
+def _record_object_collective(
+    group: dist.ProcessGroup, op: str, count: int, tag: Tag | None
+) -> None:
+    """Object collectives block inside torch: recorded for the reports, not waited for here."""
     dog = watchdog()
     if dog is not None:
-        dog.issue(group, "broadcast_object_list", len(objects), "object", tag or current_tag())
-    dist.broadcast_object_list(objects, group_src=group_src, group=group)
+        dog.issue(group, op, count, "object", tag or current_tag())
 
 
 def wait_work(work: dist.Work | None) -> None:

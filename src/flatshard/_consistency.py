@@ -79,7 +79,12 @@ def lines_if_different(
 
 
 def check_same_on_all_ranks(
-    lines: list[str], group: dist.ProcessGroup, device: torch.device, what: str, fix: str
+    lines: list[str],
+    group: dist.ProcessGroup,
+    device: torch.device,
+    what: str,
+    fix: str,
+    caller: str = "fully_shard",
 ) -> None:
     """Raise on every rank, naming ranks and differing lines, unless all ranks agree."""
     every = lines_if_different(lines, group, device)
@@ -98,7 +103,7 @@ def check_same_on_all_ranks(
             + "".join(f"    rank {rank} only: {line}\n" for line in only_r)
         )
     raise ValueError(
-        f"flatshard.fully_shard: ranks {what} (seen on rank {dist.get_rank()}).\n"
+        f"flatshard.{caller}: ranks {what} (seen on rank {dist.get_rank()}).\n"
         + "".join(reports)
         + fix
     )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -23,10 +24,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from flatshard._consistency import check_same_on_all_ranks
 from flatshard._skip_init import mark_loaded
 from flatshard._state_dict import (
     Place,
     entries_do_not_fit,
+    flat_params,
+    model_group,
     param_places,
     plain_state_dict,
     reshard_for_load,
@@ -34,6 +38,7 @@ from flatshard._state_dict import (
 from flatshard._step import every_rank_calls
 
 INDEX = "model.safetensors.index.json"
+_SAMPLE = 1 << 16  # bytes checksummed at each end of a file
 SINGLE = "model.safetensors"
 
 
@@ -68,6 +73,7 @@ def load_safetensors(
             f: stack.enter_context(safe_open(str(f), framework="pt")) for f in set(files.values())
         }
         _check_names(targets, files, handles, places, strict)
+        _check_same_checkpoint(model, files)
         reshard_for_load(model, "load_safetensors")
         loaded: set[int] = set()
         for key, target in targets.items():
@@ -96,6 +102,35 @@ def tensor_files(path: Path) -> dict[str, Path]:
         f"flatshard.load_safetensors: {path} is neither a .safetensors file nor a directory "
         f"holding {SINGLE} or {INDEX}"
     )
+
+
+def _check_same_checkpoint(model: nn.Module, files: dict[str, Path]) -> None:
+    """An error on every rank unless all ranks read the same checkpoint.
+
+    Each rank reads only its rows, so ranks given different checkpoints (another path on
+    one host, a stale copy) would make one model of several, silently. Compared: every
+    file's size and a CRC of its first and last 64 KiB (the header and some values), in
+    one digest all-gather (``check_same_on_all_ranks``).
+    """
+    group = model_group(model)
+    if group is None:
+        return
+    lines = [_file_line(file) for file in sorted(set(files.values()))]
+    flat = next(flat_params(model), None)  # where the group communicates (NCCL: the GPU)
+    device = flat.compute_device if flat is not None else torch.device("cpu")
+    fix = "Pass the same checkpoint (the same files) to load_safetensors on every rank."
+    check_same_on_all_ranks(
+        lines, group, device, "read different checkpoints", fix, "load_safetensors"
+    )
+
+
+def _file_line(file: Path) -> str:
+    size = file.stat().st_size
+    with file.open("rb") as handle:
+        crc = zlib.crc32(handle.read(_SAMPLE))
+        handle.seek(max(0, size - _SAMPLE))
+        crc = zlib.crc32(handle.read(_SAMPLE), crc)
+    return f"{file.name}: {size} bytes, sampled crc32 {crc}"
 
 
 def _names_in(file: Path) -> Iterator[str]:

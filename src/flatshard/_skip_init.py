@@ -38,8 +38,15 @@ def skip_init(module: nn.Module) -> None:
             "device (e.g. re-create it after building the model under meta), or pass a "
             "param_init_fn that computes them for it."
         )
-    own = [*module._parameters.values(), *module._buffers.values()]
-    for tensor in own:
+    leave_for_load(module)
+
+
+def leave_for_load(module: nn.Module) -> None:
+    """Zero-fill the module's own parameters and persistent buffers, marked as awaiting a
+    load (non-persistent buffers are the caller's to fill)."""
+    transient = module._non_persistent_buffers_set
+    persistent = [b for name, b in module._buffers.items() if name not in transient]
+    for tensor in [*module._parameters.values(), *persistent]:
         if tensor is not None:
             with torch.no_grad():
                 tensor.zero_()

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from flatshard._checks import Tag, current_checks, debug_enabled
 from flatshard._collective_errors import (
+    CollectiveError,
     CollectiveMismatchError,
     CollectiveTimeoutError,
     PeerLostError,
@@ -122,7 +123,11 @@ class Watchdog:
             pass  # a peer left: waited for again below, which says so
         timeout = current_checks().timeout_s(found.group)
         what = found.record.describe()
-        self._waiting_for(what, found.group, timeout, lambda s: _try_wait(work, s), start)
+        try:
+            self._waiting_for(what, found.group, timeout, lambda s: _try_wait(work, s), start)
+        except CollectiveError:
+            self._tracked.append(found)  # left in flight: the exit must not wait for it
+            raise
 
     def _waiting_for(
         self,

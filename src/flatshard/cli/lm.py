@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import flatshard
+from flatshard._skip_init import leave_for_load
 from flatshard.cli.config import ConfigError
 from flatshard.cli.data import VOCAB
 from flatshard.cli.train_config import TrainConfig
@@ -115,9 +116,9 @@ def _hugging_face(config: TrainConfig) -> LanguageModel:
 
 
 def _pretrained_init(hf_config: Any) -> Callable[[nn.Module], None]:
-    """``skip_init`` (the weights come from the checkpoint), except for modules holding
-    non-persistent buffers (rotary frequencies: in no checkpoint), which are built afresh
-    from the config and give their buffers."""
+    """``skip_init`` (the weights come from the checkpoint), except that a module holding
+    non-persistent buffers (rotary frequencies: in no checkpoint) is built afresh from the
+    config to give those; its other tensors are left for the load all the same."""
 
     def init(module: nn.Module) -> None:
         if not module._non_persistent_buffers_set:
@@ -131,8 +132,10 @@ def _pretrained_init(hf_config: Any) -> Callable[[nn.Module], None]:
                 f"--init pretrained: cannot rebuild {type(module).__name__} for its "
                 f"non-persistent buffers: {error}"
             ) from None
-        for name, buffer in module.named_buffers(recurse=False):
-            buffer.copy_(fresh.get_buffer(name))
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name in module._non_persistent_buffers_set:
+                buffer.copy_(fresh.get_buffer(name))
+        leave_for_load(module)
 
     return init
 
