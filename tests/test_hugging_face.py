@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import flatshard
+from flatshard.cli.main import main
 from flatshard.testing.workers import WorkerContext, WorkerPool
 
 transformers = pytest.importorskip("transformers")
@@ -143,6 +144,51 @@ def test_train_fine_tunes_from_pretrained_weights(tmp_path: Path) -> None:
     assert torch.equal(after["model.embed_tokens.weight"], before["model.embed_tokens.weight"])
     for key, value in before.items():
         torch.testing.assert_close(after[key], value, rtol=0, atol=1e-9)
+
+
+def test_train_with_lora_exports_the_merged_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--init pretrained --lora``: peft's adapters train on the sharded pretrained base
+    (loaded under peft's names), and the export is the base with the adapters merged: the
+    same tensors as the final checkpoint merged by peft on one process, the untargeted
+    weights bit-identical to the pretrained ones."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(SEED)
+    config = transformers.LlamaConfig(**{**LLAMA, "vocab_size": 300})
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "pre", max_shard_size="40KB")
+    out = tmp_path / "run"
+    argv = ["--model", f"hf:{tmp_path / 'pre'}", "--init", "pretrained", "--steps", "3"]
+    argv += ["--lora", "r=4,alpha=8,targets=q_proj,v_proj", "--lr", "1e-2", "--ckpt-every", "3"]
+    argv += ["--seq-len", "16", "--batch", "2", "--sample-bytes", "0", "--out-dir", str(out)]
+    done = subprocess.run(
+        [sys.executable, "-m", "flatshard.cli.main", "train", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    pretrained = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "pre").state_dict()
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    reference = get_peft_model(
+        transformers.LlamaForCausalLM.from_pretrained(tmp_path / "pre"), lora
+    )
+    flatshard.load_checkpoint(out / "checkpoints" / "step_000003", reference)
+    merged = reference.merge_and_unload().state_dict()
+    exported = transformers.LlamaForCausalLM.from_pretrained(out / "hf_model").state_dict()
+    assert exported.keys() == pretrained.keys()
+    for key, value in exported.items():
+        assert torch.equal(value, merged[key]), key
+        targeted = key.endswith(("q_proj.weight", "v_proj.weight"))
+        assert torch.equal(value, pretrained[key]) != targeted, key  # only adapters moved
+    # The checkpoint as saved holds peft's names: its export is refused, with the recipe.
+    assert main(["ckpt", "export", str(out / "checkpoints" / "step_000003"), str(tmp_path)]) == 2
+    assert "holds LoRA adapters" in capsys.readouterr().err
 
 
 T5 = {"vocab_size": 64, "d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 2, "num_heads": 4}

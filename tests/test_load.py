@@ -154,3 +154,23 @@ def test_ranks_given_different_checkpoints_is_an_error(pool: WorkerPool, tmp_pat
     )[:2]:
         assert "flatshard.load_safetensors: ranks read different checkpoints" in message, message
         assert "Pass the same checkpoint" in message
+
+
+def test_names_map_model_entries_to_the_files_names(tmp_path: Path) -> None:
+    """``names=``: a model whose entries are named otherwise than the files (peft's wrapped
+    base); None leaves an entry out (kept as initialized, not missing); two entries mapped to
+    one file name is an error, not one overwriting the other."""
+    torch.manual_seed(SEED)
+    stored = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    save_file(
+        {f"net.{k}": v for k, v in stored.state_dict().items()}, str(tmp_path / "w.safetensors")
+    )
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2), nn.Linear(2, 2))
+    extra = model[2].weight.detach().clone()
+    path = tmp_path / "w.safetensors"
+    flatshard.load_safetensors(model, path, names=lambda k: None if k[0] == "2" else f"net.{k}")
+    for key, value in stored.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value)
+    assert torch.equal(model[2].weight, extra)
+    with pytest.raises(ValueError, match=r"names= maps both '0\.weight' and '0\.bias' to 'net\.x'"):
+        flatshard.load_safetensors(model, path, names=lambda k: "net.x")

@@ -20,11 +20,13 @@ from flatshard._full_params import gather_copies
 from flatshard._ranks import rank_in
 from flatshard._safetensors import Entry, StreamWriter
 from flatshard._state_dict import (
+    Names,
     Place,
     flat_params,
     model_group,
     param_places,
     plain_state_dict,
+    renamed,
 )
 from flatshard._step import every_rank_calls
 
@@ -38,6 +40,7 @@ def export_safetensors(
     *,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     dtype: torch.dtype | None = None,
+    names: Names | None = None,
 ) -> list[str]:
     """Write the model's full state dict to ``out_dir`` as safetensors; a collective.
 
@@ -45,13 +48,15 @@ def export_safetensors(
     ``dtype``: cast floating-point tensors (e.g. ``torch.bfloat16``); default as stored.
     A Hugging Face model also gets its ``config.json`` (and ``generation_config.json``), so
     ``from_pretrained(out_dir)`` loads the result: this is ``save_pretrained`` for a sharded
-    model. Returns the files written (on rank 0; ``[]`` elsewhere).
+    model. ``names``: each entry's name in the files (a ``state_dict()`` key -> the name to
+    write, or None to leave it out), e.g. a peft model's merged base under its own names.
+    Returns the files written (on rank 0; ``[]`` elsewhere).
     """
     keep = rank_in(model_group(model)) == 0
-    state = plain_state_dict(model)
-    names: dict[int, list[str]] = {}
+    state = renamed(plain_state_dict(model), names, "export_safetensors")
+    keys_of: dict[int, list[str]] = {}
     for key, value in state.items():
-        names.setdefault(id(value), []).append(key)
+        keys_of.setdefault(id(value), []).append(key)
     order = _write_order(model, state)
     places = param_places(model)
     entries = [
@@ -63,7 +68,7 @@ def export_safetensors(
     for flat in flat_params(model):
         copies = gather_copies(flat, flat.shard, keep, cpu_offload=True)
         for orig, copy in zip(flat.originals, copies, strict=keep):
-            for key in names.get(id(orig.param), []):
+            for key in keys_of.get(id(orig.param), []):
                 _write(writer, key, copy, dtype)
                 written.add(key)
     for key in order:

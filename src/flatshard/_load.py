@@ -27,12 +27,14 @@ from torch import nn
 from flatshard._consistency import check_same_on_all_ranks
 from flatshard._skip_init import mark_loaded
 from flatshard._state_dict import (
+    Names,
     Place,
     entries_do_not_fit,
     flat_params,
     model_group,
     param_places,
     plain_state_dict,
+    renamed,
     reshard_for_load,
 )
 from flatshard._step import every_rank_calls
@@ -49,6 +51,7 @@ def load_safetensors(
     *,
     strict: bool = True,
     dtype: torch.dtype | None = None,
+    names: Names | None = None,
 ) -> None:
     """Load a safetensors checkpoint (a file, or a directory with ``model.safetensors`` or
     ``model.safetensors.index.json`` and its shards) into ``model``, sharded or not.
@@ -57,7 +60,10 @@ def load_safetensors(
     loading]). ``strict``: every model entry must be in the files and every file entry in
     the model (one error lists all that do not fit; shapes are always checked).
     ``dtype``: read floating-point tensors as this dtype first (default: as stored; they are
-    then converted to the model's dtype). A collective: call it on every rank.
+    then converted to the model's dtype). ``names``: each model entry's name in the files
+    (a ``state_dict()`` key -> the file's key, or None for an entry the files do not hold,
+    which keeps its values and is not missing), e.g. for a peft model over a base
+    checkpoint. A collective: call it on every rank.
     """
     try:
         from safetensors import safe_open
@@ -66,7 +72,7 @@ def load_safetensors(
             "flatshard.load_safetensors needs safetensors: pip install 'flatshard[hf]'"
         ) from None
     files = tensor_files(Path(path))
-    targets = plain_state_dict(model)
+    targets = renamed(plain_state_dict(model), names, "load_safetensors")
     places = param_places(model)
     with ExitStack() as stack:
         handles = {

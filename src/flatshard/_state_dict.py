@@ -12,7 +12,7 @@ row: the rank holding it has shape (), the others shape (0,).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import cast
 
@@ -129,6 +129,31 @@ def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     finally:
         for unit in units:
             unit.own_state_dict_call = False
+
+
+Names = Callable[[str], str | None]
+"""Maps a model entry's name (``state_dict()`` key) to its name in a file; None: not in it."""
+
+
+def renamed(
+    state: dict[str, torch.Tensor], names: Names | None, caller: str
+) -> dict[str, torch.Tensor]:
+    """``state`` under the file's names (see ``Names``); entries mapped to None dropped."""
+    if names is None:
+        return state
+    out: dict[str, torch.Tensor] = {}
+    source: dict[str, str] = {}
+    for key, tensor in state.items():
+        new = names(key)
+        if new is None:
+            continue
+        if new in out and out[new] is not tensor:
+            raise ValueError(
+                f"flatshard.{caller}: names= maps both {source[new]!r} and {key!r} to {new!r}; "
+                "each file entry must come from one tensor. Fix the names function."
+            )
+        out[new], source[new] = tensor, key
+    return out
 
 
 def model_group(model: nn.Module) -> dist.ProcessGroup | None:

@@ -49,10 +49,11 @@ class ShardingSummary:
         return sum(f.alignment_padding_numel for f in self.flat_params)
 
     def __str__(self) -> str:
-        lines = [f"{'unit':<28} {'grad':>5} {'params':>12} {'per rank':>10} {'align pad':>9}"]
+        w = max([28, *(len(f.unit) for f in self.flat_params)])  # long names stay aligned
+        lines = [f"{'unit':<{w}} {'grad':>5} {'params':>12} {'per rank':>10} {'align pad':>9}"]
         for f in self.flat_params:
             lines.append(
-                f"{f.unit:<28} {'yes' if f.requires_grad else 'no':>5} {f.param_numel:>12,} "
+                f"{f.unit:<{w}} {'yes' if f.requires_grad else 'no':>5} {f.param_numel:>12,} "
                 f"{f.shard_numel:>10,} {f.alignment_padding_numel:>9,}"
             )
         return "\n".join(lines)

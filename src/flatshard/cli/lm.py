@@ -10,6 +10,7 @@ import contextlib
 import fnmatch
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -19,7 +20,14 @@ import flatshard
 from flatshard._skip_init import leave_for_load
 from flatshard.cli.config import ConfigError
 from flatshard.cli.data import VOCAB
-from flatshard.cli.train_config import TrainConfig
+from flatshard.cli.lora import (
+    adapter_init,
+    add_adapters,
+    checkpoint_name,
+    merge_adapters,
+    parse_lora,
+)
+from flatshard.cli.train_config import PRECISIONS, TrainConfig
 from flatshard.models import GPT, GPTBlock
 
 
@@ -35,6 +43,7 @@ class LanguageModel:
     # load the safetensors in ``weights``.
     weights: str | None = None
     param_init_fn: Callable[[nn.Module], None] | None = None
+    lora: bool = False  # peft adapters: loaded and exported under the base model's names
 
 
 def build_language_model(config: TrainConfig) -> LanguageModel:
@@ -108,11 +117,55 @@ def _hugging_face(config: TrainConfig) -> LanguageModel:
         )
     block = block_class(model)
     description = f"{type(model).__name__} from {config.model[3:]} (units: {block.__name__})"
-    lm = LanguageModel(model, {block}, description, _call_hf_model)
+    if config.lora:
+        model = add_adapters(model, parse_lora(config.lora))
+        description += f", LoRA {config.lora}"
+    lm = LanguageModel(model, {block}, description, _call_hf_model, lora=bool(config.lora))
     if pretrained:
         lm.weights, lm.param_init_fn = config.model[3:], _pretrained_init(hf_config)
+        if lm.lora:
+            lm.param_init_fn = adapter_init(model, lm.param_init_fn)
         lm.description += ", pretrained weights"
     return lm
+
+
+def shard_language_model(lm: LanguageModel, config: TrainConfig, device: torch.device) -> nn.Module:
+    """``fully_shard`` with the run's options; --init pretrained: then the sharded load."""
+    low = PRECISIONS[config.mixed_precision]
+    options: dict[str, Any] = {"strategy": config.sharding_strategy}
+    if config.sharding_factor:
+        options["sharding_factor"] = config.sharding_factor
+    if low is not None:
+        options["mixed_precision"] = flatshard.MixedPrecision(low, reduce_dtype=torch.float32)
+    if lm.weights is None:
+        return flatshard.fully_shard(
+            lm.module.to(device), auto_wrap_policy=lm.unit_classes, **options
+        )
+    model = flatshard.fully_shard(
+        lm.module,  # on meta: each unit is allocated on ``device`` and filled by the load
+        auto_wrap_policy=lm.unit_classes,
+        param_init_fn=lm.param_init_fn,
+        device=device,
+        **options,
+    )
+    load_weights(model, lm)
+    return model
+
+
+def load_weights(model: nn.Module, lm: LanguageModel) -> None:
+    """--init pretrained: each rank reads its rows (the adapters are not in the files)."""
+    if lm.weights is not None:
+        names = checkpoint_name if lm.lora else None
+        flatshard.load_safetensors(model, lm.weights, names=names)
+
+
+def export_hugging_face(model: nn.Module, lm: LanguageModel, out_dir: Path) -> None:
+    """The weights and config for ``from_pretrained`` (adapters merged into the base)."""
+    names = None
+    if lm.lora:
+        merge_adapters(model, lm.unit_classes)
+        names = checkpoint_name
+    flatshard.export_safetensors(model, out_dir, names=names)
 
 
 def _pretrained_init(hf_config: Any) -> Callable[[nn.Module], None]:
@@ -145,12 +198,14 @@ def _hf_config(transformers: Any, config: TrainConfig) -> Any:
     spec = config.model[3:]
     overrides = parse_overrides(config.hf_overrides)
     try:
-        if spec.endswith(".json") or "/" in spec or spec.startswith("."):
+        if Path(spec).exists() or spec.endswith(".json") or "/" in spec:
             hf_config = transformers.AutoConfig.from_pretrained(spec, **overrides)
         else:
             hf_config = transformers.AutoConfig.for_model(spec, **overrides)
     except (OSError, ValueError) as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if len(first) > 300:  # transformers lists every model type it knows
+            first = first[:300] + " ..."
         raise ConfigError(f"--model {config.model}: {first}") from None
     if config.init == "pretrained":  # the checkpoint's vocabulary; byte ids are some of it
         if hf_config.vocab_size < VOCAB:

@@ -27,11 +27,17 @@ from torch import nn
 import flatshard
 from flatshard._checkpoint import CheckpointError, read_manifest
 from flatshard.cli.config import ConfigError, add_config_parser, config_from_args
-from flatshard.cli.data import Corpus, batch_for_step, decode, encode, load_corpus
+from flatshard.cli.data import VOCAB, Corpus, batch_for_step, decode, encode, load_corpus
 from flatshard.cli.devices import backend_for, init_rank, peak_memory_mib, resolve_device
 from flatshard.cli.elastic import run_elastic
 from flatshard.cli.launch import run_local_ranks, stop_with_parent
-from flatshard.cli.lm import LanguageModel, build_language_model, check_hugging_face
+from flatshard.cli.lm import (
+    LanguageModel,
+    build_language_model,
+    check_hugging_face,
+    export_hugging_face,
+    shard_language_model,
+)
 from flatshard.cli.progress import MetricsLog, ProgressBar, StepMetrics, plot
 from flatshard.cli.train_config import PRECISIONS, TrainConfig
 
@@ -101,7 +107,7 @@ class Trainer:
         self.corpus: Corpus = load_corpus(config.data, config.seq_len)
         self.lm: LanguageModel = build_language_model(config)
         self.params = sum(p.numel() for p in self.lm.module.parameters())
-        self.model = _compiled(_shard(self.lm, config, device), self.lm, config)
+        self.model = _compiled(shard_language_model(self.lm, config, device), self.lm, config)
         self.optim = _optimizer(self.model, config)
         low = PRECISIONS[config.mixed_precision]
         self.scaler = flatshard.ShardedGradScaler(device.type, enabled=low is torch.float16)
@@ -154,7 +160,8 @@ class Trainer:
         ids = encode(PROMPT)
         for _ in range(length):
             context = torch.tensor([ids[-self.config.seq_len :]])
-            logits = self.lm.logits(self.model, context.to(self.device))[0, -1].float().cpu()
+            logits = self.lm.logits(self.model, context.to(self.device))[0, -1, :VOCAB]  # bytes
+            logits = logits.float().cpu()
             probs = (logits / 0.8).softmax(-1)
             ids.append(int(torch.multinomial(probs, 1, generator=gen)))
         return decode(ids)
@@ -254,28 +261,6 @@ def latest_checkpoint(directory: Path) -> Path:
     if not found:
         raise ConfigError(f"--resume latest: no checkpoint (step_*) in {directory}")
     return found[-1]
-
-
-def _shard(lm: LanguageModel, config: TrainConfig, device: torch.device) -> nn.Module:
-    low = PRECISIONS[config.mixed_precision]
-    options: dict[str, Any] = {"strategy": config.sharding_strategy}
-    if config.sharding_factor:
-        options["sharding_factor"] = config.sharding_factor
-    if low is not None:
-        options["mixed_precision"] = flatshard.MixedPrecision(low, reduce_dtype=torch.float32)
-    if lm.weights is None:
-        return flatshard.fully_shard(
-            lm.module.to(device), auto_wrap_policy=lm.unit_classes, **options
-        )
-    model = flatshard.fully_shard(
-        lm.module,  # on meta: each unit is allocated on ``device`` and filled by the load
-        auto_wrap_policy=lm.unit_classes,
-        param_init_fn=lm.param_init_fn,
-        device=device,
-        **options,
-    )
-    flatshard.load_safetensors(model, lm.weights)
-    return model
 
 
 def _compiled(model: nn.Module, lm: LanguageModel, config: TrainConfig) -> nn.Module:
@@ -380,7 +365,7 @@ def _finish(trainer: Trainer, out: Path) -> None:
     exported = None
     if trainer.config.model.startswith("hf:"):  # for from_pretrained (config.json included)
         exported = out / "hf_model"
-        flatshard.export_safetensors(trainer.model, exported)
+        export_hugging_face(trainer.model, trainer.lm, exported)
     if trainer.rank != 0:
         return
     if exported is not None:

@@ -15,6 +15,7 @@ import torch
 
 import flatshard
 from flatshard.cli.config import fail
+from flatshard.cli.lora import parse_lora
 
 PRECISIONS = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 SCHEDULES = ("cosine", "linear", "constant")
@@ -34,6 +35,9 @@ class TrainConfig:
     sharded: each rank reads only its rows); the model's vocabulary is kept"""
     freeze: str = ""
     """comma-separated patterns of parameter names not to train, e.g. 'model.embed_tokens.*'"""
+    lora: str = ""
+    """LoRA adapters (peft; --model hf: only), e.g. 'r=8,alpha=16,targets=q_proj,v_proj'
+    (optional dropout=0.05): only the adapters train; merged into the exported weights"""
     data: str = ""
     """a UTF-8 text file to train on; empty: the shipped public-domain corpus"""
     nproc: int = 2
@@ -133,8 +137,11 @@ class TrainConfig:
         _one_of("init", self.init, ("random", "pretrained"))
         if self.init == "pretrained" and not self.model.startswith("hf:"):
             fail("init", "pretrained needs --model hf:<directory with config and weights>")
-        if self.hf_overrides and not self.model.startswith("hf:"):
-            fail("hf_overrides", "only applies to --model hf:...")
+        for name in ("hf_overrides", "lora"):
+            if getattr(self, name) and not self.model.startswith("hf:"):
+                fail(name, "only applies to --model hf:...")
+        if self.lora:
+            parse_lora(self.lora)
 
     @property
     def checkpoint_dir(self) -> Path:
