@@ -22,7 +22,6 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
-import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
@@ -35,6 +34,7 @@ from torch import nn
 import flatshard
 from flatshard._collectives import WaitClock, describe
 from flatshard.cli.bench_memory import steady_state_peak
+from flatshard.cli.bench_report import chart, summarize, table
 from flatshard.cli.config import ConfigError, add_config_parser, config_from_args
 from flatshard.cli.devices import init_rank, peak_memory_mib, resolve_device
 from flatshard.models import GPT, GPTBlock
@@ -43,6 +43,12 @@ from flatshard.testing.accounting import CollectiveTracker
 SYSTEMS = ("flatshard", "fsdp2", "ddp", "floor")
 # Also available, not run by default: flatshard without any prefetch (what prefetch buys).
 EXTRA_SYSTEMS = ("flatshard-noprefetch", "flatshard-debug")
+
+
+PRESETS: dict[str, dict[str, int]] = {
+    "byte-gpt": {"vocab": 256, "dim": 512, "layers": 8, "heads": 8, "seq_len": 128, "batch": 4},
+    "llm-32k": {"vocab": 32768, "dim": 384, "layers": 6, "heads": 6, "seq_len": 256, "batch": 4},
+}
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,10 @@ class BenchConfig:
     """rounds: fresh processes for every system, which then take their steps in turn"""
     compile: bool = False
     """torch.compile every system's transformer blocks alike (warm up with --warmup 2+)"""
+    preset: str = ""
+    """byte-gpt | llm-32k: a model and batch shape (flags given with it win): byte-gpt is
+    the 25M GPT of vocabulary 256 (dim 512, 8 blocks, 4 x 128 tokens per rank); llm-32k a
+    32,768-token vocabulary tied to the head (dim 384, 6 blocks, 4 x 256 tokens per rank)"""
     out: str = "runs/bench"
     """directory for bench.json and bench.png"""
 
@@ -95,6 +105,9 @@ class BenchConfig:
                 f"got {self.systems!r}"
             )
 
+        if self.preset and self.preset not in PRESETS:
+            raise ConfigError(f"--preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
+
     @property
     def system_list(self) -> list[str]:
         return [s for s in self.systems.split(",") if s]
@@ -112,22 +125,25 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    for name, value in PRESETS.get(getattr(args, "preset", ""), {}).items():
+        if not hasattr(args, name):  # the preset's shape, except what was given as a flag
+            setattr(args, name, value)
     config = config_from_args(BenchConfig, args)
     config = replace(config, device=resolve_device(config.device, config.nproc))
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in config.system_list}
     for _ in range(config.rounds):
         for system, report in _interleaved_round(config).items():
             runs[system].append(report)
-    summary = _summarize(config, runs)
+    summary = summarize(config.batch * config.seq_len * config.nproc, runs)
     collectives = next((r["collectives"] for r in runs.get("flatshard", [])), "")
     if collectives:
         print(f"flatshard collectives: {collectives}")
-    print(_table(summary, "RSS" if config.device == "cpu" else "alloc."))
+    print(table(summary, "RSS" if config.device == "cpu" else "alloc."))
     os.makedirs(config.out, exist_ok=True)
     with open(os.path.join(config.out, "bench.json"), "w") as f:
         report = {"config": asdict(config), "collectives": collectives, "systems": summary}
         json.dump(report, f, indent=2)
-    _chart(summary, os.path.join(config.out, "bench.png"), config.device)
+    chart(summary, os.path.join(config.out, "bench.png"), config.device)
     print(f"wrote {config.out}/bench.json and {config.out}/bench.png")
     return 0
 
@@ -201,6 +217,7 @@ def _interleaved_round(config: BenchConfig) -> dict[str, dict[str, Any]]:
                     "comm_waits": waits[system.system] if answers[0]["waits_measured"] else [],
                     "peak_mem_mib": max(a["peak_mem_mib"] for a in answers),
                     "tensor_peak_mib": max(a["tensor_peak_mib"] for a in answers),
+                    "tensor_rest_mib": max(a["tensor_rest_mib"] for a in answers),
                 }
         finally:
             for system in systems:
@@ -252,10 +269,11 @@ def _serve(
         answers.put({"rank": rank, "time": elapsed, "wait": WaitClock.seconds - waited})
         step += 1
     del model, optim  # the memory pass builds its own
-    tensor_peak = steady_state_peak(
+    tensor_rest, tensor_peak = steady_state_peak(
         lambda: _build(config, system, device), lambda m, o: _train_step(m, o, idx)
     )
     return {
+        "tensor_rest_mib": tensor_rest / 2**20,
         "tensor_peak_mib": tensor_peak / 2**20,
         # flatshard's time blocked on its collectives: exposed communication on CPU only.
         "waits_measured": system.startswith("flatshard") and device.type == "cpu",
@@ -315,80 +333,3 @@ def _wrap(model: GPT, system: str, device: torch.device) -> nn.Module:
         ids = None if device.type == "cpu" else [device]
         return nn.parallel.DistributedDataParallel(model, device_ids=ids)
     return model  # floor: every rank trains alone
-
-
-def _summarize(
-    config: BenchConfig, runs: dict[str, list[dict[str, Any]]]
-) -> dict[str, dict[str, float]]:
-    tokens = config.batch * config.seq_len * config.nproc
-    summary = {}
-    for system, system_runs in runs.items():
-        median = statistics.median(t for r in system_runs for t in r["step_times"])
-        summary[system] = {
-            "median_step_s": median,
-            "tokens_per_s": tokens / median,
-            "peak_mem_mib": max(r["peak_mem_mib"] for r in system_runs),
-            "tensor_peak_mib": max(r["tensor_peak_mib"] for r in system_runs),
-            "collective_output_bytes": system_runs[0]["collective_output_bytes"],
-        }
-        waits = [w for r in system_runs for w in r["comm_waits"]]
-        if waits:
-            summary[system]["exposed_comm_s"] = statistics.median(waits)
-    floor = summary.get("floor", {}).get("median_step_s")
-    for row in summary.values():
-        if floor is not None:
-            # Time added on top of training alone: unhidden communication plus overhead.
-            row["over_floor_s"] = row["median_step_s"] - floor
-        for other in ("fsdp2", "ddp", "floor"):
-            if other in summary:
-                row[f"time_vs_{other}"] = row["median_step_s"] / summary[other]["median_step_s"]
-    return summary
-
-
-def _table(summary: dict[str, dict[str, float]], memory: str) -> str:
-    width = max(10, *(len(system) for system in summary))
-    header = f"{'system':<{width}} {'step s':>8} {'tokens/s':>10} {'tensors MiB':>11} "
-    header += f"{f'peak {memory} MiB':>15} "
-    header += f"{'coll. MB':>9} {'comm wait s':>12} {'over floor s':>13} {'vs fsdp2':>9} "
-    header += f"{'vs ddp':>7} {'vs floor':>9}"
-    lines = [header]
-    for system, row in summary.items():
-        ratios = [row.get(f"time_vs_{o}") for o in ("fsdp2", "ddp", "floor")]
-        cells = [_cell(r, "x", w) for r, w in zip(ratios, (9, 7, 9), strict=True)]
-        lines.append(
-            f"{system:<{width}} {row['median_step_s']:>8.3f} {row['tokens_per_s']:>10,.0f} "
-            f"{row['tensor_peak_mib']:>11,.1f} "
-            f"{row['peak_mem_mib']:>15,.0f} {row['collective_output_bytes'] / 1e6:>9.1f} "
-            f"{_cell(row.get('exposed_comm_s'), '', 12)} "
-            f"{_cell(row.get('over_floor_s'), '', 13)} " + " ".join(cells)
-        )
-    return "\n".join(lines)
-
-
-def _cell(value: float | None, unit: str, width: int) -> str:
-    text = "-" if value is None else (f"{value:.2f}{unit}" if unit else f"{value:.3f}")
-    return f"{text:>{width}}"
-
-
-def _chart(summary: dict[str, dict[str, float]], path: str, device: str) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        raise ConfigError(
-            "the PNG chart needs matplotlib: pip install 'flatshard[bench]'"
-        ) from None
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    systems = list(summary)
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-    axes[0].bar(systems, [summary[s]["median_step_s"] for s in systems], color="tab:blue")
-    axes[0].set_ylabel("median step time (s)")
-    axes[1].bar(systems, [summary[s]["peak_mem_mib"] for s in systems], color="tab:orange")
-    memory = "RSS" if device == "cpu" else "GPU memory allocated"
-    axes[1].set_ylabel(f"peak {memory} per rank (MiB)")
-    fig.suptitle("flatshard bench (same GPT, same data)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

@@ -27,12 +27,14 @@ Step = Callable[[nn.Module, torch.optim.Optimizer], None]
 
 def steady_state_peak(
     build: Callable[[], tuple[nn.Module, torch.optim.Optimizer]], step: Step
-) -> int:
-    """Bytes of tensor storage alive at the peak of a steady-state step (see the note)."""
+) -> tuple[int, int]:
+    """Bytes of tensor storage alive between two steps ("at rest": the state a rank keeps,
+    which sharding divides by W) and at the peak of a steady-state step (see the note)."""
     with PeakStorage() as tracker:
         model, optim = build()
         step(model, optim)  # creates gradients and optimizer state
         tracker.reset_peak()
+        rest: int = tracker.peak
         step(model, optim)
     peak: int = tracker.peak
-    return peak
+    return rest, peak
