@@ -167,9 +167,12 @@ def _clone(value: Any) -> Any:
 
 
 def _assert_equal_dicts(actual: dict[str, torch.Tensor], expected: dict[str, Any]) -> None:
+    # After AdamW steps: an element whose second moment is tiny turns a last-bit difference
+    # of the summation order (sharded reduction vs one process) into ~1e-6 (seen: 1.7e-6
+    # on one of 1024 elements of 0.03), so absolute 1e-5.
     assert list(actual) == list(expected)
     for key, value in expected.items():
-        torch.testing.assert_close(actual[key], value, rtol=1e-5, atol=1e-6, msg=key)
+        torch.testing.assert_close(actual[key], value, rtol=1e-5, atol=1e-5, msg=key)
 
 
 @pytest.mark.parametrize("kind", ["full", "sharded"])

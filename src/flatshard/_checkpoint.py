@@ -23,18 +23,13 @@ import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from flatshard._collectives import all_gather_object, barrier
-from flatshard._dcp import RowShardLoadPlanner, RowShardSavePlanner
 from flatshard._optim_state import (
     OptimStateDict,
     is_row_shape,
@@ -45,12 +40,15 @@ from flatshard._ranks import rank_in
 from flatshard._state_dict import (
     RowShard,
     check_keys,
-    model_group,
+    checkpoint_group,
     param_places,
     reshard_for_load,
     sharded_state_dict,
 )
 from flatshard._step import every_rank_calls
+
+if TYPE_CHECKING:  # torch.distributed.checkpoint takes ~1 s to import: only when used
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 MANIFEST = "flatshard.json"
 FORMAT = "flatshard-checkpoint"
@@ -81,7 +79,7 @@ def save_checkpoint(
     flatshard units is saved by the calling process alone: call it from one process only.
     """
     target = Path(path)
-    group = model_group(model)
+    group = checkpoint_group(model)
     partial = target.with_name(target.name + ".partial")
     try:
         _save(target, partial, model, optimizer, extra)
@@ -116,7 +114,7 @@ def _save(
     optimizer: torch.optim.Optimizer | None,
     extra: dict[str, Any] | None,
 ) -> None:
-    group = model_group(model)
+    group = checkpoint_group(model)
     rank = rank_in(group)
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
@@ -125,6 +123,11 @@ def _save(
     if optimizer is not None:
         state.update(_optim_entries(sharded_optim_state_dict(model, optimizer)))
     state[f"{EXTRA}{rank}"] = extra if extra is not None else {}
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    from flatshard._dcp import RowShardSavePlanner
+
     with _single_process_is_intended():
         dcp_save(
             state,
@@ -221,12 +224,11 @@ def load_checkpoint(
     rank's ``extra`` as saved (rank 0's when the saving run had fewer ranks).
     """
     target = Path(path)
-    group = model_group(model)
+    group = checkpoint_group(model)
     rank = rank_in(group)
     manifest = read_manifest(target)
     verify_files(target, manifest, group)
-    metadata = FileSystemReader(target).read_metadata()
-    saved = metadata.state_dict_metadata
+    saved = checkpoint_metadata(target).state_dict_metadata
     reshard_for_load(model, "load_checkpoint")
     state: dict[str, Any] = _model_targets(model, saved, strict)
     if optimizer is not None:
@@ -247,6 +249,11 @@ def load_raw(target: Path, state: dict[str, Any]) -> None:
 
 def _read(target: Path, state: dict[str, Any], group: dist.ProcessGroup | None) -> None:
     """DCP's load of ``state`` (in place) from ``target``; one process if no group."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    from flatshard._dcp import RowShardLoadPlanner
+
     with _single_process_is_intended():
         dcp_load(
             state,
@@ -266,7 +273,7 @@ def _model_targets(model: nn.Module, saved: dict[str, Any], strict: bool) -> dic
     for name, value in mine.items():
         md = saved.get(MODEL + name)
         shape = value.full_shape if isinstance(value, RowShard) else value.shape
-        if isinstance(md, TensorStorageMetadata) and md.size != shape:
+        if is_tensor_entry(md) and md.size != shape:
             problems.append(f"'{name}': checkpoint {tuple(md.size)}, model {tuple(shape)}")
     if problems:
         raise CheckpointError(
@@ -297,9 +304,9 @@ def _optim_targets(model: nn.Module, saved: dict[str, Any], target: Path) -> dic
             )
         param = params[name]
         place = places[id(param)]
-        if not isinstance(md, TensorStorageMetadata):
+        if not is_tensor_entry(md):
             targets[key] = None  # a Python value
-        elif is_row_shape(state_key, md.size, place.full_shape, len(place.full_shape)):
+        elif is_row_shape(state_key, md.size, place.global_shape, len(place.full_shape)):
             local = torch.empty(place.local_shape, dtype=md.properties.dtype, device=param.device)
             targets[key] = place.row_shard(local)
         else:
@@ -391,7 +398,16 @@ def _file_problem(path: Path, facts: dict[str, int]) -> str | None:
     return None
 
 
+def is_tensor_entry(md: object) -> TypeGuard[TensorStorageMetadata]:
+    """Whether a DCP metadata entry describes a tensor (else a Python value)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    return isinstance(md, TensorStorageMetadata)
+
+
 def checkpoint_metadata(target: Path) -> Metadata:
     """DCP's metadata of a checked checkpoint directory (no process group needed)."""
     read_manifest(target)
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
     return FileSystemReader(target).read_metadata()

@@ -38,26 +38,28 @@ def _global_norm(model: nn.Module, norm_type: float) -> torch.Tensor:
 
     A shard group's ranks hold disjoint rows, so their partial sums (or maxima) add up over
     that group; replicas hold the same rows, so nothing is reduced across them. Parameters
-    flatshard does not manage are replicated and counted locally.
+    split by tensor parallelism add up over their TP group too (replicated ones do not).
+    Parameters flatshard does not manage are replicated and counted locally.
     """
     inf = math.isinf(norm_type)
-    per_group: dict[int, tuple[dist.ProcessGroup | None, list[torch.Tensor]]] = {}
+    buckets: dict[tuple[int, int], tuple[list[dist.ProcessGroup], list[torch.Tensor]]] = {}
     managed: set[int] = set()
     for unit in units_of(model, "clip_grad_norm_"):
         for flat in unit.trainable:
-            group = flat.groups.shard
-            _, grads = per_group.setdefault(id(group), (group, []))
             for orig in flat.originals:
                 managed.add(id(orig.param))
+                tp = orig.tp.group if orig.tp is not None and orig.tp.sharded else None
+                groups = [g for g in (flat.groups.shard, tp) if g is not None]
+                _, grads = buckets.setdefault((id(flat.groups.shard), id(tp)), (groups, []))
                 if orig.param.grad is not None:
                     grads.append(orig.param.grad)
     local = [p.grad for p in model.parameters() if id(p) not in managed and p.grad is not None]
-    per_group.setdefault(id(None), (None, []))[1].extend(local)
+    buckets.setdefault((id(None), id(None)), ([], []))[1].extend(local)
     device = next(model.parameters()).device
     partials = []
-    for group, grads in per_group.values():
+    for groups, grads in buckets.values():  # the same order on every rank
         partial = _partial(grads, norm_type, device)
-        if group is not None:
+        for group in groups:
             all_reduce(partial, group, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
         partials.append(partial)
     stacked = torch.stack([p.to(device) for p in partials])  # offloaded norms: on the CPU

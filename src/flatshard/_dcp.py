@@ -42,6 +42,8 @@ from flatshard._state_dict import RowShard
 
 def _chunk(value: RowShard) -> ChunkStorageMetadata:
     offsets = [value.first_row] + [0] * (len(value.full_shape) - 1)
+    if value.base:  # a tensor-parallel shard: rows count from its place in the whole
+        offsets = [o + b for o, b in zip(offsets, value.base, strict=True)]
     return ChunkStorageMetadata(
         offsets=torch.Size(offsets[: len(value.full_shape)]), sizes=value.local.shape
     )

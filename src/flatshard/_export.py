@@ -13,9 +13,15 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from flatshard._checkpoint import MODEL, checkpoint_metadata, load_raw, read_manifest, verify_files
+from flatshard._checkpoint import (
+    MODEL,
+    checkpoint_metadata,
+    is_tensor_entry,
+    load_raw,
+    read_manifest,
+    verify_files,
+)
 from flatshard._full_params import gather_copies
 from flatshard._ranks import rank_in
 from flatshard._safetensors import Entry, StreamWriter
@@ -29,6 +35,7 @@ from flatshard._state_dict import (
     renamed,
 )
 from flatshard._step import every_rank_calls
+from flatshard._tensor_parallel import TensorParallel
 
 DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size
 
@@ -53,6 +60,9 @@ def export_safetensors(
     Returns the files written (on rank 0; ``[]`` elsewhere).
     """
     keep = rank_in(model_group(model)) == 0
+    # With tensor parallelism each TP peer of rank 0 gathers too (the TP collectives need
+    # them); only TP rank 0 writes.
+    write = keep and all(tp.mesh.get_local_rank() == 0 for tp in _tensor_parallel_of(model))
     state = renamed(plain_state_dict(model), names, "export_safetensors")
     keys_of: dict[int, list[str]] = {}
     for key, value in state.items():
@@ -63,7 +73,7 @@ def export_safetensors(
         Entry(key, _out_dtype(state[key].dtype, dtype), tuple(_full_shape(state[key], places)))
         for key in order
     ]
-    writer = StreamWriter(Path(out_dir), entries, max_shard_bytes) if keep else None
+    writer = StreamWriter(Path(out_dir), entries, max_shard_bytes) if write else None
     written: set[str] = set()
     for flat in flat_params(model):
         copies = gather_copies(flat, flat.shard, keep, cpu_offload=True)
@@ -106,7 +116,11 @@ def _write_order(model: nn.Module, state: dict[str, torch.Tensor]) -> list[str]:
 
 def _full_shape(value: torch.Tensor, places: dict[int, Place]) -> torch.Size:
     place = places.get(id(value))
-    return place.full_shape if place is not None else value.shape
+    return place.global_shape if place is not None else value.shape
+
+
+def _tensor_parallel_of(model: nn.Module) -> list[TensorParallel]:
+    return [orig.tp for flat in flat_params(model) for orig in flat.originals if orig.tp]
 
 
 def _out_dtype(stored: torch.dtype, wanted: torch.dtype | None) -> torch.dtype:
@@ -137,7 +151,7 @@ def export_checkpoint(
     tensors = {
         key[len(MODEL) :]: md
         for key, md in saved.items()
-        if key.startswith(MODEL) and isinstance(md, TensorStorageMetadata)
+        if key.startswith(MODEL) and is_tensor_entry(md)
     }
     entries = [
         Entry(name, _out_dtype(md.properties.dtype, dtype), tuple(md.size))

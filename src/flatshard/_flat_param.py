@@ -71,6 +71,7 @@ from flatshard._collectives import start_all_gather, wait_work
 from flatshard._layout import FlatLayout, ViewPlan, plan_layout
 from flatshard._mesh import ShardGroups
 from flatshard._reduction import GradientReduction
+from flatshard._tensor_parallel import TensorParallel, tensor_parallel
 
 
 @dataclass
@@ -80,6 +81,11 @@ class OriginalParam:
     param: nn.Parameter
     fqn: str  # its first name in the model
     usages: list[tuple[nn.Module, str]] = field(default_factory=list)
+
+    @property
+    def tp(self) -> TensorParallel | None:
+        """Set when it was a DTensor parameter (see [Note: DTensor parameters])."""
+        return tensor_parallel(self.param)
 
 
 @dataclass(frozen=True)
@@ -135,6 +141,7 @@ class FlatParamGroup:
         self._grad_hook: Callable[[torch.Tensor], None] | None = None
         # (original's index, its module's parameter dict, its name there), on first use.
         self._registrations: list[tuple[int, dict[str, torch.Tensor], str]] | None = None
+        self.has_tp = any(o.tp is not None for o in originals)  # DTensor parameters
         self._gather: tuple[dist.Work, torch.Tensor] | None = None  # started, not waited
         self.views_registered = False  # the modules hold views of ``unsharded``
         self._gathered_version = -1  # shard writes seen by the last gather [Note: stale gathers]
@@ -289,10 +296,19 @@ class FlatParamGroup:
                 for i, orig in enumerate(self.originals)
                 for module, name in orig.usages
             ]
-        values = [o.param for o in self.originals] if views is None else views
+        values = [o.param for o in self.originals] if views is None else self._as_used(views)
         for i, registry, name in self._registrations:
             registry[name] = values[i]
         self.views_registered = views is not None
+
+    def _as_used(self, views: list[torch.Tensor]) -> list[torch.Tensor]:
+        """DTensor parameters' views wrapped back into DTensors for their TP layers."""
+        if not self.has_tp:
+            return views
+        return [
+            tp.wrap(view) if (tp := orig.tp) is not None else view
+            for orig, view in zip(self.originals, views, strict=True)
+        ]
 
     # ------------------------------------------------------------------ gradients
     def take_grad(self) -> torch.Tensor:

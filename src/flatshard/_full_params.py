@@ -14,6 +14,7 @@ import torch
 
 from flatshard._collectives import all_gather_into
 from flatshard._flat_param import FlatParamGroup
+from flatshard._tensor_parallel import TensorParallel
 
 
 def gather_full(
@@ -44,7 +45,22 @@ def gather_copies(
     (which every view keeps alive) is freed on return, before the next gather.
     """
     views = gather_full(flat, flat_shard)[1]
-    return [copy_out(view, cpu_offload) for view in views] if keep else []
+    if not keep:
+        return []
+    copies = [copy_out(view, cpu_offload) for view in views]
+    if flat.has_tp:  # a DTensor parameter's local shard -> the global tensor (a TP collective)
+        copies = [_global(orig.tp, c, flat) for orig, c in zip(flat.originals, copies, strict=True)]
+    return copies
+
+
+def _global(tp: TensorParallel | None, local: torch.Tensor, flat: FlatParamGroup) -> torch.Tensor:
+    """The global tensor of a DTensor parameter from every TP rank's ``local``.
+
+    Every TP peer keeps (or does not keep) alike: they are rank ``r`` of their own dp groups.
+    """
+    if tp is None:
+        return local
+    return tp.full(local.to(flat.compute_device)).to(local.device)
 
 
 def copy_out(tensor: torch.Tensor, cpu_offload: bool) -> torch.Tensor:

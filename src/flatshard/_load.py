@@ -158,7 +158,7 @@ def _check_names(
     present = {id(t) for k, t in targets.items() if k in files}  # tied: any name will do
     for key, target in targets.items():
         place = places.get(id(target))
-        shape = tuple(place.full_shape if place is not None else target.shape)
+        shape = tuple(place.global_shape if place is not None else target.shape)
         if key in files:
             stored = tuple(handles[files[key]].get_slice(key).get_shape())
             if stored != shape:
@@ -174,9 +174,19 @@ def _check_names(
 
 
 def _read_rows(handle: Any, key: str, place: Place | None) -> torch.Tensor:
-    """This rank's rows of tensor ``key`` (all of it for buffers and unsharded tensors)."""
+    """This rank's rows of tensor ``key`` (all of it for buffers and unsharded tensors).
+
+    A tensor-parallel parameter's rows lie in its TP shard: the box from the shard's
+    offset, the rows along dim 0 and the shard's extent along the others.
+    """
     if place is None or place.flat is None or len(place.full_shape) == 0:
         tensor: torch.Tensor = handle.get_tensor(key)
+        if place is not None and place.tp is not None:
+            tensor = place.tp.local_part(tensor)
         return tensor if place is None or place.rows else tensor.reshape(1)[:0]
-    rows: torch.Tensor = handle.get_slice(key)[place.first_row : place.first_row + place.rows]
+    base = place.tp.offset if place.tp is not None else (0,) * len(place.full_shape)
+    first = base[0] + place.first_row
+    box = [slice(first, first + place.rows)]
+    box += [slice(b, b + n) for b, n in zip(base[1:], place.full_shape[1:], strict=True)]
+    rows: torch.Tensor = handle.get_slice(key)[tuple(box)]
     return rows

@@ -241,13 +241,13 @@ def _local_value(name: str, key: str, value: Any, place: Place) -> Any:
                 f"{place.first_row + place.rows}; reshard through flatshard.load_checkpoint"
             )
         return value.local.clone()
-    if is_row_value(key, value, place.full_shape, len(place.full_shape)):
-        return place.take(value).clone()
+    if is_row_value(key, value, place.global_shape, len(place.full_shape)):
+        return place.take_global(value).clone()
     if isinstance(value, torch.Tensor) and value.dim() > 0:
         raise ValueError(
             f"flatshard.load_optim_state_dict (rank {global_rank()}): state '{key}' of "
             f"'{name}' has shape {tuple(value.shape)}, expected the parameter's full shape "
-            f"{tuple(place.full_shape)} or a scalar"
+            f"{tuple(place.global_shape)} or a scalar"
         )
     return value
 
@@ -285,7 +285,7 @@ def _receive_from_rank0(
             else:
                 full = torch.empty(value.shape, dtype=value.dtype, device=device)
             broadcast(full, group_src=0, group=group)
-            local = place.take(full).to(named[name].device).clone()
+            local = place.take_global(full).to(named[name].device).clone()
             entries[key] = place.row_shard(local) if place.flat is not None else local
     return received
 

@@ -102,7 +102,8 @@ def _check_param(param: nn.Parameter, fqn: str, rank: int) -> None:
         raise TypeError(
             f"flatshard.fully_shard: parameter '{fqn}' is a {type(param.data).__name__}, "
             f"not a plain tensor (rank {rank}); flatshard cannot shard a model another "
-            "parallelism (DTensor, FSDP2) already manages."
+            "data parallelism (FSDP2) already manages. (DTensor parameters of tensor "
+            "parallelism are supported: see [Note: DTensor parameters].)"
         )
 
 

@@ -26,6 +26,7 @@ from flatshard._full_params import copy_out, gather_copies
 from flatshard._layout import rows_shape
 from flatshard._ranks import checked_on_rank0, global_rank, rank_in
 from flatshard._step import context_of, every_rank_calls
+from flatshard._tensor_parallel import TensorParallel, spanning_group
 from flatshard._unit import unit_of
 
 
@@ -36,6 +37,9 @@ class RowShard:
     local: torch.Tensor  # shape [rows, *full_shape[1:]]; () or (0,) for a 0-dim tensor
     first_row: int
     full_shape: torch.Size
+    # A tensor-parallel parameter: where this rank's TP shard starts in the global tensor
+    # (``full_shape``); rows count from there. Empty: not tensor parallel.
+    base: tuple[int, ...] = ()
 
     @property
     def rows(self) -> int:
@@ -56,6 +60,16 @@ class Place:
     rows: int
     flat: FlatParamGroup | None = None  # None: not sharded, every rank holds all of it
     index: int = 0  # the parameter's position in ``flat``
+    tp: TensorParallel | None = None  # a DTensor parameter: full_shape is its TP shard's
+
+    @property
+    def global_shape(self) -> torch.Size:
+        """The shape of the whole tensor (the TP shard's shape on its own)."""
+        return self.tp.shape if self.tp is not None else self.full_shape
+
+    def take_global(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the whole tensor ``full`` (a view)."""
+        return self.take(self.tp.local_part(full) if self.tp is not None else full)
 
     @property
     def local_shape(self) -> torch.Size:
@@ -68,11 +82,13 @@ class Place:
         return full[self.first_row : self.first_row + self.rows]
 
     def row_shard(self, local: torch.Tensor) -> RowShard:
-        return RowShard(local=local, first_row=self.first_row, full_shape=self.full_shape)
+        base = self.tp.offset if self.tp is not None else ()
+        return RowShard(local, self.first_row, self.global_shape, base)
 
     def matches(self, shard: RowShard) -> bool:
         return (
-            shard.full_shape == self.full_shape
+            shard.full_shape == self.global_shape
+            and shard.base == (self.tp.offset if self.tp is not None else ())
             and shard.first_row == self.first_row
             and shard.rows == self.rows
         )
@@ -84,7 +100,8 @@ def param_places(model: nn.Module) -> dict[int, Place]:
     for flat in flat_params(model):
         for index, (orig, held) in enumerate(zip(flat.originals, flat.views.held, strict=True)):
             full_shape = flat.full_shapes[index]
-            places[id(orig.param)] = Place(full_shape, held.first_row, held.rows, flat, index)
+            place = Place(full_shape, held.first_row, held.rows, flat, index, orig.tp)
+            places[id(orig.param)] = place
     for param in model.parameters():
         if id(param) not in places:
             rows = param.shape[0] if param.dim() else 1
@@ -160,6 +177,14 @@ def model_group(model: nn.Module) -> dist.ProcessGroup | None:
     """The process group ``fully_shard`` was given for ``model`` (None: not sharded)."""
     context = context_of(model)
     return context.process_group if context is not None else None
+
+
+def checkpoint_group(model: nn.Module) -> dist.ProcessGroup | None:
+    """The ranks that write (and read) a checkpoint together: the model's group, or with
+    tensor parallelism the ranks of dp x tp (see [Note: DTensor parameters])."""
+    group = model_group(model)
+    tps = [orig.tp for flat in flat_params(model) for orig in flat.originals if orig.tp]
+    return spanning_group(group, tps) if group is not None else None
 
 
 def entries_do_not_fit(caller: str, problems: list[str]) -> ValueError:
@@ -255,7 +280,7 @@ def _load_one(
     key: str, target: torch.Tensor, value: RowShard | torch.Tensor, place: Place | None
 ) -> str | None:
     """Copy ``value`` into ``target``; a description of the mismatch instead, if any."""
-    full_shape = place.full_shape if place is not None else target.shape
+    full_shape = place.global_shape if place is not None else target.shape
     if isinstance(value, RowShard):
         if place is None or not place.matches(value):
             mine = f"rows {place.first_row}..{place.first_row + place.rows}" if place else "all"
@@ -268,7 +293,7 @@ def _load_one(
     elif isinstance(value, torch.Tensor):
         if value.shape != full_shape:
             return f"'{key}': expected shape {tuple(full_shape)}, found {tuple(value.shape)}"
-        local = place.take(value) if place is not None else value
+        local = place.take_global(value) if place is not None else value
     else:
         return f"'{key}': expected a tensor, found {type(value).__name__}"
     with torch.no_grad():
@@ -296,7 +321,7 @@ def _load_from_rank0(
     for key in sent:
         target = targets[key]
         place = places.get(id(target))
-        shape = place.full_shape if place is not None else target.shape
+        shape = place.global_shape if place is not None else target.shape
         device = place.flat.compute_device if place and place.flat else target.device
         if dist.get_rank(group) == 0:
             full = cast(torch.Tensor, state_dict[key]).to(device, target.dtype).contiguous()
@@ -304,7 +329,7 @@ def _load_from_rank0(
             full = torch.empty(shape, dtype=target.dtype, device=device)
         broadcast(full, group_src=0, group=group)
         with torch.no_grad():
-            target.detach().copy_(place.take(full) if place is not None else full)
+            target.detach().copy_(place.take_global(full) if place is not None else full)
 
 
 def _check_full(
@@ -320,7 +345,7 @@ def _check_full(
         if key not in targets:
             continue
         place = places.get(id(targets[key]))
-        shape = place.full_shape if place is not None else targets[key].shape
+        shape = place.global_shape if place is not None else targets[key].shape
         if not isinstance(value, torch.Tensor) or value.shape != shape:
             found = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
             problems.append(f"'{key}': expected a tensor of shape {tuple(shape)}, found {found}")

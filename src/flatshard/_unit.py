@@ -297,6 +297,13 @@ class Unit:
     def _check_inference_only(self) -> None:
         """Inside summon_full_params a forward may not record a graph: its backward would
         write full-size gradients no reduction would see."""
+        if any(f.has_tp for f in self.flat_params):
+            raise RuntimeError(
+                f"flatshard: unit '{self.label}' ran forward inside summon_full_params "
+                f"(rank {global_rank()}), and it holds tensor-parallel parameters, which are "
+                "plain local shards there, not the DTensors their layers expect. Run the "
+                "forward outside summon_full_params."
+            )
         if torch.is_grad_enabled() and any(f.requires_grad for f in self.flat_params):
             raise RuntimeError(
                 f"flatshard: unit '{self.label}' ran forward with gradients inside "

@@ -32,6 +32,7 @@ from flatshard._ranks import join_name
 from flatshard._rate_limiter import DEFAULT_LIMIT, RateLimiter
 from flatshard._skip_init import awaits_load, mark_awaiting
 from flatshard._step import CONTEXT_ATTR, StepContext, context_of
+from flatshard._tensor_parallel import localize
 from flatshard._unit import Unit, UnitConfig, unit_of
 
 M = TypeVar("M", bound=nn.Module)
@@ -105,6 +106,7 @@ def fully_shard(
         _check_inherited_precision(earlier, mixed_precision, rank)
         unit_names = select_unit_roots(module, auto_wrap_policy, skip=earlier.keys())
         managed = {name: _managed_param_ids(context) for name, context in earlier.items()}
+        localize(module, group, rank)  # DTensor (TP) parameters: their local tensors
         plans = partition(module, unit_names, managed, rank)
         if init.check_consistency:
             check_same_on_all_ranks(

@@ -33,8 +33,9 @@ from torch import nn
 
 import flatshard
 from flatshard._collectives import WaitClock, describe
+from flatshard.cli.bench_formula import flatshard_formulas
 from flatshard.cli.bench_memory import steady_state_peak
-from flatshard.cli.bench_report import chart, summarize, table
+from flatshard.cli.bench_report import chart, scaling_table, summarize, table
 from flatshard.cli.config import ConfigError, add_config_parser, config_from_args
 from flatshard.cli.devices import init_rank, peak_memory_mib, resolve_device
 from flatshard.models import GPT, GPTBlock
@@ -82,6 +83,10 @@ class BenchConfig:
     """rounds: fresh processes for every system, which then take their steps in turn"""
     compile: bool = False
     """torch.compile every system's transformer blocks alike (warm up with --warmup 2+)"""
+    scaling: bool = False
+    """run every world size from 1 to --nproc, each a bench of its own, and print per-rank
+    memory and collective bytes (flatshard's against its formula) and step time by world
+    size (more ranks than cores oversubscribe the machine: step times then say little)"""
     preset: str = ""
     """byte-gpt | llm-32k: a model and batch shape (flags given with it win): byte-gpt is
     the 25M GPT of vocabulary 256 (dim 512, 8 blocks, 4 x 128 tokens per rank); llm-32k a
@@ -130,22 +135,34 @@ def run(args: argparse.Namespace) -> int:
             setattr(args, name, value)
     config = config_from_args(BenchConfig, args)
     config = replace(config, device=resolve_device(config.device, config.nproc))
-    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in config.system_list}
-    for _ in range(config.rounds):
-        for system, report in _interleaved_round(config).items():
-            runs[system].append(report)
-    summary = summarize(config.batch * config.seq_len * config.nproc, runs)
-    collectives = next((r["collectives"] for r in runs.get("flatshard", [])), "")
+    worlds = range(1, config.nproc + 1) if config.scaling else [config.nproc]
+    by_world = {w: _bench(replace(config, nproc=w)) for w in worlds}
+    summary, collectives = by_world[config.nproc]
     if collectives:
         print(f"flatshard collectives: {collectives}")
-    print(table(summary, "RSS" if config.device == "cpu" else "alloc."))
+    if config.scaling:
+        print(scaling_table({w: s for w, (s, _) in by_world.items()}, config.system_list))
+    else:
+        print(table(summary, "RSS" if config.device == "cpu" else "alloc."))
     os.makedirs(config.out, exist_ok=True)
     with open(os.path.join(config.out, "bench.json"), "w") as f:
         report = {"config": asdict(config), "collectives": collectives, "systems": summary}
+        if config.scaling:
+            report["scaling"] = {str(w): s for w, (s, _) in by_world.items()}
         json.dump(report, f, indent=2)
     chart(summary, os.path.join(config.out, "bench.png"), config.device)
     print(f"wrote {config.out}/bench.json and {config.out}/bench.png")
     return 0
+
+
+def _bench(config: BenchConfig) -> tuple[dict[str, dict[str, float]], str]:
+    """Every system at ``config.nproc`` ranks: the summary and flatshard's collectives."""
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in config.system_list}
+    for _ in range(config.rounds):
+        for system, report in _interleaved_round(config).items():
+            runs[system].append(report)
+    collectives = next((r["collectives"] for r in runs.get("flatshard", [])), "")
+    return summarize(config.batch * config.seq_len * config.nproc, runs), collectives
 
 
 class _System:
@@ -218,6 +235,7 @@ def _interleaved_round(config: BenchConfig) -> dict[str, dict[str, Any]]:
                     "peak_mem_mib": max(a["peak_mem_mib"] for a in answers),
                     "tensor_peak_mib": max(a["tensor_peak_mib"] for a in answers),
                     "tensor_rest_mib": max(a["tensor_rest_mib"] for a in answers),
+                    "formula_rest_mib": max(a["formula_rest_mib"] for a in answers),
                 }
         finally:
             for system in systems:
@@ -268,12 +286,17 @@ def _serve(
         elapsed = time.perf_counter() - start
         answers.put({"rank": rank, "time": elapsed, "wait": WaitClock.seconds - waited})
         step += 1
+    formulas = {"rest": -1, "collective": -1}  # -1: no formula for this system
+    if system.startswith("flatshard"):
+        formulas = flatshard_formulas(model, config.layers, config.nproc)
     del model, optim  # the memory pass builds its own
     tensor_rest, tensor_peak = steady_state_peak(
         lambda: _build(config, system, device), lambda m, o: _train_step(m, o, idx)
     )
     return {
         "tensor_rest_mib": tensor_rest / 2**20,
+        "formula_rest_mib": formulas["rest"] / 2**20,
+        "formula_collective_bytes": formulas["collective"],
         "tensor_peak_mib": tensor_peak / 2**20,
         # flatshard's time blocked on its collectives: exposed communication on CPU only.
         "waits_measured": system.startswith("flatshard") and device.type == "cpu",

@@ -18,6 +18,8 @@ def summarize(tokens: int, runs: dict[str, list[dict[str, Any]]]) -> dict[str, d
             "peak_mem_mib": max(r["peak_mem_mib"] for r in system_runs),
             "tensor_peak_mib": max(r["tensor_peak_mib"] for r in system_runs),
             "tensor_rest_mib": max(r["tensor_rest_mib"] for r in system_runs),
+            "formula_rest_mib": system_runs[0]["formula_rest_mib"],
+            "formula_collective_bytes": system_runs[0]["formula_collective_bytes"],
             "collective_output_bytes": system_runs[0]["collective_output_bytes"],
         }
         waits = [w for r in system_runs for w in r["comm_waits"]]
@@ -55,8 +57,32 @@ def table(summary: dict[str, dict[str, float]], memory: str) -> str:
     return "\n".join(lines)
 
 
+def scaling_table(by_world: dict[int, dict[str, dict[str, float]]], systems: list[str]) -> str:
+    """Per system and world size: step time, per-rank memory, collective bytes; flatshard's
+    "at rest" and collective bytes next to their formulas (``cli/bench_formula.py``)."""
+    header = f"{'system':<12} {'W':>2} {'step s':>8} {'tensors MiB':>11} {'at rest':>8} "
+    header += f"{'rest x W':>9} {'formula':>8} {'coll. MB':>9} {'formula':>8}"
+    lines = ["scaling (per rank; 'formula': flatshard's by formula, '-' for other systems)"]
+    lines.append(header)
+    for system in systems:
+        for world, summary in by_world.items():
+            row = summary[system]
+            rest = row["tensor_rest_mib"]
+            known = row["formula_rest_mib"] >= 0
+            lines.append(
+                f"{system:<12} {world:>2} {row['median_step_s']:>8.3f} "
+                f"{row['tensor_peak_mib']:>11,.1f} {rest:>8,.1f} {rest * world:>9,.1f} "
+                + _cell(row["formula_rest_mib"] if known else None, "MiB", 8)
+                + f" {row['collective_output_bytes'] / 1e6:>9.2f} "
+                + _cell(row["formula_collective_bytes"] / 1e6 if known else None, "MB", 8)
+            )
+    return "\n".join(lines)
+
+
 def _cell(value: float | None, unit: str, width: int) -> str:
-    text = "-" if value is None else (f"{value:.2f}{unit}" if unit else f"{value:.3f}")
+    text = "-" if value is None else (f"{value:.2f}{unit}" if unit == "x" else f"{value:.3f}")
+    if value is not None and unit in ("MiB", "MB"):
+        text = f"{value:,.2f}"
     return f"{text:>{width}}"
 
 

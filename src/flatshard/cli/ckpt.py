@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from flatshard._checkpoint import (
     EXTRA,
@@ -21,6 +20,7 @@ from flatshard._checkpoint import (
     OPTIM,
     CheckpointError,
     checkpoint_metadata,
+    is_tensor_entry,
     load_raw,
     read_manifest,
     verify_files,
@@ -119,9 +119,7 @@ def describe(
     files = manifest["files"]
     total = sum(f["bytes"] for f in files.values())
     model = {k[len(MODEL) :]: md for k, md in saved.items() if k.startswith(MODEL)}
-    elements = sum(
-        md.size.numel() for md in model.values() if isinstance(md, TensorStorageMetadata)
-    )
+    elements = sum(md.size.numel() for md in model.values() if is_tensor_entry(md))
     lines = [
         f"checkpoint  {path}",
         f"saved by    {manifest['world_size']} rank(s), torch {manifest['torch']}, "
@@ -150,7 +148,7 @@ def describe(
         lines.append("")
         width = max((len(n) for n in model), default=4)
         for name, md in model.items():
-            if isinstance(md, TensorStorageMetadata):
+            if is_tensor_entry(md):
                 dtype = str(md.properties.dtype).replace("torch.", "")
                 lines.append(f"  {name:<{width}}  {dtype:<8} {tuple(md.size)}")
     return lines

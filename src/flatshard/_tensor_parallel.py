@@ -1,0 +1,173 @@
+"""Tensor-parallel (DTensor) parameters in flatshard units: 2-D, TP x sharded data parallel.
+
+[Note: DTensor parameters]
+A model parallelized with ``torch.distributed.tensor.parallel`` holds DTensor parameters
+over a TP mesh: each rank's local tensor is its TP shard. ``fully_shard(model,
+process_group=mesh["dp"])`` shards those local tensors over the data-parallel ranks, which
+hold the same TP shard (``localize`` refuses a group that overlaps the TP mesh: it would
+flatten different shards together). ``localize`` replaces each DTensor parameter with a
+plain parameter holding its local tensor and remembers the DTensor's mesh, placements and
+global shape (``TensorParallel``); from then on flatshard treats it as any parameter of
+that local shape (row-aligned layout, views, reduction over dp, optimizer state). Inside a
+unit's forward the registered views are wrapped back into DTensors
+(``DTensor.from_local``, differentiable), so the TP layers compute as before; their
+gradients come back as local tensors (a replicated parameter's already summed over TP by
+DTensor's backward) and are reduced over dp. Between steps a parameter is this rank's rows
+of its local TP shard, as a plain tensor (the optimizer steps it like any other).
+What depends on TP: the gradient norm (TP-sharded parameters' partial sums are also summed
+over the TP ranks), full state dicts (each local shard gathered over dp, then over TP with
+``full_tensor``), and checkpoint chunks (offset by the local shard's place in the global
+tensor), so a checkpoint loads at the same TP degree and any dp degree.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+if TYPE_CHECKING:  # torch.distributed.tensor takes ~1 s to import: only with TP models
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import Placement
+
+_ATTR = "_flatshard_tensor_parallel"
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """How a parameter was a DTensor: its TP mesh, placements and global shape."""
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    shape: torch.Size
+    stride: tuple[int, ...]
+    offset: tuple[int, ...]  # where this rank's local tensor starts in the global tensor
+
+    @property
+    def sharded(self) -> bool:
+        """Whether TP ranks hold different parts (else each holds all of it)."""
+        return any(p.is_shard() for p in self.placements)
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group()
+
+    def wrap(self, local: torch.Tensor) -> DTensor:
+        """``local`` (this rank's TP shard) as the DTensor the TP layers expect."""
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(
+            local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
+        )
+
+    def full(self, local: torch.Tensor) -> torch.Tensor:
+        """The global tensor from every TP rank's ``local`` (a collective over TP)."""
+        if not self.sharded:
+            return local
+        full: torch.Tensor = self.wrap(local).full_tensor()
+        return full
+
+    def local_part(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's TP shard of the global tensor ``full`` (a view)."""
+        part = full
+        for dim, (start, size) in enumerate(zip(self.offset, self.local_shape, strict=True)):
+            part = part.narrow(dim, start, size)
+        return part
+
+    @property
+    def local_shape(self) -> torch.Size:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, _ = compute_local_shape_and_global_offset(self.shape, self.mesh, self.placements)
+        return torch.Size(shape)
+
+
+def tensor_parallel(param: torch.Tensor) -> TensorParallel | None:
+    """The DTensor facts of a parameter ``localize`` replaced (None for others)."""
+    found = getattr(param, _ATTR, None)
+    return found if isinstance(found, TensorParallel) else None
+
+
+def localize(root: nn.Module, group: dist.ProcessGroup, rank: int) -> None:
+    """Replace every DTensor parameter of ``root`` by a plain one holding its local tensor.
+
+    Ties stay ties (one DTensor registered twice becomes one plain parameter registered
+    twice). See [Note: DTensor parameters].
+    """
+    if "torch.distributed.tensor" not in sys.modules:
+        return  # never imported: no DTensor exists
+    from torch.distributed.tensor import DTensor
+
+    replaced: dict[int, nn.Parameter] = {}
+    for mname, module in root.named_modules(remove_duplicate=False):
+        for pname, param in list(module._parameters.items()):
+            if not isinstance(param, DTensor):
+                continue
+            fqn = f"{mname}.{pname}" if mname else pname
+            plain = replaced.get(id(param))
+            if plain is None:
+                plain = nn.Parameter(param.to_local().detach(), requires_grad=param.requires_grad)
+                setattr(plain, _ATTR, _describe(param, fqn, group, rank))
+                replaced[id(param)] = plain
+            module._parameters[pname] = plain
+
+
+def _describe(param: DTensor, fqn: str, group: dist.ProcessGroup, rank: int) -> TensorParallel:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh, placements = param.device_mesh, tuple(param.placements)
+    problem = ""
+    if mesh.ndim != 1:
+        problem = f"a DTensor over a {mesh.ndim}-D mesh (flatshard takes 1-D TP meshes)"
+    elif not all(isinstance(p, Replicate) or type(p) is Shard for p in placements):
+        problem = f"a DTensor placed {placements} (flatshard takes Shard and Replicate)"
+    elif param.is_meta:
+        problem = "a DTensor on the meta device (parallelize a model built on a real device)"
+    else:
+        shared = set(mesh.mesh.flatten().tolist()) & set(dist.get_process_group_ranks(group))
+        if shared != {rank}:
+            problem = (
+                f"a DTensor over TP ranks {mesh.mesh.flatten().tolist()}, and flatshard's "
+                f"group holds {sorted(shared)} of them: ranks of one TP group hold different "
+                "shards and must not be sharded together. Pass the data-parallel dimension, "
+                'e.g. process_group=mesh["dp"]'
+            )
+    if problem:
+        raise ValueError(f"flatshard.fully_shard: parameter '{fqn}' is {problem} (rank {rank}).")
+    _, offset = compute_local_shape_and_global_offset(param.shape, mesh, placements)
+    return TensorParallel(mesh, placements, param.shape, param.stride(), tuple(offset))
+
+
+def spanning_group(dp: dist.ProcessGroup, tps: list[TensorParallel]) -> dist.ProcessGroup:
+    """A group holding every rank of dp x tp: what a checkpoint's ranks write together.
+
+    The data-parallel group alone would leave each TP shard's writers unaware of the others
+    (one directory, several DCP coordinators). Found among the groups that exist: the TP
+    group (at dp 1) or the world (dp x tp spans it).
+    """
+    if not tps:
+        return dp
+    tp = tps[0].group
+    if any(
+        set(dist.get_process_group_ranks(t.group)) != set(dist.get_process_group_ranks(tp))
+        for t in tps
+    ):
+        raise ValueError(
+            "flatshard: the model's DTensor parameters live on different TP meshes; "
+            "checkpoints need one TP mesh per model."
+        )
+    dp_size, tp_size = dist.get_world_size(dp), dist.get_world_size(tp)
+    if dp_size == 1:
+        return tp
+    if dp_size * tp_size == dist.get_world_size():
+        return cast(dist.ProcessGroup, dist.group.WORLD)
+    raise ValueError(
+        f"flatshard: checkpoints of a tensor-parallel model need dp x tp ({dp_size} x "
+        f"{tp_size}) to span the world ({dist.get_world_size()} ranks) or dp = 1."
+    )
