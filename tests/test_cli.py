@@ -180,6 +180,28 @@ def test_bench_compares_all_systems(tmp_path: Path) -> None:
     assert "vs fsdp2" in result.stdout and "flatshard" in result.stdout
 
 
+def test_bench_scaling_matches_the_formulas(tmp_path: Path) -> None:
+    """``--scaling``: at W = 1 and 2, flatshard's "at rest" tensor bytes and collective
+    output bytes per step equal their formulas (``cli/bench_formula.py``) exactly."""
+    argv = ["bench", "--scaling", "--systems", "flatshard", "--dim", "16", "--layers", "2"]
+    argv += ["--vocab", "40", "--seq-len", "8", "--batch", "2", "--steps", "1", "--rounds", "1"]
+    subprocess.run(
+        [sys.executable, "-m", "flatshard.cli.main", *argv, "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    scaling = json.loads((tmp_path / "bench.json").read_text())["scaling"]
+    assert list(scaling) == ["1", "2"]
+    for world, systems in scaling.items():
+        row = systems["flatshard"]
+        assert row["tensor_rest_mib"] == pytest.approx(row["formula_rest_mib"], rel=1e-12), world
+        assert row["collective_output_bytes"] == row["formula_collective_bytes"], world
+    rest = {w: s["flatshard"]["tensor_rest_mib"] for w, s in scaling.items()}
+    assert rest["2"] < 0.6 * rest["1"]
+
+
 @pytest.mark.parametrize("command", ["bench", "train"])
 def test_more_ranks_than_gpus_is_one_line(capsys: pytest.CaptureFixture[str], command: str) -> None:
     import torch

@@ -18,10 +18,7 @@ import errno
 import json
 import os
 import shutil
-import warnings
 import zlib
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
@@ -123,19 +120,9 @@ def _save(
     if optimizer is not None:
         state.update(_optim_entries(sharded_optim_state_dict(model, optimizer)))
     state[f"{EXTRA}{rank}"] = extra if extra is not None else {}
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
-    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+    from flatshard._dcp import write  # DCP: imported when first used
 
-    from flatshard._dcp import RowShardSavePlanner
-
-    with _single_process_is_intended():
-        dcp_save(
-            state,
-            storage_writer=FileSystemWriter(partial),
-            planner=RowShardSavePlanner(),
-            process_group=group,
-            no_dist=group is None,
-        )
+    write(partial, state, group)
     files = _share_of_checksums(partial, group)
     if rank == 0:
         manifest = {
@@ -199,14 +186,6 @@ def _file_facts(path: Path) -> dict[str, int]:
     return {"bytes": size, "crc32": crc}
 
 
-@contextmanager
-def _single_process_is_intended() -> Iterator[None]:
-    """Silence DCP's warning that it runs in one process: for a plain model we mean it."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
 # ---------------------------------------------------------------- loading
 @every_rank_calls("load_checkpoint", model_arg=1)
 def load_checkpoint(
@@ -249,19 +228,9 @@ def load_raw(target: Path, state: dict[str, Any]) -> None:
 
 def _read(target: Path, state: dict[str, Any], group: dist.ProcessGroup | None) -> None:
     """DCP's load of ``state`` (in place) from ``target``; one process if no group."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+    from flatshard._dcp import read
 
-    from flatshard._dcp import RowShardLoadPlanner
-
-    with _single_process_is_intended():
-        dcp_load(
-            state,
-            storage_reader=FileSystemReader(target),
-            planner=RowShardLoadPlanner(),
-            process_group=group,
-            no_dist=group is None,
-        )
+    read(target, state, group)
 
 
 def _model_targets(model: nn.Module, saved: dict[str, Any], strict: bool) -> dict[str, Any]:

@@ -5,21 +5,28 @@ asks for the chunk it holds and reads the overlapping parts. These planners teac
 default planners one more kind of value, a ``RowShard``: its chunk is
 ``offsets (first_row, 0, ...)``, ``sizes local.shape`` (see [Note: sharded state dicts are
 row ranges]). Everything else (plain tensors, Python objects) is left to the defaults, which
-deduplicate replicated values across ranks.
+deduplicate replicated values across ranks. ``write`` and ``read`` run DCP with them. DCP
+takes about a second to import, so ``_checkpoint`` imports this module only when used.
 """
 
 from __future__ import annotations
 
 import io
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
     DefaultSavePlanner,
     create_default_local_load_plan,
     create_default_local_save_plan,
 )
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -36,6 +43,8 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from flatshard._state_dict import RowShard
 
@@ -138,3 +147,35 @@ class RowShardLoadPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
+
+def write(directory: Path, state: dict[str, Any], group: dist.ProcessGroup | None) -> None:
+    """DCP's save of ``state`` (row shards as chunks) into ``directory``."""
+    with _single_process_is_intended():
+        dcp_save(
+            state,
+            storage_writer=FileSystemWriter(directory),
+            planner=RowShardSavePlanner(),
+            process_group=group,
+            no_dist=group is None,
+        )
+
+
+def read(directory: Path, state: dict[str, Any], group: dist.ProcessGroup | None) -> None:
+    """DCP's load of ``state`` (in place) from ``directory``; one process if no group."""
+    with _single_process_is_intended():
+        dcp_load(
+            state,
+            storage_reader=FileSystemReader(directory),
+            planner=RowShardLoadPlanner(),
+            process_group=group,
+            no_dist=group is None,
+        )
+
+
+@contextmanager
+def _single_process_is_intended() -> Iterator[None]:
+    """Silence DCP's warning that it runs in one process: for a plain model we mean it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield

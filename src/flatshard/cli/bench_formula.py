@@ -7,7 +7,8 @@ Per steady-state step (FULL_SHARD, default prefetch), with u the unsharded bytes
 FlatParameter: every one is gathered in forward; in backward all but the root's and the
 last block's (kept gathered from forward) again; each trainable one is reduced once (the
 bytes counted are each collective's output: u for an all-gather and for gloo's all-to-all
-reduction, the shard for a reduce-scatter); the step check gathers 8 bytes per rank.
+reduction, the shard for a reduce-scatter); the step check gathers 8 bytes per rank. At
+one rank nothing is sent.
 """
 
 from __future__ import annotations
@@ -43,4 +44,6 @@ def flatshard_formulas(model: nn.Module, layers: int, world: int) -> dict[str, i
         gathered += unsharded * (1 if flat.unit in kept else 2)
         if flat.requires_grad:
             reduced += unsharded if full_output else item * flat.shard_numel
+    if world == 1:  # one rank: nothing to send, no collective at all
+        return {"rest": rest, "collective": 0}
     return {"rest": rest, "collective": gathered + reduced + STEP_CHECK_BYTES * world}
