@@ -5,7 +5,8 @@ the vocabulary), column- and row-parallel MLPs, plain LayerNorms and a frozen bl
 exactly like the TP-only model on the global batch: losses, gradient norms (flatshard's
 ``clip_grad_norm_`` over dp x tp against the norm of the full gradients) and the full
 state dict. A checkpoint saved at dp 2 loads at dp 1 (same TP degree) and continues with
-the same losses; the model exported as safetensors (global tensors) loads back exactly. See
+the same losses; PyTorch's ``fully_shard`` on the same 2-D run gives the same losses; the
+full state dict and the safetensors export (global tensors) load back exactly. See
 [Note: DTensor parameters].
 """
 
@@ -147,16 +148,45 @@ def two_d_job(ctx: WorkerContext, strategy: str, directory: str) -> dict[str, An
     got = _train(model, optim, batches[:STEPS], dp)
     flatshard.save_checkpoint(Path(directory) / "ckpt", model, optim)
     got += _train(model, optim, batches[STEPS:], dp)
-    full = flatshard.full_state_dict(model)
+    full = flatshard.full_state_dict(model, rank0_only=False)
     want = {k: _full(v) for k, v in reference.state_dict().items()}
-    # The global tensors as safetensors, and back into a fresh 2-D model.
+    # Global tensors back into fresh 2-D models (at their initial weights): as a state
+    # dict, and exported as safetensors.
     flatshard.export_safetensors(model, Path(directory) / "export")
     dist.barrier()  # one rank writes; every rank reads
-    fresh = build(mesh["tp"])
-    flatshard.fully_shard(fresh, auto_wrap_policy={Block}, process_group=mesh["dp"])
-    flatshard.load_safetensors(fresh, Path(directory) / "export")
-    reloaded = flatshard.full_state_dict(fresh)
+    reloaded = []
+    for load in (
+        lambda m: flatshard.load_state_dict(m, full),
+        lambda m: flatshard.load_safetensors(m, Path(directory) / "export"),
+    ):
+        fresh = build(mesh["tp"])
+        flatshard.fully_shard(fresh, auto_wrap_policy={Block}, process_group=mesh["dp"])
+        load(fresh)
+        reloaded.append(flatshard.full_state_dict(fresh))
     return {"expected": expected, "got": got, "full": full, "want": want, "reloaded": reloaded}
+
+
+def fsdp2_job(ctx: WorkerContext) -> list[float]:
+    """PyTorch's fully_shard over the same dp dimension of the same TP model: its losses."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = build(mesh["tp"])
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    optim = _optimizer(model)
+    dp, losses = mesh["dp"].get_group(), []
+    for idx in _batches(STEPS + MORE, seed=1):
+        rows = BATCH // 2
+        loss = _loss(model, idx[dist.get_rank(dp) * rows :][:rows])
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=dp)
+        losses.append(float(mean) / 2)
+    return losses
 
 
 def dp1_job(ctx: WorkerContext, directory: str) -> list[tuple[float, float]]:
@@ -185,7 +215,12 @@ def test_tp_times_dp_matches_tp_alone_and_reloads_at_dp_1(
     assert full.keys() == want.keys()
     for key, value in want.items():
         torch.testing.assert_close(full[key], value, rtol=1e-5, atol=1e-6)
-        assert torch.equal(results[0]["reloaded"][key], full[key]), key
+        for reloaded in results[0]["reloaded"]:
+            assert torch.equal(reloaded[key], full[key]), key
+    if strategy == "FULL_SHARD":  # PyTorch's fully_shard + TP on the same run
+        for rank, losses in enumerate(pool.run(fsdp2_job)):
+            got = [loss for loss, _ in results[rank]["got"]]
+            assert losses == pytest.approx(got, rel=1e-5), rank
     resumed = pool.run(dp1_job, str(tmp_path))
     for rank, losses in enumerate(resumed):
         for (loss, norm), (want_loss, want_norm) in zip(
