@@ -49,6 +49,7 @@ EXTRA_SYSTEMS = ("flatshard-noprefetch", "flatshard-debug")
 PRESETS: dict[str, dict[str, int]] = {
     "byte-gpt": {"vocab": 256, "dim": 512, "layers": 8, "heads": 8, "seq_len": 128, "batch": 4},
     "llm-32k": {"vocab": 32768, "dim": 384, "layers": 6, "heads": 6, "seq_len": 256, "batch": 4},
+    "overhead": {"vocab": 16, "dim": 16, "layers": 16, "heads": 2, "seq_len": 4, "batch": 1},
 }
 
 
@@ -90,7 +91,10 @@ class BenchConfig:
     preset: str = ""
     """byte-gpt | llm-32k: a model and batch shape (flags given with it win): byte-gpt is
     the 25M GPT of vocabulary 256 (dim 512, 8 blocks, 4 x 128 tokens per rank); llm-32k a
-    32,768-token vocabulary tied to the head (dim 384, 6 blocks, 4 x 256 tokens per rank)"""
+    32,768-token vocabulary tied to the head (dim 384, 6 blocks, 4 x 256 tokens per rank);
+    overhead a model with negligible compute (16 blocks of width 16, 4 tokens): the
+    "ms/unit" column (time over the floor per unit) is then host overhead, best measured
+    with --nproc 1 --systems flatshard,fsdp2,floor (and --compile)"""
     out: str = "runs/bench"
     """directory for bench.json and bench.png"""
 
@@ -162,7 +166,8 @@ def _bench(config: BenchConfig) -> tuple[dict[str, dict[str, float]], str]:
         for system, report in _interleaved_round(config).items():
             runs[system].append(report)
     collectives = next((r["collectives"] for r in runs.get("flatshard", [])), "")
-    return summarize(config.batch * config.seq_len * config.nproc, runs), collectives
+    tokens = config.batch * config.seq_len * config.nproc
+    return summarize(tokens, config.layers + 1, runs), collectives
 
 
 class _System:

@@ -8,7 +8,10 @@ from typing import Any
 from flatshard.cli.config import ConfigError
 
 
-def summarize(tokens: int, runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
+def summarize(
+    tokens: int, units: int, runs: dict[str, list[dict[str, Any]]]
+) -> dict[str, dict[str, float]]:
+    """Per system: medians, peaks, and ratios; ``units``: flatshard units (blocks + root)."""
     summary = {}
     for system, system_runs in runs.items():
         median = statistics.median(t for r in system_runs for t in r["step_times"])
@@ -30,6 +33,8 @@ def summarize(tokens: int, runs: dict[str, list[dict[str, Any]]]) -> dict[str, d
         if floor is not None:
             # Time added on top of training alone: unhidden communication plus overhead.
             row["over_floor_s"] = row["median_step_s"] - floor
+            # On a model with negligible compute (--preset overhead): host time per unit.
+            row["over_floor_ms_per_unit"] = row["over_floor_s"] * 1e3 / units
         for other in ("fsdp2", "ddp", "floor"):
             if other in summary:
                 row[f"time_vs_{other}"] = row["median_step_s"] / summary[other]["median_step_s"]
@@ -41,7 +46,8 @@ def table(summary: dict[str, dict[str, float]], memory: str) -> str:
     header = f"{'system':<{width}} {'step s':>8} {'tokens/s':>10} {'tensors MiB':>11} "
     header += f"{'at rest':>8} "
     header += f"{f'peak {memory} MiB':>15} "
-    header += f"{'coll. MB':>9} {'comm wait s':>12} {'over floor s':>13} {'vs fsdp2':>9} "
+    header += f"{'coll. MB':>9} {'comm wait s':>12} {'over floor s':>13} {'ms/unit':>8} "
+    header += f"{'vs fsdp2':>9} "
     header += f"{'vs ddp':>7} {'vs floor':>9}"
     lines = [header]
     for system, row in summary.items():
@@ -52,7 +58,8 @@ def table(summary: dict[str, dict[str, float]], memory: str) -> str:
             f"{row['tensor_peak_mib']:>11,.1f} {row['tensor_rest_mib']:>8,.1f} "
             f"{row['peak_mem_mib']:>15,.0f} {row['collective_output_bytes'] / 1e6:>9.1f} "
             f"{_cell(row.get('exposed_comm_s'), '', 12)} "
-            f"{_cell(row.get('over_floor_s'), '', 13)} " + " ".join(cells)
+            f"{_cell(row.get('over_floor_s'), '', 13)} "
+            f"{_cell(row.get('over_floor_ms_per_unit'), '', 8)} " + " ".join(cells)
         )
     return "\n".join(lines)
 
