@@ -47,7 +47,7 @@ from flatshard._record import Record
 
 SLICE_S = 1.0  # a wait looks for diagnosis requests this often
 POLL_S = 0.5  # a responder thread looks for diagnosis requests this often
-_GRACE_S = 3 * POLL_S + 1.0  # how long answers are awaited
+_GRACE_S = 3 * POLL_S + 2.5  # how long answers are awaited (slack for a loaded machine)
 _KEPT = 16  # collectives a rank reports
 _REQUESTS = "flatshard/diagnosis/requests"
 _Attempt = Callable[[float], bool]  # wait up to this many seconds: True if done
