@@ -33,9 +33,9 @@ from flatshard._state_dict import (
     param_places,
     plain_state_dict,
     renamed,
+    tensor_parallel_of,
 )
 from flatshard._step import every_rank_calls
-from flatshard._tensor_parallel import TensorParallel
 
 DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size
 
@@ -62,7 +62,7 @@ def export_safetensors(
     keep = rank_in(model_group(model)) == 0
     # With tensor parallelism each TP peer of rank 0 gathers too (the TP collectives need
     # them); only TP rank 0 writes.
-    write = keep and all(tp.mesh.get_local_rank() == 0 for tp in _tensor_parallel_of(model))
+    write = keep and all(tp.mesh.get_local_rank() == 0 for tp in tensor_parallel_of(model))
     state = renamed(plain_state_dict(model), names, "export_safetensors")
     keys_of: dict[int, list[str]] = {}
     for key, value in state.items():
@@ -117,10 +117,6 @@ def _write_order(model: nn.Module, state: dict[str, torch.Tensor]) -> list[str]:
 def _full_shape(value: torch.Tensor, places: dict[int, Place]) -> torch.Size:
     place = places.get(id(value))
     return place.global_shape if place is not None else value.shape
-
-
-def _tensor_parallel_of(model: nn.Module) -> list[TensorParallel]:
-    return [orig.tp for flat in flat_params(model) for orig in flat.originals if orig.tp]
 
 
 def _out_dtype(stored: torch.dtype, wanted: torch.dtype | None) -> torch.dtype:

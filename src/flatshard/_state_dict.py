@@ -183,8 +183,12 @@ def checkpoint_group(model: nn.Module) -> dist.ProcessGroup | None:
     """The ranks that write (and read) a checkpoint together: the model's group, or with
     tensor parallelism the ranks of dp x tp (see [Note: DTensor parameters])."""
     group = model_group(model)
-    tps = [orig.tp for flat in flat_params(model) for orig in flat.originals if orig.tp]
-    return spanning_group(group, tps) if group is not None else None
+    return spanning_group(group, tensor_parallel_of(model)) if group is not None else None
+
+
+def tensor_parallel_of(model: nn.Module) -> list[TensorParallel]:
+    """What each of the model's DTensor parameters was (see [Note: DTensor parameters])."""
+    return [orig.tp for flat in flat_params(model) for orig in flat.originals if orig.tp]
 
 
 def entries_do_not_fit(caller: str, problems: list[str]) -> ValueError:
