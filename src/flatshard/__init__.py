@@ -29,6 +29,8 @@ from flatshard._optim_state import (
     load_optim_state_dict,
     sharded_optim_state_dict,
 )
+from flatshard._planner.cluster import Cluster
+from flatshard._planner.plan import Plan, plan
 from flatshard._policy import SizePolicy
 from flatshard._prefetch import BackwardPrefetch, Prefetch
 from flatshard._skip_init import skip_init
@@ -47,12 +49,14 @@ __all__ = [
     "CPUOffload",
     "CheckpointError",
     "Checks",
+    "Cluster",
     "CollectiveError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "InitOptions",
     "MixedPrecision",
     "PeerLostError",
+    "Plan",
     "Prefetch",
     "RowShard",
     "ShardedGradScaler",
@@ -74,6 +78,8 @@ __all__ = [
     "load_state_dict",
     # during training
     "no_sync",
+    # planning
+    "plan",
     "register_entry_point",
     # checkpoints
     "save_checkpoint",

@@ -217,9 +217,17 @@ def reduce_scatter_impl(group: dist.ProcessGroup) -> ReduceScatter:
     bench step (``benchmarks/variants.py``). The all-reduce form, in turn, beats gloo's
     reduce_scatter_tensor (a clone, an all-reduce and a copy).
     """
-    if dist.get_backend(group) == dist.Backend.GLOO:
+    backend: str = dist.get_backend(group)
+    if backend == dist.Backend.FAKE:  # the planner's simulated world (``flatshard.plan``)
+        backend = SIMULATED_BACKEND[0]
+    if backend == dist.Backend.GLOO:
         return ReduceScatter.ALL_TO_ALL
     return ReduceScatter.REDUCE_SCATTER
+
+
+# The backend ``flatshard.plan`` simulates on torch's fake process group (which sends
+# nothing): the reduce-scatter form is the one that backend would get.
+SIMULATED_BACKEND = [str(dist.Backend.NCCL)]
 
 
 def describe(group: dist.ProcessGroup) -> str:

@@ -52,7 +52,7 @@ class RateLimiter:
     def resharded(self, device: torch.device) -> None:
         """A unit was freed in forward: on an accelerator, note when the device gets there."""
         self.frees += 1
-        if self.limit is not None and device.type != "cpu":
+        if self.limit is not None and device.type not in ("cpu", "meta"):  # meta: a plan
             event = torch.Event(device=device)
             event.record()
             self._frees.append(event)

@@ -321,8 +321,8 @@ def watchdog() -> Watchdog | None:
     """This process's watchdog (made on first use); None outside a distributed job."""
     global _WATCHDOG
     world = dist.group.WORLD  # None before init_process_group and after destroy
-    if world is None:
-        return None
+    if world is None or dist.get_backend(world) == dist.Backend.FAKE:
+        return None  # (fake: the planner's simulated world, where no peer runs)
     if _WATCHDOG is None or _WATCHDOG.world is not world:
         _WATCHDOG = Watchdog(world)
     return _WATCHDOG

@@ -92,10 +92,10 @@ def _call_hf_model(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
 
 def check_hugging_face(config: TrainConfig) -> None:
     """Fail early (one line) on a missing transformers or a config it cannot build."""
-    _hf_config(_transformers(), config)
+    hf_config(transformers_module(), config)
 
 
-def _transformers() -> Any:
+def transformers_module() -> Any:
     try:
         import transformers
     except ImportError:
@@ -106,11 +106,11 @@ def _transformers() -> Any:
 
 
 def _hugging_face(config: TrainConfig) -> LanguageModel:
-    transformers = _transformers()
-    hf_config = _hf_config(transformers, config)
+    transformers = transformers_module()
+    model_config = hf_config(transformers, config)
     pretrained = config.init == "pretrained"
     with torch.device("meta") if pretrained else contextlib.nullcontext():
-        model = cast(nn.Module, transformers.AutoModelForCausalLM.from_config(hf_config))
+        model = cast(nn.Module, transformers.AutoModelForCausalLM.from_config(model_config))
     if config.checkpoint_activations:
         cast(Any, model).gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False}
@@ -122,7 +122,7 @@ def _hugging_face(config: TrainConfig) -> LanguageModel:
         description += f", LoRA {config.lora}"
     lm = LanguageModel(model, {block}, description, _call_hf_model, lora=bool(config.lora))
     if pretrained:
-        lm.weights, lm.param_init_fn = config.model[3:], _pretrained_init(hf_config)
+        lm.weights, lm.param_init_fn = config.model[3:], _pretrained_init(model_config)
         if lm.lora:
             lm.param_init_fn = adapter_init(model, lm.param_init_fn)
         lm.description += ", pretrained weights"
@@ -193,36 +193,43 @@ def _pretrained_init(hf_config: Any) -> Callable[[nn.Module], None]:
     return init
 
 
-def _hf_config(transformers: Any, config: TrainConfig) -> Any:
-    """The named config (a directory, a config.json or a model type), fitted to bytes."""
+def hf_config(transformers: Any, config: TrainConfig, fit_to_bytes: bool = True) -> Any:
+    """The named config (a directory, a config.json or a model type), fitted to bytes
+    (the vocabulary, and positions for --seq-len) unless told not to."""
     spec = config.model[3:]
     overrides = parse_overrides(config.hf_overrides)
     try:
         if Path(spec).exists() or spec.endswith(".json") or "/" in spec:
-            hf_config = transformers.AutoConfig.from_pretrained(spec, **overrides)
+            loaded = transformers.AutoConfig.from_pretrained(spec, **overrides)
         else:
-            hf_config = transformers.AutoConfig.for_model(spec, **overrides)
+            loaded = transformers.AutoConfig.for_model(spec, **overrides)
     except (OSError, ValueError) as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         if len(first) > 300:  # transformers lists every model type it knows
             first = first[:300] + " ..."
         raise ConfigError(f"--model {config.model}: {first}") from None
+    if not fit_to_bytes:
+        return _fit_positions(loaded, config.seq_len)
     if config.init == "pretrained":  # the checkpoint's vocabulary; byte ids are some of it
-        if hf_config.vocab_size < VOCAB:
+        if loaded.vocab_size < VOCAB:
             raise ConfigError(
-                f"--init pretrained: the vocabulary ({hf_config.vocab_size}) has fewer "
+                f"--init pretrained: the vocabulary ({loaded.vocab_size}) has fewer "
                 f"than {VOCAB} ids: the byte data would not fit"
             )
-        return hf_config
-    hf_config.vocab_size = VOCAB
+        return loaded
+    loaded.vocab_size = VOCAB
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        value = getattr(hf_config, name, None)
+        value = getattr(loaded, name, None)
         if isinstance(value, int) and value >= VOCAB:
-            setattr(hf_config, name, None)
+            setattr(loaded, name, None)
+    return _fit_positions(loaded, config.seq_len)
+
+
+def _fit_positions(loaded: Any, seq_len: int) -> Any:
     for name in ("n_positions", "max_position_embeddings"):
-        if getattr(hf_config, name, config.seq_len) < config.seq_len:
-            setattr(hf_config, name, config.seq_len)
-    return hf_config
+        if getattr(loaded, name, seq_len) < seq_len:
+            setattr(loaded, name, seq_len)
+    return loaded
 
 
 def parse_overrides(text: str) -> dict[str, Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from flatshard.cli import bench, ckpt, train
+from flatshard.cli import bench, ckpt, plan, train
 from flatshard.cli.config import ConfigError, OneLineParser
 
 
@@ -16,6 +16,7 @@ def build_parser() -> OneLineParser:
     train.add_parser(commands)
     bench.add_parser(commands)
     ckpt.add_parser(commands)
+    plan.add_parser(commands)
     return parser
 
 

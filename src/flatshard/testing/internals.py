@@ -21,6 +21,7 @@ from flatshard._checks import Tag
 from flatshard._collectives import ReduceScatter
 from flatshard._mesh import ranks_per_host
 from flatshard._partition import UnitPlan, partition
+from flatshard._planner.simulate import measure as measured_step_peak
 from flatshard._policy import select_unit_roots
 from flatshard._prefetch import ExecutionOrder
 from flatshard._profiling import Ranges
@@ -34,6 +35,7 @@ __all__ = [
     "collective_tag",
     "forced_reduce_scatter",
     "gather_now",
+    "measured_step_peak",
     "no_keep_last_unit",
     "partition",
     "profiler_ranges_entered",

@@ -1,0 +1,1 @@
+"""The planner: ``flatshard.plan`` and ``flatshard plan`` (see plan.py)."""

@@ -1,0 +1,84 @@
+"""What the planner knows about the machines: per-device speed, memory and links.
+
+Presets hold vendor peak figures; ``achieved`` says what share of the peak FLOP/s dense
+matrix products reach in practice (the one figure that is not on a datasheet: large
+bf16 GEMMs on A100/H100 reach about 75-85% of peak in public measurements; we take
+0.8). Links are per rank: a host's NICs shared by its ranks. ``cpu_cluster`` measures this
+machine instead (``calibrate.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+GB = 1e9
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """One kind of device, ``ranks_per_host`` of them per host, ``hosts`` hosts."""
+
+    name: str
+    memory_bytes: int  # per device
+    flops: dict[torch.dtype, float]  # peak dense matrix-product FLOP/s per dtype
+    memory_bandwidth: float  # bytes/s of device memory
+    intra_bandwidth: float  # bytes/s per rank inside a host (collective bus bandwidth)
+    inter_bandwidth: float  # bytes/s per rank across hosts
+    intra_latency: float = 10e-6  # s per step of a ring inside a host
+    inter_latency: float = 30e-6  # s per step of a ring across hosts
+    op_overhead: float = 5e-6  # s per kernel: launch and tail (CPU: dispatch)
+    achieved: float = 0.8  # share of peak FLOP/s that matrix products reach
+    overlap: bool = True  # communication runs beside compute (own engines/streams)
+    # Ops touching at most cache_bytes run at cache_bandwidth (CPUs; 0: no such cache).
+    cache_bytes: int = 0
+    cache_bandwidth: float = 0.0
+    backend: str = "nccl"
+    device: str = "cuda"
+    hosts: int = 1
+    ranks_per_host: int = 8
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def world_size(self) -> int:
+        return self.hosts * self.ranks_per_host
+
+    def sized(self, hosts: int, ranks_per_host: int) -> Cluster:
+        return replace(self, hosts=hosts, ranks_per_host=ranks_per_host)
+
+    def peak_flops(self, dtype: torch.dtype | None) -> float:
+        if dtype in self.flops:
+            return self.flops[dtype]
+        return self.flops[torch.float32]
+
+
+def _nvidia(
+    name: str,
+    memory_gib: int,
+    bf16_tflops: float,
+    fp32_tflops: float,
+    hbm_tbs: float,
+    nvlink_gbs: float,
+    nic_gbits_per_host: float,
+) -> Cluster:
+    tf32 = {torch.bfloat16: bf16_tflops, torch.float16: bf16_tflops, torch.float32: fp32_tflops}
+    return Cluster(
+        name=name,
+        memory_bytes=memory_gib * GiB,
+        flops={dtype: tflops * 1e12 for dtype, tflops in tf32.items()},
+        memory_bandwidth=hbm_tbs * 1e12,
+        intra_bandwidth=nvlink_gbs * GB,
+        inter_bandwidth=nic_gbits_per_host / 8 * GB / 8,  # a host's NICs over 8 GPUs
+    )
+
+
+PRESETS: dict[str, Cluster] = {
+    # The paper's cluster: A100 80GB (312 TFLOPS bf16, 156 TF32), NVLink, 2 Tb/s RoCE a host.
+    "a100-80gb": _nvidia("a100-80gb", 80, 312, 156, 2.0, 240, 2000),
+    # H100 SXM: 989 TFLOPS bf16 dense, 3.35 TB/s HBM3, NVLink 4, 8 x 400 Gb/s a host.
+    "h100-80gb": _nvidia("h100-80gb", 80, 989, 495, 3.35, 360, 3200),
+    # H200: the H100's compute with 141 GB of 4.8 TB/s HBM3e.
+    "h200": _nvidia("h200", 141, 989, 495, 4.8, 360, 3200),
+}

@@ -1,0 +1,238 @@
+"""What one simulated step did, op by op: memory alive at each op, FLOPs, bytes and collectives.
+
+[Note: simulated step]
+The planner does not model flatshard from the outside: it runs flatshard itself. The model
+is built on the meta device (shapes, no data), ``fully_shard`` runs in a world of W ranks
+made of torch's fake process group (collectives return at once and send nothing) and a
+real training step runs on it. Every op below autograd passes this dispatch mode, which
+sees what a rank would allocate (meta tensors have sizes, not memory): the same storage
+accounting the tests do on CPU at the dispatcher (``testing.accounting.PeakStorage``),
+so the predicted peak is the measured peak's definition, not a formula that could drift
+from the runtime. Each op's FLOPs (torch's own formulas) and bytes read and written feed
+the step-time model (``timing.py``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+# What a storage holds, by when and by which op it was made (see ``Recorder.tag_of``).
+PARAMETERS = "sharded parameters and buffers"
+BATCH = "input batch"
+UNSHARDED = "unsharded parameters (gathered units)"
+GRADIENTS = "gradient shards"
+UNSHARDED_GRADIENTS = "unsharded gradients (being reduced)"
+BUFFERS = "communication buffers"
+OPTIMIZER = "optimizer state"
+ACTIVATIONS = "activations and temporaries"
+
+COLLECTIVES = {
+    "c10d._allgather_base_": "all_gather",
+    "c10d.allgather_": "all_gather",
+    "c10d._reduce_scatter_base_": "reduce_scatter",
+    "c10d.reduce_scatter_": "reduce_scatter",
+    "c10d.allreduce_": "all_reduce",
+    "c10d.alltoall_base_": "all_to_all",
+    "c10d.broadcast_": "broadcast",
+}
+
+
+@dataclass(frozen=True)
+class Op:
+    """One op of the simulated step, as the step-time model needs it."""
+
+    name: str
+    flops: float
+    io_bytes: int  # bytes of the tensors it reads and writes
+    collective: str | None  # its kind, or None for compute
+    group_size: int  # ranks of the collective's group (1 for compute)
+    reads: tuple[int, ...]  # storage serials it reads
+    writes: tuple[int, ...]  # storage serials it writes or creates
+    backward: bool
+    dtype: torch.dtype | None = None  # compute: of its first output
+    hosts: int = 1  # collective: hosts its group spans (see ``Recorder.ranks_per_host``)
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, list | tuple):
+        return [t for item in tree for t in _tensors(item)]
+    if isinstance(tree, dict):
+        return [t for item in tree.values() for t in _tensors(item)]
+    return []
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# torch ships TorchDispatchMode without annotations; subclassing it is an untyped call.
+class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Tracks every storage created inside it (meta included) and, while ``recording``, the
+    ops with their costs, the peak of the bytes alive and what they were at that peak."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._serial = itertools.count()
+        self._live: dict[int, tuple[int, weakref.ref[torch.UntypedStorage]]] = {}
+        self.tags: dict[int, str] = {}  # serial -> what it holds
+        self.phase = PARAMETERS  # the tag of storages made by compute ops now
+        self.backward = False
+        self.recording = False
+        self.ops: list[Op] = []
+        self.peak = 0
+        self.at_peak: dict[int, int] = {}  # serial -> bytes alive at the peak
+        self.peak_op = 0  # ops recorded before the peak
+        self.ranks_per_host = 1  # to tell which collectives cross hosts
+        self.timeline: list[int] = []  # bytes alive after each recorded op (and at start)
+
+    def serial(self, storage: torch.UntypedStorage) -> int | None:
+        entry = self._live.get(id(storage))
+        if entry is None or entry[1]() is not storage:
+            return None
+        return entry[0]
+
+    def retag(self, tensors: list[torch.Tensor], tag: str) -> None:
+        for t in tensors:
+            serial = self.serial(t.untyped_storage())
+            if serial is not None:
+                self.tags[serial] = tag
+
+    def start_recording(self) -> None:
+        """From now on: ops are recorded and the peak counts from the bytes alive now."""
+        self.recording = True
+        self.ops.clear()
+        self.timeline.clear()
+        self.peak = 0
+        self._note_peak()
+
+    def alive(self) -> dict[int, int]:
+        """serial -> bytes, of the storages alive now."""
+        out: dict[int, int] = {}
+        for key, (serial, ref) in list(self._live.items()):
+            storage = ref()
+            if storage is None:
+                del self._live[key]
+            else:
+                out[serial] = storage.nbytes()
+        return out
+
+    def _note_peak(self) -> None:
+        alive = self.alive()
+        total = sum(alive.values())
+        self.timeline.append(total)
+        if total > self.peak:
+            self.peak, self.at_peak, self.peak_op = total, alive, len(self.ops)
+
+    def _track(self, t: torch.Tensor, tag: str) -> int:
+        storage = t.untyped_storage()
+        serial = self.serial(storage)
+        if serial is None:
+            serial = next(self._serial)
+            self._live[id(storage)] = (serial, weakref.ref(storage))
+            self.tags[serial] = tag
+        return serial
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        inputs = _tensors([args, kwargs])
+        before = {id(t.untyped_storage()) for t in inputs}
+        out = func(*args, **kwargs)
+        kind = COLLECTIVES.get(str(func.overloadpacket))
+        outputs = _tensors(out)
+        new = [t for t in outputs if id(t.untyped_storage()) not in before]
+        for t in new:
+            self._track(t, self.phase)
+        if kind is not None:
+            self._collective(kind, args, inputs)
+        elif self.recording:
+            self._compute(func, args, kwargs, out, inputs, new)
+        if self.recording:
+            self._note_peak()
+        return out
+
+    def _collective(self, kind: str, args: tuple[Any, ...], inputs: list[torch.Tensor]) -> None:
+        if kind == "all_gather" and self.phase == ACTIVATIONS:
+            self.retag(_tensors(args[0]), UNSHARDED)
+        if kind in ("reduce_scatter", "all_to_all") and self.phase == ACTIVATIONS:
+            # (output, input): the input is the unit's unsharded gradient; what the
+            # all-to-all receives is a buffer (gloo's form, ``_collectives``).
+            self.retag(_tensors(args[1]), UNSHARDED_GRADIENTS)
+            if kind == "all_to_all":
+                self.retag(_tensors(args[0]), BUFFERS)
+        if not self.recording:
+            return
+        boxed = next(a for a in args if isinstance(a, torch.ScriptObject))
+        group = dist.ProcessGroup.unbox(boxed)
+        ranks = dist.get_process_group_ranks(group)
+        written = _tensors(args[0])
+        # The size a ring moves: the full buffer (gathered output, reduced input).
+        full = _tensors(args[1]) if kind in ("reduce_scatter", "all_to_all") else written
+        self.ops.append(
+            Op(
+                name=kind,
+                flops=0.0,
+                io_bytes=sum(_bytes(t) for t in full),
+                collective=kind,
+                group_size=len(ranks),
+                reads=tuple(self._serials(inputs)),
+                writes=tuple(self._serials(written)),
+                backward=self.backward,
+                hosts=len({r // self.ranks_per_host for r in ranks}),
+            )
+        )
+
+    def _compute(
+        self,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        out: Any,
+        inputs: list[torch.Tensor],
+        new: list[torch.Tensor],
+    ) -> None:
+        formula = flop_registry.get(func.overloadpacket)
+        flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
+        outputs = _tensors(out)
+        if not new and not flops and not func._schema.is_mutable:
+            return  # a view or a no-op: no kernel runs
+        self.ops.append(
+            Op(
+                name=str(func.overloadpacket),
+                flops=flops,
+                io_bytes=sum(_bytes(t) for t in [*inputs, *outputs]),
+                collective=None,
+                group_size=1,
+                reads=tuple(self._serials(inputs)),
+                writes=tuple(self._serials(outputs)),
+                backward=self.backward,
+                dtype=outputs[0].dtype if outputs else None,
+            )
+        )
+
+    def _serials(self, tensors: list[torch.Tensor]) -> list[int]:
+        found = (self.serial(t.untyped_storage()) for t in tensors)
+        return [s for s in found if s is not None]
+
+    def breakdown(self) -> dict[str, int]:
+        """Bytes alive at the peak, by what they hold (tags as they stand now)."""
+        parts: dict[str, int] = {}
+        for serial, nbytes in self.at_peak.items():
+            tag = self.tags.get(serial, ACTIVATIONS)
+            parts[tag] = parts.get(tag, 0) + nbytes
+        return parts

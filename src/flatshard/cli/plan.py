@@ -1,0 +1,217 @@
+"""flatshard plan: predict per-rank memory and step time of a training run before launch.
+
+The model is built on the meta device and flatshard itself runs two training steps on it
+in a simulated world of --hosts x --nproc ranks (nothing is allocated or sent), so the
+memory figure is the run's own: the steady-state peak of live tensors on a rank, broken
+down by what they hold. Step time comes from each op's FLOPs and bytes on the --cluster's
+devices and each collective on its links, with the overlap that prefetch gives.
+
+Example: will Llama-3-8B train on one host of 8 x 80 GB, and with which options?
+
+  flatshard plan --model hf:llama --hf-overrides hidden_size=4096,intermediate_size=14336,\\
+    num_hidden_layers=32,num_attention_heads=32,num_key_value_heads=8,vocab_size=128256 \\
+    --seq-len 8192 --batch 1 --mixed-precision bf16 --cluster h100-80gb --nproc 8 \\
+    --memory-budget device
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+import flatshard
+from flatshard._planner.cluster import PRESETS
+from flatshard._planner.plan import plan
+from flatshard._planner.recommend import best_fit, candidates
+from flatshard._planner.simulate import Setup
+from flatshard.cli.config import ConfigError, add_config_parser, config_from_args, fail
+from flatshard.cli.plan_model import PlannedModel, language_model_loss, planned_model
+from flatshard.cli.plan_report import chart, size, table
+from flatshard.cli.train_config import PRECISIONS, TrainConfig
+
+CLUSTERS = (*PRESETS, "cpu")
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """Options of ``flatshard plan`` (the model, sharding and batch ones as in train)."""
+
+    model: str = "gpt"
+    """'gpt', 'hf:<config dir, config.json or model type>' or 'package.module:function'
+    (returns the model; called under the meta device)"""
+    hf_overrides: str = ""
+    """comma-separated key=value settings for the Hugging Face config (vocab_size is kept)"""
+    vocab: int = 256
+    """vocabulary of the built-in GPT and of a module:function model's inputs"""
+    dim: int = 128
+    """GPT width"""
+    layers: int = 4
+    """GPT transformer blocks (one unit each)"""
+    heads: int = 4
+    """GPT attention heads"""
+    seq_len: int = 128
+    """tokens per sequence"""
+    batch: int = 16
+    """sequences per rank per micro-batch"""
+    grad_accum: int = 1
+    """micro-batches per optimizer step"""
+    nproc: int = 0
+    """ranks per host (0: the cluster's: 8 GPUs, or 1 for cpu)"""
+    hosts: int = 1
+    """hosts"""
+    strategy: str = "FULL_SHARD"
+    """FULL_SHARD | SHARD_GRAD_OP | NO_SHARD | HYBRID_SHARD | HYBRID_SHARD_ZERO2"""
+    sharding_factor: int = 0
+    """ranks a unit is sharded over for the hybrid strategies (0: ranks per host)"""
+    mixed_precision: str = "none"
+    """none | bf16 | fp16: compute and all-gather dtype (gradients reduced in fp32)"""
+    checkpoint_activations: bool = False
+    """recompute each block's activations in backward"""
+    optimizer: str = "adamw"
+    """adamw | adam | sgd-momentum | sgd (what its state costs)"""
+    cluster: str = "a100-80gb"
+    """a100-80gb (the paper's: 2 Tb/s RoCE a host) | h100-80gb | h200 | cpu (this machine,
+    measured in a few seconds, gloo)"""
+    json: bool = False
+    """print one JSON object (peak_memory_bytes, memory_bytes, step_time_s, ...)"""
+    memory_budget: str = ""
+    """e.g. '20GiB' or 'device': also plan every strategy with and without activation
+    checkpointing and recommend the fastest whose device memory fits"""
+    chart: str = ""
+    """write the live-tensor memory over one step as a PNG to this path"""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab", "dim", "layers", "heads", "seq_len", "batch", "grad_accum"):
+            if getattr(self, name) < 1:
+                fail(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.nproc < 0 or self.hosts < 1 or self.sharding_factor < 0:
+            fail("nproc" if self.nproc < 0 else "hosts", "must be positive")
+        for name, allowed in (
+            ("mixed_precision", tuple(PRECISIONS)),
+            ("strategy", tuple(s.name for s in flatshard.ShardingStrategy)),
+            ("optimizer", ("adamw", "adam", "sgd-momentum", "sgd")),
+            ("cluster", CLUSTERS),
+        ):
+            if getattr(self, name) not in allowed:
+                fail(name, f"must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.memory_budget:
+            budget_bytes(self.memory_budget, 0)
+
+
+def budget_bytes(text: str, device_bytes: int) -> int:
+    if text == "device":
+        return device_bytes
+    match = re.fullmatch(r"\s*([0-9.]+)\s*(GiB|GB|MiB|MB)\s*", text)
+    if match is None:
+        raise ConfigError(f"--memory-budget: expected e.g. 20GiB, 512MiB or 'device', got {text!r}")
+    scale = {"GiB": 1 << 30, "GB": 10**9, "MiB": 1 << 20, "MB": 10**6}[match.group(2)]
+    return int(float(match.group(1)) * scale)
+
+
+def add_parser(commands: Any) -> None:
+    add_config_parser(
+        commands,
+        "plan",
+        help="predict per-rank memory and step time before launch (nothing is allocated)",
+        description=__doc__,
+        config=PlanConfig,
+        run=run,
+        config_file=True,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(PlanConfig, args)
+    train = TrainConfig(
+        model=config.model if config.model.startswith(("gpt", "hf:")) else "gpt",
+        hf_overrides=config.hf_overrides,
+        dim=config.dim,
+        layers=config.layers,
+        heads=config.heads,
+        seq_len=config.seq_len,
+    )
+    model = planned_model(config.model, train, config.vocab)
+    result = _plan(config, model, config.checkpoint_activations)
+    if config.json and not config.memory_budget:
+        print(json.dumps(result.to_json()))
+    elif not config.memory_budget:
+        print(f"model: {model.description}")
+        print(table(result))
+    if config.chart:
+        chart(result, config.chart)
+    if config.memory_budget:
+        return _recommend(config, model, result)
+    return 0
+
+
+def _plan(config: PlanConfig, model: PlannedModel, checkpointing: bool) -> flatshard.Plan:
+    strategy = flatshard.ShardingStrategy[config.strategy]
+    if config.sharding_factor and not strategy.is_hybrid:
+        fail("sharding_factor", f"only applies to hybrid strategies, not {config.strategy}")
+    return plan(
+        model.build(checkpointing),
+        _inputs(config, model.vocab),
+        loss=language_model_loss,
+        auto_wrap_policy=model.unit_classes,
+        cluster=config.cluster,
+        hosts=config.hosts,
+        ranks_per_host=config.nproc or None,
+        strategy=strategy,
+        sharding_factor=config.sharding_factor or None,
+        mixed_precision=PRECISIONS[config.mixed_precision],
+        grad_accum=config.grad_accum,
+        optimizer=config.optimizer,
+    )
+
+
+def _inputs(config: PlanConfig, vocab: int) -> Any:
+    def make() -> tuple[torch.Tensor, ...]:
+        return (torch.randint(0, vocab, (config.batch, config.seq_len)),)
+
+    return make
+
+
+def _recommend(config: PlanConfig, model: PlannedModel, first: flatshard.Plan) -> int:
+    budget = budget_bytes(config.memory_budget, first.cluster.memory_bytes)
+    setup: Setup = first.setup
+    found = candidates(
+        model.build,
+        _inputs(config, model.vocab),
+        language_model_loss,
+        replace(setup),
+        first.cluster,
+    )
+    best = best_fit(found, budget)
+    if config.json:
+        print(
+            json.dumps(
+                {
+                    "budget_bytes": budget,
+                    "recommended": best.label if best else None,
+                    "candidates": [{"setup": c.label, **c.plan.to_json()} for c in found],
+                }
+            )
+        )
+        return 0 if best else 1
+    print(f"model: {model.description}; budget {size(budget)} per device")
+    print(f"  {'setup':<45} {'step':>10} {'device memory':>14}")
+    for c in found:
+        verdict = "fits" if c.plan.device_memory_needed <= budget else "over budget"
+        print(
+            f"  {c.label:<45} {c.plan.step.seconds * 1e3:>8.1f}ms "
+            f"{size(c.plan.device_memory_needed):>14}  {verdict}"
+        )
+    if best is None:
+        print("nothing fits: add ranks or hosts, lower --batch or --seq-len, or use bf16")
+        return 1
+    flags = f"--strategy {best.strategy.name}"
+    if best.checkpoint_activations:
+        flags += " --checkpoint-activations"
+    print(f"recommended: {best.label} (flatshard train {flags})")
+    print(table(best.plan))
+    return 0
