@@ -54,8 +54,9 @@ def test_train_end_to_end_then_resume_exactly(tmp_path: Path) -> None:
 
 
 def test_train_a_hugging_face_model_under_torchrun_in_bf16(tmp_path: Path) -> None:
-    """One run for three things: torchrun's environment, a transformers model with its
-    block class as the unit, and mixed precision's dtype plan."""
+    """One run for four things: torchrun's environment, a transformers model with its
+    block class as the unit, mixed precision's dtype plan, and --fit-memory (each rank
+    plans alone and all must choose alike)."""
     pytest.importorskip("transformers")
     config = tmp_path / "config.json"
     config.write_text(
@@ -68,8 +69,10 @@ def test_train_a_hugging_face_model_under_torchrun_in_bf16(tmp_path: Path) -> No
     launcher += ["flatshard.cli.main"]
     argv = ["--model", f"hf:{config}", "--seq-len", "32", "--batch", "4", "--steps", "3"]
     argv += ["--mixed-precision", "bf16", "--sample-bytes", "8", "--out-dir", str(tmp_path)]
-    out = _train(*argv, launcher=launcher)
-    assert "2 ranks (gloo, FULL_SHARD)" in out
+    out = _train(*argv, "--fit-memory", "1GiB", launcher=launcher)
+    chosen = re.search(r"--fit-memory 1GiB: (\w+)(, activation checkpointing)? \(predicted", out)
+    assert chosen is not None, out
+    assert f"2 ranks (gloo, {chosen.group(1)})" in out
     assert "GPT2LMHeadModel" in out and "(units: GPT2Block)" in out
     assert "transformer.h.1" in out  # each block is a unit
     plan = out.split("dtype plan", 1)[1]
@@ -119,6 +122,7 @@ BAD_TOML = {"unknown": "stepz = 3", "type": 'steps = "many"', "syntax": "steps =
         (["--model", "hf:llama", "--lora", "rank=8,targets=q"], "--lora: expected r=, alpha="),
         (["--model", "hf:llama", "--lora", "r=0,targets=q"], "--lora: needs r >= 1, alpha > 0"),
         (["--init", "zeros"], "--init must be one of random, pretrained, got 'zeros'"),
+        (["--fit-memory", "lots"], "--fit-memory: expected e.g. 20GiB, 512MiB or 'device'"),
         (["--max-restarts", "2", "--resume", "latest"], "--max-restarts resumes with --resume"),
         (["--max-restarts", "-1"], "--max-restarts must be >= 0, got -1"),
         (["--config", "{tmp}/unknown.toml"], "--config: unknown option 'stepz'"),
@@ -177,6 +181,10 @@ def test_bench_compares_all_systems(tmp_path: Path) -> None:
     assert "exposed_comm_s" not in report["systems"]["fsdp2"]  # not instrumented there
     assert report["systems"]["flatshard"]["collective_output_bytes"] > 0
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # flatshard plan's prediction of the same run (made on the meta device): the same bytes.
+    predicted = report["plan"]["tensor_peak_mib"]
+    assert predicted == pytest.approx(systems["flatshard"]["tensor_peak_mib"], rel=1e-3)
+    assert report["plan"]["median_step_s"] > 0
     assert "vs fsdp2" in result.stdout and "flatshard" in result.stdout
 
 

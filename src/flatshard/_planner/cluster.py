@@ -3,7 +3,7 @@
 Presets hold vendor peak figures; ``achieved`` says what share of the peak FLOP/s dense
 matrix products reach in practice (the one figure that is not on a datasheet: large
 bf16 GEMMs on A100/H100 reach about 75-85% of peak in public measurements; we take
-0.8). Links are per rank: a host's NICs shared by its ranks. ``cpu_cluster`` measures this
+0.8). Links are a collective's bus bandwidth per rank. ``cpu_cluster`` measures this
 machine instead (``calibrate.py``).
 """
 
@@ -26,7 +26,7 @@ class Cluster:
     flops: dict[torch.dtype, float]  # peak dense matrix-product FLOP/s per dtype
     memory_bandwidth: float  # bytes/s of device memory
     intra_bandwidth: float  # bytes/s per rank inside a host (collective bus bandwidth)
-    inter_bandwidth: float  # bytes/s per rank across hosts
+    inter_bandwidth: float  # bytes/s per rank across hosts (a ring's bus bandwidth)
     intra_latency: float = 10e-6  # s per step of a ring inside a host
     inter_latency: float = 30e-6  # s per step of a ring across hosts
     op_overhead: float = 5e-6  # s per kernel: launch and tail (CPU: dispatch)
@@ -70,7 +70,9 @@ def _nvidia(
         flops={dtype: tflops * 1e12 for dtype, tflops in tf32.items()},
         memory_bandwidth=hbm_tbs * 1e12,
         intra_bandwidth=nvlink_gbs * GB,
-        inter_bandwidth=nic_gbits_per_host / 8 * GB / 8,  # a host's NICs over 8 GPUs
+        # NCCL runs one ring channel per NIC, so a ring crossing hosts moves its data on
+        # all of a host's NICs at once: its bus bandwidth is the host's, up to NVLink's.
+        inter_bandwidth=min(nic_gbits_per_host / 8, nvlink_gbs) * GB,
     )
 
 
@@ -81,4 +83,24 @@ PRESETS: dict[str, Cluster] = {
     "h100-80gb": _nvidia("h100-80gb", 80, 989, 495, 3.35, 360, 3200),
     # H200: the H100's compute with 141 GB of 4.8 TB/s HBM3e.
     "h200": _nvidia("h200", 141, 989, 495, 4.8, 360, 3200),
+    # This project's 2-core development machine, 2 gloo ranks, as ``cluster="cpu"``
+    # measured it (fixed figures, so that every rank that plans decides alike).
+    "cpu-dev": Cluster(
+        name="cpu-dev",
+        memory_bytes=12 * GiB,
+        flops={torch.float32: 97e9, torch.bfloat16: 0.7e9, torch.float16: 0.7e9},
+        memory_bandwidth=4.1e9,
+        intra_bandwidth=0.4e9,
+        inter_bandwidth=0.4e9,
+        intra_latency=50e-6,
+        inter_latency=50e-6,
+        op_overhead=3.2e-6,
+        achieved=1.0,
+        overlap=False,
+        backend="gloo",
+        device="cpu",
+        ranks_per_host=2,
+        cache_bytes=12 << 20,
+        cache_bandwidth=19e9,
+    ),
 }

@@ -71,6 +71,15 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return []
 
 
+def _guessed_scalar(t: torch.Tensor) -> bool | int | float:
+    """``.item()`` of a meta tensor has no value; model code asks for one in checks like
+    transformers' "are these sequences packed?" (``(mask == 0).all()``). A plan answers
+    True for a flag (the check passed: the common, fast path) and 0 for a number."""
+    if t.dtype == torch.bool:
+        return True
+    return 0.0 if t.dtype.is_floating_point else 0
+
+
 def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -150,6 +159,8 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
+            return _guessed_scalar(args[0])
         inputs = _tensors([args, kwargs])
         before = {id(t.untyped_storage()) for t in inputs}
         out = func(*args, **kwargs)

@@ -38,7 +38,7 @@ class StepTime:
 def compute_time(op: Op, cluster: Cluster) -> float:
     rate = cluster.peak_flops(op.dtype) * cluster.achieved
     bandwidth = cluster.memory_bandwidth
-    if op.io_bytes <= cluster.cache_bytes:
+    if cluster.cache_bandwidth and op.io_bytes <= cluster.cache_bytes:
         bandwidth = cluster.cache_bandwidth
     return cluster.op_overhead + max(op.flops / rate, op.io_bytes / bandwidth)
 

@@ -35,6 +35,7 @@ import flatshard
 from flatshard._collectives import WaitClock, describe
 from flatshard.cli.bench_formula import flatshard_formulas
 from flatshard.cli.bench_memory import steady_state_peak
+from flatshard.cli.bench_plan import predict, predicted_line
 from flatshard.cli.bench_report import chart, scaling_table, summarize, table
 from flatshard.cli.config import ConfigError, add_config_parser, config_from_args
 from flatshard.cli.devices import init_rank, peak_memory_mib, resolve_device
@@ -144,13 +145,19 @@ def run(args: argparse.Namespace) -> int:
     summary, collectives = by_world[config.nproc]
     if collectives:
         print(f"flatshard collectives: {collectives}")
+    predicted: dict[str, float] = {}
     if config.scaling:
         print(scaling_table({w: s for w, (s, _) in by_world.items()}, config.system_list))
     else:
         print(table(summary, "RSS" if config.device == "cpu" else "alloc."))
+        if "flatshard" in summary and not config.compile:
+            predicted = predict(config)
+            print(predicted_line(predicted, summary["flatshard"]))
     os.makedirs(config.out, exist_ok=True)
     with open(os.path.join(config.out, "bench.json"), "w") as f:
         report = {"config": asdict(config), "collectives": collectives, "systems": summary}
+        if predicted:
+            report["plan"] = predicted
         if config.scaling:
             report["scaling"] = {str(w): s for w, (s, _) in by_world.items()}
         json.dump(report, f, indent=2)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -29,9 +28,9 @@ from flatshard._planner.cluster import PRESETS
 from flatshard._planner.plan import plan
 from flatshard._planner.recommend import best_fit, candidates
 from flatshard._planner.simulate import Setup
-from flatshard.cli.config import ConfigError, add_config_parser, config_from_args, fail
+from flatshard.cli.config import add_config_parser, config_from_args, fail
 from flatshard.cli.plan_model import PlannedModel, language_model_loss, planned_model
-from flatshard.cli.plan_report import chart, size, table
+from flatshard.cli.plan_report import chart, parse_size, size, table
 from flatshard.cli.train_config import PRECISIONS, TrainConfig
 
 CLUSTERS = (*PRESETS, "cpu")
@@ -100,17 +99,7 @@ class PlanConfig:
             if getattr(self, name) not in allowed:
                 fail(name, f"must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.memory_budget:
-            budget_bytes(self.memory_budget, 0)
-
-
-def budget_bytes(text: str, device_bytes: int) -> int:
-    if text == "device":
-        return device_bytes
-    match = re.fullmatch(r"\s*([0-9.]+)\s*(GiB|GB|MiB|MB)\s*", text)
-    if match is None:
-        raise ConfigError(f"--memory-budget: expected e.g. 20GiB, 512MiB or 'device', got {text!r}")
-    scale = {"GiB": 1 << 30, "GB": 10**9, "MiB": 1 << 20, "MB": 10**6}[match.group(2)]
-    return int(float(match.group(1)) * scale)
+            parse_size(self.memory_budget, "--memory-budget", 0)
 
 
 def add_parser(commands: Any) -> None:
@@ -177,7 +166,7 @@ def _inputs(config: PlanConfig, vocab: int) -> Any:
 
 
 def _recommend(config: PlanConfig, model: PlannedModel, first: flatshard.Plan) -> int:
-    budget = budget_bytes(config.memory_budget, first.cluster.memory_bytes)
+    budget = parse_size(config.memory_budget, "--memory-budget", first.cluster.memory_bytes)
     setup: Setup = first.setup
     found = candidates(
         model.build,

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import torch
 from torch import nn
 
 from flatshard.cli.config import ConfigError
-from flatshard.cli.lm import block_class, hf_config, transformers_module
+from flatshard.cli.lm import block_class, freeze, hf_config, transformers_module
 from flatshard.cli.train_config import TrainConfig
 from flatshard.models import GPT, GPTBlock
 
@@ -25,11 +25,15 @@ class PlannedModel:
     description: str
 
 
-def planned_model(spec: str, train: TrainConfig, vocab: int) -> PlannedModel:
+def planned_model(
+    spec: str, train: TrainConfig, vocab: int, fit_to_bytes: bool = False
+) -> PlannedModel:
+    """``fit_to_bytes``: a Hugging Face model as ``flatshard train`` builds it (vocabulary
+    of bytes), with its --freeze patterns applied."""
     if spec == "gpt":
-        return _gpt(train, vocab)
+        return _frozen(_gpt(train, vocab), train.freeze)
     if spec.startswith("hf:"):
-        return _hugging_face(train)
+        return _frozen(_hugging_face(train, fit_to_bytes), train.freeze)
     if ":" in spec:
         return _entry_point(spec, vocab)
     raise ConfigError(
@@ -50,9 +54,24 @@ def _gpt(train: TrainConfig, vocab: int) -> PlannedModel:
     return PlannedModel(build, {GPTBlock}, vocab, description)
 
 
-def _hugging_face(train: TrainConfig) -> PlannedModel:
+def _frozen(model: PlannedModel, patterns: str) -> PlannedModel:
+    if not patterns:
+        return model
+
+    def build(checkpointing: bool) -> Callable[[], nn.Module]:
+        def make() -> nn.Module:
+            module = model.build(checkpointing)()
+            freeze(module, patterns)
+            return module
+
+        return make
+
+    return replace(model, build=build)
+
+
+def _hugging_face(train: TrainConfig, fit_to_bytes: bool) -> PlannedModel:
     transformers = transformers_module()
-    settings = hf_config(transformers, train, fit_to_bytes=False)
+    settings = hf_config(transformers, train, fit_to_bytes=fit_to_bytes)
 
     def build(checkpointing: bool) -> Callable[[], nn.Module]:
         def make() -> nn.Module:

@@ -30,6 +30,7 @@ from flatshard.cli.config import ConfigError, add_config_parser, config_from_arg
 from flatshard.cli.data import VOCAB, Corpus, batch_for_step, decode, encode, load_corpus
 from flatshard.cli.devices import backend_for, init_rank, peak_memory_mib, resolve_device
 from flatshard.cli.elastic import run_elastic
+from flatshard.cli.fit_memory import fit_memory
 from flatshard.cli.launch import run_local_ranks, stop_with_parent
 from flatshard.cli.lm import (
     LanguageModel,
@@ -38,6 +39,7 @@ from flatshard.cli.lm import (
     export_hugging_face,
     shard_language_model,
 )
+from flatshard.cli.plan_report import parse_size
 from flatshard.cli.progress import MetricsLog, ProgressBar, StepMetrics, plot
 from flatshard.cli.train_config import PRECISIONS, TrainConfig
 
@@ -68,15 +70,26 @@ def run(args: argparse.Namespace) -> int:
         world = int(os.environ["WORLD_SIZE"])
         config.check_world(world)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        _train(replace(config, device=resolve_device(config.device, local)), store=None)
+        config = replace(config, device=resolve_device(config.device, local))
+        _train(_fitted(config, world, lead=os.environ["RANK"] == "0"), store=None)
         return 0
     config.check_world(config.nproc)
     if config.max_restarts:
         resume = [] if config.resume else ["--resume", "auto"]
         return run_elastic(config.nproc, config.max_restarts, [*sys.argv[1:], *resume])
     config = replace(config, device=resolve_device(config.device, config.nproc))
+    config = _fitted(config, config.nproc, lead=True)
     with tempfile.TemporaryDirectory(prefix="flatshard-train-") as tmp:
         return _spawn(config, os.path.join(tmp, "store"))
+
+
+def _fitted(config: TrainConfig, world: int, lead: bool) -> TrainConfig:
+    """--fit-memory: the planner's choice of strategy and checkpointing (the same on every
+    rank: it plans with a fixed cluster preset)."""
+    if not config.fit_memory:
+        return config
+    budget = parse_size(config.fit_memory, "--fit-memory", 0)
+    return fit_memory(config, budget, world, config.device, quiet=not lead)
 
 
 def _spawn(config: TrainConfig, store: str) -> int:

@@ -16,6 +16,7 @@ import torch
 import flatshard
 from flatshard.cli.config import fail
 from flatshard.cli.lora import parse_lora
+from flatshard.cli.plan_report import parse_size
 
 PRECISIONS = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 SCHEDULES = ("cosine", "linear", "constant")
@@ -84,6 +85,10 @@ class TrainConfig:
     """none | bf16 | fp16 (fp16 adds a ShardedGradScaler)"""
     checkpoint_activations: bool = False
     """recompute each block's activations in backward (less memory, more compute)"""
+    fit_memory: str = ""
+    """e.g. '20GiB': plan every strategy with and without activation checkpointing first
+    (flatshard plan) and train with the fastest whose predicted memory per rank fits
+    (sets --strategy and --checkpoint-activations)"""
     compile: bool = False
     """torch.compile each transformer block (one graph per block: flatshard's hooks run
     outside it)"""
@@ -142,6 +147,8 @@ class TrainConfig:
                 fail(name, "only applies to --model hf:...")
         if self.lora:
             parse_lora(self.lora)
+        if self.fit_memory:
+            parse_size(self.fit_memory, "--fit-memory", 0)
 
     @property
     def checkpoint_dir(self) -> Path:

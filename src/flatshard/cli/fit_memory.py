@@ -1,0 +1,68 @@
+"""``flatshard train --fit-memory 20GiB``: train with the fastest setup the planner finds
+that fits the budget (``flatshard plan --memory-budget`` does the same, and shows all).
+
+The candidates (each strategy, with and without activation checkpointing) are planned on
+the meta device before any rank starts. Their step times come from a fixed cluster
+preset (``h100-80gb`` for GPUs, ``cpu-dev`` for CPUs), not from a measurement, so every
+rank of a torchrun job that plans on its own reaches the same choice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from flatshard._planner.cluster import PRESETS
+from flatshard._planner.recommend import best_fit, candidates
+from flatshard._planner.simulate import Setup
+from flatshard.cli.config import ConfigError
+from flatshard.cli.data import VOCAB
+from flatshard.cli.plan_model import language_model_loss, planned_model
+from flatshard.cli.plan_report import size
+from flatshard.cli.train_config import PRECISIONS, TrainConfig
+
+
+def fit_memory(
+    config: TrainConfig, budget: int, world: int, device: str, quiet: bool = False
+) -> TrainConfig:
+    """``config`` with the chosen --strategy and --checkpoint-activations."""
+    if config.lora:
+        raise ConfigError("--fit-memory does not plan LoRA adapters yet; choose the setup by hand")
+    model = planned_model(config.model, config, VOCAB, fit_to_bytes=True)
+    cluster = PRESETS["cpu-dev" if device == "cpu" else "h100-80gb"]
+    cluster = cluster.sized(1, world)
+    setup = Setup(
+        world_size=world,
+        auto_wrap_policy=model.unit_classes,
+        param_dtype=PRECISIONS[config.mixed_precision],
+        grad_accum=config.grad_accum,
+        clip=config.clip > 0,
+        backend=cluster.backend,
+        foreach=cluster.device != "cpu",
+    )
+
+    def inputs() -> tuple[torch.Tensor, ...]:
+        return (torch.randint(0, VOCAB, (config.batch, config.seq_len)),)
+
+    found = candidates(model.build, inputs, language_model_loss, setup, cluster)
+    best = best_fit(found, budget)
+    if best is None:
+        least = min(found, key=lambda c: c.plan.device_memory_needed)
+        raise ConfigError(
+            f"--fit-memory {config.fit_memory}: nothing fits; the leanest setup "
+            f"({least.label}) needs {size(least.plan.device_memory_needed)} per rank. Add "
+            "ranks, lower --batch or --seq-len, or use --mixed-precision bf16"
+        )
+    if not quiet:
+        print(
+            f"--fit-memory {config.fit_memory}: {best.label} "
+            f"(predicted {size(best.plan.device_memory_needed)} per rank)",
+            flush=True,
+        )
+    return replace(
+        config,
+        strategy=best.strategy.name,
+        checkpoint_activations=best.checkpoint_activations,
+        sharding_factor=0,
+    )
