@@ -52,7 +52,7 @@ def t5(name: str, batch: int, hosts: int, strategy: flatshard.ShardingStrategy) 
     from transformers import T5Config, T5ForConditionalGeneration
     from transformers.models.t5.modeling_t5 import T5Block
 
-    config = T5Config(vocab_size=32128, **T5[name])
+    config = T5Config(vocab_size=32128, decoder_start_token_id=0, pad_token_id=0, **T5[name])
 
     def build() -> nn.Module:
         model = T5ForConditionalGeneration(config)

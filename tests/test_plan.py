@@ -139,16 +139,12 @@ def test_predicted_peak_is_the_measured_peak(pool: WorkerPool, index: int) -> No
 
 
 def test_sharding_divides_the_state_and_checkpointing_cuts_activations() -> None:
-    def planned(world: int, **options: Any) -> flatshard.Plan:
+    def planned(world: int, checkpointing: bool = False) -> flatshard.Plan:
+        build = partial(gpt, checkpointing)
         return flatshard.plan(
-            gpt,
-            tokens,
-            loss=lm_loss,
-            auto_wrap_policy={GPTBlock},
-            cluster=CPU,
+            build, tokens, loss=lm_loss, auto_wrap_policy={GPTBlock}, cluster=CPU,
             ranks_per_host=world,
-            **options,
-        )
+        )  # fmt: skip
 
     one, four = planned(1), planned(4)
     assert four.at_rest_bytes < 0.3 * one.at_rest_bytes
@@ -158,8 +154,12 @@ def test_sharding_divides_the_state_and_checkpointing_cuts_activations() -> None
     # Forward gathers all 4 units, backward all but the root and the last block (kept),
     # plus the end-of-step check; one reduction per unit; one all-reduce for the clip.
     assert gathered == {"all_gather": 4 + 2 + 1, "all_to_all": 4, "all_reduce": 1}
-    recomputed = planned(4, strategy=S.FULL_SHARD)
-    assert recomputed.step.flops > 0
+    # Checkpointing keeps each block's input instead of its activations, and runs each
+    # block's forward twice: 4/3 of the FLOPs of the blocks, or near it.
+    recomputed = planned(4, checkpointing=True)
+    activations = "activations and temporaries"
+    assert recomputed.memory[activations] < 0.7 * four.memory[activations]
+    assert 1.15 * four.step.flops < recomputed.step.flops < 1.4 * four.step.flops
 
 
 def test_plan_command_prints_json_and_recommends_within_a_budget(

@@ -1,10 +1,10 @@
 """``cluster="cpu"``: this machine's speed, measured in a few seconds.
 
 Matrix-product FLOP/s per dtype, memory bandwidth (from DRAM, and within the cache) and
-per-op dispatch time in this process
-(with the threads each of ``ranks`` processes would get), and gloo's ring bandwidth
-between ``ranks`` local processes (skipped at one rank). Two cores shared by compute and
-gloo's threads leave no room for overlap (``design/PEERS.md``): ``overlap`` is off.
+the time per op of a tiny training step, measured in ``ranks`` local processes at once
+(each with its share of the threads, contending as training ranks do), and gloo's ring
+bandwidth between them. Two cores shared by compute and gloo's threads leave no room for
+overlap (``design/PEERS.md``): ``overlap`` is off.
 """
 
 from __future__ import annotations
@@ -14,13 +14,16 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
 
 from flatshard._planner.cluster import Cluster
+from flatshard._planner.recorder import Recorder
 
 _COLLECTIVE_BYTES = 8 << 20
 
@@ -49,20 +52,56 @@ def _memory_bandwidth(numel: int) -> float:
 
 
 def _op_overhead() -> float:
-    x = torch.randn(8)
-    n = 2000
+    """Seconds per op of a training step whose tensors are tiny: what modules, autograd
+    and the dispatcher cost around each kernel the plan counts (a bare ``torch.add`` in a
+    loop would be a third of it)."""
+    blocks = [nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))]
+    model = nn.Sequential(*(blocks * 8))
+    x = torch.randn(4, 8)
 
-    def many() -> None:
-        for _ in range(n):
-            torch.add(x, x)
+    def step() -> None:
+        torch.autograd.backward(model(x).square().mean())
 
-    return _best(many, 3) / n
+    with Recorder() as recorder:
+        recorder.start_recording()
+        step()
+    return _best(step) / len(recorder.ops)
 
 
-def _ring_worker(rank: int, ranks: int, store: str, out: Any) -> None:
-    torch.set_num_threads(1)
+@dataclass(frozen=True)
+class _Speeds:
+    fp32: float
+    bf16: float
+    memory: float
+    cache: float
+    overhead: float
+    link: float = 1e12  # no peer: nothing crosses a link
+
+
+def _compute_speeds(ranks: int) -> _Speeds:
+    """This process's speeds with the threads each of ``ranks`` processes gets."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
+    try:
+        return _Speeds(
+            fp32=_matmul_flops(torch.float32, 512),
+            bf16=_matmul_flops(torch.bfloat16, 128),
+            memory=_memory_bandwidth(16 << 20),  # 3 x 64 MiB: a stream from DRAM
+            cache=_memory_bandwidth(1 << 20),  # 3 x 4 MiB
+            overhead=_op_overhead(),
+        )
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _worker(rank: int, ranks: int, store: str, out: Any) -> None:
+    """Every rank measures its compute at once (they share the cores and the memory bus,
+    as in training), then gloo's ring."""
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=ranks)
     try:
+        dist.barrier()
+        speeds = _compute_speeds(ranks)
+        torch.set_num_threads(1)
         full = torch.zeros(_COLLECTIVE_BYTES // 4)
         shard = torch.ones(full.numel() // ranks)
         received = torch.empty_like(full)
@@ -74,42 +113,34 @@ def _ring_worker(rank: int, ranks: int, store: str, out: Any) -> None:
             dist.all_to_all_single(received, full)
             times.append((time.perf_counter() - start) / 2)
         if rank == 0:
-            out.put(statistics.median(times[1:]))
+            seconds = statistics.median(times[1:])
+            out.put(replace(speeds, link=_COLLECTIVE_BYTES * (ranks - 1) / ranks / seconds))
     finally:
         dist.destroy_process_group()
 
 
-def _gloo_bandwidth(ranks: int) -> float:
-    """Bytes/s per rank of gloo's ring between ``ranks`` local processes."""
+def _measured_together(ranks: int) -> _Speeds:
+    """``_worker`` in ``ranks`` local processes; rank 0's figures."""
     context = mp.get_context("spawn")
     out = context.Queue()
     with tempfile.TemporaryDirectory(prefix="flatshard-plan-") as tmp:
         store = os.path.join(tmp, "store")
         procs = [
-            context.Process(target=_ring_worker, args=(rank, ranks, store, out))
-            for rank in range(ranks)
+            context.Process(target=_worker, args=(rank, ranks, store, out)) for rank in range(ranks)
         ]
         for proc in procs:
             proc.start()
-        seconds = float(out.get(timeout=120))
+        speeds: _Speeds = out.get(timeout=300)
         for proc in procs:
             proc.join()
-    return _COLLECTIVE_BYTES * (ranks - 1) / ranks / seconds
+    return speeds
 
 
 def cpu_cluster(ranks: int) -> Cluster:
-    """This machine, measured, as ``ranks`` local processes would share it."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
-    try:
-        fp32 = _matmul_flops(torch.float32, 512)
-        bf16 = _matmul_flops(torch.bfloat16, 128)
-        memory = _memory_bandwidth(16 << 20)  # 3 x 64 MiB: a stream from DRAM
-        cache = _memory_bandwidth(1 << 20)  # 3 x 4 MiB
-        overhead = _op_overhead()
-    finally:
-        torch.set_num_threads(threads)
-    link = _gloo_bandwidth(ranks) if ranks > 1 else 1e12
+    """This machine, measured, as ``ranks`` local processes running at once share it."""
+    speeds = _measured_together(ranks) if ranks > 1 else _compute_speeds(1)
+    fp32, bf16, memory, cache = speeds.fp32, speeds.bf16, speeds.memory, speeds.cache
+    overhead, link = speeds.overhead, speeds.link
     return Cluster(
         name="cpu (measured)",
         memory_bytes=int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) // ranks,

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import statistics
+import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -131,6 +133,28 @@ def measure(
             training_step(model, optim, inputs, loss, setup, torch.device("cpu"))
     peak: int = tracker.peak
     return peak
+
+
+def measure_step_seconds(
+    build: Callable[[], nn.Module],
+    inputs: Inputs,
+    loss: Loss,
+    setup: Setup,
+    group: dist.ProcessGroup,
+    steps: int = 5,
+) -> float:
+    """The same steps run for real on ``group`` (CPU): the median seconds of ``steps``
+    steps after two warm-up steps (what the plan's step time predicts)."""
+    model = fully_shard(build(), process_group=group, **shard_options(setup))
+    optim = make_optimizer(model, setup)
+    times = []
+    for step in range(2 + steps):
+        dist.barrier(group)
+        start = time.perf_counter()
+        training_step(model, optim, inputs, loss, setup, torch.device("cpu"))
+        if step >= 2:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _shapes_only(module: nn.Module) -> None:

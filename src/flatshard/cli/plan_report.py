@@ -62,11 +62,15 @@ def table(plan: Plan) -> str:
         f"step time: {step.seconds * 1e3:.2f} ms (compute {step.compute_s * 1e3:.2f} ms, "
         f"communication {step.communication_s * 1e3:.2f} ms, of which exposed "
         f"{step.exposed_communication_s * 1e3:.2f} ms)",
-        f"throughput: {plan.tflops_per_device * 1e3:,.1f} GFLOP/s per device, "
+        f"throughput: {_flops(plan.tflops_per_device * 1e12)} per device, "
         f"{plan.mfu:.0%} of peak (recomputation counted)",
     ]
     lines += [f"note: {note}" for note in cluster.notes]
     return "\n".join(lines)
+
+
+def _flops(rate: float) -> str:
+    return f"{rate / 1e12:,.1f} TFLOP/s" if rate >= 1e12 else f"{rate / 1e9:,.1f} GFLOP/s"
 
 
 def chart(plan: Plan, path: str) -> None:

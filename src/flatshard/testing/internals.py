@@ -22,6 +22,7 @@ from flatshard._collectives import ReduceScatter
 from flatshard._mesh import ranks_per_host
 from flatshard._partition import UnitPlan, partition
 from flatshard._planner.simulate import measure as measured_step_peak
+from flatshard._planner.simulate import measure_step_seconds as measured_step_seconds
 from flatshard._policy import select_unit_roots
 from flatshard._prefetch import ExecutionOrder
 from flatshard._profiling import Ranges
@@ -36,6 +37,7 @@ __all__ = [
     "forced_reduce_scatter",
     "gather_now",
     "measured_step_peak",
+    "measured_step_seconds",
     "no_keep_last_unit",
     "partition",
     "profiler_ranges_entered",

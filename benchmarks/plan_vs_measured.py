@@ -1,0 +1,132 @@
+"""``flatshard plan --cluster cpu`` against real runs on this machine: step time and peak.
+
+Run: .venv/bin/python benchmarks/plan_vs_measured.py  (a few minutes; needs transformers
+for the Llama row). For each setup it plans with this machine measured (``cluster="cpu"``)
+and then runs the same training steps on gloo ranks: the median of 5 steps after 2
+warm-up steps, and the steady-state peak of live tensors on rank 0. Prints a markdown
+table with the ratios.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import flatshard
+from flatshard.models import GPT, GPTBlock
+from flatshard.testing.internals import measured_step_peak, measured_step_seconds
+
+S = flatshard.ShardingStrategy
+VOCAB, SEQ, BATCH = 256, 128, 4
+
+
+def gpt(checkpointing: bool = False) -> nn.Module:
+    """With GPT-2's init, as ``flatshard train`` builds it. (PyTorch's default init of this
+    shape sends backward's matrix products into subnormal floats on this CPU, 8-30x
+    slower (``torch.set_flush_denormal(True)`` removes it): data-dependent speed that no
+    plan made from shapes can see.)"""
+    model = GPT(VOCAB, 256, 4, 4, SEQ)
+    for module in model.modules():
+        if isinstance(module, nn.Linear | nn.Embedding):
+            nn.init.normal_(module.weight, std=0.02)
+    model.checkpoint_blocks = checkpointing
+    return model
+
+
+def llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def llama_units() -> set[type[nn.Module]]:
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    return {LlamaDecoderLayer}
+
+
+def tokens() -> tuple[torch.Tensor, ...]:
+    return (torch.randint(0, VOCAB, (BATCH, SEQ)),)
+
+
+def lm_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    out = model(batch[0])
+    logits = getattr(out, "logits", out)
+    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch[0].flatten())
+
+
+CASES: list[tuple[str, Any, int, dict[str, Any]]] = [
+    ("GPT FULL_SHARD, 2 ranks", gpt, 2, {}),
+    ("GPT SHARD_GRAD_OP + checkpointing, 2 ranks", partial(gpt, True), 2,
+     {"strategy": S.SHARD_GRAD_OP}),
+    ("GPT NO_SHARD, 1 rank", gpt, 1, {"strategy": S.NO_SHARD}),
+    ("GPT FULL_SHARD, 4 ranks (oversubscribed)", gpt, 4, {}),
+    ("Llama (transformers) FULL_SHARD, 2 ranks", llama, 2, {}),
+]  # fmt: skip
+
+
+def _worker(rank: int, world: int, store: str, index: int, setup: Any, out: Any) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        build = CASES[index][1]
+        group = dist.group.WORLD
+        assert group is not None
+        peak = measured_step_peak(build, tokens, lm_loss, setup, group)
+        seconds = measured_step_seconds(build, tokens, lm_loss, setup, group)
+        if rank == 0:
+            out.put((peak, seconds))
+    finally:
+        dist.destroy_process_group()
+
+
+def measured(index: int, world: int, setup: Any) -> tuple[int, float]:
+    context = mp.get_context("spawn")
+    out = context.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [
+            context.Process(target=_worker, args=(r, world, store, index, setup, out))
+            for r in range(world)
+        ]
+        for proc in procs:
+            proc.start()
+        result: tuple[int, float] = out.get(timeout=600)
+        for proc in procs:
+            proc.join()
+    return result
+
+
+def main() -> None:
+    print(
+        "| setup | predicted / measured peak (MiB) | predicted / measured step (s) | step ratio |"
+    )
+    print("|---|---|---|---|")
+    for index, (label, build, world, options) in enumerate(CASES):
+        units = llama_units() if build is llama else {GPTBlock}
+        plan = flatshard.plan(
+            build, tokens, loss=lm_loss, auto_wrap_policy=units, cluster="cpu",
+            ranks_per_host=world, **options,
+        )  # fmt: skip
+        peak, seconds = measured(index, world, plan.setup)
+        mib = 1 << 20
+        print(
+            f"| {label} | {plan.peak_memory_bytes / mib:.1f} / {peak / mib:.1f} "
+            f"| {plan.step.seconds:.3f} / {seconds:.3f} | {plan.step.seconds / seconds:.2f} |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
