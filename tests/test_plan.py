@@ -5,7 +5,12 @@ the acceptance bound is 10%). Also the ``flatshard plan`` command's JSON and bud
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import multiprocessing
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -107,8 +112,25 @@ def measure_job(ctx: WorkerContext, world: int, case_index: int, setup: Any) -> 
     return measured_step_peak(case.build, tokens, lm_loss, setup, group)
 
 
+@pytest.fixture(scope="module")
+def planner() -> Iterator[ProcessPoolExecutor]:
+    """Plans run in a process of their own: this one may have joined a process group (the
+    session's ``local_group``), and a plan simulates a world of its own."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
+        yield child
+
+
+def run_cli(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[c.name for c in CASES])
-def test_predicted_peak_is_the_measured_peak(pool: WorkerPool, index: int) -> None:
+def test_predicted_peak_is_the_measured_peak(
+    pool: WorkerPool, planner: ProcessPoolExecutor, index: int
+) -> None:
     case = CASES[index]
     if case.build is llama:
         pytest.importorskip("transformers")
@@ -116,7 +138,8 @@ def test_predicted_peak_is_the_measured_peak(pool: WorkerPool, index: int) -> No
     options = dict(case.options)
     if options.get("strategy") == S.HYBRID_SHARD:
         options["sharding_factor"] = case.ranks_per_host
-    predicted = flatshard.plan(
+    predicted = planner.submit(
+        flatshard.plan,
         case.build,
         tokens,
         loss=lm_loss,
@@ -125,7 +148,7 @@ def test_predicted_peak_is_the_measured_peak(pool: WorkerPool, index: int) -> No
         hosts=case.hosts,
         ranks_per_host=case.ranks_per_host,
         **options,
-    )
+    ).result()
     world = case.hosts * case.ranks_per_host
     measured = [m for m in pool.run(measure_job, world, index, predicted.setup) if m is not None]
     assert len(measured) == world
@@ -138,13 +161,14 @@ def test_predicted_peak_is_the_measured_peak(pool: WorkerPool, index: int) -> No
     assert predicted.at_rest_bytes < predicted.peak_memory_bytes
 
 
-def test_sharding_divides_the_state_and_checkpointing_cuts_activations() -> None:
+def test_sharding_divides_the_state_and_checkpointing_cuts_activations(
+    planner: ProcessPoolExecutor,
+) -> None:
     def planned(world: int, checkpointing: bool = False) -> flatshard.Plan:
         build = partial(gpt, checkpointing)
-        return flatshard.plan(
-            build, tokens, loss=lm_loss, auto_wrap_policy={GPTBlock}, cluster=CPU,
-            ranks_per_host=world,
-        )  # fmt: skip
+        options = {"loss": lm_loss, "auto_wrap_policy": {GPTBlock}, "cluster": CPU}
+        done = planner.submit(flatshard.plan, build, tokens, ranks_per_host=world, **options)
+        return done.result()
 
     one, four = planned(1), planned(4)
     assert four.at_rest_bytes < 0.3 * one.at_rest_bytes
@@ -163,31 +187,23 @@ def test_sharding_divides_the_state_and_checkpointing_cuts_activations() -> None
 
 
 def test_plan_command_prints_json_and_recommends_within_a_budget(
-    capsys: pytest.CaptureFixture[str],
+    planner: ProcessPoolExecutor,
 ) -> None:
-    args = [
-        "plan",
-        "--layers",
-        "2",
-        "--dim",
-        "64",
-        "--seq-len",
-        "32",
-        "--batch",
-        "2",
-        "--nproc",
-        "2",
-        "--cluster",
-        "h100-80gb",
-    ]
-    assert main([*args, "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["peak_memory_bytes"] > out["at_rest_bytes"] > 0
-    assert out["step_time_s"] > 0 and out["fits"] is True
-    assert main([*args, "--memory-budget", "2GiB", "--json"]) == 0
-    budget = json.loads(capsys.readouterr().out)
-    assert budget["recommended"] is not None and len(budget["candidates"]) == 6
-    assert main([*args, "--memory-budget", "10MiB"]) == 1  # below the 1 GiB context
-    assert "nothing fits" in capsys.readouterr().out
-    assert main([*args, "--memory-budget", "lots"]) == 2
-    assert "--memory-budget" in capsys.readouterr().err
+    args = ["plan", "--layers", "2", "--dim", "64", "--seq-len", "32", "--batch", "2"]
+    args += ["--nproc", "2", "--cluster", "h100-80gb"]
+
+    def cli(*more: str) -> tuple[int, str, str]:
+        return planner.submit(run_cli, [*args, *more]).result()
+
+    code, out, _ = cli("--json")
+    assert code == 0
+    planned = json.loads(out)
+    assert planned["peak_memory_bytes"] > planned["at_rest_bytes"] > 0
+    assert planned["step_time_s"] > 0 and planned["fits"] is True
+    code, out, _ = cli("--memory-budget", "2GiB", "--json")
+    budget = json.loads(out)
+    assert code == 0 and budget["recommended"] is not None and len(budget["candidates"]) == 6
+    code, out, _ = cli("--memory-budget", "10MiB")
+    assert code == 1 and "nothing fits" in out  # below the 1 GiB context
+    code, _, err = cli("--memory-budget", "lots")
+    assert code == 2 and "--memory-budget" in err
