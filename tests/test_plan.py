@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -187,7 +188,7 @@ def test_sharding_divides_the_state_and_checkpointing_cuts_activations(
 
 
 def test_plan_command_prints_json_and_recommends_within_a_budget(
-    planner: ProcessPoolExecutor,
+    planner: ProcessPoolExecutor, tmp_path: Path
 ) -> None:
     args = ["plan", "--layers", "2", "--dim", "64", "--seq-len", "32", "--batch", "2"]
     args += ["--nproc", "2", "--cluster", "h100-80gb"]
@@ -195,8 +196,9 @@ def test_plan_command_prints_json_and_recommends_within_a_budget(
     def cli(*more: str) -> tuple[int, str, str]:
         return planner.submit(run_cli, [*args, *more]).result()
 
-    code, out, _ = cli("--json")
-    assert code == 0
+    chart = tmp_path / "memory.png"
+    code, out, _ = cli("--json", "--chart", str(chart))
+    assert code == 0 and chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     planned = json.loads(out)
     assert planned["peak_memory_bytes"] > planned["at_rest_bytes"] > 0
     assert planned["step_time_s"] > 0 and planned["fits"] is True
