@@ -10,18 +10,18 @@ table with the ratios.
 from __future__ import annotations
 
 import os
-import tempfile
 from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import flatshard
+from flatshard.cli.plan_model import language_model_loss
 from flatshard.models import GPT, GPTBlock
 from flatshard.testing.internals import measured_step_peak, measured_step_seconds
+from flatshard.testing.isolated import run_isolated
 
 S = flatshard.ShardingStrategy
 VOCAB, SEQ, BATCH = 256, 128, 4
@@ -60,12 +60,6 @@ def tokens() -> tuple[torch.Tensor, ...]:
     return (torch.randint(0, VOCAB, (BATCH, SEQ)),)
 
 
-def lm_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    out = model(batch[0])
-    logits = getattr(out, "logits", out)
-    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch[0].flatten())
-
-
 CASES: list[tuple[str, Any, int, dict[str, Any]]] = [
     ("GPT FULL_SHARD, 2 ranks", gpt, 2, {}),
     ("GPT SHARD_GRAD_OP + checkpointing, 2 ranks", partial(gpt, True), 2,
@@ -76,35 +70,20 @@ CASES: list[tuple[str, Any, int, dict[str, Any]]] = [
 ]  # fmt: skip
 
 
-def _worker(rank: int, world: int, store: str, index: int, setup: Any, out: Any) -> None:
+def _rank(rank: int, world: int, index: int, setup: Any) -> tuple[int, float]:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        build = CASES[index][1]
-        group = dist.group.WORLD
-        assert group is not None
-        peak = measured_step_peak(build, tokens, lm_loss, setup, group)
-        seconds = measured_step_seconds(build, tokens, lm_loss, setup, group)
-        if rank == 0:
-            out.put((peak, seconds))
-    finally:
-        dist.destroy_process_group()
+    build = CASES[index][1]
+    group = dist.group.WORLD
+    assert group is not None
+    peak = measured_step_peak(build, tokens, language_model_loss, setup, group)
+    seconds = measured_step_seconds(build, tokens, language_model_loss, setup, group)
+    return peak, seconds
 
 
 def measured(index: int, world: int, setup: Any) -> tuple[int, float]:
-    context = mp.get_context("spawn")
-    out = context.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        procs = [
-            context.Process(target=_worker, args=(r, world, store, index, setup, out))
-            for r in range(world)
-        ]
-        for proc in procs:
-            proc.start()
-        result: tuple[int, float] = out.get(timeout=600)
-        for proc in procs:
-            proc.join()
+    """Rank 0's steady-state peak and median step, on ``world`` fresh gloo ranks."""
+    outcomes = run_isolated(_rank, world, index, setup, world_size=world, deadline_s=600)
+    result: tuple[int, float] = outcomes[0]
     return result
 
 
@@ -116,7 +95,7 @@ def main() -> None:
     for index, (label, build, world, options) in enumerate(CASES):
         units = llama_units() if build is llama else {GPTBlock}
         plan = flatshard.plan(
-            build, tokens, loss=lm_loss, auto_wrap_policy=units, cluster="cpu",
+            build, tokens, loss=language_model_loss, auto_wrap_policy=units, cluster="cpu",
             ranks_per_host=world, **options,
         )  # fmt: skip
         peak, seconds = measured(index, world, plan.setup)

@@ -22,6 +22,7 @@ from torch import nn
 
 import flatshard
 from flatshard.cli.main import main
+from flatshard.cli.plan_model import language_model_loss
 from flatshard.models import GPT, GPTBlock
 from flatshard.testing.internals import measured_step_peak
 from flatshard.testing.workers import WorkerContext, WorkerPool
@@ -70,12 +71,6 @@ def tokens() -> tuple[torch.Tensor, ...]:
     return (torch.randint(0, VOCAB, (BATCH, SEQ)),)
 
 
-def lm_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    out = model(batch[0])
-    logits = getattr(out, "logits", out)
-    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch[0].flatten())
-
-
 @dataclass(frozen=True)
 class Case:
     name: str
@@ -110,7 +105,7 @@ def measure_job(ctx: WorkerContext, world: int, case_index: int, setup: Any) -> 
         return None
     case = CASES[case_index]
     torch.manual_seed(0)
-    return measured_step_peak(case.build, tokens, lm_loss, setup, group)
+    return measured_step_peak(case.build, tokens, language_model_loss, setup, group)
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +138,7 @@ def test_predicted_peak_is_the_measured_peak(
         flatshard.plan,
         case.build,
         tokens,
-        loss=lm_loss,
+        loss=language_model_loss,
         auto_wrap_policy=units,
         cluster=CPU,
         hosts=case.hosts,
@@ -167,7 +162,7 @@ def test_sharding_divides_the_state_and_checkpointing_cuts_activations(
 ) -> None:
     def planned(world: int, checkpointing: bool = False) -> flatshard.Plan:
         build = partial(gpt, checkpointing)
-        options = {"loss": lm_loss, "auto_wrap_policy": {GPTBlock}, "cluster": CPU}
+        options = {"loss": language_model_loss, "auto_wrap_policy": {GPTBlock}, "cluster": CPU}
         done = planner.submit(flatshard.plan, build, tokens, ranks_per_host=world, **options)
         return done.result()
 
