@@ -131,9 +131,7 @@ def test_predicted_peak_is_the_measured_peak(
     if case.build is llama:
         pytest.importorskip("transformers")
     units = _llama_units() if case.build is llama else {GPTBlock}
-    options = dict(case.options)
-    if options.get("strategy") == S.HYBRID_SHARD:
-        options["sharding_factor"] = case.ranks_per_host
+    options = dict(case.options)  # (hybrid: F defaults to the ranks per host, 2)
     predicted = planner.submit(
         flatshard.plan,
         case.build,
@@ -145,6 +143,8 @@ def test_predicted_peak_is_the_measured_peak(
         ranks_per_host=case.ranks_per_host,
         **options,
     ).result()
+    if options.get("strategy") == S.HYBRID_SHARD:  # sharded inside each "host" of 2
+        assert predicted.setup.sharding_factor == case.ranks_per_host
     world = case.hosts * case.ranks_per_host
     measured = [m for m in pool.run(measure_job, world, index, predicted.setup) if m is not None]
     assert len(measured) == world

@@ -133,6 +133,8 @@ def plan(
     Args:
         cluster: a preset name ("a100-80gb", "h100-80gb", "h200", "cpu": this machine,
             measured) or a ``Cluster``.
+        sharding_factor: F for the hybrid strategies (default: ``ranks_per_host``, as
+            ``fully_shard`` defaults to under torchrun).
         mixed_precision: the compute and all-gather dtype (gradients reduced in fp32).
         optimizer: "adamw", "adam", "sgd-momentum" or "sgd".
 
@@ -141,6 +143,8 @@ def plan(
     planner runs (rank 0) it is exact for the ops the run will dispatch.
     """
     machines = _cluster(cluster, hosts, ranks_per_host)
+    if strategy.is_hybrid and sharding_factor is None:  # shard inside a host, as torchrun
+        sharding_factor = machines.ranks_per_host  # would make fully_shard's default
     setup = Setup(
         world_size=machines.world_size,
         auto_wrap_policy=auto_wrap_policy,

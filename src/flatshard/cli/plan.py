@@ -75,7 +75,7 @@ class PlanConfig:
     """adamw | adam | sgd-momentum | sgd (what its state costs)"""
     cluster: str = "a100-80gb"
     """a100-80gb (the paper's: 2 Tb/s RoCE a host) | h100-80gb | h200 | cpu (this machine,
-    measured in a few seconds, gloo)"""
+    measured in a few seconds, gloo) | cpu-dev (fixed figures of a 2-core machine)"""
     json: bool = False
     """print one JSON object (peak_memory_bytes, memory_bytes, step_time_s, ...)"""
     memory_budget: str = ""
@@ -88,8 +88,9 @@ class PlanConfig:
         for name in ("vocab", "dim", "layers", "heads", "seq_len", "batch", "grad_accum"):
             if getattr(self, name) < 1:
                 fail(name, f"must be >= 1, got {getattr(self, name)}")
-        if self.nproc < 0 or self.hosts < 1 or self.sharding_factor < 0:
-            fail("nproc" if self.nproc < 0 else "hosts", "must be positive")
+        for name, least in (("nproc", 0), ("hosts", 1), ("sharding_factor", 0)):
+            if getattr(self, name) < least:
+                fail(name, f"must be >= {least}, got {getattr(self, name)}")
         for name, allowed in (
             ("mixed_precision", tuple(PRECISIONS)),
             ("strategy", tuple(s.name for s in flatshard.ShardingStrategy)),
