@@ -126,13 +126,15 @@ def plan(
     ``build()`` makes the model; it is called under ``torch.device("meta")``, so nothing
     is allocated, and ``fully_shard`` with these options runs on it in a simulated world
     of ``hosts * ranks_per_host`` ranks (torch's fake process group: nothing is sent) for
-    two training steps. ``inputs()`` makes one rank's micro-batch (also on meta), and
-    ``loss(output, batch)`` the scalar to backpropagate (default: the output's mean, or
-    its ``.loss``).
+    two training steps. ``inputs()`` makes one rank's micro-batch (a tuple of tensors,
+    also on meta), and ``loss(model, batch)`` runs the forward and returns the scalar to
+    backpropagate (default: ``model(*batch)``'s ``.loss``, or its output's mean). Called
+    where a process group already exists, the simulation runs in a spawned process, and
+    these three must then be picklable (module-level functions).
 
     Args:
-        cluster: a preset name ("a100-80gb", "h100-80gb", "h200", "cpu": this machine,
-            measured) or a ``Cluster``.
+        cluster: a preset name ("a100-80gb", "h100-80gb", "h200", "cpu-dev"; "cpu": this
+            machine, measured) or a ``Cluster``.
         sharding_factor: F for the hybrid strategies (default: ``ranks_per_host``, as
             ``fully_shard`` defaults to under torchrun).
         mixed_precision: the compute and all-gather dtype (gradients reduced in fp32).

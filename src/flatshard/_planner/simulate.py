@@ -70,7 +70,6 @@ class Simulated:
     recorder: Recorder
     params: int  # parameters of the whole model
     trainable: int
-    flat_params: int  # FlatParameters of this rank
     units: int
 
 
@@ -112,7 +111,7 @@ def _simulate(
         training_step(model, optim, inputs, loss, setup, torch.device("meta"), recorder)
     summary = sharding_summary(model)
     units = len({f.unit for f in summary.flat_params})
-    return Simulated(recorder, params, trainable, len(summary.flat_params), units)
+    return Simulated(recorder, params, trainable, units)
 
 
 def measure(
