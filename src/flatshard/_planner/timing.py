@@ -2,15 +2,16 @@
 
 Each compute op takes the launch overhead plus the longer of its FLOPs at the achieved
 matrix-product rate and its bytes at memory bandwidth (a roofline; on a CPU, ops whose
-bytes fit the cache run at the cache's bandwidth). Each collective runs
-as a ring over its group: (n - 1) steps of latency and (n - 1) / n of the buffer over the
-slowest link it crosses (per rank, a host's NICs shared by its ranks); an all-reduce
-twice that. Ops wait for what they read: a unit's compute for its all-gather, a
-reduce-scatter for its gradient. A collective is issued where the runtime issued it, so
-it cannot start before the compute issued ahead of it has finished (prefetch overlaps the
-next unit's all-gather with this unit's compute, as the runtime intends). Where
-communication cannot overlap compute (``Cluster.overlap`` False: gloo on a few CPU
-cores, ``design/PEERS.md``), everything runs on one timeline.
+bytes fit the cache run at the cache's bandwidth). Each collective runs as a ring over
+its group, priced as NCCL's own tuning model prices one: a base latency, then (n - 1)
+steps, of which the ``hosts`` that cross a host boundary pay the network's latency and
+the others the host's, and (n - 1) / n of the buffer over the slowest link it crosses;
+an all-reduce twice the steps and the bytes. Ops wait for what they read: a unit's
+compute for its all-gather, a reduce-scatter for its gradient. A collective is issued
+where the runtime issued it, so it cannot start before the compute issued ahead of it
+has finished (prefetch overlaps the next unit's all-gather with this unit's compute, as
+the runtime intends). Where communication cannot overlap compute (``Cluster.overlap``
+False: gloo on a few CPU cores, ``design/PEERS.md``), everything runs on one timeline.
 """
 
 from __future__ import annotations
@@ -47,11 +48,12 @@ def collective_time(op: Op, cluster: Cluster) -> float:
     n = op.group_size
     if n <= 1:
         return 0.0
-    across = op.hosts > 1
+    across = op.hosts if op.hosts > 1 else 0  # ring steps that cross a host boundary
     bandwidth = cluster.inter_bandwidth if across else cluster.intra_bandwidth
-    latency = cluster.inter_latency if across else cluster.intra_latency
+    steps = (n - 1 - across) * cluster.intra_latency + across * cluster.inter_latency
     passes = _RING_PASSES.get(op.collective or "", 1.0)
-    return passes * ((n - 1) * latency + op.io_bytes * (n - 1) / n / bandwidth)
+    transfer = op.io_bytes * (n - 1) / n / bandwidth
+    return cluster.collective_latency + passes * (steps + transfer)
 
 
 def step_time(ops: Sequence[Op], cluster: Cluster) -> StepTime:
