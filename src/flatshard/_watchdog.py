@@ -22,6 +22,7 @@ is left to the backend's own watchdog.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import socket
@@ -77,6 +78,7 @@ class Watchdog:
         self.failed = False  # raised: collectives may be left in flight
         self._stop = threading.Event()
         self._answered = self.seen_requests
+        self._answer_lock = threading.Lock()
         self._thread = threading.Thread(target=self._respond, name="flatshard-watchdog")
         self._thread.daemon = True
         self._thread.start()
@@ -207,6 +209,10 @@ class Watchdog:
             "or FLATSHARD_TIMEOUT; by default the process group's own). FLATSHARD_DEBUG=1 "
             "checks every collective across ranks before it is issued."
         )
+        # A peer that timed out too asks as well: answer before this rank can exit (unless
+        # the store is gone: then nobody is left to ask).
+        with contextlib.suppress(Exception):
+            self._answer_pending()
         raise error(report(cause, group.group_name, ranks, statuses, settings)) from original
 
     def _ask_everyone(self, ranks: list[int], error: type[Exception]) -> dict[int, Status]:
@@ -260,14 +266,24 @@ class Watchdog:
         """The responder thread: answer diagnosis requests until stopped or the store goes."""
         while not self._stop.wait(POLL_S):
             try:
-                requested = self._requests()
-                while self._answered < requested:
-                    self._answered += 1
-                    self._publish(self._answered)
+                self._answer_pending()
             except Exception:  # the store went away: the job is over
                 return
 
+    def _answer_pending(self) -> None:
+        """Publish this rank's status for every diagnosis asked for so far. Also called by
+        a rank about to raise or exit after a diagnosis: its responder thread might not
+        look again before the process ends, and a peer's table would lack this rank."""
+        with self._answer_lock:
+            requested = self._requests()
+            while self._answered < requested:
+                self._answered += 1
+                self._publish(self._answered)
+
     def _at_exit(self) -> None:
+        if self.failed:
+            with contextlib.suppress(Exception):  # (the store may have gone with its host)
+                self._answer_pending()
         self._stop.set()
         self._thread.join(timeout=2 * POLL_S)
         if self.failed and any(not t.work.is_completed() for t in self._tracked):
