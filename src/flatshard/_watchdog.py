@@ -337,8 +337,9 @@ def watchdog() -> Watchdog | None:
     """This process's watchdog (made on first use); None outside a distributed job."""
     global _WATCHDOG
     world = dist.group.WORLD  # None before init_process_group and after destroy
+    if _WATCHDOG is not None and _WATCHDOG.world is world and world is not None:
+        return _WATCHDOG  # the common case, on every collective: no backend lookup
     if world is None or dist.get_backend(world) == dist.Backend.FAKE:
         return None  # (fake: the planner's simulated world, where no peer runs)
-    if _WATCHDOG is None or _WATCHDOG.world is not world:
-        _WATCHDOG = Watchdog(world)
+    _WATCHDOG = Watchdog(world)
     return _WATCHDOG
