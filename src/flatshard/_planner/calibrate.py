@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from flatshard._planner.cluster import Cluster
 from flatshard._planner.recorder import Recorder
+from flatshard._processes import fast_context
 
 _COLLECTIVE_BYTES = 8 << 20
 
@@ -121,7 +121,7 @@ def _worker(rank: int, ranks: int, store: str, out: Any) -> None:
 
 def _measured_together(ranks: int) -> _Speeds:
     """``_worker`` in ``ranks`` local processes; rank 0's figures."""
-    context = mp.get_context("spawn")
+    context = fast_context()
     out = context.Queue()
     with tempfile.TemporaryDirectory(prefix="flatshard-plan-") as tmp:
         store = os.path.join(tmp, "store")

@@ -6,7 +6,6 @@ the step-time model.
 
 from __future__ import annotations
 
-import multiprocessing
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -23,6 +22,7 @@ from flatshard._planner.simulate import Inputs, Loss, Setup, simulate
 from flatshard._planner.timing import StepTime, collective_time, step_time
 from flatshard._policy import AutoWrapPolicy
 from flatshard._prefetch import Prefetch
+from flatshard._processes import fast_context
 
 # Device memory a plan keeps free of tensors: the CUDA context and the caching
 # allocator's rounding and fragmentation, which live-tensor accounting does not see.
@@ -170,7 +170,7 @@ def plan_setup(
     the simulation runs in a fresh one (its world would clash), so ``build``, ``inputs``
     and ``loss`` must then be picklable (module-level functions)."""
     if dist.is_initialized():
-        context = multiprocessing.get_context("spawn")
+        context = fast_context()
         with ProcessPoolExecutor(1, mp_context=context) as child:
             return child.submit(plan_setup, build, inputs, loss, setup, cluster).result()
     simulated = simulate(build, inputs, loss, setup, cluster.ranks_per_host)

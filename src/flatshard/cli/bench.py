@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import multiprocessing as mp
 import os
 import tempfile
 import time
@@ -33,6 +32,7 @@ from torch import nn
 
 import flatshard
 from flatshard._collectives import WaitClock, describe
+from flatshard._processes import fast_context
 from flatshard.cli.bench_formula import flatshard_formulas
 from flatshard.cli.bench_memory import steady_state_peak
 from flatshard.cli.bench_plan import predict, predicted_line
@@ -181,7 +181,7 @@ class _System:
     """One system's ranks, alive for a round, each running a step when told to."""
 
     def __init__(self, config: BenchConfig, system: str, store: str) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = fast_context()
         self.system = system
         self.answers = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(config.nproc)]

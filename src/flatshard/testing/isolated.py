@@ -8,7 +8,6 @@ reports what became of every rank: its return value, ``Died(exit code)`` or ``Hu
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
 import tempfile
@@ -21,6 +20,7 @@ from typing import Any
 import torch.distributed as dist
 
 from flatshard import _watchdog
+from flatshard._processes import adopt_environment, fast_context
 from flatshard.testing.workers import join_gloo_world
 
 
@@ -40,12 +40,13 @@ def run_isolated(
     fn: Callable[..., Any], *args: Any, world_size: int = 2, deadline_s: float = 60.0
 ) -> list[Any]:
     """Run ``fn(rank, *args)`` on ``world_size`` fresh ranks (gloo); each rank's outcome."""
-    ctx = mp.get_context("spawn")
+    ctx = fast_context()
+    env = dict(os.environ)  # [Note: fast ranks]
     results: Any = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="flatshard-isolated-") as tmp:
         store = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_main, args=(fn, args, rank, world_size, store, results))
+            ctx.Process(target=_main, args=(fn, args, rank, world_size, store, results, env))
             for rank in range(world_size)
         ]
         for proc in procs:
@@ -78,8 +79,15 @@ def alive(pid: int) -> bool:
 
 
 def _main(
-    fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world: int, store: str, out: Any
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    rank: int,
+    world: int,
+    store: str,
+    out: Any,
+    env: dict[str, str],
 ) -> None:
+    adopt_environment(env)
     join_gloo_world(rank, world, store)
     out.put((rank, fn(rank, *args)))
     out.close()

@@ -9,7 +9,6 @@ so that ranks left waiting in a collective cannot poison the next job.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
 import tempfile
@@ -22,6 +21,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from flatshard._processes import fast_context
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 
@@ -81,7 +82,7 @@ class WorkerPool:
         return [results[r] for r in range(self.world_size)]
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = fast_context()
         self._store_dir = tempfile.TemporaryDirectory(prefix="flatshard-pool-")
         store = os.path.join(self._store_dir.name, "store")
         self._results = ctx.Queue()

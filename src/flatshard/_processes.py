@@ -1,0 +1,34 @@
+"""Local processes that start in milliseconds: forked from a server that imported torch.
+
+[Note: fast ranks] A spawned process spends seconds importing torch before it runs a
+line, and the bench, the planner's calibration and the tests start many of them on a
+few cores. Python's forkserver start method forks each new process from a server that
+did the imports once (and nothing else: no thread pool, no process group, no device),
+with the same isolation as a spawned one. Two differences matter here:
+- the server's environment is the one it had when it started, so a caller whose
+  environment may have changed since passes ``os.environ`` along and the child adopts
+  it (``adopt_environment``);
+- a child's parent is the server, not the caller, so ``flatshard train``'s launcher,
+  whose ranks die with it (``cli.launch.stop_with_parent``), still spawns.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from multiprocessing.context import ForkServerContext
+
+PRELOAD = ["torch", "flatshard"]
+
+
+def fast_context() -> ForkServerContext:
+    """The forkserver context, its server importing ``PRELOAD`` once."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    return context
+
+
+def adopt_environment(env: dict[str, str]) -> None:
+    """Make this (forked) process's environment the caller's."""
+    os.environ.clear()
+    os.environ.update(env)
