@@ -123,6 +123,10 @@ BAD_TOML = {"unknown": "stepz = 3", "type": 'steps = "many"', "syntax": "steps =
         (["--model", "hf:llama", "--lora", "r=0,targets=q"], "--lora: needs r >= 1, alpha > 0"),
         (["--init", "zeros"], "--init must be one of random, pretrained, got 'zeros'"),
         (["--fit-memory", "lots"], "--fit-memory: expected e.g. 20GiB, 512MiB or 'device'"),
+        (
+            ["--model", "hf:llama", "--lora", "r=8,targets=q_proj", "--fit-memory", "1GiB"],
+            "--fit-memory does not plan LoRA adapters yet; choose the setup by hand",
+        ),
         (["--max-restarts", "2", "--resume", "latest"], "--max-restarts resumes with --resume"),
         (["--max-restarts", "-1"], "--max-restarts must be >= 0, got -1"),
         (["--config", "{tmp}/unknown.toml"], "--config: unknown option 'stepz'"),

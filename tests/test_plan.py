@@ -204,3 +204,11 @@ def test_plan_command_prints_json_and_recommends_within_a_budget(
     assert code == 1 and "nothing fits" in out  # below the 1 GiB context
     code, _, err = cli("--memory-budget", "lots")
     assert code == 2 and "--memory-budget" in err
+
+
+def test_plan_misuse_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--strategy", "SHARD_GRAD_OP", "--sharding-factor", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--sharding-factor only applies to hybrid strategies, not SHARD_GRAD_OP" in err
+    with pytest.raises(ValueError, match="unknown cluster 'tpu-v9'; expected one of a100-80gb"):
+        flatshard.plan(lambda: nn.Linear(2, 2), lambda: (torch.randn(1, 2),), cluster="tpu-v9")
