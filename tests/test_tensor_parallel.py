@@ -63,10 +63,11 @@ class TiedNet(nn.Module):
         return out
 
 
-def build(tp: DeviceMesh) -> TiedNet:
+def build(tp: DeviceMesh, model: TiedNet | None = None) -> TiedNet:
     """The same TP model on every rank: vocabulary split for the tied embedding and head."""
-    torch.manual_seed(0)
-    model = TiedNet()
+    if model is None:
+        torch.manual_seed(0)
+        model = TiedNet()
     plan: dict[str, Any] = {
         "tok": RowwiseParallel(input_layouts=Replicate()),
         "head": ColwiseParallel(output_layouts=Replicate()),
@@ -238,6 +239,43 @@ def overlapping_job(ctx: WorkerContext) -> str:
     except ValueError as error:
         return str(error)
     return "no error"
+
+
+def meta_job(ctx: WorkerContext) -> dict[str, Any]:
+    """A TP model built and parallelized on the meta device, initialized by fully_shard,
+    against the model without TP initialized by ``init_weights`` and then parallelized."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    with torch.device("meta"):
+        model = build(mesh["tp"], TiedNet())
+    init = flatshard.InitOptions(seed=7)
+    flatshard.fully_shard(
+        model, auto_wrap_policy={Block}, process_group=mesh["dp"], device="cpu", init=init
+    )
+    plain = TiedNet()
+    flatshard.init_weights(plain, seed=7)
+    reference = build(mesh["tp"], plain)
+    batches = _batches(STEPS, seed=2)
+    want = {k: _full(v).clone() for k, v in reference.state_dict().items()}
+    full = flatshard.full_state_dict(model, rank0_only=False)
+    got = _train(model, _optimizer(model), batches, mesh["dp"].get_group())
+    return {"full": full, "want": want, "got": got, "expected": _reference(reference, batches)}
+
+
+def test_a_tp_model_built_on_meta_starts_from_the_weights_without_tp(pool: WorkerPool) -> None:
+    """[Note: initializing TP parameters]: each TP shard is its part of the weights the
+    model without TP draws (not a copy of its peers' shards), and training matches."""
+    for rank, result in enumerate(pool.run(meta_job)):
+        full, want = result["full"], result["want"]
+        assert full.keys() == want.keys()
+        for key, value in want.items():
+            assert torch.equal(full[key], value), (rank, key)
+        up = full["blocks.1.up.weight"]
+        assert not torch.equal(up[: 2 * DIM], up[2 * DIM :])  # TP halves differ
+        for (loss, norm), (want_loss, want_norm) in zip(
+            result["got"], result["expected"], strict=True
+        ):
+            assert loss == pytest.approx(want_loss, rel=1e-5), rank
+            assert norm == pytest.approx(want_norm, rel=1e-5), rank
 
 
 def test_sharding_over_tp_peers_is_an_error(pool: WorkerPool) -> None:

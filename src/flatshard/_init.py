@@ -24,6 +24,7 @@ from torch import nn
 from flatshard._collectives import broadcast
 from flatshard._partition import UnitPlan
 from flatshard._ranks import join_name
+from flatshard._tensor_parallel import carry
 
 ParamInitFn = Callable[[nn.Module], None]
 
@@ -171,6 +172,7 @@ def _materialize_params(
             else old.detach().to(target)
         )
         orig.param = nn.Parameter(data, requires_grad=old.requires_grad)
+        carry(old, orig.param)
         for module, name in orig.usages:
             module._parameters[name] = orig.param
         if old.is_meta:
@@ -202,6 +204,7 @@ def _adopt_replaced_params(plan: UnitPlan) -> None:
         module, name = orig.usages[0]
         current = module._parameters[name]
         if current is not None and current is not orig.param:
+            carry(orig.param, current)
             orig.param = current
             for other, other_name in orig.usages[1:]:
                 other._parameters[other_name] = current

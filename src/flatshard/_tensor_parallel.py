@@ -23,6 +23,8 @@ tensor), so a checkpoint loads at the same TP degree and any dp degree.
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
@@ -93,6 +95,47 @@ def tensor_parallel(param: torch.Tensor) -> TensorParallel | None:
     return found if isinstance(found, TensorParallel) else None
 
 
+def carry(old: torch.Tensor, new: torch.Tensor) -> None:
+    """``new`` replaces parameter ``old`` (materialized, moved, re-assigned by an init
+    function): it keeps what ``old`` was as a DTensor."""
+    found = tensor_parallel(old)
+    if found is not None and tensor_parallel(new) is None:
+        setattr(new, _ATTR, found)
+
+
+@contextmanager
+def global_shapes(module: nn.Module) -> Iterator[None]:
+    """Inside, ``module``'s TP-sharded parameters are their whole (global) tensors; on
+    exit each keeps this rank's part of what was written to it.
+
+    [Note: initializing TP parameters] A model built on the meta device and parallelized
+    there is initialized one module at a time by ``fully_shard``. On the local shards, an
+    initializer would draw the same numbers on every TP rank (each module's seed is its
+    name's, [Note: deterministic initialization]), so the shards of one weight would be
+    copies and their units would stay symmetric through training; and it would take its
+    fan-in from the local shape. On the global tensor it draws what the model without
+    TP draws, and each rank keeps its part: one module's global weights at a time.
+    """
+    swapped: list[tuple[str, nn.Parameter, nn.Parameter, int, TensorParallel]] = []
+    for name, local in list(module._parameters.items()):
+        tp = tensor_parallel(local) if local is not None else None
+        if local is None or tp is None or not tp.sharded:
+            continue
+        empty = torch.empty(tp.shape, dtype=local.dtype, device=local.device)
+        whole = nn.Parameter(empty, requires_grad=local.requires_grad)
+        module._parameters[name] = whole
+        swapped.append((name, local, whole, whole._version, tp))
+    try:
+        yield
+    finally:
+        for name, local, whole, version, tp in swapped:
+            written = module._parameters[name]  # an initializer may assign a new one
+            if written is not None and (written is not whole or whole._version != version):
+                with torch.no_grad():
+                    local.copy_(tp.local_part(written))
+            module._parameters[name] = local  # unwritten: left as it was (reported later)
+
+
 def localize(root: nn.Module, group: dist.ProcessGroup, rank: int) -> None:
     """Replace every DTensor parameter of ``root`` by a plain one holding its local tensor.
 
@@ -127,8 +170,6 @@ def _describe(param: DTensor, fqn: str, group: dist.ProcessGroup, rank: int) -> 
         problem = f"a DTensor over a {mesh.ndim}-D mesh (flatshard takes 1-D TP meshes)"
     elif not all(isinstance(p, Replicate) or type(p) is Shard for p in placements):
         problem = f"a DTensor placed {placements} (flatshard takes Shard and Replicate)"
-    elif param.is_meta:
-        problem = "a DTensor on the meta device (parallelize a model built on a real device)"
     else:
         shared = set(mesh.mesh.flatten().tolist()) & set(dist.get_process_group_ranks(group))
         if shared != {rank}:

@@ -32,7 +32,7 @@ from flatshard._ranks import join_name
 from flatshard._rate_limiter import DEFAULT_LIMIT, RateLimiter
 from flatshard._skip_init import awaits_load, mark_awaiting
 from flatshard._step import CONTEXT_ATTR, StepContext, context_of
-from flatshard._tensor_parallel import localize
+from flatshard._tensor_parallel import global_shapes, localize
 from flatshard._unit import Unit, UnitConfig, unit_of
 
 M = TypeVar("M", bound=nn.Module)
@@ -244,7 +244,8 @@ def _prepare(plan: UnitPlan, build: _UnitBuild, rank: int) -> None:
     seed = torch.initial_seed() if build.init.seed is None else build.init.seed
 
     def init(name: str, module: nn.Module) -> None:
-        init_module(module, name, build.param_init_fn, seed)
+        with global_shapes(module):  # [Note: initializing TP parameters]
+            init_module(module, name, build.param_init_fn, seed)
 
     if not build.init.sync_module_states:
         materialize_unit(plan, build.device, init, rank)
