@@ -6,8 +6,9 @@ exactly like the TP-only model on the global batch: losses, gradient norms (flat
 ``clip_grad_norm_`` over dp x tp against the norm of the full gradients) and the full
 state dict. A checkpoint saved at dp 2 loads at dp 1 (same TP degree) and continues with
 the same losses; PyTorch's ``fully_shard`` on the same 2-D run gives the same losses; the
-full state dict and the safetensors export (global tensors) load back exactly. See
-[Note: DTensor parameters].
+full state dict and the safetensors export (global tensors) load back exactly. The hybrid
+strategies over dp match TP alone too, and a TP model built on the meta device starts
+from exactly the weights of the model without TP. See [Note: DTensor parameters].
 """
 
 from __future__ import annotations
@@ -239,6 +240,34 @@ def overlapping_job(ctx: WorkerContext) -> str:
     except ValueError as error:
         return str(error)
     return "no error"
+
+
+def hybrid_job(ctx: WorkerContext) -> dict[str, Any]:
+    """Replicated over dp (sharding factor 1: each dp rank a replica group of its own) x
+    tp, for both hybrid strategies: the same losses and norms as TP alone."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    batches = _batches(STEPS, seed=3)
+    expected = _reference(build(mesh["tp"]), batches)
+    got = {}
+    for strategy in ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2"):
+        model = build(mesh["tp"])
+        flatshard.fully_shard(
+            model,
+            auto_wrap_policy={Block},
+            process_group=mesh["dp"],
+            strategy=flatshard.ShardingStrategy[strategy],
+            sharding_factor=1,
+        )
+        got[strategy] = _train(model, _optimizer(model), batches, mesh["dp"].get_group())
+    return {"expected": expected, "got": got}
+
+
+def test_hybrid_times_tp_matches_tp_alone(pool: WorkerPool) -> None:
+    for rank, result in enumerate(pool.run(hybrid_job)):
+        for strategy, steps in result["got"].items():
+            for (loss, norm), (want_loss, want_norm) in zip(steps, result["expected"], strict=True):
+                assert loss == pytest.approx(want_loss, rel=1e-5), (rank, strategy)
+                assert norm == pytest.approx(want_norm, rel=1e-5), (rank, strategy)
 
 
 def meta_job(ctx: WorkerContext) -> dict[str, Any]:
