@@ -4,8 +4,8 @@ At world size 4 (dp 2 x tp 2) on gloo, a model with a tied embedding/head (both 
 the vocabulary), column- and row-parallel MLPs, plain LayerNorms and a frozen block trains
 exactly like the TP-only model on the global batch: losses, gradient norms (flatshard's
 ``clip_grad_norm_`` over dp x tp against the norm of the full gradients) and the full
-state dict. A checkpoint saved at dp 2 loads at dp 1 (same TP degree) and continues with
-the same losses; PyTorch's ``fully_shard`` on the same 2-D run gives the same losses; the
+state dict. A checkpoint saved at dp 2 loads at dp 1 (same TP degree), and into the model
+without TP at dp 4, and continues with the same losses; PyTorch's ``fully_shard`` on the same 2-D run gives the same losses; the
 full state dict and the safetensors export (global tensors) load back exactly. The hybrid
 strategies over dp match TP alone too, and a TP model built on the meta device starts
 from exactly the weights of the model without TP. See [Note: DTensor parameters].
@@ -202,6 +202,20 @@ def dp1_job(ctx: WorkerContext, directory: str) -> list[tuple[float, float]]:
     return _train(model, optim, _batches(STEPS + MORE, seed=1)[STEPS:], alone)
 
 
+def no_tp_job(ctx: WorkerContext, directory: str) -> list[tuple[float, float]]:
+    """The model without TP, sharded over all 4 ranks (dp 4), from the tp-2 checkpoint."""
+    torch.manual_seed(1)  # other weights than the checkpoint's
+    model = TiedNet()
+    for param in model.blocks[0].parameters():
+        param.requires_grad_(False)
+    flatshard.fully_shard(model, auto_wrap_policy={Block})
+    optim = _optimizer(model)
+    flatshard.load_checkpoint(Path(directory) / "ckpt", model, optim)
+    world = dist.group.WORLD
+    assert world is not None
+    return _train(model, optim, _batches(STEPS + MORE, seed=1)[STEPS:], world)
+
+
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
 def test_tp_times_dp_matches_tp_alone_and_reloads_at_dp_1(
     pool: WorkerPool, tmp_path: Path, strategy: str
@@ -223,6 +237,13 @@ def test_tp_times_dp_matches_tp_alone_and_reloads_at_dp_1(
         for rank, losses in enumerate(pool.run(fsdp2_job)):
             got = [loss for loss, _ in results[rank]["got"]]
             assert losses == pytest.approx(got, rel=1e-5), rank
+    if strategy == "FULL_SHARD":  # across TP degrees: tp 2 -> tp 1 (dp 4), DCP reshards
+        for rank, losses in enumerate(pool.run(no_tp_job, str(tmp_path))):
+            for (loss, norm), (want_loss, want_norm) in zip(
+                losses, results[0]["got"][STEPS:], strict=True
+            ):
+                assert loss == pytest.approx(want_loss, rel=1e-5), rank
+                assert norm == pytest.approx(want_norm, rel=1e-5), rank
     resumed = pool.run(dp1_job, str(tmp_path))
     for rank, losses in enumerate(resumed):
         for (loss, norm), (want_loss, want_norm) in zip(

@@ -17,7 +17,8 @@ of its local TP shard, as a plain tensor (the optimizer steps it like any other)
 What depends on TP: the gradient norm (TP-sharded parameters' partial sums are also summed
 over the TP ranks), full state dicts (each local shard gathered over dp, then over TP with
 ``full_tensor``), and checkpoint chunks (offset by the local shard's place in the global
-tensor), so a checkpoint loads at the same TP degree and any dp degree.
+tensor), so a checkpoint loads at any dp degree, and at another TP degree (DCP reads
+each rank's rows from the global tensors' chunks).
 """
 
 from __future__ import annotations
