@@ -5,10 +5,11 @@ the vocabulary), column- and row-parallel MLPs, plain LayerNorms and a frozen bl
 exactly like the TP-only model on the global batch: losses, gradient norms (flatshard's
 ``clip_grad_norm_`` over dp x tp against the norm of the full gradients) and the full
 state dict. A checkpoint saved at dp 2 loads at dp 1 (same TP degree), and into the model
-without TP at dp 4, and continues with the same losses; PyTorch's ``fully_shard`` on the same 2-D run gives the same losses; the
-full state dict and the safetensors export (global tensors) load back exactly. The hybrid
-strategies over dp match TP alone too, and a TP model built on the meta device starts
-from exactly the weights of the model without TP. See [Note: DTensor parameters].
+without TP at dp 4, and continues with the same losses; PyTorch's ``fully_shard`` on the
+same 2-D run gives the same losses; the full state dict and the safetensors export
+(global tensors) load back exactly. The hybrid strategies over dp match TP alone too,
+and a TP model built on the meta device starts from exactly the weights of the model
+without TP. See [Note: DTensor parameters].
 """
 
 from __future__ import annotations
@@ -133,18 +134,22 @@ def _reference(model: nn.Module, batches: list[torch.Tensor]) -> list[tuple[floa
     return out
 
 
+def _sharded_2d(mesh: DeviceMesh, strategy: str, **options: Any) -> TiedNet:
+    """The TP model sharded over the mesh's dp dimension."""
+    model = build(mesh["tp"])
+    strategy_ = flatshard.ShardingStrategy[strategy]
+    flatshard.fully_shard(
+        model, auto_wrap_policy={Block}, process_group=mesh["dp"], strategy=strategy_, **options
+    )
+    return model
+
+
 def two_d_job(ctx: WorkerContext, strategy: str, directory: str) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     reference = build(mesh["tp"])
     batches = _batches(STEPS + MORE, seed=1)
     expected = _reference(reference, batches)
-    model = build(mesh["tp"])
-    flatshard.fully_shard(
-        model,
-        auto_wrap_policy={Block},
-        process_group=mesh["dp"],
-        strategy=flatshard.ShardingStrategy[strategy],
-    )
+    model = _sharded_2d(mesh, strategy)
     optim = _optimizer(model)
     dp = mesh["dp"].get_group()
     got = _train(model, optim, batches[:STEPS], dp)
@@ -271,14 +276,7 @@ def hybrid_job(ctx: WorkerContext) -> dict[str, Any]:
     expected = _reference(build(mesh["tp"]), batches)
     got = {}
     for strategy in ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2"):
-        model = build(mesh["tp"])
-        flatshard.fully_shard(
-            model,
-            auto_wrap_policy={Block},
-            process_group=mesh["dp"],
-            strategy=flatshard.ShardingStrategy[strategy],
-            sharding_factor=1,
-        )
+        model = _sharded_2d(mesh, strategy, sharding_factor=1)
         got[strategy] = _train(model, _optimizer(model), batches, mesh["dp"].get_group())
     return {"expected": expected, "got": got}
 
