@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-from multiprocessing.context import ForkServerContext
+from multiprocessing.context import ForkServerContext, SpawnContext
 
 PRELOAD = ["torch", "flatshard"]
 
 
-def fast_context() -> ForkServerContext:
-    """The forkserver context, its server importing ``PRELOAD`` once."""
+def fast_context() -> ForkServerContext | SpawnContext:
+    """The forkserver context, its server importing ``PRELOAD`` once (spawn where the
+    platform has no forkserver: Windows)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
     return context
