@@ -2,9 +2,9 @@
 
 Matrix-product FLOP/s per dtype, memory bandwidth (from DRAM, and within the cache) and
 the time per op of a training step (a tiny one's, plus what a small GPT's costs beyond
-its priced ops), each the median of its repeats, measured in ``ranks`` local processes at once
-(each with its share of the threads, contending as training ranks do), and gloo's ring
-bandwidth between them. Two cores shared by compute and gloo's threads leave no room for
+its priced ops), each the median of its repeats, measured in ``ranks`` local processes
+at once (each with its share of the threads, contending as training ranks do), and
+gloo's ring bandwidth between them. Two cores shared by compute and gloo's threads leave no room for
 overlap (``design/PEERS.md``): ``overlap`` is off.
 """
 
