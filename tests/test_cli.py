@@ -31,13 +31,14 @@ def test_train_end_to_end_then_resume_exactly(tmp_path: Path) -> None:
     """16 steps with checkpoints at 8 and 16; a second run resumed from step 8 logs the
     same losses for steps 9-16 as the first (same data, optimizer moments, RNG)."""
     common = [*TINY, "--steps", "16", "--lr", "1e-2", "--warmup-steps", "2"]
-    common += ["--grad-accum", "2", "--keep-ckpts", "5"]
+    common += ["--grad-accum", "2", "--keep-ckpts", "5", "--keep-gathered", "1"]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     out = _train(*common, "--ckpt-every", "8", "--sample-bytes", "40", "--out-dir", str(whole))
     losses = _losses(whole)
     assert sorted(losses) == list(range(1, 17))
     assert losses[16] < losses[1] - 1.0, losses  # from ~ln(256) = 5.5 towards the text
-    assert "2 ranks (gloo, FULL_SHARD)" in out and "unigram entropy 3.016" in out
+    assert "2 ranks (gloo, FULL_SHARD, last 1 unit kept gathered)" in out
+    assert "unigram entropy 3.016" in out
     assert re.search(r"step 16/16 \[=+\] loss \d+\.\d+ \| [\d,]+ tok/s", out), out
     assert "sample:\nAnd God said" in out
     assert (whole / "loss.png").stat().st_size > 0
@@ -70,7 +71,8 @@ def test_train_a_hugging_face_model_under_torchrun_in_bf16(tmp_path: Path) -> No
     argv = ["--model", f"hf:{config}", "--seq-len", "32", "--batch", "4", "--steps", "3"]
     argv += ["--mixed-precision", "bf16", "--sample-bytes", "8", "--out-dir", str(tmp_path)]
     out = _train(*argv, "--fit-memory", "1GiB", launcher=launcher)
-    chosen = re.search(r"--fit-memory 1GiB: (\w+)(, activation checkpointing)? \(predicted", out)
+    kept = r"(?:, last \d+ units? kept gathered)?"
+    chosen = re.search(rf"--fit-memory 1GiB: (\w+{kept})(, activation checkpointing)? \(pred", out)
     assert chosen is not None, out
     assert f"2 ranks (gloo, {chosen.group(1)})" in out
     assert "GPT2LMHeadModel" in out and "(units: GPT2Block)" in out
@@ -110,6 +112,11 @@ BAD_TOML = {"unknown": "stepz = 3", "type": 'steps = "many"', "syntax": "steps =
         (["--strategy", "ZERO3"], "--strategy must be one of FULL_SHARD"),
         (["--strategy", "HYBRID_SHARD", "--sharding-factor", "3"], "--sharding-factor (3) must"),
         (["--sharding-factor", "2"], "--sharding-factor only applies to hybrid strategies"),
+        (
+            ["--strategy", "SHARD_GRAD_OP", "--keep-gathered", "1"],
+            "--keep-gathered applies to FULL_SHARD and HYBRID_SHARD, not SHARD_GRAD_OP",
+        ),
+        (["--layers", "2", "--keep-gathered", "3"], "--keep-gathered (3) exceeds --layers (2)"),
         (["--data", "/no/such/corpus.txt"], "--data: no text file at /no/such/corpus.txt"),
         (["--seq-len", "100000"], "--data: kjv_genesis_exodus.txt (shipped, public domain) has"),
         (["--model", "llama"], "--model must be 'gpt' or 'hf:<config>'"),

@@ -96,6 +96,7 @@ CASES = [
         "bf16-accumulation", gpt, options=(("mixed_precision", torch.bfloat16), ("grad_accum", 2))
     ),
     Case("llama-checkpointing-sgd", llama, options=(("optimizer", "sgd-momentum"),)),
+    Case("full-shard-last-unit-kept", gpt, options=(("keep_gathered", 1),)),
 ]
 
 
@@ -210,5 +211,28 @@ def test_plan_misuse_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--strategy", "SHARD_GRAD_OP", "--sharding-factor", "2"]) == 2
     err = capsys.readouterr().err
     assert "--sharding-factor only applies to hybrid strategies, not SHARD_GRAD_OP" in err
+    assert main(["plan", "--strategy", "NO_SHARD", "--keep-gathered", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--keep-gathered applies to FULL_SHARD and HYBRID_SHARD, not NO_SHARD" in err
     with pytest.raises(ValueError, match="unknown cluster 'tpu-v9'; expected one of a100-80gb"):
         flatshard.plan(lambda: nn.Linear(2, 2), lambda: (torch.randn(1, 2),), cluster="tpu-v9")
+
+
+def test_the_recommendation_keeps_the_last_units_gathered_where_memory_allows(
+    planner: ProcessPoolExecutor,
+) -> None:
+    """A budget that SHARD_GRAD_OP exceeds and FULL_SHARD fits: FULL_SHARD with its last
+    units kept gathered until backward fits too, and is faster (on cpu-dev's single
+    timeline every all-gather saved is time saved); train's flag applies it."""
+    args = ["plan", "--layers", "4", "--dim", "64", "--seq-len", "32", "--batch", "2"]
+    args += ["--nproc", "2", "--cluster", "cpu-dev", "--memory-budget", "3.53MiB", "--json"]
+    code, out, _ = planner.submit(run_cli, args).result()
+    assert code == 0
+    result = json.loads(out)
+    setups = {c["setup"]: c for c in result["candidates"]}
+    budget = result["budget_bytes"]
+    assert setups["SHARD_GRAD_OP"]["device_memory_needed_bytes"] > budget
+    kept = setups[result["recommended"]]
+    assert result["recommended"].startswith("FULL_SHARD, last "), result["recommended"]
+    assert 0 < kept["kept_gathered"] < 4 and kept["device_memory_needed_bytes"] <= budget
+    assert kept["step_time_s"] < setups["FULL_SHARD"]["step_time_s"]

@@ -36,6 +36,18 @@ class ShardingStrategy(Enum):
     def is_hybrid(self) -> bool:
         return self in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.HYBRID_SHARD_ZERO2)
 
+    @property
+    def kept_gathered(self) -> ShardingStrategy | None:
+        """The same sharding, kept unsharded from forward to backward (None: already is,
+        or not sharded)."""
+        return _KEPT_GATHERED.get(self)
+
+
+_KEPT_GATHERED = {
+    ShardingStrategy.FULL_SHARD: ShardingStrategy.SHARD_GRAD_OP,
+    ShardingStrategy.HYBRID_SHARD: ShardingStrategy.HYBRID_SHARD_ZERO2,
+}
+
 
 @dataclass(frozen=True)
 class ShardGroups:

@@ -51,6 +51,19 @@ def select_unit_roots(root: nn.Module, policy: AutoWrapPolicy, skip: Collection[
     return [name for name, module in candidates if isinstance(module, classes)]
 
 
+def last_units(root: nn.Module, policy: AutoWrapPolicy, count: int) -> list[nn.Module]:
+    """The last ``count`` submodules (in module order) that the policy makes units."""
+    if count <= 0:
+        return []
+    names = select_unit_roots(root, policy, skip=())
+    if count > len(names):
+        raise ValueError(
+            f"keep_gathered ({count}) exceeds the {len(names)} units the auto_wrap_policy "
+            "makes (the root is never one of them)"
+        )
+    return [root.get_submodule(name) for name in names[-count:]]
+
+
 def _as_class_set(policy: object) -> tuple[type[nn.Module], ...]:
     if isinstance(policy, type) and issubclass(policy, nn.Module):
         return (policy,)

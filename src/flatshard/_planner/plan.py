@@ -100,6 +100,7 @@ class Plan:
             "units": self.units,
             "world_size": self.setup.world_size,
             "strategy": self.setup.strategy.name,
+            "kept_gathered": self.setup.kept_gathered,
             "cluster": self.cluster.name,
         }
 
@@ -120,6 +121,7 @@ def plan(
     grad_accum: int = 1,
     optimizer: str = "adamw",
     clip: bool = True,
+    keep_gathered: int = 0,
 ) -> Plan:
     """Predict one rank's memory and step time for a training run, without running it.
 
@@ -139,6 +141,9 @@ def plan(
             ``fully_shard`` defaults to under torchrun).
         mixed_precision: the compute and all-gather dtype (gradients reduced in fp32).
         optimizer: "adamw", "adam", "sgd-momentum" or "sgd".
+        keep_gathered: the last N units (FULL_SHARD, HYBRID_SHARD) keep their parameters
+            gathered from forward to backward, in the strategy's ZeRO-2 form: backward
+            gathers them no more, for their memory.
 
     The peak is the steady-state step's most live tensor bytes on the rank, the
     quantity ``flatshard bench`` and the tests measure at the dispatcher; on the rank the
@@ -159,6 +164,7 @@ def plan(
         clip=clip,
         backend=machines.backend,
         foreach=machines.device != "cpu",
+        kept_gathered=keep_gathered,
     )
     return plan_setup(build, inputs, loss or _default_loss, setup, machines)
 

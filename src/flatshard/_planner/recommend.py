@@ -2,7 +2,10 @@
 
 The candidates are what an FSDP user would try by hand: each sharding strategy (the
 hybrid ones only across hosts), with and without activation checkpointing. Each is
-planned (simulated) in full; the fastest whose device memory fits the budget wins.
+planned (simulated) in full; the fastest whose device memory fits the budget wins. If it
+reshards after forward, as many of its last units as still fit are then kept gathered
+until backward (``keep_gathered_where_it_fits``): less communication than resharding
+every unit, a choice no peer makes for you.
 """
 
 from __future__ import annotations
@@ -26,11 +29,19 @@ class Candidate:
     strategy: ShardingStrategy
     checkpoint_activations: bool
     plan: Plan
+    kept_gathered: int = 0  # the last N units in the strategy's ZeRO-2 form
 
     @property
     def label(self) -> str:
         checkpointing = ", activation checkpointing" if self.checkpoint_activations else ""
-        return f"{self.strategy.name}{checkpointing}"
+        return f"{self.strategy.name}{kept_phrase(self.kept_gathered)}{checkpointing}"
+
+
+def kept_phrase(count: int) -> str:
+    """How a setup's label says that its last ``count`` units are kept gathered."""
+    if not count:
+        return ""
+    return f", last {count} unit{'s' if count > 1 else ''} kept gathered"
 
 
 def candidates(
@@ -56,3 +67,62 @@ def candidates(
 
 def best_fit(found: list[Candidate], budget: int) -> Candidate | None:
     return next((c for c in found if c.plan.device_memory_needed <= budget), None)
+
+
+def keep_gathered_where_it_fits(
+    found: list[Candidate],
+    budget: int,
+    builder: Builder,
+    inputs: Inputs,
+    loss: Loss,
+    cluster: Cluster,
+) -> list[Candidate]:
+    """``found`` and, for each candidate that reshards after forward (FULL_SHARD,
+    HYBRID_SHARD) and fits while its ZeRO-2 form does not, the same with as many of its
+    last units kept gathered until backward as still fit; fastest first. Each kept unit
+    saves the all-gather backward would make for it. Skipped where it cannot win: the
+    ZeRO-2 form (every unit kept) bounds how fast it gets."""
+    added: list[Candidate] = []
+    for reshards in found:
+        form = reshards.strategy.kept_gathered
+        zero2 = next(
+            (
+                c
+                for c in found
+                if c.strategy == form
+                and c.checkpoint_activations == reshards.checkpoint_activations
+            ),
+            None,
+        )
+        best = best_fit(found + added, budget)
+        if (
+            form is None
+            or zero2 is None
+            or reshards.plan.device_memory_needed > budget
+            or zero2.plan.device_memory_needed <= budget
+            or (best is not None and best.plan.step.seconds <= zero2.plan.step.seconds)
+        ):
+            continue
+        kept = _most_kept(reshards, budget, builder, inputs, loss, cluster)
+        if kept.plan.step.seconds < reshards.plan.step.seconds:
+            added.append(kept)
+    return sorted(found + added, key=lambda c: c.plan.step.seconds)
+
+
+def _most_kept(
+    reshards: Candidate, budget: int, builder: Builder, inputs: Inputs, loss: Loss, cluster: Cluster
+) -> Candidate:
+    """``reshards`` with its most last units kept gathered that fit (bisection: memory
+    grows with their number)."""
+    build = builder(reshards.checkpoint_activations)
+    chosen, low, high = reshards, 0, reshards.plan.units - 1  # the root is never one
+    while low < high:
+        count = (low + high + 1) // 2
+        setup = replace(reshards.plan.setup, kept_gathered=count)
+        planned = plan_setup(build, inputs, loss, setup, cluster)
+        if planned.device_memory_needed <= budget:
+            low = count
+            chosen = Candidate(reshards.strategy, reshards.checkpoint_activations, planned, count)
+        else:
+            high = count - 1
+    return chosen

@@ -30,7 +30,7 @@ from flatshard._no_sync import no_sync
 from flatshard._planner import recorder as tags
 from flatshard._planner.attention import fused_attention
 from flatshard._planner.recorder import Recorder
-from flatshard._policy import AutoWrapPolicy
+from flatshard._policy import AutoWrapPolicy, last_units
 from flatshard._prefetch import Prefetch
 from flatshard._summary import sharding_summary
 from flatshard.api import fully_shard
@@ -61,6 +61,9 @@ class Setup:
     # The optimizer's multi-tensor form (torch's default on accelerators, not on CPU):
     # it allocates temporaries the size of all its tensors at once.
     foreach: bool = False
+    # The last N units keep their parameters gathered from forward to backward (the
+    # strategy's ZeRO-2 form): no all-gather when backward reaches them, more memory.
+    kept_gathered: int = 0
 
 
 @dataclass
@@ -103,7 +106,7 @@ def _simulate(
         model = build()
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    model = fully_shard(model, device="meta", param_init_fn=_shapes_only, **shard_options(setup))
+    model = shard(model, setup, device="meta", param_init_fn=_shapes_only)
     optim = make_optimizer(model, setup)
     for step in range(2):
         if step == 1:
@@ -124,7 +127,7 @@ def measure(
     """The same steps run for real on ``group`` (CPU): this rank's steady-state peak of
     live tensor storage, tracked at the dispatcher (what the plan predicts)."""
     with PeakStorage() as tracker:
-        model = fully_shard(build(), process_group=group, **shard_options(setup))
+        model = shard(build(), setup, process_group=group)
         optim = make_optimizer(model, setup)
         for step in range(2):
             if step == 1:
@@ -144,7 +147,7 @@ def measure_step_seconds(
 ) -> float:
     """The same steps run for real on ``group`` (CPU): the median seconds of ``steps``
     steps after two warm-up steps (what the plan's step time predicts)."""
-    model = fully_shard(build(), process_group=group, **shard_options(setup))
+    model = shard(build(), setup, process_group=group)
     optim = make_optimizer(model, setup)
     times = []
     for step in range(2 + steps):
@@ -163,6 +166,20 @@ def _shapes_only(module: nn.Module) -> None:
         if tensor is not None:
             with torch.no_grad():
                 tensor.zero_()
+
+
+def shard(model: nn.Module, setup: Setup, **extra: Any) -> nn.Module:
+    """``fully_shard`` as ``setup`` says: its last ``kept_gathered`` units first, with the
+    strategy that keeps them gathered, then the rest."""
+    options = {**shard_options(setup), **extra}
+    kept = setup.strategy.kept_gathered
+    if setup.kept_gathered and kept is None:
+        raise ValueError(
+            f"keep_gathered applies to FULL_SHARD and HYBRID_SHARD, not {setup.strategy.name}"
+        )
+    for unit in last_units(model, setup.auto_wrap_policy, setup.kept_gathered):
+        fully_shard(unit, **{**options, "auto_wrap_policy": None, "strategy": kept})
+    return fully_shard(model, **options)
 
 
 def shard_options(setup: Setup) -> dict[str, Any]:

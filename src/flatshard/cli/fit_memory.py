@@ -1,8 +1,9 @@
 """``flatshard train --fit-memory 20GiB``: train with the fastest setup the planner finds
 that fits the budget (``flatshard plan --memory-budget`` does the same, and shows all).
 
-The candidates (each strategy, with and without activation checkpointing) are planned on
-the meta device before any rank starts. Their step times come from a fixed cluster
+The candidates (each strategy, with and without activation checkpointing; then the best
+with as many of its last blocks kept gathered as still fit) are planned on the meta
+device before any rank starts. Their step times come from a fixed cluster
 preset (``h100-80gb`` for GPUs, ``cpu-dev`` for CPUs), not from a measurement, so every
 rank of a torchrun job that plans on its own reaches the same choice.
 """
@@ -14,7 +15,7 @@ from dataclasses import replace
 import torch
 
 from flatshard._planner.cluster import PRESETS
-from flatshard._planner.recommend import best_fit, candidates
+from flatshard._planner.recommend import best_fit, candidates, keep_gathered_where_it_fits
 from flatshard._planner.simulate import Setup
 from flatshard.cli.config import ConfigError
 from flatshard.cli.data import VOCAB
@@ -26,7 +27,7 @@ from flatshard.cli.train_config import PRECISIONS, TrainConfig
 def fit_memory(
     config: TrainConfig, budget: int, world: int, device: str, quiet: bool = False
 ) -> TrainConfig:
-    """``config`` with the chosen --strategy and --checkpoint-activations."""
+    """``config`` with the chosen --strategy, --keep-gathered and --checkpoint-activations."""
     if config.lora:
         raise ConfigError("--fit-memory does not plan LoRA adapters yet; choose the setup by hand")
     model = planned_model(config.model, config, VOCAB, fit_to_bytes=True)
@@ -46,6 +47,9 @@ def fit_memory(
         return (torch.randint(0, VOCAB, (config.batch, config.seq_len)),)
 
     found = candidates(model.build, inputs, language_model_loss, setup, cluster)
+    found = keep_gathered_where_it_fits(
+        found, budget, model.build, inputs, language_model_loss, cluster
+    )
     best = best_fit(found, budget)
     if best is None:
         least = min(found, key=lambda c: c.plan.device_memory_needed)
@@ -64,5 +68,6 @@ def fit_memory(
         config,
         strategy=best.strategy.name,
         checkpoint_activations=best.checkpoint_activations,
+        keep_gathered=best.kept_gathered,
         sharding_factor=0,
     )

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import flatshard
+from flatshard._policy import last_units
 from flatshard._skip_init import leave_for_load
 from flatshard.cli.config import ConfigError
 from flatshard.cli.data import VOCAB
@@ -138,18 +139,19 @@ def shard_language_model(lm: LanguageModel, config: TrainConfig, device: torch.d
     if low is not None:
         options["mixed_precision"] = flatshard.MixedPrecision(low, reduce_dtype=torch.float32)
     if lm.weights is None:
-        return flatshard.fully_shard(
-            lm.module.to(device), auto_wrap_policy=lm.unit_classes, **options
-        )
-    model = flatshard.fully_shard(
-        lm.module,  # on meta: each unit is allocated on ``device`` and filled by the load
-        auto_wrap_policy=lm.unit_classes,
-        param_init_fn=lm.param_init_fn,
-        device=device,
-        **options,
-    )
+        return _shard(lm.module.to(device), lm, config.keep_gathered, options)
+    options.update(param_init_fn=lm.param_init_fn, device=device)
+    # On meta: each unit is allocated on ``device`` and filled by the load.
+    model = _shard(lm.module, lm, config.keep_gathered, options)
     load_weights(model, lm)
     return model
+
+
+def _shard(module: nn.Module, lm: LanguageModel, kept: int, options: dict[str, Any]) -> nn.Module:
+    """--keep-gathered: its last ``kept`` units first, in the strategy's ZeRO-2 form."""
+    for unit in last_units(module, lm.unit_classes, kept):
+        flatshard.fully_shard(unit, **{**options, "strategy": options["strategy"].kept_gathered})
+    return flatshard.fully_shard(module, auto_wrap_policy=lm.unit_classes, **options)
 
 
 def load_weights(model: nn.Module, lm: LanguageModel) -> None:

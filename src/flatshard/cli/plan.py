@@ -26,7 +26,12 @@ import torch
 import flatshard
 from flatshard._planner.cluster import PRESETS
 from flatshard._planner.plan import plan
-from flatshard._planner.recommend import best_fit, candidates
+from flatshard._planner.recommend import (
+    Candidate,
+    best_fit,
+    candidates,
+    keep_gathered_where_it_fits,
+)
 from flatshard._planner.simulate import Setup
 from flatshard.cli.config import add_config_parser, config_from_args, fail
 from flatshard.cli.plan_model import PlannedModel, language_model_loss, planned_model
@@ -67,6 +72,9 @@ class PlanConfig:
     """FULL_SHARD | SHARD_GRAD_OP | NO_SHARD | HYBRID_SHARD | HYBRID_SHARD_ZERO2"""
     sharding_factor: int = 0
     """ranks a unit is sharded over for the hybrid strategies (0: ranks per host)"""
+    keep_gathered: int = 0
+    """the last N units keep their parameters gathered from forward to backward
+    (FULL_SHARD, HYBRID_SHARD): no all-gather when backward reaches them"""
     mixed_precision: str = "none"
     """none | bf16 | fp16: compute and all-gather dtype (gradients reduced in fp32)"""
     checkpoint_activations: bool = False
@@ -80,7 +88,8 @@ class PlanConfig:
     """print one JSON object (peak_memory_bytes, memory_bytes, step_time_s, ...)"""
     memory_budget: str = ""
     """e.g. '20GiB' or 'device': also plan every strategy with and without activation
-    checkpointing and recommend the fastest whose device memory fits"""
+    checkpointing, recommend the fastest whose device memory fits, and keep as many of
+    its last units gathered as still fit"""
     chart: str = ""
     """write the live-tensor memory over one step as a PNG to this path"""
 
@@ -88,7 +97,12 @@ class PlanConfig:
         for name in ("vocab", "dim", "layers", "heads", "seq_len", "batch", "grad_accum"):
             if getattr(self, name) < 1:
                 fail(name, f"must be >= 1, got {getattr(self, name)}")
-        for name, least in (("nproc", 0), ("hosts", 1), ("sharding_factor", 0)):
+        for name, least in (
+            ("nproc", 0),
+            ("hosts", 1),
+            ("sharding_factor", 0),
+            ("keep_gathered", 0),
+        ):
             if getattr(self, name) < least:
                 fail(name, f"must be >= {least}, got {getattr(self, name)}")
         for name, allowed in (
@@ -143,6 +157,8 @@ def _plan(config: PlanConfig, model: PlannedModel, checkpointing: bool) -> flats
     strategy = flatshard.ShardingStrategy[config.strategy]
     if config.sharding_factor and not strategy.is_hybrid:
         fail("sharding_factor", f"only applies to hybrid strategies, not {config.strategy}")
+    if config.keep_gathered and strategy.kept_gathered is None:
+        fail("keep_gathered", f"applies to FULL_SHARD and HYBRID_SHARD, not {config.strategy}")
     return plan(
         model.build(checkpointing),
         _inputs(config, model.vocab),
@@ -156,6 +172,7 @@ def _plan(config: PlanConfig, model: PlannedModel, checkpointing: bool) -> flats
         mixed_precision=PRECISIONS[config.mixed_precision],
         grad_accum=config.grad_accum,
         optimizer=config.optimizer,
+        keep_gathered=config.keep_gathered,
     )
 
 
@@ -168,13 +185,11 @@ def _inputs(config: PlanConfig, vocab: int) -> Any:
 
 def _recommend(config: PlanConfig, model: PlannedModel, first: flatshard.Plan) -> int:
     budget = parse_size(config.memory_budget, "--memory-budget", first.cluster.memory_bytes)
-    setup: Setup = first.setup
-    found = candidates(
-        model.build,
-        _inputs(config, model.vocab),
-        language_model_loss,
-        replace(setup),
-        first.cluster,
+    inputs = _inputs(config, model.vocab)
+    setup: Setup = replace(first.setup, kept_gathered=0)
+    found = candidates(model.build, inputs, language_model_loss, setup, first.cluster)
+    found = keep_gathered_where_it_fits(
+        found, budget, model.build, inputs, language_model_loss, first.cluster
     )
     best = best_fit(found, budget)
     if config.json:
@@ -188,20 +203,26 @@ def _recommend(config: PlanConfig, model: PlannedModel, first: flatshard.Plan) -
             )
         )
         return 0 if best else 1
-    print(f"model: {model.description}; budget {size(budget)} per device")
-    print(f"  {'setup':<45} {'step':>10} {'device memory':>14}")
-    for c in found:
-        verdict = "fits" if c.plan.device_memory_needed <= budget else "over budget"
-        print(
-            f"  {c.label:<45} {c.plan.step.seconds * 1e3:>8.1f}ms "
-            f"{size(c.plan.device_memory_needed):>14}  {verdict}"
-        )
+    _print_candidates(model, found, budget)
     if best is None:
         print("nothing fits: add ranks or hosts, lower --batch or --seq-len, or use bf16")
         return 1
     flags = f"--strategy {best.strategy.name}"
+    if best.kept_gathered:
+        flags += f" --keep-gathered {best.kept_gathered}"
     if best.checkpoint_activations:
         flags += " --checkpoint-activations"
     print(f"recommended: {best.label} (flatshard train {flags})")
     print(table(best.plan))
     return 0
+
+
+def _print_candidates(model: PlannedModel, found: list[Candidate], budget: int) -> None:
+    print(f"model: {model.description}; budget {size(budget)} per device")
+    print(f"  {'setup':<60} {'step':>10} {'device memory':>14}")
+    for c in found:
+        verdict = "fits" if c.plan.device_memory_needed <= budget else "over budget"
+        print(
+            f"  {c.label:<60} {c.plan.step.seconds * 1e3:>8.1f}ms "
+            f"{size(c.plan.device_memory_needed):>14}  {verdict}"
+        )

@@ -26,6 +26,7 @@ from torch import nn
 
 import flatshard
 from flatshard._checkpoint import CheckpointError, read_manifest
+from flatshard._planner.recommend import kept_phrase
 from flatshard.cli.config import ConfigError, add_config_parser, config_from_args
 from flatshard.cli.data import VOCAB, Corpus, batch_for_step, decode, encode, load_corpus
 from flatshard.cli.devices import backend_for, init_rank, peak_memory_mib, resolve_device
@@ -359,7 +360,8 @@ def _print_start(trainer: Trainer, backend: str) -> None:
     config = trainer.config
     print(
         f"flatshard train: {trainer.lm.description}, {trainer.params:,} parameters, "
-        f"{trainer.world} ranks ({backend}, {config.strategy}), {config.steps} steps"
+        f"{trainer.world} ranks ({backend}, {config.strategy}"
+        f"{kept_phrase(config.keep_gathered)}), {config.steps} steps"
     )
     print(
         f"data: {trainer.corpus.name}, {len(trainer.corpus.train):,} training bytes; "

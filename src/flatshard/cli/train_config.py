@@ -81,14 +81,18 @@ class TrainConfig:
     """FULL_SHARD | SHARD_GRAD_OP | NO_SHARD | HYBRID_SHARD | HYBRID_SHARD_ZERO2"""
     sharding_factor: int = 0
     """ranks a unit is sharded over for the hybrid strategies (0: ranks per host)"""
+    keep_gathered: int = 0
+    """the last N blocks keep their parameters gathered from forward to backward
+    (FULL_SHARD, HYBRID_SHARD): no all-gather when backward reaches them, more memory"""
     mixed_precision: str = "none"
     """none | bf16 | fp16 (fp16 adds a ShardedGradScaler)"""
     checkpoint_activations: bool = False
     """recompute each block's activations in backward (less memory, more compute)"""
     fit_memory: str = ""
     """e.g. '20GiB': plan every strategy with and without activation checkpointing first
-    (flatshard plan) and train with the fastest whose predicted memory per rank fits
-    (sets --strategy and --checkpoint-activations)"""
+    (flatshard plan) and train with the fastest whose predicted memory per rank fits,
+    keeping as many of its last blocks gathered as still fit (sets --strategy,
+    --keep-gathered and --checkpoint-activations)"""
     compile: bool = False
     """torch.compile each transformer block (one graph per block: flatshard's hooks run
     outside it)"""
@@ -120,6 +124,7 @@ class TrainConfig:
             "ckpt_every",
             "sample_bytes",
             "sharding_factor",
+            "keep_gathered",
             "max_restarts",
         ):
             if getattr(self, name) < 0:
@@ -135,6 +140,10 @@ class TrainConfig:
         _one_of("lr_schedule", self.lr_schedule, SCHEDULES)
         _one_of("mixed_precision", self.mixed_precision, tuple(PRECISIONS))
         _one_of("strategy", self.strategy, tuple(s.name for s in flatshard.ShardingStrategy))
+        if self.keep_gathered and self.sharding_strategy.kept_gathered is None:
+            fail("keep_gathered", f"applies to FULL_SHARD and HYBRID_SHARD, not {self.strategy}")
+        if self.keep_gathered > self.layers and self.model == "gpt":
+            fail("keep_gathered", f"({self.keep_gathered}) exceeds --layers ({self.layers})")
         if self.model != "gpt" and not self.model.startswith("hf:"):
             fail("model", f"must be 'gpt' or 'hf:<config>', got {self.model!r}")
         if self.max_restarts and self.resume not in ("", "auto"):
