@@ -69,6 +69,11 @@ def best_fit(found: list[Candidate], budget: int) -> Candidate | None:
     return next((c for c in found if c.plan.device_memory_needed <= budget), None)
 
 
+# Kept units cost memory; below this share of the step saved, the headroom is worth more
+# (where prefetch already hides backward's all-gathers, keeping units saves next to nothing).
+MIN_GAIN = 0.005
+
+
 def keep_gathered_where_it_fits(
     found: list[Candidate],
     budget: int,
@@ -79,9 +84,10 @@ def keep_gathered_where_it_fits(
 ) -> list[Candidate]:
     """``found`` and, for each candidate that reshards after forward (FULL_SHARD,
     HYBRID_SHARD) and fits while its ZeRO-2 form does not, the same with as many of its
-    last units kept gathered until backward as still fit; fastest first. Each kept unit
-    saves the all-gather backward would make for it. Skipped where it cannot win: the
-    ZeRO-2 form (every unit kept) bounds how fast it gets."""
+    last units kept gathered until backward as still fit, if that saves at least
+    ``MIN_GAIN`` of the step; fastest first. Each kept unit saves the all-gather backward
+    would make for it. Skipped where it cannot win: the ZeRO-2 form (every unit kept)
+    bounds how fast it gets."""
     added: list[Candidate] = []
     for reshards in found:
         form = reshards.strategy.kept_gathered
@@ -104,7 +110,7 @@ def keep_gathered_where_it_fits(
         ):
             continue
         kept = _most_kept(reshards, budget, builder, inputs, loss, cluster)
-        if kept.plan.step.seconds < reshards.plan.step.seconds:
+        if kept.plan.step.seconds < reshards.plan.step.seconds * (1 - MIN_GAIN):
             added.append(kept)
     return sorted(found + added, key=lambda c: c.plan.step.seconds)
 
