@@ -169,16 +169,22 @@ def _shapes_only(module: nn.Module) -> None:
 
 
 def shard(model: nn.Module, setup: Setup, **extra: Any) -> nn.Module:
-    """``fully_shard`` as ``setup`` says: its last ``kept_gathered`` units first, with the
-    strategy that keeps them gathered, then the rest."""
-    options = {**shard_options(setup), **extra}
-    kept = setup.strategy.kept_gathered
-    if setup.kept_gathered and kept is None:
+    """``fully_shard`` as ``setup`` says (see ``shard_keeping_last``)."""
+    return shard_keeping_last(model, setup.kept_gathered, **shard_options(setup), **extra)
+
+
+def shard_keeping_last(model: nn.Module, kept: int, **options: Any) -> nn.Module:
+    """``fully_shard(model, **options)``, its last ``kept`` units sharded first in the
+    strategy's form that keeps them gathered from forward to backward (what ``plan``'s
+    and ``flatshard train``'s keep_gathered mean)."""
+    strategy: ShardingStrategy = options["strategy"]
+    if kept and strategy.kept_gathered is None:
         raise ValueError(
-            f"keep_gathered applies to FULL_SHARD and HYBRID_SHARD, not {setup.strategy.name}"
+            f"keep_gathered applies to FULL_SHARD and HYBRID_SHARD, not {strategy.name}"
         )
-    for unit in last_units(model, setup.auto_wrap_policy, setup.kept_gathered):
-        fully_shard(unit, **{**options, "auto_wrap_policy": None, "strategy": kept})
+    for unit in last_units(model, options["auto_wrap_policy"], kept):
+        unit_options = {**options, "auto_wrap_policy": None, "strategy": strategy.kept_gathered}
+        fully_shard(unit, **unit_options)
     return fully_shard(model, **options)
 
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import flatshard
-from flatshard._policy import last_units
+from flatshard._planner.simulate import shard_keeping_last
 from flatshard._skip_init import leave_for_load
 from flatshard.cli.config import ConfigError
 from flatshard.cli.data import VOCAB
@@ -149,9 +149,7 @@ def shard_language_model(lm: LanguageModel, config: TrainConfig, device: torch.d
 
 def _shard(module: nn.Module, lm: LanguageModel, kept: int, options: dict[str, Any]) -> nn.Module:
     """--keep-gathered: its last ``kept`` units first, in the strategy's ZeRO-2 form."""
-    for unit in last_units(module, lm.unit_classes, kept):
-        flatshard.fully_shard(unit, **{**options, "strategy": options["strategy"].kept_gathered})
-    return flatshard.fully_shard(module, auto_wrap_policy=lm.unit_classes, **options)
+    return shard_keeping_last(module, kept, auto_wrap_policy=lm.unit_classes, **options)
 
 
 def load_weights(model: nn.Module, lm: LanguageModel) -> None:
