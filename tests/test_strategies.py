@@ -91,8 +91,14 @@ def test_strategy_parity(
             model="frozen", world_size=3, strategy="SHARD_GRAD_OP", root_strategy="FULL_SHARD"
         ),
         ParityConfig(model="mlp", world_size=4, strategy="NO_SHARD", root_strategy="FULL_SHARD"),
+        ParityConfig(model="gpt", world_size=2, keep_gathered=1),  # --keep-gathered
+        ParityConfig(
+            model="gpt", world_size=4, strategy="HYBRID_SHARD", sharding_factor=2, keep_gathered=2
+        ),
     ],
-    ids=lambda c: f"{c.model}-{c.strategy}-root-{c.root_strategy}-w{c.world_size}",
+    ids=lambda c: (
+        f"{c.model}-{c.strategy}-root-{c.root_strategy}-kept-{c.keep_gathered}-w{c.world_size}"
+    ),
 )
 def test_mixed_strategy_parity(pool: WorkerPool, config: ParityConfig) -> None:
     pool.run(parity_job, config, False)

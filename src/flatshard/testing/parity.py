@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 import flatshard
 from flatshard import comm_hooks
+from flatshard._planner.simulate import shard_keeping_last
 from flatshard.testing.models import Batch, build
 from flatshard.testing.workers import WorkerContext
 
@@ -44,6 +45,7 @@ class ParityConfig:
     sharding_factor: int | None = None  # F for the hybrid strategies
     hybrid_from: str = "factor"  # factor | groups | mesh: how the hybrid F is given
     root_strategy: str | None = None  # another strategy for the root (units sharded first)
+    keep_gathered: int = 0  # the last N units in the strategy's ZeRO-2 form (flatshard train)
     no_sync: bool = False  # all micro-batches but the last under flatshard.no_sync
     clip: float | None = None  # clip_grad_norm_ to this each step
     norm_type: float = 2.0
@@ -226,7 +228,8 @@ def shard_with_flatshard(model: nn.Module, config: ParityConfig, group: dist.Pro
             root_options["process_group"] = group  # not a 2-D mesh
         flatshard.fully_shard(model, **root_options)
     elif config.policy in policies:
-        flatshard.fully_shard(model, auto_wrap_policy=policies[config.policy], **options)
+        policy = policies[config.policy]
+        shard_keeping_last(model, config.keep_gathered, auto_wrap_policy=policy, **options)
     else:
         raise ValueError(f"unknown policy {config.policy!r}")
     if config.comm_hook is not None:
