@@ -248,14 +248,14 @@ def _dtypes(config: ParityConfig) -> tuple[torch.dtype | None, torch.dtype | Non
 def _hybrid_options(config: ParityConfig, group: dist.ProcessGroup) -> dict[str, Any]:
     """The hybrid factor as the config asks: a number, or a 2-D (replicate, shard) mesh
     made by torch (``mesh``) or from (replicate, shard) groups made here (``groups``)."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
     if config.hybrid_from == "factor":
         return {"sharding_factor": config.sharding_factor}
     factor = config.sharding_factor or config.world_size
     if config.world_size != dist.get_world_size():
         raise ValueError("explicit hybrid groups need the whole world")
     if config.hybrid_from == "mesh":
-        from torch.distributed.device_mesh import init_device_mesh
-
         mesh = init_device_mesh("cpu", (config.world_size // factor, factor))
         return {"process_group": mesh}
     me, world = dist.get_rank(), config.world_size
@@ -266,8 +266,6 @@ def _hybrid_options(config: ParityConfig, group: dist.ProcessGroup) -> dict[str,
     for offset in range(factor):
         made = dist.new_group(list(range(offset, world, factor)))
         replicate = made if me % factor == offset else replicate
-    from torch.distributed.device_mesh import DeviceMesh
-
     if shard is None or replicate is None:
         raise ValueError(f"rank {me} is in no hybrid group of {config}")
     grid = torch.arange(world).view(world // factor, factor)
@@ -280,11 +278,10 @@ def _hybrid_options(config: ParityConfig, group: dist.ProcessGroup) -> dict[str,
 def shard_with_fsdp2(model: nn.Module, config: ParityConfig, group: dist.ProcessGroup) -> None:
     """FSDP2 with the matching options: FULL_SHARD / SHARD_GRAD_OP only."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if config.strategy not in ("FULL_SHARD", "SHARD_GRAD_OP") or config.root_strategy:
         raise ValueError(f"no FSDP2 counterpart for {config}")
-    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     reshard = config.strategy == "FULL_SHARD"
     mesh = DeviceMesh.from_group(group, torch.device(config.device).type)
