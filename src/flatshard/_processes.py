@@ -18,7 +18,7 @@ import multiprocessing as mp
 import os
 from multiprocessing.context import ForkServerContext, SpawnContext
 
-PRELOAD = ["torch", "flatshard"]
+PRELOAD = ["torch", "torch._dynamo", "flatshard"]
 
 
 def fast_context() -> ForkServerContext | SpawnContext:
