@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-SIZES = (1 << 18, 1 << 20, 3 << 19, 1 << 22)  # float32 elements per shard: 1, 4, 6, 16 MiB
+# float32 elements per shard: 1, 4, 6, 8, 12, 16 and 24 MiB
+SIZES = (1 << 18, 1 << 20, 3 << 19, 1 << 21, 3 << 20, 1 << 22, 6 << 20)
 
 
 def timed(fn: Callable[[], None]) -> float:
@@ -70,7 +71,9 @@ def measure(rank: int, world: int, n: int, repeats: int) -> dict[str, float]:
         times["rs_ar"].append(timed(scatter_by_reduce))
         times["rs_a2a"].append(timed(scatter_by_all_to_all))
     assert torch.equal(full, emulated)
-    assert torch.allclose(out, emulated_out) and torch.allclose(out, summed_out)
+    # Sums of W values in another order: equal to float32 rounding (absolute near zero).
+    close = dict(rtol=1e-5, atol=1e-5)
+    assert torch.allclose(out, emulated_out, **close) and torch.allclose(out, summed_out, **close)
     return {k: statistics.median(v) for k, v in times.items()}
 
 

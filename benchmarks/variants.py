@@ -1,8 +1,12 @@
 """A/B of flatshard's runtime choices on the bench GPT, interleaved in fresh processes.
 
 Run: .venv/bin/python benchmarks/variants.py [--rounds 2] [--steps 4] [--only V1,V2,...]
+    [--shape bench|llm-32k]
 
-Variants (2 ranks, gloo, one thread per rank, 31M-parameter GPT, batch 4 x 256 tokens):
+Shapes (2 ranks, gloo, one thread per rank): bench, the 31M-parameter GPT of vocabulary
+8,192 (width 512, 8 blocks, batch 4 x 256 tokens); llm-32k, the bench preset's 23M GPT
+with a 32,768-token vocabulary tied to the head (width 384, 6 blocks, 4 x 256 tokens).
+Variants:
   defaults      fully_shard defaults (forward prefetch, BACKWARD_PRE, last unit kept)
   no-keep-last  as defaults, but the last unit of forward is resharded and gathered again
   no-fwd        as defaults, without forward prefetch
@@ -31,12 +35,22 @@ import flatshard
 from flatshard.models import GPT, GPTBlock
 from flatshard.testing import internals
 
-VARIANTS = ("defaults", "no-keep-last", "no-fwd", "no-bwd", "none", "rs-all-reduce", "floor")
+VARIANTS = (
+    "defaults",
+    "no-keep-last",
+    "no-fwd",
+    "no-bwd",
+    "none",
+    "rs-all-reduce",
+    "floor",
+)
+# (vocab, dim, heads, layers, tokens per sequence)
+SHAPES = {"bench": (8192, 512, 8, 8, 256), "llm-32k": (32768, 384, 6, 6, 256)}
 
 
-def build(variant: str) -> nn.Module:
+def build(variant: str, shape: str) -> nn.Module:
     torch.manual_seed(0)
-    model = GPT(8192, 512, 8, 8, 256)
+    model = GPT(*SHAPES[shape])
     if variant == "floor":
         return model
     if variant in ("no-keep-last", "none"):
@@ -50,15 +64,16 @@ def build(variant: str) -> nn.Module:
     return flatshard.fully_shard(model, auto_wrap_policy={GPTBlock}, prefetch=prefetch)
 
 
-def worker(rank: int, store: str, variant: str, steps: int, results: Any) -> None:
+def worker(rank: int, store: str, variant: str, shape: str, steps: int, results: Any) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    model = build(variant)
+    model = build(variant, shape)
+    vocab = SHAPES[shape][0]
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(rank)
     times = []
     for step in range(steps + 1):  # the first step records the forward order: untimed
-        idx = torch.randint(0, 8192, (4, 257), generator=gen)
+        idx = torch.randint(0, vocab, (4, 257), generator=gen)
         dist.barrier()
         start = time.perf_counter()
         logits = model(idx[:, :-1])
@@ -78,6 +93,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--only", help="comma-separated variants to run (defaults always runs)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="bench")
     args = parser.parse_args()
     chosen = VARIANTS if args.only is None else ("defaults", *args.only.split(","))
     unknown = set(chosen) - set(VARIANTS)
@@ -91,7 +107,9 @@ def main() -> None:
                 results = ctx.Queue()
                 store = os.path.join(tmp, "store")
                 procs = [
-                    ctx.Process(target=worker, args=(r, store, variant, args.steps, results))
+                    ctx.Process(
+                        target=worker, args=(r, store, variant, args.shape, args.steps, results)
+                    )
                     for r in range(2)
                 ]
                 for proc in procs:
