@@ -96,6 +96,7 @@ class Placement:
     compute_device: torch.device  # the unsharded buffer
     compute_dtype: torch.dtype | None = None  # None: the parameters' own dtype
     reduce_dtype: torch.dtype | None = None  # None: the compute dtype
+    offload: bool = False  # CPUOffload: every use on the compute device copies the shard
 
 
 def allocate_storage(tensor: torch.Tensor, nbytes: int) -> None:
@@ -132,6 +133,7 @@ class FlatParamGroup:
         self.compute_device = placement.compute_device
         self.reduce_dtype = placement.reduce_dtype or self.compute_dtype
         device = placement.master_device
+        self.offloaded = placement.offload
         # Persistent: this rank's shard; original parameters are views of it.
         # Pinned when offloaded from an accelerator: host-to-device copies run async.
         pin = device.type == "cpu" and self.compute_device.type != "cpu"
@@ -168,9 +170,11 @@ class FlatParamGroup:
 
     @property
     def aliases_shard(self) -> bool:
-        """F = 1 in the master dtype and device: the shard itself is the unsharded buffer."""
+        """F = 1 in the master dtype and device, not offloaded: the shard is the unsharded
+        buffer."""
         return (
             not self.needs_all_gather
+            and not self.offloaded
             and self.compute_dtype == self.shard.dtype
             and self.compute_device == self.shard.device
         )
@@ -217,7 +221,9 @@ class FlatParamGroup:
         allocate_storage(self._unsharded_data, self._unsharded_nbytes)
         self._gathered_version = self._shard_version()
         # Cast once per unshard (not once per op), before communicating.
-        source = self.shard.to(self.compute_device, self.compute_dtype, non_blocking=True)
+        source = self.shard.to(
+            self.compute_device, self.compute_dtype, non_blocking=True, copy=self.offloaded
+        )
         if self.groups.shard is None:
             self._unsharded_data.copy_(source)
             self.is_unsharded = True

@@ -67,10 +67,16 @@ class CPUOffload:
     """Keep sharded master parameters and their gradients in CPU memory.
 
     The optimizer then steps on the CPU. Shards are copied to the compute device before
-    each all-gather and reduced gradients copied back after each reduction.
+    each all-gather and reduced gradients copied back after each reduction (copies even
+    where the compute device is the CPU too, so that a CPU run holds what a GPU run would).
     """
 
     params: bool = True
+
+
+# Where CPUOffload keeps the shards. ``flatshard.plan`` simulates offload on the meta
+# device and sets it to meta (see [Note: simulated offload] in _planner/simulate.py).
+OFFLOAD_DEVICE = [torch.device("cpu")]
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,7 @@ class GradientReduction:
         flat = self.flat
         # The optimizer steps on the master shard: its dtype and device.
         # Blocking: the optimizer may read it on the CPU right after (offload).
-        reduced = reduced.to(flat.shard.device, flat.shard.dtype)
+        reduced = reduced.to(flat.shard.device, flat.shard.dtype, copy=flat.offloaded)
         for orig, view in zip(flat.originals, flat.views.shard_views(reduced), strict=True):
             if orig.param.grad is None:
                 orig.param.grad = view

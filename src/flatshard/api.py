@@ -24,7 +24,7 @@ from flatshard._init import (
     materialize_unit,
 )
 from flatshard._mesh import ShardGroups, ShardingStrategy, model_group, resolve_groups
-from flatshard._mixed_precision import CPUOffload, MixedPrecision
+from flatshard._mixed_precision import OFFLOAD_DEVICE, CPUOffload, MixedPrecision
 from flatshard._partition import UnitPlan, partition
 from flatshard._policy import AutoWrapPolicy, is_within, select_unit_roots
 from flatshard._prefetch import Prefetch
@@ -161,7 +161,7 @@ class _UnitBuild:
 
     @property
     def master_device(self) -> torch.device:
-        return _CPU if self.offload else self.compute_device
+        return OFFLOAD_DEVICE[0] if self.offload else self.compute_device
 
 
 def _build_unit(plan: UnitPlan, build: _UnitBuild, rank: int) -> Unit | None:
@@ -177,6 +177,7 @@ def _build_unit(plan: UnitPlan, build: _UnitBuild, rank: int) -> Unit | None:
                 compute_device=build.compute_device,
                 compute_dtype=dtype,
                 reduce_dtype=policy.gradient_reduce_dtype(dtype),
+                offload=build.offload,
             ),
         )
         for params, dtype in _split_by_compute_dtype(plan.groups, policy)

@@ -36,6 +36,13 @@ class Cluster:
     # Ops touching at most cache_bytes run at cache_bandwidth (CPUs; 0: no such cache).
     cache_bytes: int = 0
     cache_bandwidth: float = 0.0
+    # The host, for CPU offload (0: the device is the host, as on a CPU cluster): its
+    # memory per rank, each rank's host-device link (PCIe) and its share of the host's
+    # memory bandwidth and fp32 FLOP/s (the offloaded optimizer steps there).
+    host_memory_bytes: int = 0
+    host_link_bandwidth: float = 0.0
+    host_memory_bandwidth: float = 0.0
+    host_flops: float = 0.0
     backend: str = "nccl"
     device: str = "cuda"
     hosts: int = 1
@@ -48,6 +55,24 @@ class Cluster:
 
     def sized(self, hosts: int, ranks_per_host: int) -> Cluster:
         return replace(self, hosts=hosts, ranks_per_host=ranks_per_host)
+
+    @property
+    def host(self) -> Cluster:
+        """The host's figures as a device's (the device itself where it is the host)."""
+        if not self.host_memory_bandwidth:
+            return self
+        return replace(
+            self,
+            memory_bytes=self.host_memory_bytes,
+            flops={torch.float32: self.host_flops},
+            memory_bandwidth=self.host_memory_bandwidth,
+            cache_bytes=0,
+        )
+
+    @property
+    def link_bandwidth(self) -> float:
+        """Bytes/s between a rank's host memory and its device (memory itself on a CPU)."""
+        return self.host_link_bandwidth or self.memory_bandwidth
 
     def peak_flops(self, dtype: torch.dtype | None) -> float:
         if dtype in self.flops:
@@ -63,7 +88,11 @@ def _nvidia(
     hbm_tbs: float,
     nvlink_gbs: float,
     nic_gbits_per_host: float,
+    host: tuple[int, float, float, float],
 ) -> Cluster:
+    """``host``: (GiB of host memory, PCIe GB/s achieved, host memory GB/s and fp32
+    TFLOP/s of the host CPUs), each per GPU of an 8-GPU server."""
+    host_gib, pcie_gbs, host_gbs, host_tflops = host
     tf32 = {torch.bfloat16: bf16_tflops, torch.float16: bf16_tflops, torch.float32: fp32_tflops}
     return Cluster(
         name=name,
@@ -79,16 +108,24 @@ def _nvidia(
         # NCCL runs one ring channel per NIC, so a ring crossing hosts moves its data on
         # all of a host's NICs at once: its bus bandwidth is the host's, up to NVLink's.
         inter_bandwidth=min(nic_gbits_per_host / 8, nvlink_gbs) * GB,
+        host_memory_bytes=host_gib * GiB,
+        host_link_bandwidth=pcie_gbs * GB,
+        host_memory_bandwidth=host_gbs * GB,
+        host_flops=host_tflops * 1e12,
     )
 
 
 PRESETS: dict[str, Cluster] = {
     # The paper's cluster: A100 80GB (312 TFLOPS bf16, 156 TF32), NVLink, 2 Tb/s RoCE a host.
-    "a100-80gb": _nvidia("a100-80gb", 80, 312, 156, 2.0, 240, 2000),
+    # Host (CPU offload) per GPU: DGX A100, 1 TiB and two 64-core EPYC 7742 (8 channels of
+    # DDR4-3200 each, 410 GB/s; 9.2 fp32 TFLOP/s peak), PCIe 4 x16 (25 GB/s achieved).
+    "a100-80gb": _nvidia("a100-80gb", 80, 312, 156, 2.0, 240, 2000, (128, 25, 51, 1.15)),
     # H100 SXM: 989 TFLOPS bf16 dense, 3.35 TB/s HBM3, NVLink 4, 8 x 400 Gb/s a host.
-    "h100-80gb": _nvidia("h100-80gb", 80, 989, 495, 3.35, 360, 3200),
-    # H200: the H100's compute with 141 GB of 4.8 TB/s HBM3e.
-    "h200": _nvidia("h200", 141, 989, 495, 4.8, 360, 3200),
+    # Host per GPU: DGX H100, 2 TiB and two 56-core Xeon 8480C (8 channels of DDR5-4800
+    # each, 614 GB/s; 14.3 fp32 TFLOP/s peak), PCIe 5 x16 (50 GB/s achieved).
+    "h100-80gb": _nvidia("h100-80gb", 80, 989, 495, 3.35, 360, 3200, (256, 50, 77, 1.8)),
+    # H200: the H100's compute with 141 GB of 4.8 TB/s HBM3e (host as the DGX H100's).
+    "h200": _nvidia("h200", 141, 989, 495, 4.8, 360, 3200, (256, 50, 77, 1.8)),
     # This project's 2-core development machine, 2 gloo ranks, as ``cluster="cpu"``
     # measured it (fixed figures, so that every rank that plans decides alike).
     "cpu-dev": Cluster(

@@ -55,6 +55,10 @@ class Plan:
     step: StepTime
     timeline: list[int] = field(repr=False)  # live bytes after each op of the step
     ops: list[Op] = field(repr=False)
+    # CPU offload: the peak of what lives in host memory (shards, gradients, optimizer
+    # state); the fields above are then the device's alone.
+    host_memory_bytes: int = 0
+    total_peak_bytes: int = 0  # the peak of both memories together (a CPU's one memory)
 
     @property
     def device_memory_needed(self) -> int:
@@ -65,7 +69,11 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return self.device_memory_needed <= self.cluster.memory_bytes
+        if not self.cluster.host_memory_bytes:  # one memory (a CPU): offloaded bytes too
+            extra = self.total_peak_bytes - self.peak_memory_bytes
+            return self.device_memory_needed + extra <= self.cluster.memory_bytes
+        host_fits = self.host_memory_bytes <= self.cluster.host_memory_bytes
+        return host_fits and self.device_memory_needed <= self.cluster.memory_bytes
 
     @property
     def tflops_per_device(self) -> float:
@@ -86,6 +94,8 @@ class Plan:
             "at_rest_bytes": self.at_rest_bytes,
             "device_memory_needed_bytes": self.device_memory_needed,
             "device_memory_bytes": self.cluster.memory_bytes,
+            "host_memory_bytes": self.host_memory_bytes,
+            "total_peak_bytes": self.total_peak_bytes,
             "fits": self.fits,
             "step_time_s": step.seconds,
             "compute_s": step.compute_s,
@@ -101,6 +111,7 @@ class Plan:
             "world_size": self.setup.world_size,
             "strategy": self.setup.strategy.name,
             "kept_gathered": self.setup.kept_gathered,
+            "cpu_offload": self.setup.cpu_offload,
             "cluster": self.cluster.name,
         }
 
@@ -122,6 +133,7 @@ def plan(
     optimizer: str = "adamw",
     clip: bool = True,
     keep_gathered: int = 0,
+    cpu_offload: bool = False,
 ) -> Plan:
     """Predict one rank's memory and step time for a training run, without running it.
 
@@ -144,6 +156,9 @@ def plan(
         keep_gathered: the last N units (FULL_SHARD, HYBRID_SHARD) keep their parameters
             gathered from forward to backward, in the strategy's ZeRO-2 form: backward
             gathers them no more, for their memory.
+        cpu_offload: ``CPUOffload()``: shards, gradients and the optimizer on the host.
+            The peak is then the device's, ``host_memory_bytes`` the host's; the step
+            adds the copies over PCIe and the optimizer's step at the host's speed.
 
     The peak is the steady-state step's most live tensor bytes on the rank, the
     quantity ``flatshard bench`` and the tests measure at the dispatcher; on the rank the
@@ -163,8 +178,9 @@ def plan(
         optimizer=optimizer,
         clip=clip,
         backend=machines.backend,
-        foreach=machines.device != "cpu",
+        foreach=machines.device != "cpu" and not cpu_offload,  # the optimizer's device
         kept_gathered=keep_gathered,
+        cpu_offload=cpu_offload,
     )
     return plan_setup(build, inputs, loss or _default_loss, setup, machines)
 
@@ -182,19 +198,22 @@ def plan_setup(
     simulated = simulate(build, inputs, loss, setup, cluster.ranks_per_host)
     recorder = simulated.recorder
     ops = list(recorder.ops)
+    device, host = recorder.split(simulated.host.__contains__)
     return Plan(
         setup=setup,
         cluster=cluster,
         params=simulated.params,
         trainable=simulated.trainable,
         units=simulated.units,
-        peak_memory_bytes=recorder.peak,
-        memory=recorder.breakdown(),
-        at_rest_bytes=recorder.timeline[0] if recorder.timeline else recorder.peak,
+        peak_memory_bytes=device.peak,
+        memory=recorder.breakdown(device.at_peak),
+        at_rest_bytes=device.timeline[0] if device.timeline else device.peak,
         collectives=_collectives(ops, cluster),
-        step=step_time(ops, cluster),
-        timeline=list(recorder.timeline),
+        step=step_time(ops, cluster, simulated.host),
+        timeline=device.timeline,
         ops=ops,
+        host_memory_bytes=host.peak,
+        total_peak_bytes=recorder.peak,
     )
 
 

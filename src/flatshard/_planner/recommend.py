@@ -5,7 +5,8 @@ hybrid ones only across hosts), with and without activation checkpointing. Each 
 planned (simulated) in full; the fastest whose device memory fits the budget wins. If it
 reshards after forward, as many of its last units as still fit are then kept gathered
 until backward (``keep_gathered_where_it_fits``): less communication than resharding
-every unit, a choice no peer makes for you.
+every unit, a choice no peer makes for you. Where nothing fits, FULL_SHARD with CPU
+offload is planned too (``offload_where_nothing_fits``): the slowest way, and the last.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ class Candidate:
     @property
     def label(self) -> str:
         checkpointing = ", activation checkpointing" if self.checkpoint_activations else ""
-        return f"{self.strategy.name}{kept_phrase(self.kept_gathered)}{checkpointing}"
+        offload = ", CPU offload" if self.plan.setup.cpu_offload else ""
+        return f"{self.strategy.name}{kept_phrase(self.kept_gathered)}{checkpointing}{offload}"
 
 
 def kept_phrase(count: int) -> str:
@@ -66,7 +68,45 @@ def candidates(
 
 
 def best_fit(found: list[Candidate], budget: int) -> Candidate | None:
-    return next((c for c in found if c.plan.device_memory_needed <= budget), None)
+    return next((c for c in found if fits(c.plan, budget)), None)
+
+
+def fits(plan: Plan, budget: int) -> bool:
+    """Within ``budget`` of device memory, and its host's memory (CPU offload); on a CPU,
+    whose one memory holds what is offloaded too, both within ``budget``."""
+    host = plan.cluster.host_memory_bytes
+    if not host:
+        offloaded = plan.total_peak_bytes - plan.peak_memory_bytes
+        return plan.device_memory_needed + offloaded <= budget
+    return plan.device_memory_needed <= budget and plan.host_memory_bytes <= host
+
+
+def offload_where_nothing_fits(
+    found: list[Candidate],
+    budget: int,
+    builder: Builder,
+    inputs: Inputs,
+    loss: Loss,
+    cluster: Cluster,
+) -> list[Candidate]:
+    """``found`` and, if none of it fits, FULL_SHARD with CPU offload (with and without
+    activation checkpointing): the device then holds no sharded state at all."""
+    if best_fit(found, budget) is not None or not found:
+        return found
+    setup = replace(
+        found[0].plan.setup,
+        strategy=ShardingStrategy.FULL_SHARD,
+        sharding_factor=None,
+        kept_gathered=0,
+        cpu_offload=True,
+        foreach=False,  # the optimizer steps on the CPU
+    )
+    added = [
+        Candidate(ShardingStrategy.FULL_SHARD, checkpointing, plan)
+        for checkpointing in (False, True)
+        for plan in [plan_setup(builder(checkpointing), inputs, loss, setup, cluster)]
+    ]
+    return sorted(found + added, key=lambda c: c.plan.step.seconds)
 
 
 # Kept units cost memory; below this share of the step saved, the headroom is worth more

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -59,6 +60,18 @@ class Op:
     backward: bool
     dtype: torch.dtype | None = None  # compute: of its first output
     hosts: int = 1  # collective: hosts its group spans (see ``Recorder.ranks_per_host``)
+    read_bytes: tuple[int, ...] = ()  # compute: bytes it reads of each of ``reads``
+
+
+@dataclass
+class MemoryView:
+    """One memory's share of the recorded step (see ``Recorder.split``)."""
+
+    total: int = 0  # bytes alive now, while replaying
+    peak: int = 0
+    peak_op: int = 0  # ops recorded before the peak
+    at_peak: dict[int, int] = field(default_factory=dict)  # serial -> bytes at the peak
+    timeline: list[int] = field(default_factory=list)  # bytes after each op (and at start)
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -103,6 +116,11 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.peak_op = 0  # ops recorded before the peak
         self.ranks_per_host = 1  # to tell which collectives cross hosts
         self.timeline: list[int] = []  # bytes alive after each recorded op (and at start)
+        # While recording: (timeline index, serial, its bytes from then on; 0: freed), so
+        # that the bytes can be split afterwards by where they live (``split``).
+        self._events: list[tuple[int, int, int]] = []
+        self._sizes: dict[int, int] = {}  # serial -> bytes at the last timeline entry
+        self._ops_at: list[int] = []  # ops recorded before each timeline entry
 
     def serial(self, storage: torch.UntypedStorage) -> int | None:
         entry = self._live.get(id(storage))
@@ -121,6 +139,9 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.recording = True
         self.ops.clear()
         self.timeline.clear()
+        self._events.clear()
+        self._ops_at.clear()
+        self._sizes = {}
         self.peak = 0
         self._note_peak()
 
@@ -138,9 +159,37 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def _note_peak(self) -> None:
         alive = self.alive()
         total = sum(alive.values())
+        index = len(self.timeline)
+        for serial, nbytes in alive.items():
+            if self._sizes.get(serial) != nbytes:
+                self._events.append((index, serial, nbytes))
+        self._events.extend((index, serial, 0) for serial in self._sizes.keys() - alive.keys())
+        self._sizes = alive
+        self._ops_at.append(len(self.ops))
         self.timeline.append(total)
         if total > self.peak:
             self.peak, self.at_peak, self.peak_op = total, alive, len(self.ops)
+
+    def split(self, on_host: Callable[[int], bool]) -> tuple[MemoryView, MemoryView]:
+        """The recorded step's bytes as two memories, the device's and the host's, by
+        ``on_host(serial)`` (CPU offload: shards, gradients, optimizer state)."""
+        device, host = MemoryView(), MemoryView()
+        alive: dict[int, int] = {}
+        events = iter(self._events)
+        pending = next(events, None)
+        for index, ops in enumerate(self._ops_at):
+            while pending is not None and pending[0] == index:
+                _, serial, nbytes = pending
+                memory = host if on_host(serial) else device
+                memory.total += nbytes - alive.get(serial, 0)
+                alive[serial] = nbytes
+                pending = next(events, None)
+            for memory, mine in ((device, False), (host, True)):
+                memory.timeline.append(memory.total)
+                if memory.total > memory.peak:
+                    memory.peak, memory.peak_op = memory.total, ops
+                    memory.at_peak = {s: b for s, b in alive.items() if b and on_host(s) == mine}
+        return device, host
 
     def _track(self, t: torch.Tensor, tag: str) -> int:
         storage = t.untyped_storage()
@@ -222,6 +271,9 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         outputs = _tensors(out)
         if not new and not flops and not func._schema.is_mutable:
             return  # a view or a no-op: no kernel runs
+        read = [
+            (s, _bytes(t)) for t in inputs if (s := self.serial(t.untyped_storage())) is not None
+        ]
         self.ops.append(
             Op(
                 name=str(func.overloadpacket),
@@ -229,10 +281,11 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 io_bytes=sum(_bytes(t) for t in [*inputs, *outputs]),
                 collective=None,
                 group_size=1,
-                reads=tuple(self._serials(inputs)),
+                reads=tuple(s for s, _ in read),
                 writes=tuple(self._serials(outputs)),
                 backward=self.backward,
                 dtype=outputs[0].dtype if outputs else None,
+                read_bytes=tuple(b for _, b in read),
             )
         )
 
@@ -240,10 +293,11 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         found = (self.serial(t.untyped_storage()) for t in tensors)
         return [s for s in found if s is not None]
 
-    def breakdown(self) -> dict[str, int]:
-        """Bytes alive at the peak, by what they hold (tags as they stand now)."""
+    def breakdown(self, at_peak: dict[int, int] | None = None) -> dict[str, int]:
+        """Bytes alive at the peak (or ``at_peak``, a ``MemoryView``'s), by what they hold
+        (tags as they stand now)."""
         parts: dict[str, int] = {}
-        for serial, nbytes in self.at_peak.items():
+        for serial, nbytes in (self.at_peak if at_peak is None else at_peak).items():
             tag = self.tags.get(serial, ACTIVATIONS)
             parts[tag] = parts.get(tag, 0) + nbytes
         return parts

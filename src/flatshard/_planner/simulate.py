@@ -25,7 +25,7 @@ from torch import nn
 from flatshard._clip import clip_grad_norm_
 from flatshard._collectives import SIMULATED_BACKEND
 from flatshard._mesh import ShardingStrategy
-from flatshard._mixed_precision import MixedPrecision
+from flatshard._mixed_precision import OFFLOAD_DEVICE, CPUOffload, MixedPrecision
 from flatshard._no_sync import no_sync
 from flatshard._planner import recorder as tags
 from flatshard._planner.attention import fused_attention
@@ -64,6 +64,8 @@ class Setup:
     # The last N units keep their parameters gathered from forward to backward (the
     # strategy's ZeRO-2 form): no all-gather when backward reaches them, more memory.
     kept_gathered: int = 0
+    # CPUOffload: shards, gradients and the optimizer (its state and its step) on the host.
+    cpu_offload: bool = False
 
 
 @dataclass
@@ -74,6 +76,7 @@ class Simulated:
     params: int  # parameters of the whole model
     trainable: int
     units: int
+    host: frozenset[int] = frozenset()  # serials of the storages on the host (CPU offload)
 
 
 def simulate(
@@ -106,7 +109,8 @@ def _simulate(
         model = build()
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    model = shard(model, setup, device="meta", param_init_fn=_shapes_only)
+    with _offload_to_meta():
+        model = shard(model, setup, device="meta", param_init_fn=_shapes_only)
     optim = make_optimizer(model, setup)
     for step in range(2):
         if step == 1:
@@ -114,7 +118,35 @@ def _simulate(
         training_step(model, optim, inputs, loss, setup, torch.device("meta"), recorder)
     summary = sharding_summary(model)
     units = len({f.unit for f in summary.flat_params})
-    return Simulated(recorder, params, trainable, units)
+    host = _offloaded(model, recorder) if setup.cpu_offload else frozenset()
+    return Simulated(recorder, params, trainable, units, host)
+
+
+@contextlib.contextmanager
+def _offload_to_meta() -> Iterator[None]:
+    """[Note: simulated offload]
+    With CPUOffload the shards live on the CPU. A simulation keeps them on the meta device
+    too (real CPU tensors would allocate the model), and the runtime copies between host
+    and device whenever it offloads, whatever the devices (``Placement.offload``): so the
+    recorder sees every copy a GPU run makes (the shard before its all-gather, the reduced
+    gradient after its reduction). Which storages are the host's is known afterwards
+    (``_offloaded``), and the recorder splits the step's bytes into the two memories.
+    """
+    OFFLOAD_DEVICE[0] = torch.device("meta")
+    try:
+        yield
+    finally:
+        OFFLOAD_DEVICE[0] = torch.device("cpu")
+
+
+def _offloaded(model: nn.Module, recorder: Recorder) -> frozenset[int]:
+    """The storages CPUOffload keeps on the host: the shards, the gradients (the copies
+    the reduction makes) and the optimizer's state and temporaries."""
+    shards = [p.untyped_storage() for p in model.parameters()]
+    host = {serial for serial in map(recorder.serial, shards) if serial is not None}
+    on_host = (tags.GRADIENTS, tags.OPTIMIZER)
+    host |= {serial for serial, tag in recorder.tags.items() if tag in on_host}
+    return frozenset(host)
 
 
 def measure(
@@ -198,6 +230,8 @@ def shard_options(setup: Setup) -> dict[str, Any]:
         options["sharding_factor"] = setup.sharding_factor
     if setup.param_dtype is not None:
         options["mixed_precision"] = MixedPrecision(setup.param_dtype, torch.float32)
+    if setup.cpu_offload:
+        options["cpu_offload"] = CPUOffload()
     return options
 
 

@@ -12,6 +12,11 @@ where the runtime issued it, so it cannot start before the compute issued ahead 
 has finished (prefetch overlaps the next unit's all-gather with this unit's compute, as
 the runtime intends). Where communication cannot overlap compute (``Cluster.overlap``
 False: gloo on a few CPU cores, ``design/PEERS.md``), everything runs on one timeline.
+
+With CPU offload, ops that write the host's storages run at the host's speed (the
+optimizer's step, ``Cluster.host``), and an op that reads storages of the other side
+(the shard's copy to the device, the gradient's copy back) takes at least those bytes
+over the host-device link. Both stay on the compute timeline: the runtime blocks on them.
 """
 
 from __future__ import annotations
@@ -36,12 +41,19 @@ class StepTime:
     flops: float  # FLOPs executed by this rank (recomputation included)
 
 
-def compute_time(op: Op, cluster: Cluster) -> float:
-    rate = cluster.peak_flops(op.dtype) * cluster.achieved
-    bandwidth = cluster.memory_bandwidth
-    if cluster.cache_bandwidth and op.io_bytes <= cluster.cache_bytes:
-        bandwidth = cluster.cache_bandwidth
-    return cluster.op_overhead + max(op.flops / rate, op.io_bytes / bandwidth)
+def compute_time(op: Op, cluster: Cluster, host: frozenset[int] = frozenset()) -> float:
+    """One compute op's time; ``host``: the storages on the host (CPU offload)."""
+    on_host = any(s in host for s in op.writes)
+    where = cluster.host if on_host else cluster
+    rate = where.peak_flops(op.dtype) * where.achieved
+    bandwidth = where.memory_bandwidth
+    if where.cache_bandwidth and op.io_bytes <= where.cache_bytes:
+        bandwidth = where.cache_bandwidth
+    own = max(op.flops / rate, op.io_bytes / bandwidth)
+    crossing = sum(
+        b for s, b in zip(op.reads, op.read_bytes, strict=True) if (s in host) != on_host
+    )
+    return cluster.op_overhead + max(own, crossing / cluster.link_bandwidth)
 
 
 def collective_time(op: Op, cluster: Cluster) -> float:
@@ -56,14 +68,14 @@ def collective_time(op: Op, cluster: Cluster) -> float:
     return cluster.collective_latency + passes * (steps + transfer)
 
 
-def step_time(ops: Sequence[Op], cluster: Cluster) -> StepTime:
+def step_time(ops: Sequence[Op], cluster: Cluster, host: frozenset[int] = frozenset()) -> StepTime:
     ready: dict[int, float] = {}  # storage serial -> when its last writer finishes
     compute_at = comm_at = 0.0
     busy_compute = busy_comm = waited = 0.0
     for op in ops:
         after = max((ready.get(s, 0.0) for s in op.reads), default=0.0)
         if op.collective is None:
-            cost = compute_time(op, cluster)
+            cost = compute_time(op, cluster, host)
             start = max(compute_at, after)
             waited += start - compute_at
             compute_at = start + cost

@@ -15,7 +15,12 @@ from dataclasses import replace
 import torch
 
 from flatshard._planner.cluster import PRESETS
-from flatshard._planner.recommend import best_fit, candidates, keep_gathered_where_it_fits
+from flatshard._planner.recommend import (
+    best_fit,
+    candidates,
+    keep_gathered_where_it_fits,
+    offload_where_nothing_fits,
+)
 from flatshard._planner.simulate import Setup
 from flatshard.cli.config import ConfigError
 from flatshard.cli.data import VOCAB
@@ -27,7 +32,8 @@ from flatshard.cli.train_config import PRECISIONS, TrainConfig
 def fit_memory(
     config: TrainConfig, budget: int, world: int, device: str, quiet: bool = False
 ) -> TrainConfig:
-    """``config`` with the chosen --strategy, --keep-gathered and --checkpoint-activations."""
+    """``config`` with the chosen --strategy, --keep-gathered, --checkpoint-activations and
+    --cpu-offload."""
     if config.lora:
         raise ConfigError("--fit-memory does not plan LoRA adapters yet; choose the setup by hand")
     model = planned_model(config.model, config, VOCAB, fit_to_bytes=True)
@@ -50,6 +56,9 @@ def fit_memory(
     found = keep_gathered_where_it_fits(
         found, budget, model.build, inputs, language_model_loss, cluster
     )
+    found = offload_where_nothing_fits(
+        found, budget, model.build, inputs, language_model_loss, cluster
+    )
     best = best_fit(found, budget)
     if best is None:
         least = min(found, key=lambda c: c.plan.device_memory_needed)
@@ -69,5 +78,6 @@ def fit_memory(
         strategy=best.strategy.name,
         checkpoint_activations=best.checkpoint_activations,
         keep_gathered=best.kept_gathered,
+        cpu_offload=best.plan.setup.cpu_offload,
         sharding_factor=0,
     )

@@ -138,6 +138,8 @@ def shard_language_model(lm: LanguageModel, config: TrainConfig, device: torch.d
         options["sharding_factor"] = config.sharding_factor
     if low is not None:
         options["mixed_precision"] = flatshard.MixedPrecision(low, reduce_dtype=torch.float32)
+    if config.cpu_offload:
+        options["cpu_offload"] = flatshard.CPUOffload()
     if lm.weights is None:
         return _shard(lm.module.to(device), lm, config.keep_gathered, options)
     options.update(param_init_fn=lm.param_init_fn, device=device)

@@ -30,7 +30,9 @@ from flatshard._planner.recommend import (
     Candidate,
     best_fit,
     candidates,
+    fits,
     keep_gathered_where_it_fits,
+    offload_where_nothing_fits,
 )
 from flatshard._planner.simulate import Setup
 from flatshard.cli.config import add_config_parser, config_from_args, fail
@@ -79,6 +81,9 @@ class PlanConfig:
     """none | bf16 | fp16: compute and all-gather dtype (gradients reduced in fp32)"""
     checkpoint_activations: bool = False
     """recompute each block's activations in backward"""
+    cpu_offload: bool = False
+    """shards, gradients and optimizer state in host memory, the optimizer's step on the
+    host CPUs: the device's peak, the host's, and the PCIe copies in the step"""
     optimizer: str = "adamw"
     """adamw | adam | sgd-momentum | sgd (what its state costs)"""
     cluster: str = "a100-80gb"
@@ -89,7 +94,8 @@ class PlanConfig:
     memory_budget: str = ""
     """e.g. '20GiB' or 'device': also plan every strategy with and without activation
     checkpointing, recommend the fastest whose device memory fits, and keep as many of
-    its last units gathered as still fit"""
+    its last units gathered as still fit (FULL_SHARD with CPU offload where nothing
+    else fits)"""
     chart: str = ""
     """write the live-tensor memory over one step as a PNG to this path"""
 
@@ -173,6 +179,7 @@ def _plan(config: PlanConfig, model: PlannedModel, checkpointing: bool) -> flats
         grad_accum=config.grad_accum,
         optimizer=config.optimizer,
         keep_gathered=config.keep_gathered,
+        cpu_offload=config.cpu_offload,
     )
 
 
@@ -186,11 +193,11 @@ def _inputs(config: PlanConfig, vocab: int) -> Any:
 def _recommend(config: PlanConfig, model: PlannedModel, first: flatshard.Plan) -> int:
     budget = parse_size(config.memory_budget, "--memory-budget", first.cluster.memory_bytes)
     inputs = _inputs(config, model.vocab)
-    setup: Setup = replace(first.setup, kept_gathered=0)
+    setup: Setup = replace(first.setup, kept_gathered=0, cpu_offload=False)
+    setup = replace(setup, foreach=first.cluster.device != "cpu")
     found = candidates(model.build, inputs, language_model_loss, setup, first.cluster)
-    found = keep_gathered_where_it_fits(
-        found, budget, model.build, inputs, language_model_loss, first.cluster
-    )
+    for more in (keep_gathered_where_it_fits, offload_where_nothing_fits):
+        found = more(found, budget, model.build, inputs, language_model_loss, first.cluster)
     best = best_fit(found, budget)
     if config.json:
         print(
@@ -212,6 +219,8 @@ def _recommend(config: PlanConfig, model: PlannedModel, first: flatshard.Plan) -
         flags += f" --keep-gathered {best.kept_gathered}"
     if best.checkpoint_activations:
         flags += " --checkpoint-activations"
+    if best.plan.setup.cpu_offload:
+        flags += " --cpu-offload"
     print(f"recommended: {best.label} (flatshard train {flags})")
     print(table(best.plan))
     return 0
@@ -221,7 +230,7 @@ def _print_candidates(model: PlannedModel, found: list[Candidate], budget: int) 
     print(f"model: {model.description}; budget {size(budget)} per device")
     print(f"  {'setup':<60} {'step':>10} {'device memory':>14}")
     for c in found:
-        verdict = "fits" if c.plan.device_memory_needed <= budget else "over budget"
+        verdict = "fits" if fits(c.plan, budget) else "over budget"
         print(
             f"  {c.label:<60} {c.plan.step.seconds * 1e3:>8.1f}ms "
             f"{size(c.plan.device_memory_needed):>14}  {verdict}"

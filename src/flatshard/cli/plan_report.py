@@ -28,6 +28,15 @@ def parse_size(text: str, option: str, device_bytes: int) -> int:
     return int(float(match.group(1)) * scale)
 
 
+def _host_lines(plan: Plan) -> list[str]:
+    """CPU offload: what the host memory holds at its peak (shards, gradients, moments)."""
+    if not plan.setup.cpu_offload:
+        return []
+    host = plan.cluster.host_memory_bytes
+    room = f"  of {size(host)} host memory per rank" if host else "  (the same memory)"
+    return [f"  {'host memory (CPU offload), peak':<40} {size(plan.host_memory_bytes):>12}{room}"]
+
+
 def table(plan: Plan) -> str:
     setup, cluster, step = plan.setup, plan.cluster, plan.step
     lines = [
@@ -47,6 +56,7 @@ def table(plan: Plan) -> str:
         f"{', +1 GiB context' if cluster.device != 'cpu' else ''})",
         f"  {'device memory':<40} {size(cluster.memory_bytes):>12}  "
         + ("fits" if plan.fits else "DOES NOT FIT"),
+        *_host_lines(plan),
         "",
         "collectives per step (this rank):",
     ]

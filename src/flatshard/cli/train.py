@@ -361,7 +361,8 @@ def _print_start(trainer: Trainer, backend: str) -> None:
     print(
         f"flatshard train: {trainer.lm.description}, {trainer.params:,} parameters, "
         f"{trainer.world} ranks ({backend}, {config.strategy}"
-        f"{kept_phrase(config.keep_gathered)}), {config.steps} steps"
+        f"{kept_phrase(config.keep_gathered)}{', CPU offload' if config.cpu_offload else ''}), "
+        f"{config.steps} steps"
     )
     print(
         f"data: {trainer.corpus.name}, {len(trainer.corpus.train):,} training bytes; "

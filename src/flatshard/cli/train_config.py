@@ -88,11 +88,15 @@ class TrainConfig:
     """none | bf16 | fp16 (fp16 adds a ShardedGradScaler)"""
     checkpoint_activations: bool = False
     """recompute each block's activations in backward (less memory, more compute)"""
+    cpu_offload: bool = False
+    """keep the sharded parameters, their gradients and the optimizer state in CPU memory
+    (the optimizer steps on the CPU): less device memory, slower steps"""
     fit_memory: str = ""
     """e.g. '20GiB': plan every strategy with and without activation checkpointing first
     (flatshard plan) and train with the fastest whose predicted memory per rank fits,
-    keeping as many of its last blocks gathered as still fit (sets --strategy,
-    --keep-gathered and --checkpoint-activations)"""
+    keeping as many of its last blocks gathered as still fit, or with --cpu-offload where
+    nothing else fits (sets --strategy, --keep-gathered, --checkpoint-activations and
+    --cpu-offload)"""
     compile: bool = False
     """torch.compile each transformer block (one graph per block: flatshard's hooks run
     outside it)"""
