@@ -184,6 +184,9 @@ def offload_state_job(ctx: WorkerContext) -> None:
 
 def test_cpu_offload_parity_and_state_on_cpu(pool: WorkerPool) -> None:
     pool.run(parity_job, ParityConfig(model="gpt", world_size=2, offload=True), False)
+    # F = 1: offloaded, the shard is never the unsharded buffer itself (copied as on a GPU).
+    no_shard = ParityConfig(model="gpt", world_size=2, strategy="NO_SHARD", offload=True)
+    pool.run(parity_job, no_shard, False)
     pool.run(offload_state_job)
 
 
