@@ -26,6 +26,26 @@ Builder = Callable[[bool], Callable[[], nn.Module]]
 
 
 @dataclass(frozen=True)
+class Problem:
+    """What every candidate plans: the model, one rank's micro-batch, the loss, the cluster."""
+
+    builder: Builder
+    inputs: Inputs
+    loss: Loss
+    cluster: Cluster
+
+    def plan(self, setup: Setup, checkpointing: bool) -> Plan:
+        return plan_setup(self.builder(checkpointing), self.inputs, self.loss, setup, self.cluster)
+
+
+def recommend(problem: Problem, setup: Setup, budget: int) -> list[Candidate]:
+    """Every candidate of the module docstring planned, fastest first (``best_fit`` picks)."""
+    found = candidates(problem, setup)
+    found = keep_gathered_where_it_fits(found, budget, problem)
+    return offload_where_nothing_fits(found, budget, problem)
+
+
+@dataclass(frozen=True)
 class Candidate:
     strategy: ShardingStrategy
     checkpoint_activations: bool
@@ -46,10 +66,9 @@ def kept_phrase(count: int) -> str:
     return f", last {count} unit{'s' if count > 1 else ''} kept gathered"
 
 
-def candidates(
-    builder: Builder, inputs: Inputs, loss: Loss, setup: Setup, cluster: Cluster
-) -> list[Candidate]:
-    """Every candidate planned, fastest first."""
+def candidates(problem: Problem, setup: Setup) -> list[Candidate]:
+    """Every strategy with and without checkpointing, planned, fastest first."""
+    cluster = problem.cluster
     strategies = [
         ShardingStrategy.NO_SHARD,
         ShardingStrategy.SHARD_GRAD_OP,
@@ -62,8 +81,7 @@ def candidates(
         factor = cluster.ranks_per_host if strategy.is_hybrid else None
         for checkpointing in (False, True):
             chosen = replace(setup, strategy=strategy, sharding_factor=factor)
-            result = plan_setup(builder(checkpointing), inputs, loss, chosen, cluster)
-            found.append(Candidate(strategy, checkpointing, result))
+            found.append(Candidate(strategy, checkpointing, problem.plan(chosen, checkpointing)))
     return sorted(found, key=lambda c: c.plan.step.seconds)
 
 
@@ -82,12 +100,7 @@ def fits(plan: Plan, budget: int) -> bool:
 
 
 def offload_where_nothing_fits(
-    found: list[Candidate],
-    budget: int,
-    builder: Builder,
-    inputs: Inputs,
-    loss: Loss,
-    cluster: Cluster,
+    found: list[Candidate], budget: int, problem: Problem
 ) -> list[Candidate]:
     """``found`` and, if none of it fits, FULL_SHARD with CPU offload (with and without
     activation checkpointing): the device then holds no sharded state at all."""
@@ -104,7 +117,7 @@ def offload_where_nothing_fits(
     added = [
         Candidate(ShardingStrategy.FULL_SHARD, checkpointing, plan)
         for checkpointing in (False, True)
-        for plan in [plan_setup(builder(checkpointing), inputs, loss, setup, cluster)]
+        for plan in [problem.plan(setup, checkpointing)]
     ]
     return sorted(found + added, key=lambda c: c.plan.step.seconds)
 
@@ -115,12 +128,7 @@ MIN_GAIN = 0.005
 
 
 def keep_gathered_where_it_fits(
-    found: list[Candidate],
-    budget: int,
-    builder: Builder,
-    inputs: Inputs,
-    loss: Loss,
-    cluster: Cluster,
+    found: list[Candidate], budget: int, problem: Problem
 ) -> list[Candidate]:
     """``found`` and, for each candidate that reshards after forward (FULL_SHARD,
     HYBRID_SHARD) and fits while its ZeRO-2 form does not, the same with as many of its
@@ -144,29 +152,26 @@ def keep_gathered_where_it_fits(
         if (
             form is None
             or zero2 is None
-            or reshards.plan.device_memory_needed > budget
-            or zero2.plan.device_memory_needed <= budget
+            or not fits(reshards.plan, budget)
+            or fits(zero2.plan, budget)
             or (best is not None and best.plan.step.seconds <= zero2.plan.step.seconds)
         ):
             continue
-        kept = _most_kept(reshards, budget, builder, inputs, loss, cluster)
+        kept = _most_kept(reshards, budget, problem)
         if kept.plan.step.seconds < reshards.plan.step.seconds * (1 - MIN_GAIN):
             added.append(kept)
     return sorted(found + added, key=lambda c: c.plan.step.seconds)
 
 
-def _most_kept(
-    reshards: Candidate, budget: int, builder: Builder, inputs: Inputs, loss: Loss, cluster: Cluster
-) -> Candidate:
+def _most_kept(reshards: Candidate, budget: int, problem: Problem) -> Candidate:
     """``reshards`` with its most last units kept gathered that fit (bisection: memory
     grows with their number)."""
-    build = builder(reshards.checkpoint_activations)
     chosen, low, high = reshards, 0, reshards.plan.units - 1  # the root is never one
     while low < high:
         count = (low + high + 1) // 2
         setup = replace(reshards.plan.setup, kept_gathered=count)
-        planned = plan_setup(build, inputs, loss, setup, cluster)
-        if planned.device_memory_needed <= budget:
+        planned = problem.plan(setup, reshards.checkpoint_activations)
+        if fits(planned, budget):
             low = count
             chosen = Candidate(reshards.strategy, reshards.checkpoint_activations, planned, count)
         else:

@@ -15,12 +15,7 @@ from dataclasses import replace
 import torch
 
 from flatshard._planner.cluster import PRESETS
-from flatshard._planner.recommend import (
-    best_fit,
-    candidates,
-    keep_gathered_where_it_fits,
-    offload_where_nothing_fits,
-)
+from flatshard._planner.recommend import Problem, best_fit, recommend
 from flatshard._planner.simulate import Setup
 from flatshard.cli.config import ConfigError
 from flatshard.cli.data import VOCAB
@@ -52,13 +47,7 @@ def fit_memory(
     def inputs() -> tuple[torch.Tensor, ...]:
         return (torch.randint(0, VOCAB, (config.batch, config.seq_len)),)
 
-    found = candidates(model.build, inputs, language_model_loss, setup, cluster)
-    found = keep_gathered_where_it_fits(
-        found, budget, model.build, inputs, language_model_loss, cluster
-    )
-    found = offload_where_nothing_fits(
-        found, budget, model.build, inputs, language_model_loss, cluster
-    )
+    found = recommend(Problem(model.build, inputs, language_model_loss, cluster), setup, budget)
     best = best_fit(found, budget)
     if best is None:
         least = min(found, key=lambda c: c.plan.device_memory_needed)

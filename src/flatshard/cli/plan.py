@@ -26,14 +26,7 @@ import torch
 import flatshard
 from flatshard._planner.cluster import PRESETS
 from flatshard._planner.plan import plan
-from flatshard._planner.recommend import (
-    Candidate,
-    best_fit,
-    candidates,
-    fits,
-    keep_gathered_where_it_fits,
-    offload_where_nothing_fits,
-)
+from flatshard._planner.recommend import Candidate, Problem, best_fit, fits, recommend
 from flatshard._planner.simulate import Setup
 from flatshard.cli.config import add_config_parser, config_from_args, fail
 from flatshard.cli.plan_model import PlannedModel, language_model_loss, planned_model
@@ -195,9 +188,8 @@ def _recommend(config: PlanConfig, model: PlannedModel, first: flatshard.Plan) -
     inputs = _inputs(config, model.vocab)
     setup: Setup = replace(first.setup, kept_gathered=0, cpu_offload=False)
     setup = replace(setup, foreach=first.cluster.device != "cpu")
-    found = candidates(model.build, inputs, language_model_loss, setup, first.cluster)
-    for more in (keep_gathered_where_it_fits, offload_where_nothing_fits):
-        found = more(found, budget, model.build, inputs, language_model_loss, first.cluster)
+    problem = Problem(model.build, inputs, language_model_loss, first.cluster)
+    found = recommend(problem, setup, budget)
     best = best_fit(found, budget)
     if config.json:
         print(
