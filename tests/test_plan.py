@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import flatshard
 from flatshard.cli.main import main
@@ -45,6 +47,14 @@ VOCAB, SEQ, BATCH = 256, 32, 4
 def gpt(checkpointing: bool = False) -> nn.Module:
     model = GPT(VOCAB, 64, 4, 3, SEQ)
     model.checkpoint_blocks = checkpointing
+    return model
+
+
+def tp_gpt(tp: DeviceMesh) -> nn.Module:
+    """The GPT with each block's MLP split over ``tp`` (Megatron's column then row)."""
+    model = gpt()
+    for block in model.blocks:
+        parallelize_module(block.mlp, tp, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     return model
 
 
@@ -99,6 +109,8 @@ CASES = [
     Case("full-shard-last-unit-kept", gpt, options=(("keep_gathered", 1),)),
     # On a CPU the offloaded state shares the one memory: the run's peak is both memories'.
     Case("cpu-offload", gpt, options=(("cpu_offload", True),)),
+    # dp 2 x tp 2: tensor parallel's all-reduces and DTensor's tensors are in the step.
+    Case("tensor-parallel-2x2", tp_gpt, ranks_per_host=4, options=(("tensor_parallel", 2),)),
 ]
 
 
@@ -159,6 +171,10 @@ def test_predicted_peak_is_the_measured_peak(
     assert sum(predicted.memory.values()) == predicted.peak_memory_bytes
     if not options.get("cpu_offload"):
         assert predicted.peak_memory_bytes == predicted.total_peak_bytes
+    if options.get("tensor_parallel"):  # each MLP's all-reduce: forward's output, backward's
+        activations = BATCH * SEQ * 64 * 4  # input gradient (fp32, width 64)
+        tp = [op for op in predicted.ops if op.collective == "all_reduce" and op.group_size == 2]
+        assert sum(op.io_bytes == activations for op in tp) == 2 * 3
     assert predicted.at_rest_bytes < predicted.peak_memory_bytes
 
 
@@ -259,6 +275,11 @@ def test_plan_misuse_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--keep-gathered applies to FULL_SHARD and HYBRID_SHARD, not NO_SHARD" in err
     with pytest.raises(ValueError, match="unknown cluster 'tpu-v9'; expected one of a100-80gb"):
         flatshard.plan(lambda: nn.Linear(2, 2), lambda: (torch.randn(1, 2),), cluster="tpu-v9")
+    linear = partial(nn.Linear, 2, 2)
+    with pytest.raises(ValueError, match=r"tensor_parallel=3 must be >= 1 and divide the 8 ranks"):
+        flatshard.plan(linear, lambda: (torch.randn(1, 2),), tensor_parallel=3)
+    with pytest.raises(ValueError, match="tensor_parallel with HYBRID_SHARD is not planned yet"):
+        flatshard.plan(linear, tokens, tensor_parallel=2, strategy=S.HYBRID_SHARD)
 
 
 def test_the_recommendation_keeps_the_last_units_gathered_where_memory_allows(

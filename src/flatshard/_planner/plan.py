@@ -117,7 +117,7 @@ class Plan:
 
 
 def plan(
-    build: Callable[[], nn.Module],
+    build: Callable[..., nn.Module],
     inputs: Inputs,
     *,
     loss: Loss | None = None,
@@ -134,6 +134,7 @@ def plan(
     clip: bool = True,
     keep_gathered: int = 0,
     cpu_offload: bool = False,
+    tensor_parallel: int = 1,
 ) -> Plan:
     """Predict one rank's memory and step time for a training run, without running it.
 
@@ -156,6 +157,10 @@ def plan(
         keep_gathered: the last N units (FULL_SHARD, HYBRID_SHARD) keep their parameters
             gathered from forward to backward, in the strategy's ZeRO-2 form: backward
             gathers them no more, for their memory.
+        tensor_parallel: T > 1 plans 2-D parallelism: the W ranks form a (W / T, T) mesh
+            named ("dp", "tp"), ``build(mesh["tp"])`` makes the model and applies its
+            tensor-parallel plan (``parallelize_module``), and flatshard shards over "dp"
+            (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD). TP's own collectives are in the step.
         cpu_offload: ``CPUOffload()``: shards, gradients and the optimizer on the host.
             The peak is then the device's, ``host_memory_bytes`` the host's; the step
             adds the copies over PCIe and the optimizer's step at the host's speed.
@@ -165,6 +170,7 @@ def plan(
     planner runs (rank 0) it is exact for the ops the run will dispatch.
     """
     machines = _cluster(cluster, hosts, ranks_per_host)
+    _check_tensor_parallel(tensor_parallel, machines.world_size, strategy)
     if strategy.is_hybrid and sharding_factor is None:  # shard inside a host, as torchrun
         sharding_factor = machines.ranks_per_host  # would make fully_shard's default
     setup = Setup(
@@ -181,12 +187,13 @@ def plan(
         foreach=machines.device != "cpu" and not cpu_offload,  # the optimizer's device
         kept_gathered=keep_gathered,
         cpu_offload=cpu_offload,
+        tensor_parallel=tensor_parallel,
     )
     return plan_setup(build, inputs, loss or _default_loss, setup, machines)
 
 
 def plan_setup(
-    build: Callable[[], nn.Module], inputs: Inputs, loss: Loss, setup: Setup, cluster: Cluster
+    build: Callable[..., nn.Module], inputs: Inputs, loss: Loss, setup: Setup, cluster: Cluster
 ) -> Plan:
     """``plan`` of an explicit ``Setup``. In a process that already joined a process group
     the simulation runs in a fresh one (its world would clash), so ``build``, ``inputs``
@@ -215,6 +222,19 @@ def plan_setup(
         host_memory_bytes=host.peak,
         total_peak_bytes=recorder.peak,
     )
+
+
+def _check_tensor_parallel(degree: int, world: int, strategy: ShardingStrategy) -> None:
+    if degree < 1 or world % degree:
+        raise ValueError(
+            f"flatshard.plan: tensor_parallel={degree} must be >= 1 and divide the "
+            f"{world} ranks (hosts x ranks_per_host)"
+        )
+    if degree > 1 and strategy.is_hybrid:
+        raise ValueError(
+            f"flatshard.plan: tensor_parallel with {strategy.name} is not planned yet; "
+            "plan FULL_SHARD or SHARD_GRAD_OP over the dp ranks"
+        )
 
 
 def _cluster(cluster: Cluster | str, hosts: int, ranks_per_host: int | None) -> Cluster:

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
@@ -43,6 +44,13 @@ COLLECTIVES = {
     "c10d.allreduce_": "all_reduce",
     "c10d.alltoall_base_": "all_to_all",
     "c10d.broadcast_": "broadcast",
+}
+# Out of place, on a group named by its last argument: DTensor's (tensor parallel).
+FUNCTIONAL_COLLECTIVES = {
+    "_c10d_functional.all_reduce": "all_reduce",
+    "_c10d_functional.all_gather_into_tensor": "all_gather",
+    "_c10d_functional.reduce_scatter_tensor": "reduce_scatter",
+    "_c10d_functional.all_to_all_single": "all_to_all",
 }
 
 
@@ -213,13 +221,16 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         inputs = _tensors([args, kwargs])
         before = {id(t.untyped_storage()) for t in inputs}
         out = func(*args, **kwargs)
-        kind = COLLECTIVES.get(str(func.overloadpacket))
+        name = str(func.overloadpacket)
+        kind = COLLECTIVES.get(name)
         outputs = _tensors(out)
         new = [t for t in outputs if id(t.untyped_storage()) not in before]
         for t in new:
             self._track(t, self.phase)
         if kind is not None:
             self._collective(kind, args, inputs)
+        elif name in FUNCTIONAL_COLLECTIVES:
+            self._functional(FUNCTIONAL_COLLECTIVES[name], args, inputs, outputs)
         elif self.recording:
             self._compute(func, args, kwargs, out, inputs, new)
         if self.recording:
@@ -239,10 +250,30 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             return
         boxed = next(a for a in args if isinstance(a, torch.ScriptObject))
         group = dist.ProcessGroup.unbox(boxed)
-        ranks = dist.get_process_group_ranks(group)
         written = _tensors(args[0])
         # The size a ring moves: the full buffer (gathered output, reduced input).
         full = _tensors(args[1]) if kind in ("reduce_scatter", "all_to_all") else written
+        self._add_collective(kind, group, full, inputs, written)
+
+    def _functional(
+        self, kind: str, args: tuple[Any, ...], inputs: list[torch.Tensor], out: list[torch.Tensor]
+    ) -> None:
+        """A functional collective (tensor parallel's): it returns its output."""
+        if self.recording:
+            # By name; torch keeps the lookup private (2.2 and later).
+            group = c10d._resolve_process_group(args[-1])  # type: ignore[attr-defined]
+            full = out if kind == "all_gather" else inputs
+            self._add_collective(kind, group, full, inputs, out)
+
+    def _add_collective(
+        self,
+        kind: str,
+        group: dist.ProcessGroup,
+        full: list[torch.Tensor],
+        inputs: list[torch.Tensor],
+        written: list[torch.Tensor],
+    ) -> None:
+        ranks = dist.get_process_group_ranks(group)
         self.ops.append(
             Op(
                 name=kind,

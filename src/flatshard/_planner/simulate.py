@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from flatshard._clip import clip_grad_norm_
 from flatshard._collectives import SIMULATED_BACKEND
@@ -66,6 +67,9 @@ class Setup:
     kept_gathered: int = 0
     # CPUOffload: shards, gradients and the optimizer (its state and its step) on the host.
     cpu_offload: bool = False
+    # Tensor parallel degree T: the world is a (W / T, T) mesh ("dp", "tp"), the model is
+    # built by ``build(mesh["tp"])`` and sharded over "dp".
+    tensor_parallel: int = 1
 
 
 @dataclass
@@ -80,7 +84,7 @@ class Simulated:
 
 
 def simulate(
-    build: Callable[[], nn.Module],
+    build: Callable[..., nn.Module],
     inputs: Inputs,
     loss: Loss,
     setup: Setup,
@@ -97,7 +101,7 @@ def simulate(
 
 
 def _simulate(
-    build: Callable[[], nn.Module],
+    build: Callable[..., nn.Module],
     inputs: Inputs,
     loss: Loss,
     setup: Setup,
@@ -105,12 +109,13 @@ def _simulate(
     recorder: Recorder,
 ) -> Simulated:
     recorder.ranks_per_host = ranks_per_host
+    mesh = _mesh(setup)
     with torch.device("meta"):
-        model = build()
-    params = sum(p.numel() for p in model.parameters())
+        model = _built(build, mesh)
+    params = sum(p.numel() for p in model.parameters())  # a DTensor's: its global shape's
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     with _offload_to_meta():
-        model = shard(model, setup, device="meta", param_init_fn=_shapes_only)
+        model = shard(model, setup, device="meta", param_init_fn=_shapes_only, **_dp(mesh))
     optim = make_optimizer(model, setup)
     for step in range(2):
         if step == 1:
@@ -150,7 +155,7 @@ def _offloaded(model: nn.Module, recorder: Recorder) -> frozenset[int]:
 
 
 def measure(
-    build: Callable[[], nn.Module],
+    build: Callable[..., nn.Module],
     inputs: Inputs,
     loss: Loss,
     setup: Setup,
@@ -158,8 +163,9 @@ def measure(
 ) -> int:
     """The same steps run for real on ``group`` (CPU): this rank's steady-state peak of
     live tensor storage, tracked at the dispatcher (what the plan predicts)."""
+    mesh = _mesh(setup)
     with PeakStorage() as tracker:
-        model = shard(build(), setup, process_group=group)
+        model = shard(_built(build, mesh), setup, **(_dp(mesh) or {"process_group": group}))
         optim = make_optimizer(model, setup)
         for step in range(2):
             if step == 1:
@@ -170,7 +176,7 @@ def measure(
 
 
 def measure_step_seconds(
-    build: Callable[[], nn.Module],
+    build: Callable[..., nn.Module],
     inputs: Inputs,
     loss: Loss,
     setup: Setup,
@@ -179,7 +185,8 @@ def measure_step_seconds(
 ) -> float:
     """The same steps run for real on ``group`` (CPU): the median seconds of ``steps``
     steps after two warm-up steps (what the plan's step time predicts)."""
-    model = shard(build(), setup, process_group=group)
+    mesh = _mesh(setup)
+    model = shard(_built(build, mesh), setup, **(_dp(mesh) or {"process_group": group}))
     optim = make_optimizer(model, setup)
     times = []
     for step in range(2 + steps):
@@ -189,6 +196,23 @@ def measure_step_seconds(
         if step >= 2:
             times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def _mesh(setup: Setup) -> DeviceMesh | None:
+    """Tensor parallel: the world as a ("dp", "tp") mesh (None without)."""
+    if setup.tensor_parallel == 1:
+        return None
+    shape = (setup.world_size // setup.tensor_parallel, setup.tensor_parallel)
+    return init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+
+
+def _built(build: Callable[..., nn.Module], mesh: DeviceMesh | None) -> nn.Module:
+    return build() if mesh is None else build(mesh["tp"])
+
+
+def _dp(mesh: DeviceMesh | None) -> dict[str, Any]:
+    """``fully_shard``'s group under tensor parallel: the mesh's "dp" dimension."""
+    return {} if mesh is None else {"process_group": mesh["dp"]}
 
 
 def _shapes_only(module: nn.Module) -> None:
