@@ -14,9 +14,12 @@ with the same isolation as a spawned one. Two differences matter here:
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
 import os
+import sys
 from multiprocessing.context import ForkServerContext, SpawnContext
+from typing import NoReturn
 
 PRELOAD = ["torch", "torch._dynamo", "flatshard"]
 
@@ -35,3 +38,20 @@ def adopt_environment(env: dict[str, str]) -> None:
     """Make this (forked) process's environment the caller's."""
     os.environ.clear()
     os.environ.update(env)
+
+
+def exit_without_teardown(code: int) -> NoReturn:
+    """End this process now: exit handlers run and output is flushed, the rest is skipped.
+
+    [Note: exiting without teardown] Python's own exit then garbage-collects every module
+    object one by one: 0.7 s after importing torch on the development machine, 1.5 s once
+    torch._dynamo is in (``fully_shard`` imports it), in every rank and every CLI
+    command. Work that must outlive the process is done by then (files are closed as they
+    are written, process groups destroyed), and what registered for the exit (``atexit``:
+    flatshard's own release of process groups, logging) still runs. Processes forked by
+    multiprocessing end this way already.
+    """
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import sys
+from typing import NoReturn
 
+from flatshard._processes import exit_without_teardown
 from flatshard.cli import bench, ckpt, plan, train
 from flatshard.cli.config import ConfigError, OneLineParser
 
@@ -29,5 +31,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def entry() -> NoReturn:
+    """The ``flatshard`` command: ``main``, then an exit without interpreter teardown."""
+    exit_without_teardown(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

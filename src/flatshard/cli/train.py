@@ -27,6 +27,7 @@ from torch import nn
 import flatshard
 from flatshard._checkpoint import CheckpointError, read_manifest
 from flatshard._planner.recommend import kept_phrase
+from flatshard._processes import exit_without_teardown
 from flatshard.cli.config import ConfigError, add_config_parser, config_from_args
 from flatshard.cli.data import VOCAB, Corpus, batch_for_step, decode, encode, load_corpus
 from flatshard.cli.devices import backend_for, init_rank, peak_memory_mib, resolve_device
@@ -108,6 +109,7 @@ def _worker(rank: int, config: TrainConfig, store: str, launcher: int) -> None:
         if rank == 0:
             print(f"flatshard train: error: {error}", file=sys.stderr)
         sys.exit(2)
+    exit_without_teardown(0)  # see [Note: exiting without teardown]
 
 
 # ---------------------------------------------------------------- one rank
