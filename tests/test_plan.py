@@ -242,6 +242,19 @@ def test_cpu_offload_is_recommended_where_nothing_else_fits(planner: ProcessPool
     assert code == 1 and "nothing fits" in out  # not even offloaded
 
 
+def test_hybrid_candidates_try_every_sharding_factor(planner: ProcessPoolExecutor) -> None:
+    """Across 4 hosts of 2 ranks the hybrid strategies are planned sharded over one host
+    (F = 2) and over two (F = 4): the wider shard holds less between steps."""
+    args = ["plan", "--layers", "2", "--dim", "64", "--seq-len", "32", "--batch", "2"]
+    args += ["--nproc", "2", "--hosts", "4", "--cluster", "cpu-dev", "--memory-budget", "device"]
+    code, out, _ = planner.submit(run_cli, [*args, "--json"]).result()
+    assert code == 0
+    rest = {c["setup"]: c["at_rest_bytes"] for c in json.loads(out)["candidates"]}
+    for strategy in ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2"):
+        assert rest[f"{strategy} (F=4)"] < rest[f"{strategy} (F=2)"] < rest["NO_SHARD"]
+    assert "(F=8)" not in out  # F = W is FULL_SHARD
+
+
 def test_plan_command_prints_json_and_recommends_within_a_budget(
     planner: ProcessPoolExecutor, tmp_path: Path
 ) -> None:

@@ -1,7 +1,8 @@
 """Given a memory budget, the fastest setup that fits, and why the others do not.
 
 The candidates are what an FSDP user would try by hand: each sharding strategy (the
-hybrid ones only across hosts), with and without activation checkpointing. Each is
+hybrid ones only across hosts, sharded over one host, two, four... : every F =
+ranks_per_host x 2^k below the world size), with and without activation checkpointing. Each is
 planned (simulated) in full; the fastest whose device memory fits the budget wins. If it
 reshards after forward, as many of its last units as still fit are then kept gathered
 until backward (``keep_gathered_where_it_fits``): less communication than resharding
@@ -53,10 +54,16 @@ class Candidate:
     kept_gathered: int = 0  # the last N units in the strategy's ZeRO-2 form
 
     @property
+    def sharding_factor(self) -> int | None:
+        return self.plan.setup.sharding_factor if self.strategy.is_hybrid else None
+
+    @property
     def label(self) -> str:
+        factor = f" (F={self.sharding_factor})" if self.sharding_factor else ""
         checkpointing = ", activation checkpointing" if self.checkpoint_activations else ""
         offload = ", CPU offload" if self.plan.setup.cpu_offload else ""
-        return f"{self.strategy.name}{kept_phrase(self.kept_gathered)}{checkpointing}{offload}"
+        kept = kept_phrase(self.kept_gathered)
+        return f"{self.strategy.name}{factor}{kept}{checkpointing}{offload}"
 
 
 def kept_phrase(count: int) -> str:
@@ -78,11 +85,25 @@ def candidates(problem: Problem, setup: Setup) -> list[Candidate]:
         strategies += [ShardingStrategy.HYBRID_SHARD_ZERO2, ShardingStrategy.HYBRID_SHARD]
     found = []
     for strategy in strategies:
-        factor = cluster.ranks_per_host if strategy.is_hybrid else None
-        for checkpointing in (False, True):
-            chosen = replace(setup, strategy=strategy, sharding_factor=factor)
-            found.append(Candidate(strategy, checkpointing, problem.plan(chosen, checkpointing)))
+        for factor in _factors(strategy, cluster):
+            for checkpointing in (False, True):
+                chosen = replace(setup, strategy=strategy, sharding_factor=factor)
+                plan = problem.plan(chosen, checkpointing)
+                found.append(Candidate(strategy, checkpointing, plan))
     return sorted(found, key=lambda c: c.plan.step.seconds)
+
+
+def _factors(strategy: ShardingStrategy, cluster: Cluster) -> list[int | None]:
+    """The sharding factors F to try: one host's ranks, then two hosts', four... below the
+    world (F = W is FULL_SHARD itself); None for the other strategies."""
+    if not strategy.is_hybrid:
+        return [None]
+    factors: list[int | None] = []
+    factor = cluster.ranks_per_host
+    while factor < cluster.world_size and cluster.world_size % factor == 0:
+        factors.append(factor)
+        factor *= 2
+    return factors
 
 
 def best_fit(found: list[Candidate], budget: int) -> Candidate | None:
@@ -144,6 +165,7 @@ def keep_gathered_where_it_fits(
                 c
                 for c in found
                 if c.strategy == form
+                and c.sharding_factor == reshards.sharding_factor
                 and c.checkpoint_activations == reshards.checkpoint_activations
             ),
             None,

@@ -68,5 +68,5 @@ def fit_memory(
         checkpoint_activations=best.checkpoint_activations,
         keep_gathered=best.kept_gathered,
         cpu_offload=best.plan.setup.cpu_offload,
-        sharding_factor=0,
+        sharding_factor=best.sharding_factor or 0,
     )

@@ -86,7 +86,8 @@ class PlanConfig:
     """print one JSON object (peak_memory_bytes, memory_bytes, step_time_s, ...)"""
     memory_budget: str = ""
     """e.g. '20GiB' or 'device': also plan every strategy with and without activation
-    checkpointing, recommend the fastest whose device memory fits, and keep as many of
+    checkpointing (across hosts, the hybrid ones at F = ranks per host x 2^k below the
+    world size), recommend the fastest whose device memory fits, and keep as many of
     its last units gathered as still fit (FULL_SHARD with CPU offload where nothing
     else fits)"""
     chart: str = ""
@@ -207,6 +208,8 @@ def _recommend(config: PlanConfig, model: PlannedModel, first: flatshard.Plan) -
         print("nothing fits: add ranks or hosts, lower --batch or --seq-len, or use bf16")
         return 1
     flags = f"--strategy {best.strategy.name}"
+    if best.sharding_factor:
+        flags += f" --sharding-factor {best.sharding_factor}"
     if best.kept_gathered:
         flags += f" --keep-gathered {best.kept_gathered}"
     if best.checkpoint_activations:
