@@ -221,7 +221,8 @@ def reduce_scatter_impl(group: dist.ProcessGroup) -> ReduceScatter:
     MiB (0.66-0.74x the all-to-all's time, and an all-gather as an all-reduce of a zeroed
     buffer 0.77-0.85x all_gather_into_tensor's, 2 ranks), but with both taken for the
     48 MiB tied embedding of ``variants.py --shape llm-32k`` the whole step was 1.02x
-    and 1.09x as long (two runs of 3-4 rounds). One form for every size stays.
+    and 1.09x as long (two runs of 3-4 rounds, against a variant forcing these forms,
+    removed with the size rule). One form for every size stays.
     """
     backend: str = dist.get_backend(group)
     if backend == dist.Backend.FAKE:  # the planner's simulated world (``flatshard.plan``)
