@@ -187,8 +187,9 @@ def _inputs(config: PlanConfig, vocab: int) -> Any:
 def _recommend(config: PlanConfig, model: PlannedModel, first: flatshard.Plan) -> int:
     budget = parse_size(config.memory_budget, "--memory-budget", first.cluster.memory_bytes)
     inputs = _inputs(config, model.vocab)
-    setup: Setup = replace(first.setup, kept_gathered=0, cpu_offload=False)
-    setup = replace(setup, foreach=first.cluster.device != "cpu")
+    # Candidates start from no offload (offload_where_nothing_fits adds it back).
+    foreach = first.cluster.device != "cpu"
+    setup: Setup = replace(first.setup, kept_gathered=0, cpu_offload=False, foreach=foreach)
     problem = Problem(model.build, inputs, language_model_loss, first.cluster)
     found = recommend(problem, setup, budget)
     best = best_fit(found, budget)
