@@ -69,11 +69,16 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        if not self.cluster.host_memory_bytes:  # one memory (a CPU): offloaded bytes too
-            extra = self.total_peak_bytes - self.peak_memory_bytes
-            return self.device_memory_needed + extra <= self.cluster.memory_bytes
-        host_fits = self.host_memory_bytes <= self.cluster.host_memory_bytes
-        return host_fits and self.device_memory_needed <= self.cluster.memory_bytes
+        return self.fits_within(self.cluster.memory_bytes)
+
+    def fits_within(self, budget: int) -> bool:
+        """Within ``budget`` of device memory, and its host's memory (CPU offload); on a
+        CPU, whose one memory holds what is offloaded too, both within ``budget``."""
+        host = self.cluster.host_memory_bytes
+        if not host:
+            offloaded = self.total_peak_bytes - self.peak_memory_bytes
+            return self.device_memory_needed + offloaded <= budget
+        return self.device_memory_needed <= budget and self.host_memory_bytes <= host
 
     @property
     def tflops_per_device(self) -> float:

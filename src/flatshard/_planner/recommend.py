@@ -107,17 +107,7 @@ def _factors(strategy: ShardingStrategy, cluster: Cluster) -> list[int | None]:
 
 
 def best_fit(found: list[Candidate], budget: int) -> Candidate | None:
-    return next((c for c in found if fits(c.plan, budget)), None)
-
-
-def fits(plan: Plan, budget: int) -> bool:
-    """Within ``budget`` of device memory, and its host's memory (CPU offload); on a CPU,
-    whose one memory holds what is offloaded too, both within ``budget``."""
-    host = plan.cluster.host_memory_bytes
-    if not host:
-        offloaded = plan.total_peak_bytes - plan.peak_memory_bytes
-        return plan.device_memory_needed + offloaded <= budget
-    return plan.device_memory_needed <= budget and plan.host_memory_bytes <= host
+    return next((c for c in found if c.plan.fits_within(budget)), None)
 
 
 def offload_where_nothing_fits(
@@ -174,8 +164,8 @@ def keep_gathered_where_it_fits(
         if (
             form is None
             or zero2 is None
-            or not fits(reshards.plan, budget)
-            or fits(zero2.plan, budget)
+            or not reshards.plan.fits_within(budget)
+            or zero2.plan.fits_within(budget)
             or (best is not None and best.plan.step.seconds <= zero2.plan.step.seconds)
         ):
             continue
@@ -193,7 +183,7 @@ def _most_kept(reshards: Candidate, budget: int, problem: Problem) -> Candidate:
         count = (low + high + 1) // 2
         setup = replace(reshards.plan.setup, kept_gathered=count)
         planned = problem.plan(setup, reshards.checkpoint_activations)
-        if fits(planned, budget):
+        if planned.fits_within(budget):
             low = count
             chosen = Candidate(reshards.strategy, reshards.checkpoint_activations, planned, count)
         else:

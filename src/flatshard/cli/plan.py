@@ -26,7 +26,7 @@ import torch
 import flatshard
 from flatshard._planner.cluster import PRESETS
 from flatshard._planner.plan import plan
-from flatshard._planner.recommend import Candidate, Problem, best_fit, fits, recommend
+from flatshard._planner.recommend import Candidate, Problem, best_fit, recommend
 from flatshard._planner.simulate import Setup
 from flatshard.cli.config import add_config_parser, config_from_args, fail
 from flatshard.cli.plan_model import PlannedModel, language_model_loss, planned_model
@@ -226,7 +226,7 @@ def _print_candidates(model: PlannedModel, found: list[Candidate], budget: int) 
     print(f"model: {model.description}; budget {size(budget)} per device")
     print(f"  {'setup':<60} {'step':>10} {'device memory':>14}")
     for c in found:
-        verdict = "fits" if fits(c.plan, budget) else "over budget"
+        verdict = "fits" if c.plan.fits_within(budget) else "over budget"
         print(
             f"  {c.label:<60} {c.plan.step.seconds * 1e3:>8.1f}ms "
             f"{size(c.plan.device_memory_needed):>14}  {verdict}"
