@@ -25,16 +25,16 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from flatshard._clip import clip_grad_norm_
 from flatshard._collectives import SIMULATED_BACKEND
+from flatshard._keep_gathered import shard_keeping_last
 from flatshard._mesh import ShardingStrategy
 from flatshard._mixed_precision import OFFLOAD_DEVICE, CPUOffload, MixedPrecision
 from flatshard._no_sync import no_sync
 from flatshard._planner import recorder as tags
 from flatshard._planner.attention import fused_attention
 from flatshard._planner.recorder import Recorder
-from flatshard._policy import AutoWrapPolicy, last_units
+from flatshard._policy import AutoWrapPolicy
 from flatshard._prefetch import Prefetch
 from flatshard._summary import sharding_summary
-from flatshard.api import fully_shard
 from flatshard.testing.accounting import PeakStorage
 
 Inputs = Callable[[], tuple[torch.Tensor, ...]]
@@ -227,21 +227,6 @@ def _shapes_only(module: nn.Module) -> None:
 def shard(model: nn.Module, setup: Setup, **extra: Any) -> nn.Module:
     """``fully_shard`` as ``setup`` says (see ``shard_keeping_last``)."""
     return shard_keeping_last(model, setup.kept_gathered, **shard_options(setup), **extra)
-
-
-def shard_keeping_last(model: nn.Module, kept: int, **options: Any) -> nn.Module:
-    """``fully_shard(model, **options)``, its last ``kept`` units sharded first in the
-    strategy's form that keeps them gathered from forward to backward (what ``plan``'s
-    and ``flatshard train``'s keep_gathered mean)."""
-    strategy: ShardingStrategy = options["strategy"]
-    if kept and strategy.kept_gathered is None:
-        raise ValueError(
-            f"keep_gathered applies to FULL_SHARD and HYBRID_SHARD, not {strategy.name}"
-        )
-    for unit in last_units(model, options["auto_wrap_policy"], kept):
-        unit_options = {**options, "auto_wrap_policy": None, "strategy": strategy.kept_gathered}
-        fully_shard(unit, **unit_options)
-    return fully_shard(model, **options)
 
 
 def shard_options(setup: Setup) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import flatshard
-from flatshard._planner.simulate import shard_keeping_last
+from flatshard._keep_gathered import shard_keeping_last
 from flatshard._skip_init import leave_for_load
 from flatshard.cli.config import ConfigError
 from flatshard.cli.data import VOCAB
