@@ -21,6 +21,10 @@ from flatshard._checks import Tag
 from flatshard._collectives import ReduceScatter
 from flatshard._mesh import ranks_per_host
 from flatshard._partition import UnitPlan, partition
+from flatshard._planner.calibrate import _achieved as fitted_achieved
+from flatshard._planner.calibrate import _predicted as calibrated_seconds
+from flatshard._planner.calibrate import _Speeds as CalibratedSpeeds
+from flatshard._planner.recorder import Op as RecordedOp
 from flatshard._planner.simulate import measure as measured_step_peak
 from flatshard._planner.simulate import measure_step_seconds as measured_step_seconds
 from flatshard._policy import select_unit_roots
@@ -30,10 +34,14 @@ from flatshard._rate_limiter import RateLimiter
 from flatshard._step import context_of
 
 __all__ = [
+    "CalibratedSpeeds",
+    "RecordedOp",
     "ReduceScatter",
     "UnitPlan",
+    "calibrated_seconds",
     "checkpoint_save_fails",
     "collective_tag",
+    "fitted_achieved",
     "forced_reduce_scatter",
     "gather_now",
     "measured_step_peak",
