@@ -9,16 +9,16 @@ between them. Two cores shared by compute and gloo's threads leave no room for o
 
 [Note: fitted to training steps]
 A lone ``a @ b`` repeated on hot operands runs faster than the same product inside a
-training step (cold operands, the other ranks working beside it): on this machine the step's matrix products ran 1.4x as long as the
-benchmark's rate predicts, in 2 ranks at once (``torch.profiler``, the GPT of
-``benchmarks/plan_vs_measured.py``), and a whole step ran 1.3x as long as the same step
-alone. Two real steps pin down what the micro-benchmarks miss: a small GPT's, mostly
-per-op cost (masks, softmax and the optimizer's updates run strided and short; Python
-does more around them), gives the time per op beyond the tiny step's; a GPT twice as
-wide on four times the tokens, mostly matrix products, gives ``achieved``, the share of
-the benchmark's rate that a step's products reach (above 1 where the benchmark itself ran
-slow: the machine is shared). Each fit uses the other's result, so
-they alternate until both settle.
+training step (cold operands, the other ranks working beside it): on this machine the
+step's matrix products ran 1.4x as long as the benchmark's rate predicts, in 2 ranks at
+once (``torch.profiler``, the GPT of ``benchmarks/plan_vs_measured.py``), and a whole
+step ran 1.3x as long as the same step alone. Two real steps pin down what the
+micro-benchmarks miss: a small GPT's, mostly per-op cost (masks, softmax and the
+optimizer's updates run strided and short; Python does more around them), gives the time
+per op beyond the tiny step's; a GPT twice as wide on four times the tokens, mostly
+matrix products, gives ``achieved``, the share of the benchmark's rate that a step's
+products reach (above 1 where the benchmark itself ran slow: the machine is shared).
+Each fit uses the other's result, so they alternate until both settle.
 """
 
 from __future__ import annotations
