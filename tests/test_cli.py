@@ -72,7 +72,7 @@ def test_train_a_hugging_face_model_under_torchrun_in_bf16(tmp_path: Path) -> No
     argv = ["--model", f"hf:{config}", "--seq-len", "32", "--batch", "4", "--steps", "3"]
     argv += ["--mixed-precision", "bf16", "--sample-bytes", "8", "--out-dir", str(tmp_path)]
     out = _train(*argv, "--fit-memory", "1GiB", launcher=launcher)
-    kept = r"(?:, last \d+ units? kept gathered)?"
+    kept = r"(?:, sublayer units)?(?:, last \d+ units? kept gathered)?"
     chosen = re.search(rf"--fit-memory 1GiB: (\w+{kept})(, activation checkpointing)? \(pred", out)
     assert chosen is not None, out
     assert f"2 ranks (gloo, {chosen.group(1)})" in out

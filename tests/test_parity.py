@@ -30,7 +30,7 @@ def test_parity_sgd(pool: WorkerPool, model: str) -> None:
     pool.run(parity_job, config, model in FSDP2_MODELS)
 
 
-@pytest.mark.parametrize("policy", ["callable", "size", "none", "bottom_up"])
+@pytest.mark.parametrize("policy", ["callable", "size", "sublayers", "none", "bottom_up"])
 @pytest.mark.parametrize("model", ["gpt", "nested"])
 def test_parity_per_policy(pool: WorkerPool, model: str, policy: str) -> None:
     pool.run(parity_job, ParityConfig(model=model, world_size=3, policy=policy), False)

@@ -107,6 +107,9 @@ CASES = [
     ),
     Case("llama-checkpointing-sgd", llama, options=(("optimizer", "sgd-momentum"),)),
     Case("full-shard-last-unit-kept", gpt, options=(("keep_gathered", 1),)),
+    # Each block, its attention and its MLP, and the untied embedding and head: 9 units
+    # with the root; the last 2 (the head, the last MLP) kept gathered.
+    Case("llama-sublayers-kept", llama, options=(("units", "sublayers"), ("keep_gathered", 2))),
     # On a CPU the offloaded state shares the one memory: the run's peak is both memories'.
     Case("cpu-offload", gpt, options=(("cpu_offload", True),)),
     # dp 2 x tp 2: tensor parallel's all-reduces and DTensor's tensors are in the step.
@@ -145,8 +148,10 @@ def test_predicted_peak_is_the_measured_peak(
     case = CASES[index]
     if case.build is llama:
         pytest.importorskip("transformers")
-    units = _llama_units() if case.build is llama else {GPTBlock}
+    units: Any = _llama_units() if case.build is llama else {GPTBlock}
     options = dict(case.options)  # (hybrid: F defaults to the ranks per host, 2)
+    if options.pop("units", "blocks") == "sublayers":
+        units = flatshard.SublayerPolicy(units)
     predicted = planner.submit(
         flatshard.plan,
         case.build,
@@ -158,6 +163,8 @@ def test_predicted_peak_is_the_measured_peak(
         ranks_per_host=case.ranks_per_host,
         **options,
     ).result()
+    if isinstance(units, flatshard.SublayerPolicy):
+        assert predicted.units == 9
     if options.get("strategy") == S.HYBRID_SHARD:  # sharded inside each "host" of 2
         assert predicted.setup.sharding_factor == case.ranks_per_host
     world = case.hosts * case.ranks_per_host
@@ -240,6 +247,26 @@ def test_cpu_offload_is_recommended_where_nothing_else_fits(planner: ProcessPool
     assert "host memory (CPU offload), peak" in out
     code, out, _ = planner.submit(run_cli, [*args[:-1], "1030MiB"]).result()
     assert code == 1 and "nothing fits" in out  # not even offloaded
+
+
+def test_sublayer_units_are_recommended_where_they_make_a_faster_setup_fit(
+    planner: ProcessPoolExecutor,
+) -> None:
+    """FULL_SHARD needs 108.6 MiB here with blocks as units and 107.6 MiB with sublayers
+    (two of a block's three parts gathered at once, not two blocks); with a budget between
+    the two it fits only split, and still beats checkpointing (a fifth slower)."""
+    args = ["plan", "--layers", "4", "--dim", "256", "--batch", "8", "--nproc", "2"]
+    args += ["--cluster", "cpu-dev", "--memory-budget", "108MiB", "--json"]
+    code, out, _ = planner.submit(run_cli, args).result()
+    assert code == 0
+    result = json.loads(out)
+    budget = result["budget_bytes"]
+    fits = {c["setup"]: c["device_memory_needed_bytes"] <= budget for c in result["candidates"]}
+    units = {c["setup"]: c["units"] for c in result["candidates"]}
+    assert not fits["FULL_SHARD"] and fits["FULL_SHARD, sublayer units"]
+    assert units["FULL_SHARD, sublayer units"] == 1 + 4 * 3  # the embedding is tied
+    assert result["recommended"].startswith("FULL_SHARD, sublayer units")
+    assert "NO_SHARD, sublayer units" not in fits  # nothing to gather: nothing to split
 
 
 def test_hybrid_candidates_try_every_sharding_factor(planner: ProcessPoolExecutor) -> None:

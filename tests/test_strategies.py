@@ -95,9 +95,13 @@ def test_strategy_parity(
         ParityConfig(
             model="gpt", world_size=4, strategy="HYBRID_SHARD", sharding_factor=2, keep_gathered=2
         ),
+        # --units sublayers --keep-gathered 4: the last block with its attention and MLP
+        # (sharded inside out), and the MLP of the block before, without its block.
+        ParityConfig(model="gpt", world_size=2, keep_gathered=4, policy="sublayers"),
     ],
     ids=lambda c: (
-        f"{c.model}-{c.strategy}-root-{c.root_strategy}-kept-{c.keep_gathered}-w{c.world_size}"
+        f"{c.model}-{c.strategy}-root-{c.root_strategy}-kept-{c.keep_gathered}-{c.policy}"
+        f"-w{c.world_size}"
     ),
 )
 def test_mixed_strategy_parity(pool: WorkerPool, config: ParityConfig) -> None:

@@ -31,7 +31,7 @@ from flatshard._optim_state import (
 )
 from flatshard._planner.cluster import Cluster
 from flatshard._planner.plan import Plan, plan
-from flatshard._policy import SizePolicy
+from flatshard._policy import SizePolicy, SublayerPolicy
 from flatshard._prefetch import BackwardPrefetch, Prefetch
 from flatshard._skip_init import skip_init
 from flatshard._state_dict import (
@@ -62,6 +62,7 @@ __all__ = [
     "ShardedGradScaler",
     "ShardingStrategy",
     "SizePolicy",
+    "SublayerPolicy",
     "clip_grad_norm_",
     "dtype_plan",
     "export_checkpoint",

@@ -6,8 +6,12 @@ ranks_per_host x 2^k below the world size), with and without activation checkpoi
 planned (simulated) in full; the fastest whose device memory fits the budget wins. If it
 reshards after forward, as many of its last units as still fit are then kept gathered
 until backward (``keep_gathered_where_it_fits``): less communication than resharding
-every unit, a choice no peer makes for you. Where nothing fits, FULL_SHARD with CPU
-offload is planned too (``offload_where_nothing_fits``): the slowest way, and the last.
+every unit, a choice no peer makes for you. Before that, the unit policy: where a
+candidate that gathers parameters is faster than the best that fits but does not fit
+itself, it is planned again with its blocks split into sublayers
+(``finer_units_where_they_help``, ``SublayerPolicy``): fewer parameters gathered at once,
+for more collectives. Where nothing fits, FULL_SHARD with CPU offload is planned too
+(``offload_where_nothing_fits``): the slowest way, and the last.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from flatshard._mesh import ShardingStrategy
 from flatshard._planner.cluster import Cluster
 from flatshard._planner.plan import Plan, plan_setup
 from flatshard._planner.simulate import Inputs, Loss, Setup
+from flatshard._policy import SublayerPolicy
 
 Builder = Callable[[bool], Callable[[], nn.Module]]
 """checkpoint_activations -> the model's build function."""
@@ -42,6 +47,7 @@ class Problem:
 def recommend(problem: Problem, setup: Setup, budget: int) -> list[Candidate]:
     """Every candidate of the module docstring planned, fastest first (``best_fit`` picks)."""
     found = candidates(problem, setup)
+    found = finer_units_where_they_help(found, budget, problem)
     found = keep_gathered_where_it_fits(found, budget, problem)
     return offload_where_nothing_fits(found, budget, problem)
 
@@ -58,12 +64,17 @@ class Candidate:
         return self.plan.setup.sharding_factor if self.strategy.is_hybrid else None
 
     @property
+    def sublayers(self) -> bool:
+        return isinstance(self.plan.setup.auto_wrap_policy, SublayerPolicy)
+
+    @property
     def label(self) -> str:
         factor = f" (F={self.sharding_factor})" if self.sharding_factor else ""
+        units = ", sublayer units" if self.sublayers else ""
         checkpointing = ", activation checkpointing" if self.checkpoint_activations else ""
         offload = ", CPU offload" if self.plan.setup.cpu_offload else ""
         kept = kept_phrase(self.kept_gathered)
-        return f"{self.strategy.name}{factor}{kept}{checkpointing}{offload}"
+        return f"{self.strategy.name}{factor}{units}{kept}{checkpointing}{offload}"
 
 
 def kept_phrase(count: int) -> str:
@@ -104,6 +115,38 @@ def _factors(strategy: ShardingStrategy, cluster: Cluster) -> list[int | None]:
         factors.append(factor)
         factor *= 2
     return factors
+
+
+# Each try is a whole plan; the fastest few that miss the budget are the ones worth it.
+MOST_SPLIT = 3
+
+
+def finer_units_where_they_help(
+    found: list[Candidate], budget: int, problem: Problem
+) -> list[Candidate]:
+    """``found`` and, planned with their blocks split into sublayers, the best that fits
+    and the ``MOST_SPLIT`` fastest of those faster than it that do not fit; fastest
+    first. Only candidates that gather parameters (not NO_SHARD) and whose units are
+    blocks (a policy to split, not split already)."""
+    best = best_fit(found, budget)
+    faster = [
+        c
+        for c in found
+        if not c.plan.fits_within(budget)
+        and (best is None or c.plan.step.seconds < best.plan.step.seconds)
+    ][:MOST_SPLIT]
+    added = []
+    for c in [*faster, *([best] if best else [])]:
+        policy = c.plan.setup.auto_wrap_policy
+        if c.strategy == ShardingStrategy.NO_SHARD or policy is None or c.sublayers:
+            continue
+        split = replace(c.plan.setup, auto_wrap_policy=SublayerPolicy(policy))
+        added.append(
+            Candidate(
+                c.strategy, c.checkpoint_activations, problem.plan(split, c.checkpoint_activations)
+            )
+        )
+    return sorted(found + added, key=lambda c: c.plan.step.seconds)
 
 
 def best_fit(found: list[Candidate], budget: int) -> Candidate | None:

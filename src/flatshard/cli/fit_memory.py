@@ -1,8 +1,9 @@
 """``flatshard train --fit-memory 20GiB``: train with the fastest setup the planner finds
 that fits the budget (``flatshard plan --memory-budget`` does the same, and shows all).
 
-The candidates (each strategy, with and without activation checkpointing; then the best
-with as many of its last blocks kept gathered as still fit) are planned on the meta
+The candidates (each strategy, with and without activation checkpointing, with sublayer
+units where they can make a faster one fit; then the best with as many of its last units
+kept gathered as still fit) are planned on the meta
 device before any rank starts. Their step times come from a fixed cluster
 preset (``h100-80gb`` for GPUs, ``cpu-dev`` for CPUs), not from a measurement, so every
 rank of a torchrun job that plans on its own reaches the same choice.
@@ -21,14 +22,14 @@ from flatshard.cli.config import ConfigError
 from flatshard.cli.data import VOCAB
 from flatshard.cli.plan_model import language_model_loss, planned_model
 from flatshard.cli.plan_report import size
-from flatshard.cli.train_config import PRECISIONS, TrainConfig
+from flatshard.cli.train_config import PRECISIONS, TrainConfig, unit_policy
 
 
 def fit_memory(
     config: TrainConfig, budget: int, world: int, device: str, quiet: bool = False
 ) -> TrainConfig:
-    """``config`` with the chosen --strategy, --keep-gathered, --checkpoint-activations and
-    --cpu-offload."""
+    """``config`` with the chosen --strategy, --units, --keep-gathered,
+    --checkpoint-activations and --cpu-offload."""
     if config.lora:
         raise ConfigError("--fit-memory does not plan LoRA adapters yet; choose the setup by hand")
     model = planned_model(config.model, config, VOCAB, fit_to_bytes=True)
@@ -36,7 +37,7 @@ def fit_memory(
     cluster = cluster.sized(1, world)
     setup = Setup(
         world_size=world,
-        auto_wrap_policy=model.unit_classes,
+        auto_wrap_policy=unit_policy(model.unit_classes, config.units),
         param_dtype=PRECISIONS[config.mixed_precision],
         grad_accum=config.grad_accum,
         clip=config.clip > 0,
@@ -65,6 +66,7 @@ def fit_memory(
     return replace(
         config,
         strategy=best.strategy.name,
+        units="sublayers" if best.sublayers else "blocks",
         checkpoint_activations=best.checkpoint_activations,
         keep_gathered=best.kept_gathered,
         cpu_offload=best.plan.setup.cpu_offload,

@@ -28,7 +28,7 @@ from flatshard.cli.lora import (
     merge_adapters,
     parse_lora,
 )
-from flatshard.cli.train_config import PRECISIONS, TrainConfig
+from flatshard.cli.train_config import PRECISIONS, TrainConfig, unit_policy
 from flatshard.models import GPT, GPTBlock
 
 
@@ -140,18 +140,14 @@ def shard_language_model(lm: LanguageModel, config: TrainConfig, device: torch.d
         options["mixed_precision"] = flatshard.MixedPrecision(low, reduce_dtype=torch.float32)
     if config.cpu_offload:
         options["cpu_offload"] = flatshard.CPUOffload()
+    options["auto_wrap_policy"] = unit_policy(lm.unit_classes, config.units)
     if lm.weights is None:
-        return _shard(lm.module.to(device), lm, config.keep_gathered, options)
+        return shard_keeping_last(lm.module.to(device), config.keep_gathered, **options)
     options.update(param_init_fn=lm.param_init_fn, device=device)
     # On meta: each unit is allocated on ``device`` and filled by the load.
-    model = _shard(lm.module, lm, config.keep_gathered, options)
+    model = shard_keeping_last(lm.module, config.keep_gathered, **options)
     load_weights(model, lm)
     return model
-
-
-def _shard(module: nn.Module, lm: LanguageModel, kept: int, options: dict[str, Any]) -> nn.Module:
-    """--keep-gathered: its last ``kept`` units first, in the strategy's ZeRO-2 form."""
-    return shard_keeping_last(module, kept, auto_wrap_policy=lm.unit_classes, **options)
 
 
 def load_weights(model: nn.Module, lm: LanguageModel) -> None:

@@ -31,7 +31,7 @@ from flatshard._planner.simulate import Setup
 from flatshard.cli.config import add_config_parser, config_from_args, fail
 from flatshard.cli.plan_model import PlannedModel, language_model_loss, planned_model
 from flatshard.cli.plan_report import chart, parse_size, size, table
-from flatshard.cli.train_config import PRECISIONS, TrainConfig
+from flatshard.cli.train_config import PRECISIONS, UNITS, TrainConfig, unit_policy
 
 CLUSTERS = (*PRESETS, "cpu")
 
@@ -67,6 +67,9 @@ class PlanConfig:
     """FULL_SHARD | SHARD_GRAD_OP | NO_SHARD | HYBRID_SHARD | HYBRID_SHARD_ZERO2"""
     sharding_factor: int = 0
     """ranks a unit is sharded over for the hybrid strategies (0: ranks per host)"""
+    units: str = "blocks"
+    """blocks | sublayers: the units: each transformer block, or also each block's
+    attention and MLP and the untied input embedding and output head"""
     keep_gathered: int = 0
     """the last N units keep their parameters gathered from forward to backward
     (FULL_SHARD, HYBRID_SHARD): no all-gather when backward reaches them"""
@@ -87,9 +90,9 @@ class PlanConfig:
     memory_budget: str = ""
     """e.g. '20GiB' or 'device': also plan every strategy with and without activation
     checkpointing (across hosts, the hybrid ones at F = ranks per host x 2^k below the
-    world size), recommend the fastest whose device memory fits, and keep as many of
-    its last units gathered as still fit (FULL_SHARD with CPU offload where nothing
-    else fits)"""
+    world size; with sublayer units where that can make a faster one fit), recommend the
+    fastest whose device memory fits, and keep as many of its last units gathered as
+    still fit (FULL_SHARD with CPU offload where nothing else fits)"""
     chart: str = ""
     """write the live-tensor memory over one step as a PNG to this path"""
 
@@ -110,6 +113,7 @@ class PlanConfig:
             ("strategy", tuple(s.name for s in flatshard.ShardingStrategy)),
             ("optimizer", ("adamw", "adam", "sgd-momentum", "sgd")),
             ("cluster", CLUSTERS),
+            ("units", UNITS),
         ):
             if getattr(self, name) not in allowed:
                 fail(name, f"must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
@@ -163,7 +167,7 @@ def _plan(config: PlanConfig, model: PlannedModel, checkpointing: bool) -> flats
         model.build(checkpointing),
         _inputs(config, model.vocab),
         loss=language_model_loss,
-        auto_wrap_policy=model.unit_classes,
+        auto_wrap_policy=unit_policy(model.unit_classes, config.units),
         cluster=config.cluster,
         hosts=config.hosts,
         ranks_per_host=config.nproc or None,
@@ -209,6 +213,8 @@ def _recommend(config: PlanConfig, model: PlannedModel, first: flatshard.Plan) -
         print("nothing fits: add ranks or hosts, lower --batch or --seq-len, or use bf16")
         return 1
     flags = f"--strategy {best.strategy.name}"
+    if best.sublayers:
+        flags += " --units sublayers"
     if best.sharding_factor:
         flags += f" --sharding-factor {best.sharding_factor}"
     if best.kept_gathered:

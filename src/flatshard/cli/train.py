@@ -360,9 +360,10 @@ def _loop(trainer: Trainer, backend: str) -> None:
 
 def _print_start(trainer: Trainer, backend: str) -> None:
     config = trainer.config
+    units = ", sublayer units" if config.units == "sublayers" else ""
     print(
         f"flatshard train: {trainer.lm.description}, {trainer.params:,} parameters, "
-        f"{trainer.world} ranks ({backend}, {config.strategy}"
+        f"{trainer.world} ranks ({backend}, {config.strategy}{units}"
         f"{kept_phrase(config.keep_gathered)}{', CPU offload' if config.cpu_offload else ''}), "
         f"{config.steps} steps"
     )

@@ -12,14 +12,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 import flatshard
+from flatshard._policy import AutoWrapPolicy
 from flatshard.cli.config import fail
 from flatshard.cli.lora import parse_lora
 from flatshard.cli.plan_report import parse_size
 
 PRECISIONS = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 SCHEDULES = ("cosine", "linear", "constant")
+UNITS = ("blocks", "sublayers")
+
+
+def unit_policy(blocks: set[type[nn.Module]], units: str) -> AutoWrapPolicy:
+    """--units: the blocks, or the blocks split into their sublayers."""
+    return flatshard.SublayerPolicy(frozenset(blocks)) if units == "sublayers" else blocks
 
 
 @dataclass(frozen=True)
@@ -81,8 +89,12 @@ class TrainConfig:
     """FULL_SHARD | SHARD_GRAD_OP | NO_SHARD | HYBRID_SHARD | HYBRID_SHARD_ZERO2"""
     sharding_factor: int = 0
     """ranks a unit is sharded over for the hybrid strategies (0: ranks per host)"""
+    units: str = "blocks"
+    """blocks | sublayers: the units: each transformer block, or also each block's
+    attention and MLP and the untied input embedding and output head (less gathered at
+    once, more collectives; flatshard.SublayerPolicy)"""
     keep_gathered: int = 0
-    """the last N blocks keep their parameters gathered from forward to backward
+    """the last N units keep their parameters gathered from forward to backward
     (FULL_SHARD, HYBRID_SHARD): no all-gather when backward reaches them, more memory"""
     mixed_precision: str = "none"
     """none | bf16 | fp16 (fp16 adds a ShardedGradScaler)"""
@@ -95,8 +107,8 @@ class TrainConfig:
     """e.g. '20GiB': plan every strategy with and without activation checkpointing first
     (flatshard plan) and train with the fastest whose predicted memory per rank fits,
     keeping as many of its last blocks gathered as still fit, or with --cpu-offload where
-    nothing else fits (sets --strategy, --keep-gathered, --checkpoint-activations and
-    --cpu-offload)"""
+    nothing else fits (sets --strategy, --units, --keep-gathered, --checkpoint-activations
+    and --cpu-offload)"""
     compile: bool = False
     """torch.compile each transformer block (one graph per block: flatshard's hooks run
     outside it)"""
@@ -146,8 +158,10 @@ class TrainConfig:
         _one_of("strategy", self.strategy, tuple(s.name for s in flatshard.ShardingStrategy))
         if self.keep_gathered and self.sharding_strategy.kept_gathered is None:
             fail("keep_gathered", f"applies to FULL_SHARD and HYBRID_SHARD, not {self.strategy}")
-        if self.keep_gathered > self.layers and self.model == "gpt":
-            fail("keep_gathered", f"({self.keep_gathered}) exceeds --layers ({self.layers})")
+        _one_of("units", self.units, UNITS)
+        units = self.layers * (3 if self.units == "sublayers" else 1)  # GPT: + attn, MLP
+        if self.keep_gathered > units and self.model == "gpt":
+            fail("keep_gathered", f"({self.keep_gathered}) exceeds the {units} units of the GPT")
         if self.model != "gpt" and not self.model.startswith("hf:"):
             fail("model", f"must be 'gpt' or 'hf:<config>', got {self.model!r}")
         if self.max_restarts and self.resume not in ("", "auto"):

@@ -215,6 +215,7 @@ def shard_with_flatshard(model: nn.Module, config: ParityConfig, group: dist.Pro
         "classes": classes,
         "callable": lambda m, name: type(m) in classes,
         "size": flatshard.SizePolicy(min_params=200),
+        "sublayers": flatshard.SublayerPolicy(classes),
         "none": None,
     }
     if config.policy == "bottom_up" or config.root_strategy is not None:
