@@ -27,6 +27,26 @@ def test_twice_on_one_module(local_group: dist.ProcessGroup) -> None:
         flatshard.fully_shard(model)
 
 
+def test_inside_a_unit_of_an_earlier_call(local_group: dist.ProcessGroup) -> None:
+    """Sharding a module after the module around it: its parameters are already views of
+    the outer unit's shards (per rank, they would differ in size)."""
+    model = build("gpt")
+    block = next(m for m in model.modules() if isinstance(m, GPTBlock))
+    flatshard.fully_shard(block)
+    inner = next(m for m in block.children() if any(True for _ in m.parameters()))
+    with pytest.raises(ValueError, match=r"inside the unit .* inner modules before") as error:
+        flatshard.fully_shard(inner)
+    assert f"{type(inner).__name__} ('" in str(error.value)
+
+
+@pytest.mark.parametrize("blocks", [None, flatshard.SublayerPolicy({GPTBlock})])
+def test_bad_sublayer_policy(blocks: Any) -> None:
+    with pytest.raises(ValueError, match=r"takes the policy that chooses the blocks"):
+        flatshard.SublayerPolicy(blocks)
+    with pytest.raises(ValueError, match=r"min_share=...\) must be in \(0, 1\]"):
+        flatshard.SublayerPolicy({GPTBlock}, min_share=0)
+
+
 @pytest.mark.parametrize("policy", [42, "GPTBlock", {GPTBlock, "x"}])
 def test_bad_policy(local_group: dist.ProcessGroup, policy: object) -> None:
     with pytest.raises(TypeError, match=r"auto_wrap_policy must be a set of nn.Module classes"):

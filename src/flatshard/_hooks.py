@@ -16,7 +16,7 @@ from torch import nn
 
 from flatshard._inputs import cast_floats
 from flatshard._ranks import global_rank
-from flatshard._unit import UNIT_ATTR, Unit, unit_or_error
+from flatshard._unit import OWNER_ATTR, UNIT_ATTR, Unit, unit_or_error
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -25,6 +25,8 @@ def install(unit: Unit) -> None:
     """Register every hook of ``unit``."""
     module = unit.module
     module.__dict__[UNIT_ATTR] = unit
+    for name, owned in unit.owned_modules:
+        owned.__dict__[OWNER_ATTR] = (unit, name)
     # Outside any compiled region: see [Note: hooks and torch.compile].
     module.register_forward_pre_hook(_eager(unit.pre_forward), with_kwargs=True)
     module.register_forward_hook(_eager(unit.post_forward))

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from flatshard._step import StepContext
 
 UNIT_ATTR = "_flatshard_unit"  # attribute of a unit's module holding its Unit
+OWNER_ATTR = "_flatshard_owner"  # attribute of the other modules a unit owns: (Unit, name)
 
 
 class TrainingState(Enum):
@@ -89,6 +90,7 @@ class Unit:
         # calling one of them while the unit is sharded is an error (see _hooks.py).
         owned = {id(m) for f in flat_params for o in f.originals for m, _ in o.usages}
         self.inner_modules = [(n, m) for n, m in modules if id(m) in owned and m is not module]
+        self.owned_modules = [(n, m) for n, m in modules if m is not module]  # all of them
         for flat in flat_params:
             flat.on_collective = self._record
         self.prefetch_targets = PrefetchTargets()  # set_prefetch
@@ -352,6 +354,13 @@ class Unit:
             stacklevel=3,
         )
         return True
+
+
+def owner_of(module: nn.Module) -> tuple[Unit, str] | None:
+    """The unit that owns ``module`` without being rooted at it, and the module's name
+    (as fully_shard saw it)."""
+    found = module.__dict__.get(OWNER_ATTR)
+    return found if isinstance(found, tuple) else None
 
 
 def unit_of(module: nn.Module) -> Unit | None:

@@ -33,7 +33,7 @@ from flatshard._rate_limiter import DEFAULT_LIMIT, RateLimiter
 from flatshard._skip_init import awaits_load, mark_awaiting
 from flatshard._step import CONTEXT_ATTR, StepContext, context_of
 from flatshard._tensor_parallel import global_shapes, localize
-from flatshard._unit import Unit, UnitConfig, unit_of
+from flatshard._unit import Unit, UnitConfig, owner_of, unit_of
 
 M = TypeVar("M", bound=nn.Module)
 _CPU = torch.device("cpu")
@@ -320,6 +320,16 @@ def _check_not_sharded(module: nn.Module, rank: int) -> None:
         raise ValueError(
             f"flatshard.fully_shard: {type(module).__name__} is already sharded (rank "
             f"{rank}); call fully_shard once per module."
+        )
+    owner = owner_of(module)
+    if owner is not None:
+        unit, name = owner
+        raise ValueError(
+            f"flatshard.fully_shard: {type(module).__name__} ('{name}') is inside the unit "
+            f"'{unit.fqn or type(unit.module).__name__}' that an earlier fully_shard call "
+            f"sharded (rank {rank}), and its parameters are that unit's. Call fully_shard "
+            "on inner modules before the modules around them, or let one call's "
+            "auto_wrap_policy choose both (e.g. flatshard.SublayerPolicy({Block}))."
         )
 
 
