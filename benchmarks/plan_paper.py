@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import flatshard
+from flatshard.cli.lm import checkpoint_hf_blocks
 from flatshard.models import GPT, GPTBlock
 
 S = flatshard.ShardingStrategy
@@ -56,7 +57,7 @@ def t5(name: str, batch: int, hosts: int, strategy: flatshard.ShardingStrategy) 
 
     def build() -> nn.Module:
         model = T5ForConditionalGeneration(config)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_hf_blocks(model)
         return model
 
     def inputs() -> tuple[torch.Tensor, ...]:

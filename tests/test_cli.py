@@ -117,7 +117,10 @@ BAD_TOML = {"unknown": "stepz = 3", "type": 'steps = "many"', "syntax": "steps =
             ["--strategy", "SHARD_GRAD_OP", "--keep-gathered", "1"],
             "--keep-gathered applies to FULL_SHARD and HYBRID_SHARD, not SHARD_GRAD_OP",
         ),
-        (["--layers", "2", "--keep-gathered", "3"], "--keep-gathered (3) exceeds --layers (2)"),
+        (
+            ["--layers", "2", "--keep-gathered", "3"],
+            "--keep-gathered (3) exceeds the 2 units of the GPT (--layers 2, --units blocks)",
+        ),
         (["--data", "/no/such/corpus.txt"], "--data: no text file at /no/such/corpus.txt"),
         (["--seq-len", "100000"], "--data: kjv_genesis_exodus.txt (shipped, public domain) has"),
         (["--model", "llama"], "--model must be 'gpt' or 'hf:<config>'"),

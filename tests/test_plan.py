@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import flatshard
+from flatshard.cli.lm import checkpoint_hf_blocks
 from flatshard.cli.main import main
 from flatshard.cli.plan_model import language_model_loss
 from flatshard.models import GPT, GPTBlock
@@ -73,7 +74,7 @@ def llama() -> nn.Module:
     model = LlamaForCausalLM(config)
     # Checkpointing turns the KV cache off, and transformers then asks a meta tensor for a
     # value ("packed sequences?"): the plan must answer as the run does.
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    checkpoint_hf_blocks(model)
     return model
 
 

@@ -113,9 +113,7 @@ def _hugging_face(config: TrainConfig) -> LanguageModel:
     with torch.device("meta") if pretrained else contextlib.nullcontext():
         model = cast(nn.Module, transformers.AutoModelForCausalLM.from_config(model_config))
     if config.checkpoint_activations:
-        cast(Any, model).gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": False}
-        )
+        checkpoint_hf_blocks(model)
     block = block_class(model)
     description = f"{type(model).__name__} from {config.model[3:]} (units: {block.__name__})"
     if config.lora:
@@ -128,6 +126,21 @@ def _hugging_face(config: TrainConfig) -> LanguageModel:
             lm.param_init_fn = adapter_init(model, lm.param_init_fn)
         lm.description += ", pretrained weights"
     return lm
+
+
+def checkpoint_hf_blocks(model: Any) -> bool:
+    """Turn a transformers model's activation checkpointing on (non-reentrant, hooks
+    included); False if it has none. transformers 5 renamed gradient_checkpointing_enable
+    (now a deprecated alias that warns) to activation_checkpointing_enable."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False}
+        )
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        return False
+    return True
 
 
 def shard_language_model(lm: LanguageModel, config: TrainConfig, device: torch.device) -> nn.Module:

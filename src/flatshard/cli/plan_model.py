@@ -12,7 +12,13 @@ import torch
 from torch import nn
 
 from flatshard.cli.config import ConfigError
-from flatshard.cli.lm import block_class, freeze, hf_config, transformers_module
+from flatshard.cli.lm import (
+    block_class,
+    checkpoint_hf_blocks,
+    freeze,
+    hf_config,
+    transformers_module,
+)
 from flatshard.cli.train_config import TrainConfig
 from flatshard.models import GPT, GPTBlock
 
@@ -77,9 +83,7 @@ def _hugging_face(train: TrainConfig, fit_to_bytes: bool) -> PlannedModel:
         def make() -> nn.Module:
             model = transformers.AutoModelForCausalLM.from_config(settings)
             if checkpointing:
-                model.gradient_checkpointing_enable(
-                    gradient_checkpointing_kwargs={"use_reentrant": False}
-                )
+                checkpoint_hf_blocks(model)
             return cast(nn.Module, model)
 
         return make
@@ -112,14 +116,15 @@ def _entry_point(spec: str, vocab: int) -> PlannedModel:
 
 
 def _checkpointing_on(model: Any, spec: str) -> None:
-    if hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    elif hasattr(model, "checkpoint_blocks"):
+    if checkpoint_hf_blocks(model):
+        return
+    if hasattr(model, "checkpoint_blocks"):
         model.checkpoint_blocks = True
     else:
         raise ConfigError(
             f"--checkpoint-activations: {spec} returns a model with neither "
-            "gradient_checkpointing_enable() nor a checkpoint_blocks attribute"
+            "activation_checkpointing_enable() (gradient_checkpointing_enable()) nor a "
+            "checkpoint_blocks attribute"
         )
 
 

@@ -161,7 +161,11 @@ class TrainConfig:
         _one_of("units", self.units, UNITS)
         units = self.layers * (3 if self.units == "sublayers" else 1)  # GPT: + attn, MLP
         if self.keep_gathered > units and self.model == "gpt":
-            fail("keep_gathered", f"({self.keep_gathered}) exceeds the {units} units of the GPT")
+            fail(
+                "keep_gathered",
+                f"({self.keep_gathered}) exceeds the {units} units of the GPT "
+                f"(--layers {self.layers}, --units {self.units})",
+            )
         if self.model != "gpt" and not self.model.startswith("hf:"):
             fail("model", f"must be 'gpt' or 'hf:<config>', got {self.model!r}")
         if self.max_restarts and self.resume not in ("", "auto"):
