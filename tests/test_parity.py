@@ -41,10 +41,13 @@ def test_parity_per_policy(pool: WorkerPool, model: str, policy: str) -> None:
     [
         ParityConfig(model="gpt", world_size=2, checkpoint="inside"),
         ParityConfig(model="gpt", world_size=3, checkpoint="around"),
+        # The attention and MLP units inside each checkpointed block gather again in the
+        # recomputation.
+        ParityConfig(model="gpt", world_size=2, checkpoint="around", policy="sublayers"),
         ParityConfig(model="frozen", world_size=2, checkpoint="inside"),
         ParityConfig(model="nested", world_size=2, checkpoint="inside"),
     ],
-    ids=lambda c: f"{c.model}-{c.checkpoint}-w{c.world_size}",
+    ids=lambda c: f"{c.model}-{c.checkpoint}-{c.policy}-w{c.world_size}",
 )
 def test_parity_activation_checkpointing(pool: WorkerPool, config: ParityConfig) -> None:
     pool.run(parity_job, config, config.model in FSDP2_MODELS)
