@@ -1,10 +1,11 @@
 """``flatshard plan --cluster cpu`` against real runs on this machine: step time and peak.
 
-Run: .venv/bin/python benchmarks/plan_vs_measured.py  (a few minutes; needs transformers
-for the Llama row). For each setup it plans with this machine measured (``cluster="cpu"``)
-and then runs the same training steps on gloo ranks: the median of 5 steps after 2
-warm-up steps, and the steady-state peak of live tensors on rank 0 (with CPU offload, of
-both memories: on a CPU they are one). Prints a markdown table with the ratios.
+Run: .venv/bin/python benchmarks/plan_vs_measured.py  (about a minute and a half; needs
+transformers for the Llama row). For each setup it plans with this machine measured
+(``cluster="cpu"``) and then runs the same training steps on gloo ranks: the median of 5
+steps after 2 warm-up steps, and the steady-state peak of live tensors on rank 0 (with
+CPU offload, of both memories: on a CPU they are one). Prints a markdown table with the
+ratios.
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ S = flatshard.ShardingStrategy
 VOCAB, SEQ, BATCH = 256, 128, 4
 
 
-def gpt(checkpointing: bool = False) -> nn.Module:
+def gpt(checkpointing: bool = False, dim: int = 256) -> nn.Module:
     """With GPT-2's init, as ``flatshard train`` builds it. (PyTorch's default init of this
     shape sends backward's matrix products into subnormal floats on this CPU, 8-30x
     slower (``torch.set_flush_denormal(True)`` removes it): data-dependent speed that no
     plan made from shapes can see.)"""
-    model = GPT(VOCAB, 256, 4, 4, SEQ)
+    model = GPT(VOCAB, dim, 4, 4, SEQ)
     for module in model.modules():
         if isinstance(module, nn.Linear | nn.Embedding):
             nn.init.normal_(module.weight, std=0.02)
@@ -60,6 +61,11 @@ def tokens() -> tuple[torch.Tensor, ...]:
     return (torch.randint(0, VOCAB, (BATCH, SEQ)),)
 
 
+def train_tokens() -> tuple[torch.Tensor, ...]:
+    """``flatshard train``'s default micro-batch: 16 x 128 bytes."""
+    return (torch.randint(0, VOCAB, (16, SEQ)),)
+
+
 CASES: list[tuple[str, Any, int, dict[str, Any]]] = [
     ("GPT FULL_SHARD, 2 ranks", gpt, 2, {}),
     ("GPT SHARD_GRAD_OP + checkpointing, 2 ranks", partial(gpt, True), 2,
@@ -68,16 +74,20 @@ CASES: list[tuple[str, Any, int, dict[str, Any]]] = [
     ("GPT FULL_SHARD, 4 ranks (oversubscribed)", gpt, 4, {}),
     ("Llama (transformers) FULL_SHARD, 2 ranks", llama, 2, {}),
     ("GPT FULL_SHARD + CPU offload, 2 ranks", gpt, 2, {"cpu_offload": True}),
+    # flatshard train's defaults: width 128, 16 x 128 tokens (attention's memory-bound ops
+    # on 4 MiB tensors weigh more).
+    ("GPT width 128, batch 16 (train's default), 2 ranks", partial(gpt, dim=128), 2,
+     {"inputs": train_tokens}),
 ]  # fmt: skip
 
 
 def _rank(rank: int, world: int, index: int, setup: Any) -> tuple[int, float]:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    build = CASES[index][1]
+    build, inputs = CASES[index][1], CASES[index][3].get("inputs", tokens)
     group = dist.group.WORLD
     assert group is not None
-    peak = measured_step_peak(build, tokens, language_model_loss, setup, group)
-    seconds = measured_step_seconds(build, tokens, language_model_loss, setup, group)
+    peak = measured_step_peak(build, inputs, language_model_loss, setup, group)
+    seconds = measured_step_seconds(build, inputs, language_model_loss, setup, group)
     return peak, seconds
 
 
@@ -95,8 +105,10 @@ def main() -> None:
     print("|---|---|---|---|")
     for index, (label, build, world, options) in enumerate(CASES):
         units = llama_units() if build is llama else {GPTBlock}
+        options = dict(options)
+        inputs = options.pop("inputs", tokens)
         plan = flatshard.plan(
-            build, tokens, loss=language_model_loss, auto_wrap_policy=units, cluster="cpu",
+            build, inputs, loss=language_model_loss, auto_wrap_policy=units, cluster="cpu",
             ranks_per_host=world, **options,
         )  # fmt: skip
         peak, seconds = measured(index, world, plan.setup)
