@@ -30,11 +30,18 @@ def _losses(out_dir: Path) -> dict[int, float]:
 def test_train_end_to_end_then_resume_exactly(tmp_path: Path) -> None:
     """16 steps with checkpoints at 8 and 16; a second run resumed from step 8 logs the
     same losses for steps 9-16 as the first (same data, optimizer moments, RNG). With
-    CPU offload (on a CPU it copies as on a GPU: the optimizer's state is the host's)."""
+    CPU offload (on a CPU it copies as on a GPU: the optimizer's state is the host's).
+    The first run is planned first (--predict): the plan's peak is the run's."""
     common = [*TINY, "--steps", "16", "--lr", "1e-2", "--warmup-steps", "2"]
     common += ["--grad-accum", "2", "--keep-ckpts", "5", "--keep-gathered", "1", "--cpu-offload"]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    out = _train(*common, "--ckpt-every", "8", "--sample-bytes", "40", "--out-dir", str(whole))
+    out = _train(
+        *common, "--ckpt-every", "8", "--sample-bytes", "40", "--out-dir", str(whole), "--predict"
+    )
+    memory = re.search(r"predicted ([\d.]+) MiB, measured ([\d.]+) MiB \(([\d.]+)x\)", out)
+    assert memory is not None, out
+    assert 0.9 <= float(memory.group(3)) <= 1.1, out  # (equal here, to 0.1 MiB)
+    assert re.search(r"median step: predicted [\d.]+ s, measured [\d.]+ s", out), out
     losses = _losses(whole)
     assert sorted(losses) == list(range(1, 17))
     assert losses[16] < losses[1] - 1.0, losses  # from ~ln(256) = 5.5 towards the text

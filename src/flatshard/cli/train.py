@@ -41,6 +41,7 @@ from flatshard.cli.lm import (
     shard_language_model,
 )
 from flatshard.cli.plan_report import parse_size
+from flatshard.cli.predict import Measurement, Prediction, predict_run, prediction_line
 from flatshard.cli.progress import MetricsLog, ProgressBar, StepMetrics, plot
 from flatshard.cli.train_checkpoints import (
     check_checkpoint_dir,
@@ -78,7 +79,9 @@ def run(args: argparse.Namespace) -> int:
         config.check_world(world)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         config = replace(config, device=resolve_device(config.device, local))
-        _train(_fitted(config, world, lead=os.environ["RANK"] == "0"), store=None)
+        lead = os.environ["RANK"] == "0"
+        config = _fitted(config, world, lead)
+        _train(config, None, _predicted(config, world, local) if lead else None)
         return 0
     config.check_world(config.nproc)
     if config.max_restarts:
@@ -86,8 +89,18 @@ def run(args: argparse.Namespace) -> int:
         return run_elastic(config.nproc, config.max_restarts, [*sys.argv[1:], *resume])
     config = replace(config, device=resolve_device(config.device, config.nproc))
     config = _fitted(config, config.nproc, lead=True)
+    prediction = _predicted(config, config.nproc, config.nproc)
     with tempfile.TemporaryDirectory(prefix="flatshard-train-") as tmp:
-        return _spawn(config, os.path.join(tmp, "store"))
+        return _spawn(config, os.path.join(tmp, "store"), prediction)
+
+
+def _predicted(config: TrainConfig, world: int, local: int) -> Prediction | None:
+    """--predict: the plan of this run, before any rank starts (rank 0's, under torchrun)."""
+    if not config.predict:
+        return None
+    prediction = predict_run(config, world, local)
+    print(prediction_line(prediction), flush=True)
+    return prediction
 
 
 def _fitted(config: TrainConfig, world: int, lead: bool) -> TrainConfig:
@@ -99,17 +112,19 @@ def _fitted(config: TrainConfig, world: int, lead: bool) -> TrainConfig:
     return fit_memory(config, budget, world, config.device, quiet=not lead)
 
 
-def _spawn(config: TrainConfig, store: str) -> int:
+def _spawn(config: TrainConfig, store: str, prediction: Prediction | None) -> int:
     """One process per local rank (see ``launch.run_local_ranks``)."""
-    return run_local_ranks(config.nproc, _worker, (config, store))
+    return run_local_ranks(config.nproc, _worker, (config, store, prediction))
 
 
-def _worker(rank: int, config: TrainConfig, store: str, launcher: int) -> None:
+def _worker(
+    rank: int, config: TrainConfig, store: str, prediction: Prediction | None, launcher: int
+) -> None:
     stop_with_parent(launcher)  # never outlive the launcher
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(config.nproc)
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(config.nproc))
     try:
-        _train(config, store)
+        _train(config, store, prediction)
     except ConfigError as error:  # found by every rank alike: one line, from rank 0
         if rank == 0:
             print(f"flatshard train: error: {error}", file=sys.stderr)
@@ -121,11 +136,16 @@ def _worker(rank: int, config: TrainConfig, store: str, launcher: int) -> None:
 class Trainer:
     """Everything one rank holds while training."""
 
-    def __init__(self, config: TrainConfig, device: torch.device) -> None:
+    def __init__(
+        self, config: TrainConfig, device: torch.device, prediction: Prediction | None = None
+    ) -> None:
         self.config = config
         self.device = device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.corpus: Corpus = load_corpus(config.data, config.seq_len)
+        # --predict: rank 0 measures from the model's construction on (predict.py).
+        self.prediction = prediction if self.rank == 0 else None
+        self.measurement = Measurement.start(device) if self.prediction else None
         self.lm: LanguageModel = build_language_model(config)
         self.params = sum(p.numel() for p in self.lm.module.parameters())
         self.model = _compiled(shard_language_model(self.lm, config, device), self.lm, config)
@@ -221,7 +241,7 @@ def _optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95))
 
 
-def _train(config: TrainConfig, store: str | None) -> None:
+def _train(config: TrainConfig, store: str | None, prediction: Prediction | None) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
     init = f"file://{store}" if store else "env://"
@@ -230,7 +250,7 @@ def _train(config: TrainConfig, store: str | None) -> None:
         backend = backend_for(config.device)
         if backend == "gloo":
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        _loop(Trainer(config, device), backend)
+        _loop(Trainer(config, device, prediction), backend)
     finally:
         dist.destroy_process_group()
 
@@ -255,6 +275,8 @@ def _loop(trainer: Trainer, backend: str) -> None:
     while trainer.step < config.steps:
         tick = time.perf_counter()
         local = trainer.train_step()
+        if trainer.measurement is not None:
+            trainer.measurement.stepped(time.perf_counter() - tick)
         peak = peak_memory_mib(trainer.device)
         # On the rank's device: NCCL gathers GPU tensors only.
         facts = torch.tensor([local, peak], dtype=torch.float64, device=trainer.device)
@@ -310,6 +332,9 @@ def _finish(trainer: Trainer, out: Path) -> None:
         export_hugging_face(trainer.model, trainer.lm, exported)
     if trainer.rank != 0:
         return
+    if trainer.measurement is not None and trainer.prediction is not None:
+        trainer.measurement.stop()
+        print(trainer.measurement.report(trainer.prediction))
     if exported is not None:
         print(f"exported for from_pretrained: {exported}")
     print(

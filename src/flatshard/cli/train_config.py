@@ -109,6 +109,10 @@ class TrainConfig:
     keeping as many of its last blocks gathered as still fit, or with --cpu-offload where
     nothing else fits (sets --strategy, --units, --keep-gathered, --checkpoint-activations
     and --cpu-offload)"""
+    predict: bool = False
+    """plan the run first (flatshard plan with these options; on CPUs this machine
+    measured) and print the predicted peak of live tensors on rank 0 and the step time
+    next to the measured ones at the end (GPUs: the memory only)"""
     compile: bool = False
     """torch.compile each transformer block (one graph per block: flatshard's hooks run
     outside it)"""
