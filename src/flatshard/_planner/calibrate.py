@@ -15,7 +15,7 @@ once (``torch.profiler``, the GPT of ``benchmarks/plan_vs_measured.py``), and a 
 step ran 1.3x as long as the same step alone. Two real steps pin down what the
 micro-benchmarks miss: a small GPT's, mostly per-op cost (masks, softmax and the
 optimizer's updates run strided and short; Python does more around them), gives the time
-per op beyond the tiny step's; a GPT twice as wide on four times the tokens, mostly
+per op beyond the tiny step's; a GPT 8 times as wide on 4 times the tokens, mostly
 matrix products, gives ``achieved``, the share of the benchmark's rate that a step's
 products reach (above 1 where the benchmark itself ran slow: the machine is shared).
 Each fit uses the other's result, so they alternate until both settle. Memory-bound ops
@@ -72,9 +72,10 @@ def _private_cache_bytes() -> int:
     """A core's own cache (L2; Linux says in sysfs, else 2 MiB). An op touching at most
     this much runs at the cache's speed: in a training step a larger one streams from
     memory, though a shared L3 may hold it ([Note: fitted to training steps])."""
+    units = {"K": 10, "M": 20}
     try:
         text = Path("/sys/devices/system/cpu/cpu0/cache/index2/size").read_text().strip()
-        return int(text.removesuffix("K")) << 10 if text.endswith("K") else int(text)
+        return int(text.rstrip("KM")) << units.get(text[-1:], 0)
     except (OSError, ValueError):
         return 2 << 20
 

@@ -125,28 +125,33 @@ def finer_units_where_they_help(
     found: list[Candidate], budget: int, problem: Problem
 ) -> list[Candidate]:
     """``found`` and, planned with their blocks split into sublayers, the best that fits
-    and the ``MOST_SPLIT`` fastest of those faster than it that do not fit; fastest
-    first. Only candidates that gather parameters (not NO_SHARD) and whose units are
-    blocks (a policy to split, not split already)."""
+    and the ``MOST_SPLIT`` fastest of those faster than it that do not fit, of those that
+    can be split (``_splittable``); fastest first."""
     best = best_fit(found, budget)
+    splittable = [c for c in found if _splittable(c)]
     faster = [
         c
-        for c in found
+        for c in splittable
         if not c.plan.fits_within(budget)
         and (best is None or c.plan.step.seconds < best.plan.step.seconds)
     ][:MOST_SPLIT]
     added = []
-    for c in [*faster, *([best] if best else [])]:
-        policy = c.plan.setup.auto_wrap_policy
-        if c.strategy == ShardingStrategy.NO_SHARD or policy is None or c.sublayers:
-            continue
-        split = replace(c.plan.setup, auto_wrap_policy=SublayerPolicy(policy))
+    for c in [*faster, *([best] if best is not None and _splittable(best) else [])]:
+        split = replace(
+            c.plan.setup, auto_wrap_policy=SublayerPolicy(c.plan.setup.auto_wrap_policy)
+        )
         added.append(
             Candidate(
                 c.strategy, c.checkpoint_activations, problem.plan(split, c.checkpoint_activations)
             )
         )
     return sorted(found + added, key=lambda c: c.plan.step.seconds)
+
+
+def _splittable(c: Candidate) -> bool:
+    """Gathers parameters (not NO_SHARD) and has blocks to split (not split already)."""
+    policy = c.plan.setup.auto_wrap_policy
+    return c.strategy != ShardingStrategy.NO_SHARD and policy is not None and not c.sublayers
 
 
 def best_fit(found: list[Candidate], budget: int) -> Candidate | None:
