@@ -89,8 +89,8 @@ class Unit:
         # Modules inside the unit (not inner units) that register its parameters directly:
         # calling one of them while the unit is sharded is an error (see _hooks.py).
         owned = {id(m) for f in flat_params for o in f.originals for m, _ in o.usages}
-        self.inner_modules = [(n, m) for n, m in modules if id(m) in owned and m is not module]
         self.owned_modules = [(n, m) for n, m in modules if m is not module]  # all of them
+        self.inner_modules = [(n, m) for n, m in self.owned_modules if id(m) in owned]
         for flat in flat_params:
             flat.on_collective = self._record
         self.prefetch_targets = PrefetchTargets()  # set_prefetch

@@ -74,10 +74,11 @@ def prediction_line(predicted: Prediction) -> str:
 
 @dataclass
 class Measurement:
-    """Rank 0's measured peak and step times; built before the model (see the module
-    docstring), told of each step by ``stepped``."""
+    """Rank 0's measured peak and step times, next to ``predicted``; built before the
+    model (see the module docstring), told of each step by ``stepped``."""
 
     device: torch.device
+    predicted: Prediction
     tracker: PeakStorage | None = None
     scope: ExitStack = field(default_factory=ExitStack)  # the tracker's, while it runs
     peak_bytes: int | None = None
@@ -85,8 +86,8 @@ class Measurement:
     steps: int = 0
 
     @classmethod
-    def start(cls, device: torch.device) -> Measurement:
-        measurement = cls(device)
+    def start(cls, device: torch.device, predicted: Prediction) -> Measurement:
+        measurement = cls(device, predicted)
         if device.type == "cpu":
             measurement.tracker = measurement.scope.enter_context(PeakStorage())
         return measurement
@@ -107,21 +108,24 @@ class Measurement:
             torch.accelerator.reset_peak_memory_stats(self.device)
 
     def _stop(self) -> int:
-        if self.tracker is not None:
-            self.scope.close()
-            peak: int = self.tracker.peak
-            self.tracker = None
-            return peak
-        allocated: int = torch.accelerator.max_memory_allocated(self.device)
-        return allocated
+        if self.tracker is None:
+            allocated: int = torch.accelerator.max_memory_allocated(self.device)
+            return allocated
+        peak: int = self.tracker.peak
+        self.stop()
+        return peak
 
     def stop(self) -> None:
-        """Leave the dispatch mode if the run ended before its second step."""
+        """Leave the dispatch mode (if still in it)."""
         if self.tracker is not None:
             self.scope.close()
             self.tracker = None
 
-    def report(self, predicted: Prediction) -> str:
+    def report(self) -> str:
+        """The measured figures next to the predicted ones (leaving the dispatch mode if
+        the run ended before its second step)."""
+        self.stop()
+        predicted = self.predicted
         if self.peak_bytes is None:
             return "--predict: the run ended before its second step: nothing measured"
         memory = (

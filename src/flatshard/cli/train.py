@@ -144,8 +144,9 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.corpus: Corpus = load_corpus(config.data, config.seq_len)
         # --predict: rank 0 measures from the model's construction on (predict.py).
-        self.prediction = prediction if self.rank == 0 else None
-        self.measurement = Measurement.start(device) if self.prediction else None
+        self.measurement = None
+        if prediction is not None and self.rank == 0:
+            self.measurement = Measurement.start(device, prediction)
         self.lm: LanguageModel = build_language_model(config)
         self.params = sum(p.numel() for p in self.lm.module.parameters())
         self.model = _compiled(shard_language_model(self.lm, config, device), self.lm, config)
@@ -332,9 +333,8 @@ def _finish(trainer: Trainer, out: Path) -> None:
         export_hugging_face(trainer.model, trainer.lm, exported)
     if trainer.rank != 0:
         return
-    if trainer.measurement is not None and trainer.prediction is not None:
-        trainer.measurement.stop()
-        print(trainer.measurement.report(trainer.prediction))
+    if trainer.measurement is not None:
+        print(trainer.measurement.report())
     if exported is not None:
         print(f"exported for from_pretrained: {exported}")
     print(
