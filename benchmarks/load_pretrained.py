@@ -27,7 +27,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 import flatshard
-from flatshard.testing.accounting import PeakStorage
+from flatshard.measure import PeakStorage
 
 CONFIG = {
     "vocab_size": 8192,

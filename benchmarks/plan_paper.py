@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import flatshard
-from flatshard.cli.lm import checkpoint_hf_blocks
+from flatshard.cli.lm.model import checkpoint_hf_blocks
 from flatshard.models import GPT, GPTBlock
 
 S = flatshard.ShardingStrategy

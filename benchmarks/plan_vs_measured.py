@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 import flatshard
-from flatshard.cli.plan_model import language_model_loss
+from flatshard.cli.lm.planned import language_model_loss
 from flatshard.models import GPT, GPTBlock
 from flatshard.testing.internals import measured_step_peak, measured_step_seconds
 from flatshard.testing.isolated import run_isolated

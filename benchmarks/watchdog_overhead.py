@@ -2,7 +2,7 @@
 
 Two gloo ranks all-gather 1 KiB per rank, in blocks of 200, three ways interleaved: the raw
 ``torch.distributed`` call, flatshard's (recorded, then waited for in timed slices: see
-[Note: diagnosing a hang] in ``_watchdog.py``), and flatshard's in debug mode (each
+[Note: diagnosing a hang] in ``comm/_watchdog.py``), and flatshard's in debug mode (each
 collective first agreed on through the c10d store: a TCPStore, as torchrun makes).
 Prints the median and minimum microseconds per collective. Multiply by the collectives
 of a step (about 2 per unit in forward and 2 in backward) for the step's cost.

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import flatshard
-from flatshard.testing.accounting import PeakStorage
+from flatshard.measure import PeakStorage
 from flatshard.testing.jobs import shard_units as shard
 from flatshard.testing.models import Batch, build
 from flatshard.testing.parity import GLOBAL_BATCH, make_optimizer, slice_batch

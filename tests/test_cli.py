@@ -92,8 +92,8 @@ def test_train_a_hugging_face_model_under_torchrun_in_bf16(tmp_path: Path) -> No
 
 def test_config_file_and_flags(tmp_path: Path) -> None:
     from flatshard.cli.config import config_from_args
+    from flatshard.cli.lm.config import TrainConfig
     from flatshard.cli.main import build_parser
-    from flatshard.cli.train_config import TrainConfig
 
     toml = tmp_path / "run.toml"
     toml.write_text('steps = 7\nlr = 1\nstrategy = "SHARD_GRAD_OP"\nseq-len = 64\n')
@@ -212,7 +212,7 @@ def test_bench_compares_all_systems(tmp_path: Path) -> None:
 
 def test_bench_scaling_matches_the_formulas(tmp_path: Path) -> None:
     """``--scaling``: at W = 1 and 2, flatshard's "at rest" tensor bytes and collective
-    output bytes per step equal their formulas (``cli/bench_formula.py``) exactly."""
+    output bytes per step equal their formulas (``cli/bench/formula.py``) exactly."""
     argv = ["bench", "--scaling", "--systems", "flatshard", "--dim", "16", "--layers", "2"]
     argv += ["--vocab", "40", "--seq-len", "8", "--batch", "2", "--steps", "1", "--rounds", "1"]
     subprocess.run(

@@ -32,7 +32,7 @@ LLAMA = {
 
 
 def llama_job(ctx: WorkerContext, world: int, directory: str) -> dict[str, Any] | None:
-    """The README's recipe: build on meta, re-create the rotary embedding (non-persistent
+    """docs/guide.md's recipe: build on meta, re-create the rotary embedding (non-persistent
     buffers, in no checkpoint) on the real device, shard with skip_init, load."""
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
@@ -302,7 +302,7 @@ def gathered_generate_job(ctx: WorkerContext, directory: str) -> dict[str, Any] 
     from transformers import LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    from flatshard.testing.accounting import CollectiveTracker
+    from flatshard.measure import CollectiveTracker
 
     group = ctx.group(2)
     if group is None:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 import flatshard
-from flatshard.testing.accounting import PeakStorage, distinct_storage_bytes
+from flatshard.measure import PeakStorage, distinct_storage_bytes
 from flatshard.testing.models import MLPBlock, TinyGPT, build, twins
 from flatshard.testing.parity import (
     ParityConfig,

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import flatshard
-from flatshard.testing.accounting import PeakStorage
+from flatshard.measure import PeakStorage
 from flatshard.testing.models import TinyGPT
 from flatshard.testing.workers import WorkerContext, WorkerPool
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import flatshard
-from flatshard.testing.accounting import PeakStorage, distinct_storage_bytes
+from flatshard.measure import PeakStorage, distinct_storage_bytes
 from flatshard.testing.jobs import loss_backward, sharded
 from flatshard.testing.parity import batches, make_optimizer
 from flatshard.testing.workers import WorkerContext, WorkerPool

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import flatshard
-from flatshard.testing.accounting import ALL_GATHER, STEP_CHECK_BYTES, CollectiveTracker
+from flatshard.measure import ALL_GATHER, STEP_CHECK_BYTES, CollectiveTracker
 from flatshard.testing.models import GPTBlock, build
 from flatshard.testing.parity import (
     ParityConfig,

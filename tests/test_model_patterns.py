@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import flatshard
-from flatshard.testing.accounting import (
+from flatshard.measure import (
     CollectiveTracker,
 )
 from flatshard.testing.jobs import loss_backward, sharded

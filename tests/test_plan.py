@@ -23,9 +23,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import flatshard
-from flatshard.cli.lm import checkpoint_hf_blocks
+from flatshard.cli.lm.model import checkpoint_hf_blocks
+from flatshard.cli.lm.planned import language_model_loss
 from flatshard.cli.main import main
-from flatshard.cli.plan_model import language_model_loss
 from flatshard.models import GPT, GPTBlock
 from flatshard.testing.internals import measured_step_peak
 from flatshard.testing.workers import WorkerContext, WorkerPool

@@ -1,6 +1,6 @@
 """Crash and restart as an operator meets it: a rank SIGKILLed mid-run and once more while
 a checkpoint is being written, under ``flatshard train --max-restarts`` (torch's elastic
-agent) and under the README's torchrun recipe. The ranks restart, resume from the last
+agent) and under the torchrun recipe of docs/cli.md. The ranks restart, resume from the last
 whole checkpoint, and log exactly the losses of an uninterrupted run."""
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def test_torchrun_recipe_resumes_exactly_after_two_kills(
     tmp_path: Path, uninterrupted: dict[int, float], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     command = [*TORCHRUN, "-m", "flatshard.cli.main", "train", *RUN, "--resume", "auto"]
-    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # the README says why
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # docs/cli.md says why
     _, back_after = _kill_twice([*command, "--out-dir", str(tmp_path)], tmp_path)
     assert _losses(tmp_path) == uninterrupted
     print(f"torchrun: first resumed step logged {back_after:.1f} s after the kill")

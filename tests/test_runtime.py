@@ -14,14 +14,14 @@ import pytest
 import torch
 
 import flatshard
-from flatshard.testing import internals
-from flatshard.testing.accounting import (
+from flatshard.measure import (
     ALL_GATHER,
     ALL_TO_ALL,
     STEP_CHECK,
     CollectiveTracker,
     distinct_storage_bytes,
 )
+from flatshard.testing import internals
 from flatshard.testing.jobs import loss_backward, sharded
 from flatshard.testing.models import build
 from flatshard.testing.parity import batches, make_optimizer, slice_batch

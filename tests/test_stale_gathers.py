@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from flatshard.testing.accounting import CollectiveTracker
+from flatshard.measure import CollectiveTracker
 from flatshard.testing.jobs import shard_units
 from flatshard.testing.models import build
 from flatshard.testing.parity import make_optimizer, slice_batch

@@ -15,9 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import flatshard
 from flatshard import comm_hooks
-from flatshard.report import ShardGroups
-from flatshard.testing import internals
-from flatshard.testing.accounting import (
+from flatshard.measure import (
     ALL_GATHER,
     ALL_REDUCE,
     ALL_TO_ALL,
@@ -26,6 +24,8 @@ from flatshard.testing.accounting import (
     CollectiveTracker,
     distinct_storage_bytes,
 )
+from flatshard.report import ShardGroups
+from flatshard.testing import internals
 from flatshard.testing.models import build
 from flatshard.testing.parity import (
     ParityConfig,

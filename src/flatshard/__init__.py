@@ -3,93 +3,102 @@
 model = flatshard.fully_shard(model, auto_wrap_policy={Block})
 optim = torch.optim.AdamW(model.parameters(), lr=3e-4)  # built after sharding
 
-Submodules: ``flatshard.comm_hooks`` (custom gradient reduction), ``flatshard.report``
-(the types of layout and dtype reports), ``flatshard.testing`` (parity harness).
+Every name below is importable as ``flatshard.<name>``; docs/guide.md shows them by task.
+Submodules: ``flatshard.comm_hooks`` (custom gradient reduction), ``flatshard.report`` (the
+types of layout and dtype reports), ``flatshard.planner`` (the planner's types),
+``flatshard.measure`` (exact storage and collective accounting), ``flatshard.models.gpt``
+(the GPT of ``flatshard train``), ``flatshard.testing`` (the parity harness, for tests:
+``import flatshard`` does not load it).
 """
 
-from flatshard._checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from flatshard._checks import Checks, set_checks
-from flatshard._clip import clip_grad_norm_
-from flatshard._collective_errors import (
+from flatshard.build import InitOptions, fully_shard, init_weights, skip_init
+from flatshard.comm import (
+    Checks,
     CollectiveError,
     CollectiveMismatchError,
     CollectiveTimeoutError,
     PeerLostError,
+    ShardingStrategy,
+    set_checks,
 )
-from flatshard._export import export_checkpoint, export_safetensors
-from flatshard._grad_scaler import ShardedGradScaler
-from flatshard._hooks import register_entry_point, set_prefetch
-from flatshard._init import InitOptions, init_weights
-from flatshard._load import load_safetensors
-from flatshard._mesh import ShardingStrategy
-from flatshard._mixed_precision import CPUOffload, MixedPrecision
-from flatshard._no_sync import no_sync
-from flatshard._optim_state import (
-    full_optim_state_dict,
-    load_optim_state_dict,
-    sharded_optim_state_dict,
+from flatshard.flat import CPUOffload, MixedPrecision, SizePolicy, SublayerPolicy
+from flatshard.planner import Cluster, Plan, plan
+from flatshard.runtime import (
+    BackwardPrefetch,
+    Prefetch,
+    ShardedGradScaler,
+    clip_grad_norm_,
+    dtype_plan,
+    no_sync,
+    register_entry_point,
+    set_prefetch,
+    sharding_summary,
+    summon_full_params,
 )
-from flatshard._planner.cluster import Cluster
-from flatshard._planner.plan import Plan, plan
-from flatshard._policy import SizePolicy, SublayerPolicy
-from flatshard._prefetch import BackwardPrefetch, Prefetch
-from flatshard._skip_init import skip_init
-from flatshard._state_dict import (
+from flatshard.state import (
+    CheckpointError,
     RowShard,
+    export_checkpoint,
+    export_safetensors,
+    full_optim_state_dict,
     full_state_dict,
+    load_checkpoint,
+    load_optim_state_dict,
+    load_safetensors,
     load_state_dict,
+    save_checkpoint,
+    sharded_optim_state_dict,
     sharded_state_dict,
 )
-from flatshard._summary import dtype_plan, sharding_summary
-from flatshard._summon import summon_full_params
-from flatshard.api import fully_shard
 
 __all__ = [
-    "BackwardPrefetch",
-    "CPUOffload",
-    "CheckpointError",
-    "Checks",
-    "Cluster",
-    "CollectiveError",
-    "CollectiveMismatchError",
-    "CollectiveTimeoutError",
-    "InitOptions",
-    "MixedPrecision",
-    "PeerLostError",
-    "Plan",
-    "Prefetch",
-    "RowShard",
-    "ShardedGradScaler",
+    # sharding a model
+    "fully_shard",
     "ShardingStrategy",
     "SizePolicy",
     "SublayerPolicy",
-    "clip_grad_norm_",
-    "dtype_plan",
-    "export_checkpoint",
-    "export_safetensors",
-    "full_optim_state_dict",
-    # state dicts
-    "full_state_dict",
-    # sharding a model
-    "fully_shard",
+    "MixedPrecision",
+    "CPUOffload",
+    "Prefetch",
+    "BackwardPrefetch",
+    "InitOptions",
     "init_weights",
-    "load_checkpoint",
-    "load_optim_state_dict",
-    "load_safetensors",
-    "load_state_dict",
     # during training
     "no_sync",
-    # planning
-    "plan",
+    "clip_grad_norm_",
+    "ShardedGradScaler",
+    "summon_full_params",
     "register_entry_point",
-    # checkpoints
-    "save_checkpoint",
-    "set_checks",
     "set_prefetch",
-    "sharded_optim_state_dict",
+    # when ranks disagree
+    "Checks",
+    "set_checks",
+    "CollectiveError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "PeerLostError",
+    # state dicts
+    "full_state_dict",
     "sharded_state_dict",
+    "load_state_dict",
+    "RowShard",
+    "full_optim_state_dict",
+    "sharded_optim_state_dict",
+    "load_optim_state_dict",
+    # checkpoints and exports
+    "save_checkpoint",
+    "load_checkpoint",
+    "CheckpointError",
+    "export_safetensors",
+    "export_checkpoint",
+    # pretrained weights
+    "load_safetensors",
+    "skip_init",
+    # planning (the planner's other types: flatshard.planner)
+    "plan",
+    "Plan",
+    "Cluster",
     # reports (their types: flatshard.report)
     "sharding_summary",
-    "skip_init",
-    "summon_full_params",
+    "dtype_plan",
 ]

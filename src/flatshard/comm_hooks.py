@@ -12,10 +12,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from flatshard._collectives import split_division, sum_reduce
-from flatshard._mesh import ShardGroups
-from flatshard._reduction import CommHook
-from flatshard._unit import units_of
+from flatshard.comm import ShardGroups, split_division, sum_reduce
+from flatshard.flat import CommHook
+from flatshard.runtime import units_of
 
 __all__ = ["CommHook", "LowPrecisionHook", "register_comm_hook", "split_division"]
 

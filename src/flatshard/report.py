@@ -7,11 +7,10 @@ sharding factor would cost). ``describe_collectives(group)`` says which implemen
 collective uses on a group's backend.
 """
 
-from flatshard._collectives import describe as describe_collectives
-from flatshard._layout import FlatLayout, ParamSlot, ShardRange, plan_layout
-from flatshard._mesh import ShardGroups
-from flatshard._mixed_precision import DtypePlan, DtypeRow
-from flatshard._summary import FlatParamSummary, ShardingSummary
+from flatshard.comm import ShardGroups
+from flatshard.comm import describe as describe_collectives
+from flatshard.flat import DtypePlan, DtypeRow, FlatLayout, ParamSlot, ShardRange, plan_layout
+from flatshard.runtime import FlatParamSummary, ShardingSummary
 
 __all__ = [
     "DtypePlan",

@@ -13,20 +13,21 @@ from typing import Any
 
 import torch
 
-from flatshard._checkpoint import (
+from flatshard.cli.config import ConfigError
+from flatshard.state import (
+    DEFAULT_SHARD_BYTES,
     EXTRA,
     GROUPS,
     MODEL,
     OPTIM,
     CheckpointError,
     checkpoint_metadata,
+    export_checkpoint,
     is_tensor_entry,
     load_raw,
     read_manifest,
     verify_files,
 )
-from flatshard._export import DEFAULT_SHARD_BYTES, export_checkpoint
-from flatshard.cli.config import ConfigError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}

@@ -5,9 +5,12 @@ from __future__ import annotations
 import sys
 from typing import NoReturn
 
-from flatshard._processes import exit_without_teardown
-from flatshard.cli import bench, ckpt, plan, train
+from flatshard.cli import ckpt
+from flatshard.cli.bench import command as bench
 from flatshard.cli.config import ConfigError, OneLineParser
+from flatshard.cli.plan import command as plan
+from flatshard.cli.train import command as train
+from flatshard.comm import exit_without_teardown
 
 
 def build_parser() -> OneLineParser:

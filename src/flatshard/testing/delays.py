@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from flatshard import _collectives
+from flatshard.comm import _collectives
 
 
 class LateWork:

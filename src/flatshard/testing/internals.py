@@ -16,22 +16,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatshard import _checkpoint, _collectives
-from flatshard._checks import Tag
-from flatshard._collectives import ReduceScatter
-from flatshard._mesh import ranks_per_host
-from flatshard._partition import UnitPlan, partition
-from flatshard._planner.calibrate import _achieved as fitted_achieved
-from flatshard._planner.calibrate import _predicted as calibrated_seconds
-from flatshard._planner.calibrate import _Speeds as CalibratedSpeeds
-from flatshard._planner.recorder import Op as RecordedOp
-from flatshard._planner.simulate import measure as measured_step_peak
-from flatshard._planner.simulate import measure_step_seconds as measured_step_seconds
-from flatshard._policy import select_unit_roots
-from flatshard._prefetch import ExecutionOrder
-from flatshard._profiling import Ranges
-from flatshard._rate_limiter import RateLimiter
-from flatshard._step import context_of
+from flatshard.comm import _collectives
+from flatshard.comm._checks import Tag
+from flatshard.comm._collectives import ReduceScatter
+from flatshard.comm._mesh import ranks_per_host
+from flatshard.flat._partition import UnitPlan, partition
+from flatshard.flat._policy import select_unit_roots
+from flatshard.planner._calibrate import _achieved as fitted_achieved
+from flatshard.planner._calibrate import _predicted as calibrated_seconds
+from flatshard.planner._calibrate import _Speeds as CalibratedSpeeds
+from flatshard.planner._recorder import Op as RecordedOp
+from flatshard.planner._simulate import measure as measured_step_peak
+from flatshard.planner._simulate import measure_step_seconds as measured_step_seconds
+from flatshard.runtime._prefetch import ExecutionOrder
+from flatshard.runtime._profiling import Ranges
+from flatshard.runtime._rate_limiter import RateLimiter
+from flatshard.runtime._step import context_of
+from flatshard.state import _checkpoint
 
 __all__ = [
     "CalibratedSpeeds",

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from flatshard import _watchdog
-from flatshard._processes import adopt_environment, fast_context
+from flatshard.comm import _watchdog
+from flatshard.comm._processes import adopt_environment, fast_context
 from flatshard.testing.workers import join_gloo_world
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flatshard._processes import fast_context
+from flatshard.comm._processes import fast_context
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 

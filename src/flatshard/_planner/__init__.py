@@ -1,1 +1,0 @@
-"""The planner: ``flatshard.plan`` and ``flatshard plan`` (see plan.py)."""

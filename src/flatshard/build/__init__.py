@@ -1,0 +1,24 @@
+"""Building a sharded model: ``fully_shard``, initialization and the startup checks.
+
+``fully_shard`` (``_fully_shard``): choose units, check that ranks agree, create groups,
+then per unit allocate shards, materialize or load, and register hooks. Deferred (meta)
+initialization and rank-0 broadcast (``_init``), ``skip_init`` for pretrained weights,
+the startup consistency lines (``_consistency``), and ``shard_keeping_last`` (the last units
+kept gathered in the ZeRO-2 form).
+
+Layer 4: imports ``flatshard.runtime`` and below.
+"""
+
+from flatshard.build._fully_shard import fully_shard
+from flatshard.build._init import InitOptions, init_weights
+from flatshard.build._keep_gathered import shard_keeping_last
+from flatshard.build._skip_init import leave_for_load, skip_init
+
+__all__ = [
+    "InitOptions",
+    "fully_shard",
+    "init_weights",
+    "leave_for_load",
+    "shard_keeping_last",
+    "skip_init",
+]

@@ -1,0 +1,66 @@
+"""Startup checks that every rank built the same model and holds the same replicated values.
+
+Ranks that built different models would otherwise hang in a collective or train silently
+wrong (../shared/design/USERS.md, item 15). Each check is one small all-gather of a digest;
+only when digests differ do the ranks exchange their descriptions to say what differs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flatshard.comm._ranks import join_name
+from flatshard.flat._partition import UnitPlan
+
+_CHUNK_BYTES = 1 << 20  # bytes checksummed at a time
+
+
+def structure_lines(plans: list[UnitPlan], strategy: str) -> list[str]:
+    """One line per unit, parameter and buffer: what every rank must agree on."""
+    lines = [strategy]
+    for plan in plans:
+        lines.append(f"unit '{plan.fqn or '<root>'}'")
+        for orig in plan.originals:
+            p = orig.param
+            lines.append(
+                f"  parameter '{orig.fqn}' shape {tuple(p.shape)} {str(p.dtype)[6:]} "
+                f"requires_grad={p.requires_grad}"
+            )
+        for mname, module in plan.modules:
+            for bname, buf in module._buffers.items():
+                if buf is not None:
+                    name = join_name(mname, bname)
+                    lines.append(f"  buffer '{name}' shape {tuple(buf.shape)} {str(buf.dtype)[6:]}")
+    return lines
+
+
+def value_lines(plan: UnitPlan, with_params: bool) -> list[str]:
+    """Exact checksums of the unit's buffers (and parameters, before sharding)."""
+    named: list[tuple[str, torch.Tensor]] = []
+    if with_params:
+        named += [(f"parameter '{o.fqn}'", o.param.detach()) for o in plan.originals]
+    for mname, module in plan.modules:
+        for bname, buf in module._buffers.items():
+            if buf is not None:
+                named.append((f"buffer '{join_name(mname, bname)}'", buf))
+    return [f"{name} checksum {_checksum(t)}" for name, t in named if not t.is_meta]
+
+
+def _checksum(tensor: torch.Tensor, chunk: int = _CHUNK_BYTES) -> str:
+    """An exact, order-sensitive checksum of the tensor's bytes (integer arithmetic).
+
+    Bytes are widened to int64 (8x) and weighted by position (an int64 tensor as long), so
+    they are taken ``chunk`` bytes at a time and weighted in place: the extra memory is
+    16 x ``chunk`` (plus the copy a non-contiguous tensor needs), not 16x the tensor, which
+    would not fit beside a large unit on a GPU.
+    """
+    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    plain = weighted = 0
+    for start in range(0, data.numel(), chunk):
+        part = data[start : start + chunk].to(torch.int64)
+        plain += int(part.sum())
+        weights = torch.arange(start, start + part.numel(), device=data.device)
+        weights.remainder_(65521).add_(1)
+        weighted += int(part.mul_(weights).sum())
+        del part, weights  # before the next chunk's: loop variables outlive their turn
+    return f"{plain}:{weighted}"

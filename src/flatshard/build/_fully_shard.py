@@ -1,0 +1,382 @@
+"""The public entry point: ``fully_shard``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from flatshard.build._consistency import structure_lines, value_lines
+from flatshard.build._init import (
+    InitOptions,
+    ParamInitFn,
+    broadcast_unit,
+    default_device,
+    init_module,
+    materialize_unit,
+)
+from flatshard.comm._agreement import check_same_on_all_ranks
+from flatshard.comm._checks import Tag, tagged
+from flatshard.comm._collectives import has_cpu_backend
+from flatshard.comm._mesh import ShardGroups, ShardingStrategy, model_group, resolve_groups
+from flatshard.comm._ranks import join_name
+from flatshard.flat._awaiting_load import awaits_load, mark_awaiting
+from flatshard.flat._flat_param import FlatParamGroup, OriginalParam, Placement
+from flatshard.flat._mixed_precision import OFFLOAD_DEVICE, CPUOffload, MixedPrecision
+from flatshard.flat._partition import UnitPlan, partition
+from flatshard.flat._policy import AutoWrapPolicy, is_within, select_unit_roots
+from flatshard.flat._tensor_parallel import global_shapes, localize
+from flatshard.runtime._hooks import install
+from flatshard.runtime._prefetch import Prefetch
+from flatshard.runtime._rate_limiter import DEFAULT_LIMIT, RateLimiter
+from flatshard.runtime._step import CONTEXT_ATTR, StepContext, context_of
+from flatshard.runtime._unit import Unit, UnitConfig, owner_of, unit_of
+
+M = TypeVar("M", bound=nn.Module)
+_CPU = torch.device("cpu")
+
+
+def fully_shard(
+    module: M,
+    *,
+    auto_wrap_policy: AutoWrapPolicy = None,
+    strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
+    process_group: dist.ProcessGroup | DeviceMesh | None = None,
+    sharding_factor: int | None = None,
+    mixed_precision: MixedPrecision | None = None,
+    cpu_offload: CPUOffload | None = None,
+    device: torch.device | str | None = None,
+    param_init_fn: ParamInitFn | None = None,
+    init: InitOptions | None = None,
+    prefetch: Prefetch | None = None,
+) -> M:
+    """Shard ``module``'s parameters over ``process_group`` in place and return it.
+
+    Each submodule chosen by ``auto_wrap_policy`` becomes a unit; ``module`` itself holds
+    the parameters left over. ``fully_shard`` may be called on submodules first and then on
+    the root, also with different strategies per call (e.g. blocks FULL_SHARD, root
+    NO_SHARD). Parameter names stay exactly as written. Build the optimizer afterwards: the
+    parameters it must see are the sharded ones.
+
+    A model built under ``torch.device("meta")`` is materialized on ``device``, initialized
+    and sharded one unit at a time, so the whole model never exists on one rank.
+
+    Args:
+        module: the model (or a submodule) to shard; every rank of the group must pass a
+            model of the same structure.
+        auto_wrap_policy: a set of module classes (e.g. ``{Block}``), a callable
+            ``(module, name) -> bool``, ``flatshard.SizePolicy(min_params=N)``, or None
+            (``module`` is the only unit).
+        strategy: FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2: no second all-gather in
+            backward), NO_SHARD (DDP), HYBRID_SHARD / HYBRID_SHARD_ZERO2 (shard inside
+            groups of F ranks, replicate across the W / F groups).
+        process_group: where to shard: the W ranks that train together as a process group
+            or a 1-D ``DeviceMesh`` (default: the world), or, for the hybrid strategies, a
+            2-D ``DeviceMesh`` of (replicate, shard) dims over the world.
+        sharding_factor: F for the hybrid strategies, instead of a 2-D mesh; by default
+            torchrun's LOCAL_WORLD_SIZE (shard inside a host), else W.
+        mixed_precision: dtypes of all-gather/compute, reduction and buffers
+            (``flatshard.MixedPrecision``); the sharded master parameters keep theirs.
+        cpu_offload: ``flatshard.CPUOffload(params=True)`` keeps the sharded parameters and
+            their gradients on the CPU (the optimizer steps there); compute runs on
+            ``device``.
+        device: where meta parameters are materialized (default: the current accelerator,
+            else the CPU); parameters on another device are moved there unit by unit.
+        param_init_fn: initializes one module's own meta parameters and buffers
+            (default: the module's ``reset_parameters()``); see ``flatshard.init_weights``.
+        init: seed, rank-0 broadcast and startup checks (``flatshard.InitOptions``).
+        prefetch: how far ahead units are all-gathered, and the rate limiter
+            (``flatshard.Prefetch``; default: backward BACKWARD_PRE, forward on, limited).
+    """
+    _check_distributed()
+    if not isinstance(strategy, ShardingStrategy):
+        raise TypeError(f"strategy must be a flatshard.ShardingStrategy, got {strategy!r}")
+    group = model_group(process_group)
+    with tagged(Tag("fully_shard")):
+        init = init or InitOptions()
+        prefetch = prefetch or Prefetch()
+        rank = dist.get_rank()
+        _check_not_sharded(module, rank)
+        target = _target_device(module, device, rank)
+        _check_backend_reaches(target, group, rank)
+        earlier = _earlier_contexts(module)
+        _check_inherited_precision(earlier, mixed_precision, rank)
+        unit_names = select_unit_roots(module, auto_wrap_policy, skip=earlier.keys())
+        managed = {name: _managed_param_ids(context) for name, context in earlier.items()}
+        localize(module, group, rank)  # DTensor (TP) parameters: their local tensors
+        plans = partition(module, unit_names, managed, rank)
+        if init.check_consistency:
+            check_same_on_all_ranks(
+                structure_lines(plans, _strategy_line(strategy, group, sharding_factor)),
+                group,
+                target or _CPU,
+                "built different models or sharding options",
+                "Build the same model (same code, config and dtypes) and pass the same "
+                "fully_shard options on every rank.",
+            )
+        build = _UnitBuild(
+            groups=resolve_groups(strategy, process_group, sharding_factor),
+            process_group=group,
+            config=UnitConfig(strategy, mixed_precision, prefetch),
+            device=target,
+            offload=cpu_offload is not None and cpu_offload.params,
+            param_init_fn=param_init_fn,
+            init=init,
+        )
+        limiter = RateLimiter(DEFAULT_LIMIT if prefetch.limit_all_gathers else None)
+        context = StepContext(module, group, limiter)
+        for name, sub_context in earlier.items():
+            context.adopt(sub_context, prefix=name, mixed_precision=mixed_precision)
+        for plan in plans:
+            unit = _build_unit(plan, build, rank)
+            if unit is not None:
+                context.add(unit)
+                install(unit)
+        module.__dict__[CONTEXT_ATTR] = context
+        # transformers keeps ranks decoding in step (generate's synced_gpus) for modules
+        # marked so, as FSDP2's integration marks them: a rank that stops early keeps
+        # running forwards, and the units' all-gathers stay paired.
+        module.__dict__["_is_fsdp_managed_module"] = True
+        return module
+
+
+@dataclass(frozen=True)
+class _UnitBuild:
+    """How every unit of one ``fully_shard`` call is built (its options, resolved)."""
+
+    groups: ShardGroups
+    process_group: dist.ProcessGroup
+    config: UnitConfig
+    device: torch.device | None  # where full tensors are materialized and computed on
+    offload: bool  # shards live on the CPU
+    param_init_fn: ParamInitFn | None
+    init: InitOptions
+
+    @property
+    def compute_device(self) -> torch.device:
+        return self.device or _CPU
+
+    @property
+    def master_device(self) -> torch.device:
+        return OFFLOAD_DEVICE[0] if self.offload else self.compute_device
+
+
+def _build_unit(plan: UnitPlan, build: _UnitBuild, rank: int) -> Unit | None:
+    """Materialize (or receive) one unit's values, check them, and shard them."""
+    policy = build.config.mixed_precision or MixedPrecision()
+    # Allocate the shards first: the unit's full tensors then meet nothing else large.
+    flat_params = [
+        FlatParamGroup(
+            params,
+            build.groups,
+            Placement(
+                master_device=build.master_device,
+                compute_device=build.compute_device,
+                compute_dtype=dtype,
+                reduce_dtype=policy.gradient_reduce_dtype(dtype),
+                offload=build.offload,
+            ),
+        )
+        for params, dtype in _split_by_compute_dtype(plan.groups, policy)
+    ]
+    _prepare(plan, build, rank)
+    _cast_buffers(plan, policy.buffer_dtype)
+    if build.init.check_consistency:
+        check_same_on_all_ranks(
+            value_lines(plan, with_params=build.init.check_weights),
+            build.process_group,
+            build.compute_device,
+            "hold different values",
+            "Start every rank from the same weights: seed identically before building "
+            "the model, load the same checkpoint, or pass "
+            "init=flatshard.InitOptions(sync_module_states=True).",
+        )
+    for flat in flat_params:
+        flat.load_shard()
+    if not flat_params:
+        return None
+    unit = Unit(plan.module, plan.fqn, flat_params, plan.modules, build.config)
+    unit.awaiting_load = _awaiting_load(plan)
+    return unit
+
+
+def _awaiting_load(plan: UnitPlan) -> list[tuple[str, torch.Tensor]]:
+    """The unit's tensors ``skip_init`` left for ``load_safetensors`` (flat/_awaiting_load.py)."""
+    named: list[tuple[str, torch.Tensor | None]] = [(o.fqn, o.param) for o in plan.originals]
+    named += [
+        (join_name(m, b), t) for m, module in plan.modules for b, t in module._buffers.items()
+    ]
+    return [(name, t) for name, t in named if t is not None and awaits_load(t)]
+
+
+def _split_by_compute_dtype(
+    groups: list[list[OriginalParam]], policy: MixedPrecision
+) -> list[tuple[list[OriginalParam], torch.dtype]]:
+    """Parameters of ``keep_full_precision`` modules compute apart, in their own dtype."""
+    keep = tuple(policy.keep_full_precision)
+    split: list[tuple[list[OriginalParam], torch.dtype]] = []
+    for params in groups:
+        by_dtype: dict[torch.dtype, list[OriginalParam]] = {}
+        for orig in params:
+            full = any(isinstance(m, keep) for m, _ in orig.usages) if keep else False
+            dtype = policy.compute_dtype(orig.param.dtype, full)
+            by_dtype.setdefault(dtype, []).append(orig)
+        split += [(members, dtype) for dtype, members in by_dtype.items()]
+    return split
+
+
+def _cast_buffers(plan: UnitPlan, dtype: torch.dtype | None) -> None:
+    if dtype is None:
+        return
+    for _, module in plan.modules:
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.is_floating_point():
+                module._buffers[name] = cast = buf.to(dtype)
+                if awaits_load(buf):
+                    mark_awaiting(cast)
+
+
+def _prepare(plan: UnitPlan, build: _UnitBuild, rank: int) -> None:
+    """Materialize, initialize or receive the unit's full values, just before sharding."""
+
+    seed = torch.initial_seed() if build.init.seed is None else build.init.seed
+
+    def init(name: str, module: nn.Module) -> None:
+        with global_shapes(module):  # [Note: initializing TP parameters]
+            init_module(module, name, build.param_init_fn, seed)
+
+    if not build.init.sync_module_states:
+        materialize_unit(plan, build.device, init, rank)
+        return
+    source = dist.get_rank(build.process_group) == 0
+    # Rank 0 must end with real values (its own init if it built on meta); the others
+    # only need storage for what rank 0 sends.
+    materialize_unit(plan, build.device, init if source else None, rank)
+    broadcast_unit(plan, build.process_group)
+
+
+def _target_device(
+    module: nn.Module, device: torch.device | str | None, rank: int
+) -> torch.device | None:
+    """Where the units' tensors must end: ``device``, else where the real ones are."""
+    if device is not None:
+        return torch.device(device)
+    tensors = [*module.parameters(), *module.buffers()]
+    real = {t.device for t in tensors if not t.is_meta}
+    if len(real) > 1:
+        named: dict[torch.device, str] = {}
+        for name, t in [*module.named_parameters(), *module.named_buffers()]:
+            named.setdefault(t.device, name)
+        found = ", ".join(f"'{n}' on {d}" for d, n in sorted(named.items(), key=str))
+        raise ValueError(
+            f"flatshard.fully_shard: parameters and buffers are on several devices (rank "
+            f"{rank}), e.g. {found}; move the model to one device (module.to(device)) or "
+            "pass device=... to move each unit there as it is sharded."
+        )
+    if real:
+        return next(iter(real))
+    return default_device() if tensors else None
+
+
+def _check_backend_reaches(
+    target: torch.device | None, group: dist.ProcessGroup, rank: int
+) -> None:
+    """A model that stays on the CPU over a group with no CPU backend (NCCL) is an error."""
+    if target is None or target.type != "cpu" or group.size() == 1:
+        return  # at one rank nothing is communicated
+    if not has_cpu_backend(group):
+        raise ValueError(
+            f"flatshard.fully_shard: the model is on the CPU (rank {rank}) but the process "
+            f"group's backend ({dist.get_backend(group)}) cannot communicate CPU tensors. "
+            "Pass device='cuda' (each unit is moved there as it is sharded), move the model "
+            "to the GPU first, or init_process_group('cpu:gloo,cuda:nccl') to keep it on "
+            "the CPU."
+        )
+
+
+def _strategy_line(
+    strategy: ShardingStrategy, group: dist.ProcessGroup, sharding_factor: int | None
+) -> str:
+    line = f"strategy {strategy.name} over {dist.get_world_size(group)} ranks"
+    if sharding_factor is not None:
+        line += f", sharding_factor {sharding_factor}"
+    return line
+
+
+def _check_distributed() -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "flatshard.fully_shard needs torch.distributed: call "
+            "torch.distributed.init_process_group(backend=...) first (torchrun sets the "
+            "environment it needs; for one process use world_size=1)."
+        )
+
+
+def _check_not_sharded(module: nn.Module, rank: int) -> None:
+    if context_of(module) is not None or unit_of(module) is not None:
+        raise ValueError(
+            f"flatshard.fully_shard: {type(module).__name__} is already sharded (rank "
+            f"{rank}); call fully_shard once per module."
+        )
+    owner = owner_of(module)
+    if owner is not None:
+        unit, name = owner
+        raise ValueError(
+            f"flatshard.fully_shard: {type(module).__name__} ('{name}') is inside the unit "
+            f"'{unit.fqn or type(unit.module).__name__}' that an earlier fully_shard call "
+            f"sharded (rank {rank}), and its parameters are that unit's. Call fully_shard "
+            "on inner modules before the modules around them, or let one call's "
+            "auto_wrap_policy choose both (e.g. flatshard.SublayerPolicy({Block}))."
+        )
+
+
+def _check_inherited_precision(
+    earlier: dict[str, StepContext], policy: MixedPrecision | None, rank: int
+) -> None:
+    """Units of earlier calls without a policy inherit this one, except keep_full_precision.
+
+    Modules kept in full precision need flat parameter groups of their own, and a unit's
+    flat parameter groups were made by the earlier call: silently computing them in low
+    precision would ignore what the user asked for.
+    """
+    if policy is None or policy.param_dtype is None or not policy.keep_full_precision:
+        return
+    keep = tuple(policy.keep_full_precision)
+    for prefix, context in earlier.items():
+        for unit in context.units:
+            if unit.config.mixed_precision is not None:
+                continue
+            modules = [unit.module, *(m for _, m in unit.inner_modules)]
+            kept = sorted({type(m).__name__ for m in modules if isinstance(m, keep)})
+            if kept:
+                label = join_name(prefix, unit.fqn)
+                raise ValueError(
+                    f"flatshard.fully_shard (rank {rank}): unit '{label}' was sharded by an "
+                    "earlier fully_shard call without mixed_precision, so it would compute its "
+                    f"{', '.join(kept)} parameters in {policy.param_dtype} although "
+                    "keep_full_precision names them. Pass the same mixed_precision to the "
+                    f"earlier call on '{prefix}'."
+                )
+
+
+def _earlier_contexts(module: nn.Module) -> dict[str, StepContext]:
+    """Step contexts of earlier fully_shard calls on submodules, outermost only."""
+    found = {
+        name: context
+        for name, sub in module.named_modules()
+        if name and (context := context_of(sub)) is not None
+    }
+    return {n: c for n, c in found.items() if not is_within(n, [o for o in found if o != n])}
+
+
+def _managed_param_ids(context: StepContext) -> set[int]:
+    return {
+        id(orig.param)
+        for unit in context.units
+        for flat in unit.flat_params
+        for orig in flat.originals
+    }

@@ -1,0 +1,1 @@
+"""``flatshard bench``: flatshard against FSDP2, DDP and no communication, side by side."""

@@ -1,0 +1,290 @@
+"""``flatshard bench``: flatshard against FSDP2, DDP and no communication, side by side.
+
+Every system trains the same GPT (same seed, same data) at the same world size, in
+processes of its own (so per-rank peak memory is its own). In each round every system's
+processes are started afresh and kept alive together, and the systems take their steps in
+turn, one step each: machine drift hits all systems alike (the memory of all of them is
+needed at once). "floor" is each rank training alone without communicating:
+the time any data-parallel system adds on top of it is communication it did not hide plus
+its own software overhead. gloo on CPUs; NCCL with one GPU per rank where GPUs are visible
+(``--device``). "tensors MiB" is the steady-state peak of tensor memory per rank, tracked
+at the dispatcher in a pass of its own after the timed steps (see [Note: honest memory] in
+``cli/bench/memory.py``): what sharding saves. "peak RSS" (CPU) or
+``max_memory_allocated`` (GPUs) is the process's peak, model building included;
+"comm wait" (flatshard's time blocked on its collectives: exposed communication) is
+measured on CPU only, since on GPUs waiting is the device's, not the CPU's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import tempfile
+import time
+from dataclasses import asdict, replace
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import flatshard
+from flatshard.cli.bench.config import PRESETS, BenchConfig
+from flatshard.cli.bench.formula import flatshard_formulas
+from flatshard.cli.bench.memory import steady_state_peak
+from flatshard.cli.bench.prediction import predict, predicted_line
+from flatshard.cli.bench.report import chart, scaling_table, summarize, table
+from flatshard.cli.config import add_config_parser, config_from_args
+from flatshard.cli.devices import init_rank, peak_memory_mib, resolve_device
+from flatshard.comm import WaitClock, describe, fast_context
+from flatshard.measure import CollectiveTracker
+from flatshard.models import GPT, GPTBlock
+
+
+def add_parser(commands: Any) -> None:
+    add_config_parser(
+        commands,
+        "bench",
+        help="time flatshard against FSDP2, DDP and no communication on the same GPT",
+        description=__doc__,
+        config=BenchConfig,
+        run=run,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    for name, value in PRESETS.get(getattr(args, "preset", ""), {}).items():
+        if not hasattr(args, name):  # the preset's shape, except what was given as a flag
+            setattr(args, name, value)
+    config = config_from_args(BenchConfig, args)
+    config = replace(config, device=resolve_device(config.device, config.nproc))
+    worlds = range(1, config.nproc + 1) if config.scaling else [config.nproc]
+    by_world = {w: _bench(replace(config, nproc=w)) for w in worlds}
+    summary, collectives = by_world[config.nproc]
+    if collectives:
+        print(f"flatshard collectives: {collectives}")
+    predicted: dict[str, float] = {}
+    if config.scaling:
+        print(scaling_table({w: s for w, (s, _) in by_world.items()}, config.system_list))
+    else:
+        print(table(summary, "RSS" if config.device == "cpu" else "alloc."))
+        if "flatshard" in summary and not config.compile:
+            predicted = predict(config)
+            print(predicted_line(predicted, summary["flatshard"]))
+    os.makedirs(config.out, exist_ok=True)
+    with open(os.path.join(config.out, "bench.json"), "w") as f:
+        report = {"config": asdict(config), "collectives": collectives, "systems": summary}
+        if predicted:
+            report["plan"] = predicted
+        if config.scaling:
+            report["scaling"] = {str(w): s for w, (s, _) in by_world.items()}
+        json.dump(report, f, indent=2)
+    chart(summary, os.path.join(config.out, "bench.png"), config.device)
+    print(f"wrote {config.out}/bench.json and {config.out}/bench.png")
+    return 0
+
+
+def _bench(config: BenchConfig) -> tuple[dict[str, dict[str, float]], str]:
+    """Every system at ``config.nproc`` ranks: the summary and flatshard's collectives."""
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in config.system_list}
+    for _ in range(config.rounds):
+        for system, report in _interleaved_round(config).items():
+            runs[system].append(report)
+    collectives = next((r["collectives"] for r in runs.get("flatshard", [])), "")
+    tokens = config.batch * config.seq_len * config.nproc
+    return summarize(tokens, config.layers + 1, runs), collectives
+
+
+class _System:
+    """One system's ranks, alive for a round, each running a step when told to."""
+
+    def __init__(self, config: BenchConfig, system: str, store: str) -> None:
+        ctx = fast_context()
+        self.system = system
+        self.answers = ctx.Queue()
+        self.inboxes = [ctx.Queue() for _ in range(config.nproc)]
+        self.procs = [
+            ctx.Process(target=_worker, args=(r, config, system, store, inbox, self.answers))
+            for r, inbox in enumerate(self.inboxes)
+        ]
+        for proc in self.procs:
+            proc.start()
+
+    def ask(self, command: str) -> list[dict[str, Any]]:
+        """Send ``command`` to every rank; their answers, rank 0 first."""
+        for inbox in self.inboxes:
+            inbox.put(command)
+        return self.collect()
+
+    def collect(self) -> list[dict[str, Any]]:
+        """One answer per rank; the first failure is raised at once (its peers may hang)."""
+        answers = []
+        for _ in self.procs:
+            answer = self.answers.get(timeout=3600)
+            if "error" in answer:
+                raise RuntimeError(f"flatshard bench: {self.system} failed: {answer['error']}")
+            answers.append(answer)
+        return sorted(answers, key=lambda a: int(a["rank"]))
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.terminate()
+
+
+def _interleaved_round(config: BenchConfig) -> dict[str, dict[str, Any]]:
+    """Every system in fresh processes, all alive at once, taking steps in turn.
+
+    One system steps at a time (the others wait on their queues without using the CPU),
+    so a slow minute of a shared machine falls on every system alike. Returns each
+    system's rank-0 step times and waits, collective facts and peak memory of any rank.
+    """
+    times: dict[str, list[float]] = {s: [] for s in config.system_list}
+    waits: dict[str, list[float]] = {s: [] for s in config.system_list}
+    reports: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="flatshard-bench-") as tmp:
+        systems = [
+            _System(config, name, os.path.join(tmp, f"store-{name}")) for name in config.system_list
+        ]
+        try:
+            for system in systems:
+                system.collect()  # built and ready
+            for step in range(config.warmup + config.steps):
+                for system in systems:
+                    rank0 = system.ask("step")[0]
+                    if step >= config.warmup:
+                        times[system.system].append(rank0["time"])
+                        waits[system.system].append(rank0["wait"])
+            for system in systems:
+                answers = system.ask("stop")
+                reports[system.system] = {
+                    **answers[0],
+                    "step_times": times[system.system],
+                    "comm_waits": waits[system.system] if answers[0]["waits_measured"] else [],
+                    "peak_mem_mib": max(a["peak_mem_mib"] for a in answers),
+                    "tensor_peak_mib": max(a["tensor_peak_mib"] for a in answers),
+                    "tensor_rest_mib": max(a["tensor_rest_mib"] for a in answers),
+                    "formula_rest_mib": max(a["formula_rest_mib"] for a in answers),
+                }
+        finally:
+            for system in systems:
+                for inbox in system.inboxes:
+                    inbox.put("stop")  # a rank still waiting for orders ends
+                system.close()
+    return reports
+
+
+def _worker(
+    rank: int, config: BenchConfig, system: str, store: str, inbox: Any, answers: Any
+) -> None:
+    """One rank of one system: build, then run a step per "step" order until "stop"."""
+    torch.set_num_threads(1)
+    try:
+        device = init_rank(config.device, f"file://{store}", rank, config.nproc, rank)
+        answers.put({"rank": rank, **_serve(config, system, rank, device, inbox, answers)})
+    except Exception as error:  # reported by the parent, which then stops
+        answers.put({"rank": rank, "error": f"rank {rank}: {error!r}"})
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _serve(
+    config: BenchConfig,
+    system: str,
+    rank: int,
+    device: torch.device,
+    inbox: Any,
+    answers: Any,
+) -> dict[str, Any]:
+    model, optim = _build(config, system, device)
+    gen = torch.Generator().manual_seed(1 + rank)
+    tracker = CollectiveTracker()
+    answers.put({"rank": rank, "ready": True})
+    step = 0
+    while inbox.get() == "step":
+        idx = torch.randint(0, config.vocab, (config.batch, config.seq_len + 1), generator=gen)
+        idx = idx.to(device)
+        _synchronize(device)
+        dist.barrier()
+        start, waited = time.perf_counter(), WaitClock.seconds
+        with tracker if step == config.warmup else contextlib.nullcontext():
+            _train_step(model, optim, idx)
+        _synchronize(device)
+        dist.barrier()
+        elapsed = time.perf_counter() - start
+        answers.put({"rank": rank, "time": elapsed, "wait": WaitClock.seconds - waited})
+        step += 1
+    formulas = {"rest": -1, "collective": -1}  # -1: no formula for this system
+    if system.startswith("flatshard"):
+        formulas = flatshard_formulas(model, config.layers, config.nproc)
+    del model, optim  # the memory pass builds its own
+    tensor_rest, tensor_peak = steady_state_peak(
+        lambda: _build(config, system, device), lambda m, o: _train_step(m, o, idx)
+    )
+    return {
+        "tensor_rest_mib": tensor_rest / 2**20,
+        "formula_rest_mib": formulas["rest"] / 2**20,
+        "formula_collective_bytes": formulas["collective"],
+        "tensor_peak_mib": tensor_peak / 2**20,
+        # flatshard's time blocked on its collectives: exposed communication on CPU only.
+        "waits_measured": system.startswith("flatshard") and device.type == "cpu",
+        "collectives": describe(cast(dist.ProcessGroup, dist.group.WORLD))
+        if system == "flatshard"
+        else "",
+        "collective_output_bytes": int(sum(tracker.bytes.values())),
+        "peak_mem_mib": peak_memory_mib(device),
+    }
+
+
+def _build(
+    config: BenchConfig, system: str, device: torch.device
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    gpt = GPT(config.vocab, config.dim, config.heads, config.layers, config.seq_len)
+    model = _wrap(gpt.to(device), system, device)
+    if config.compile:
+        for block in gpt.blocks:
+            block.compile()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def _train_step(model: nn.Module, optim: torch.optim.Optimizer, idx: torch.Tensor) -> None:
+    loss = nn.functional.cross_entropy(model(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten())
+    torch.autograd.backward(loss)
+    optim.step()
+    optim.zero_grad()
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (timings on GPUs would otherwise be launch times)."""
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def _wrap(model: GPT, system: str, device: torch.device) -> nn.Module:
+    if system == "flatshard":
+        return flatshard.fully_shard(model, auto_wrap_policy={GPTBlock})
+    if system == "flatshard-noprefetch":
+        return flatshard.fully_shard(
+            model,
+            auto_wrap_policy={GPTBlock},
+            prefetch=flatshard.Prefetch(backward=None, forward=False),
+        )
+    if system == "flatshard-debug":
+        flatshard.set_checks(flatshard.Checks(debug=True))  # this system's processes only
+        return flatshard.fully_shard(model, auto_wrap_policy={GPTBlock})
+    if system == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        return model
+    if system == "ddp":
+        ids = None if device.type == "cpu" else [device]
+        return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    return model  # floor: every rank trains alone

@@ -1,0 +1,87 @@
+"""The options of ``flatshard bench``: which systems, which GPT, how many rounds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flatshard.cli.config import ConfigError
+
+SYSTEMS = ("flatshard", "fsdp2", "ddp", "floor")
+# Also available, not run by default: flatshard without any prefetch (what prefetch buys).
+EXTRA_SYSTEMS = ("flatshard-noprefetch", "flatshard-debug")
+
+
+PRESETS: dict[str, dict[str, int]] = {
+    "byte-gpt": {"vocab": 256, "dim": 512, "layers": 8, "heads": 8, "seq_len": 128, "batch": 4},
+    "llm-32k": {"vocab": 32768, "dim": 384, "layers": 6, "heads": 6, "seq_len": 256, "batch": 4},
+    "overhead": {"vocab": 16, "dim": 16, "layers": 16, "heads": 2, "seq_len": 4, "batch": 1},
+}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Options of ``flatshard bench``."""
+
+    nproc: int = 2
+    """ranks (local processes)"""
+    device: str = "auto"
+    """auto | cpu | cuda (auto: cuda with NCCL, one GPU per rank, when GPUs are visible)"""
+    systems: str = ",".join(SYSTEMS)
+    """comma-separated subset of flatshard,fsdp2,ddp,floor,flatshard-noprefetch,
+    flatshard-debug (every collective checked across ranks first: Checks(debug=True))"""
+    vocab: int = 8192
+    """vocabulary of the GPT (the default model has about 31M parameters)"""
+    dim: int = 512
+    """model width"""
+    layers: int = 8
+    """transformer blocks"""
+    heads: int = 8
+    """attention heads"""
+    seq_len: int = 256
+    """tokens per sequence"""
+    batch: int = 4
+    """sequences per rank per step"""
+    warmup: int = 1
+    """untimed steps per system and round"""
+    steps: int = 4
+    """timed steps per system and round"""
+    rounds: int = 2
+    """rounds: fresh processes for every system, which then take their steps in turn"""
+    compile: bool = False
+    """torch.compile every system's transformer blocks alike (warm up with --warmup 2+)"""
+    scaling: bool = False
+    """run every world size from 1 to --nproc, each a bench of its own, and print per-rank
+    memory and collective bytes (flatshard's against its formula) and step time by world
+    size (more ranks than cores oversubscribe the machine: step times then say little)"""
+    preset: str = ""
+    """byte-gpt | llm-32k: a model and batch shape (flags given with it win): byte-gpt is
+    the 25M GPT of vocabulary 256 (dim 512, 8 blocks, 4 x 128 tokens per rank); llm-32k a
+    32,768-token vocabulary tied to the head (dim 384, 6 blocks, 4 x 256 tokens per rank);
+    overhead a model with negligible compute (16 blocks of width 16, 4 tokens): the
+    "ms/unit" column (time over the floor per unit) is then host overhead, best measured
+    with --nproc 1 --systems flatshard,fsdp2,floor (and --compile)"""
+    out: str = "runs/bench"
+    """directory for bench.json and bench.png"""
+
+    def __post_init__(self) -> None:
+        for name in ("nproc", "vocab", "dim", "layers", "heads", "seq_len", "batch", "steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.warmup < 0 or self.rounds < 1:
+            raise ConfigError("--warmup must be >= 0 and --rounds >= 1")
+        if self.dim % self.heads:
+            raise ConfigError(f"--dim ({self.dim}) must be a multiple of --heads ({self.heads})")
+        unknown = set(self.system_list) - set(SYSTEMS + EXTRA_SYSTEMS)
+        if unknown or not self.system_list:
+            raise ConfigError(
+                "--systems must be a comma-separated subset of "
+                f"{','.join(SYSTEMS + EXTRA_SYSTEMS)}, "
+                f"got {self.systems!r}"
+            )
+
+        if self.preset and self.preset not in PRESETS:
+            raise ConfigError(f"--preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
+
+    @property
+    def system_list(self) -> list[str]:
+        return [s for s in self.systems.split(",") if s]

@@ -1,0 +1,56 @@
+"""``flatshard bench``'s prediction line: what ``flatshard plan`` said of flatshard's run,
+next to what the bench measured (the planner's accounting checked on every bench)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import flatshard
+from flatshard.cli.bench.config import BenchConfig
+from flatshard.models import GPT, GPTBlock
+from flatshard.planner import cpu_cluster
+
+MiB = 1 << 20
+
+
+def predict(config: BenchConfig) -> dict[str, float]:
+    """The plan of flatshard's bench run: tensor peak (MiB) and, on CPU (this machine,
+    measured), the step (s); on a GPU memory only (the step depends on which GPU)."""
+
+    def build() -> nn.Module:
+        return GPT(config.vocab, config.dim, config.heads, config.layers, config.seq_len)
+
+    def inputs() -> tuple[torch.Tensor, ...]:
+        return (torch.randint(0, config.vocab, (config.batch, config.seq_len)),)
+
+    def loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        logits = model(batch[0])
+        return nn.functional.cross_entropy(logits.flatten(0, 1), batch[0].flatten())
+
+    cpu = config.device == "cpu"
+    cluster = cpu_cluster(config.nproc) if cpu else "h200"
+    plan = flatshard.plan(
+        build,
+        inputs,
+        loss=loss,
+        auto_wrap_policy={GPTBlock},
+        cluster=cluster,
+        ranks_per_host=config.nproc,
+        clip=False,  # the bench's step does not clip
+    )
+    predicted = {"tensor_peak_mib": plan.peak_memory_bytes / MiB}
+    if cpu:
+        predicted["median_step_s"] = plan.step.seconds
+    return predicted
+
+
+def predicted_line(predicted: dict[str, float], measured: dict[str, float]) -> str:
+    line = (
+        f"flatshard plan predicted: tensors {predicted['tensor_peak_mib']:,.1f} MiB "
+        f"(measured {measured['tensor_peak_mib']:,.1f})"
+    )
+    if "median_step_s" in predicted:
+        step, actual = predicted["median_step_s"], measured["median_step_s"]
+        line += f", step {step:.3f} s (measured {actual:.3f})"
+    return line

@@ -1,0 +1,1 @@
+"""The language model a run builds, shared by ``flatshard train`` and ``flatshard plan``."""

@@ -1,0 +1,220 @@
+"""The options of ``flatshard train``: one typed dataclass, one docstring per field.
+
+Flags (``--seq-len 256``), a TOML file (``--config run.toml`` with ``seq_len = 256``), or
+both (flags win). Everything that can be checked before processes start is checked here,
+with a one-line error naming the option.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import flatshard
+from flatshard.cli.config import fail
+from flatshard.cli.lm.lora import parse_lora
+from flatshard.cli.sizes import parse_size
+from flatshard.flat import AutoWrapPolicy
+
+PRECISIONS = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+SCHEDULES = ("cosine", "linear", "constant")
+UNITS = ("blocks", "sublayers")
+
+
+def unit_policy(blocks: set[type[nn.Module]], units: str) -> AutoWrapPolicy:
+    """--units: the blocks, or the blocks split into their sublayers."""
+    return flatshard.SublayerPolicy(frozenset(blocks)) if units == "sublayers" else blocks
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Options of ``flatshard train``."""
+
+    model: str = "gpt"
+    """'gpt' (flatshard's own GPT) or 'hf:<config dir, config.json or model type>' for a
+    Hugging Face causal LM built from its config with random weights (needs transformers)"""
+    hf_overrides: str = ""
+    """comma-separated key=value settings for the Hugging Face config, e.g. 'n_layer=2,n_embd=64'"""
+    init: str = "random"
+    """random | pretrained: start from the weights in --model hf:<dir> (safetensors, loaded
+    sharded: each rank reads only its rows); the model's vocabulary is kept"""
+    freeze: str = ""
+    """comma-separated patterns of parameter names not to train, e.g. 'model.embed_tokens.*'"""
+    lora: str = ""
+    """LoRA adapters (peft; --model hf: only), e.g. 'r=8,alpha=16,targets=q_proj,v_proj'
+    (optional dropout=0.05): only the adapters train; merged into the exported weights"""
+    data: str = ""
+    """a UTF-8 text file to train on; empty: the shipped public-domain corpus"""
+    nproc: int = 2
+    """local ranks to start (ignored under torchrun, which starts them)"""
+    max_restarts: int = 0
+    """restart all ranks this many times when one fails, each time from the newest whole
+    checkpoint (torch's elastic agent; implies --resume auto; ignored under torchrun)"""
+    device: str = "auto"
+    """auto | cpu | cuda: where ranks compute (auto: one GPU per rank with NCCL when GPUs
+    are visible, else CPUs with gloo)"""
+    steps: int = 300
+    """optimizer steps"""
+    batch: int = 16
+    """sequences per rank per micro-batch"""
+    grad_accum: int = 1
+    """micro-batches per optimizer step"""
+    accum_no_sync: bool = True
+    """accumulate micro-batches without communication (flatshard.no_sync); off: reduce each"""
+    seq_len: int = 128
+    """bytes per training sequence (the model's context)"""
+    dim: int = 128
+    """GPT width"""
+    layers: int = 4
+    """GPT transformer blocks (one unit each)"""
+    heads: int = 4
+    """GPT attention heads"""
+    lr: float = 3e-3
+    """peak learning rate (AdamW)"""
+    min_lr: float = 3e-4
+    """learning rate at the end of the cosine or linear decay"""
+    lr_schedule: str = "cosine"
+    """cosine | linear | constant, after the warm-up"""
+    warmup_steps: int = 20
+    """steps of linear warm-up from 0 to --lr"""
+    weight_decay: float = 0.1
+    """AdamW weight decay, for parameters with 2+ dimensions"""
+    clip: float = 1.0
+    """clip the global gradient norm to this (0: no clipping)"""
+    strategy: str = "FULL_SHARD"
+    """FULL_SHARD | SHARD_GRAD_OP | NO_SHARD | HYBRID_SHARD | HYBRID_SHARD_ZERO2"""
+    sharding_factor: int = 0
+    """ranks a unit is sharded over for the hybrid strategies (0: ranks per host)"""
+    units: str = "blocks"
+    """blocks | sublayers: the units: each transformer block, or also each block's
+    attention and MLP and the untied input embedding and output head (less gathered at
+    once, more collectives; flatshard.SublayerPolicy)"""
+    keep_gathered: int = 0
+    """the last N units keep their parameters gathered from forward to backward
+    (FULL_SHARD, HYBRID_SHARD): no all-gather when backward reaches them, more memory"""
+    mixed_precision: str = "none"
+    """none | bf16 | fp16 (fp16 adds a ShardedGradScaler)"""
+    checkpoint_activations: bool = False
+    """recompute each block's activations in backward (less memory, more compute)"""
+    cpu_offload: bool = False
+    """keep the sharded parameters, their gradients and the optimizer state in CPU memory
+    (the optimizer steps on the CPU): less device memory, slower steps"""
+    fit_memory: str = ""
+    """e.g. '20GiB': plan every strategy with and without activation checkpointing first
+    (flatshard plan) and train with the fastest whose predicted memory per rank fits,
+    keeping as many of its last blocks gathered as still fit, or with --cpu-offload where
+    nothing else fits (sets --strategy, --units, --keep-gathered, --checkpoint-activations
+    and --cpu-offload)"""
+    predict: bool = False
+    """plan the run first (flatshard plan with these options; on CPUs this machine
+    measured) and print the predicted peak of live tensors on rank 0 and the step time
+    next to the measured ones at the end (GPUs: the memory only)"""
+    compile: bool = False
+    """torch.compile each transformer block (one graph per block: flatshard's hooks run
+    outside it)"""
+    seed: int = 0
+    """model, data and sampling seed"""
+    out_dir: str = "runs/train"
+    """where metrics.jsonl and loss.png go"""
+    log_every: int = 10
+    """print a progress line every this many steps when not on a terminal"""
+    ckpt_dir: str = ""
+    """checkpoint directory (empty: <out-dir>/checkpoints)"""
+    ckpt_every: int = 0
+    """save a checkpoint every this many steps and at the end (0: never)"""
+    keep_ckpts: int = 2
+    """checkpoints to keep (older ones are deleted)"""
+    resume: str = ""
+    """continue from a checkpoint directory; 'latest' (the newest in --ckpt-dir); or 'auto'
+    (the newest whole one, else start afresh: for jobs restarted after a crash)"""
+    sample_bytes: int = 300
+    """bytes of text to generate at the end (0: none)"""
+
+    def __post_init__(self) -> None:
+        positive = ("nproc", "steps", "batch", "grad_accum", "seq_len", "dim", "layers", "heads")
+        for name in positive:
+            if getattr(self, name) < 1:
+                fail(name, f"must be >= 1, got {getattr(self, name)}")
+        for name in (
+            "warmup_steps",
+            "ckpt_every",
+            "sample_bytes",
+            "sharding_factor",
+            "keep_gathered",
+            "max_restarts",
+        ):
+            if getattr(self, name) < 0:
+                fail(name, f"must be >= 0, got {getattr(self, name)}")
+        if self.log_every < 1 or self.keep_ckpts < 1:
+            fail("log_every" if self.log_every < 1 else "keep_ckpts", "must be >= 1")
+        if self.dim % self.heads:
+            fail("dim", f"({self.dim}) must be a multiple of --heads ({self.heads})")
+        if not self.lr > 0 or not 0 <= self.min_lr <= self.lr:
+            fail("lr", f"must be > 0 and >= --min-lr >= 0, got {self.lr} and {self.min_lr}")
+        if self.weight_decay < 0 or self.clip < 0:
+            fail("weight_decay" if self.weight_decay < 0 else "clip", "must be >= 0")
+        _one_of("lr_schedule", self.lr_schedule, SCHEDULES)
+        _one_of("mixed_precision", self.mixed_precision, tuple(PRECISIONS))
+        _one_of("strategy", self.strategy, tuple(s.name for s in flatshard.ShardingStrategy))
+        if self.keep_gathered and self.sharding_strategy.kept_gathered is None:
+            fail("keep_gathered", f"applies to FULL_SHARD and HYBRID_SHARD, not {self.strategy}")
+        _one_of("units", self.units, UNITS)
+        units = self.layers * (3 if self.units == "sublayers" else 1)  # GPT: + attn, MLP
+        if self.keep_gathered > units and self.model == "gpt":
+            fail(
+                "keep_gathered",
+                f"({self.keep_gathered}) exceeds the {units} units of the GPT "
+                f"(--layers {self.layers}, --units {self.units})",
+            )
+        if self.model != "gpt" and not self.model.startswith("hf:"):
+            fail("model", f"must be 'gpt' or 'hf:<config>', got {self.model!r}")
+        if self.max_restarts and self.resume not in ("", "auto"):
+            fail("max_restarts", f"resumes with --resume auto, not {self.resume!r}")
+        _one_of("init", self.init, ("random", "pretrained"))
+        if self.init == "pretrained" and not self.model.startswith("hf:"):
+            fail("init", "pretrained needs --model hf:<directory with config and weights>")
+        for name in ("hf_overrides", "lora"):
+            if getattr(self, name) and not self.model.startswith("hf:"):
+                fail(name, "only applies to --model hf:...")
+        if self.lora:
+            parse_lora(self.lora)
+        if self.fit_memory:
+            parse_size(self.fit_memory, "--fit-memory", 0)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.ckpt_dir) if self.ckpt_dir else Path(self.out_dir) / "checkpoints"
+
+    @property
+    def sharding_strategy(self) -> flatshard.ShardingStrategy:
+        return flatshard.ShardingStrategy[self.strategy]
+
+    def check_world(self, world: int) -> None:
+        """What depends on the number of ranks (known only once they exist under torchrun)."""
+        factor = self.sharding_factor
+        if factor and not self.sharding_strategy.is_hybrid:
+            fail("sharding_factor", f"only applies to hybrid strategies, not {self.strategy}")
+        if factor and (factor > world or world % factor):
+            fail("sharding_factor", f"({factor}) must divide the number of ranks ({world})")
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of optimizer step ``step`` (1-based)."""
+        if step <= self.warmup_steps:
+            return self.lr * step / self.warmup_steps
+        if self.lr_schedule == "constant":
+            return self.lr
+        progress = (step - self.warmup_steps) / max(1, self.steps - self.warmup_steps)
+        progress = min(progress, 1.0)
+        if self.lr_schedule == "linear":
+            return self.lr - (self.lr - self.min_lr) * progress
+        cosine = 0.5 * (1 + math.cos(progress * math.pi))
+        return self.min_lr + (self.lr - self.min_lr) * cosine
+
+
+def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        fail(name, f"must be one of {', '.join(allowed)}, got {value!r}")

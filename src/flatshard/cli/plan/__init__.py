@@ -1,0 +1,1 @@
+"""``flatshard plan``: peak memory, collectives and step time before launch."""

@@ -1,0 +1,82 @@
+"""How ``flatshard plan`` shows a plan: a table for people, JSON for tools, a PNG timeline."""
+
+from __future__ import annotations
+
+from flatshard.cli.config import ConfigError
+from flatshard.cli.sizes import GiB, size
+from flatshard.planner import ALLOCATOR_SLACK, Plan
+
+
+def _host_lines(plan: Plan) -> list[str]:
+    """CPU offload: what the host memory holds at its peak (shards, gradients, moments)."""
+    if not plan.setup.cpu_offload:
+        return []
+    host = plan.cluster.host_memory_bytes
+    room = f"  of {size(host)} host memory per rank" if host else "  (the same memory)"
+    return [f"  {'host memory (CPU offload), peak':<40} {size(plan.host_memory_bytes):>12}{room}"]
+
+
+def table(plan: Plan) -> str:
+    setup, cluster, step = plan.setup, plan.cluster, plan.step
+    lines = [
+        f"plan: {plan.params / 1e6:,.1f}M parameters ({plan.trainable / 1e6:,.1f}M trained) "
+        f"in {plan.units} units; {setup.strategy.name} over {setup.world_size} ranks "
+        f"({cluster.hosts} x {cluster.ranks_per_host}) on {cluster.name}",
+        "",
+        "memory per rank at the step's peak (live tensors, as the dispatcher counts them):",
+    ]
+    for what, nbytes in sorted(plan.memory.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {what:<40} {size(nbytes):>12}")
+    lines += [
+        f"  {'peak':<40} {size(plan.peak_memory_bytes):>12}",
+        f"  {'between steps (sharded state)':<40} {size(plan.at_rest_bytes):>12}",
+        f"  {'device memory needed':<40} {size(plan.device_memory_needed):>12}"
+        f"  (+{ALLOCATOR_SLACK:.0%} allocator slack"
+        f"{', +1 GiB context' if cluster.device != 'cpu' else ''})",
+        f"  {'device memory':<40} {size(cluster.memory_bytes):>12}  "
+        + ("fits" if plan.fits else "DOES NOT FIT"),
+        *_host_lines(plan),
+        "",
+        "collectives per step (this rank):",
+    ]
+    for c in plan.collectives:
+        lines.append(
+            f"  {c.kind:<15} {c.count:>5} x  {size(c.bytes):>12} in all  "
+            f"{c.seconds * 1e3:>9.2f} ms alone  ({c.links})"
+        )
+    if not plan.collectives:
+        lines.append("  none (one rank)")
+    lines += [
+        "",
+        f"step time: {step.seconds * 1e3:.2f} ms (compute {step.compute_s * 1e3:.2f} ms, "
+        f"communication {step.communication_s * 1e3:.2f} ms, of which exposed "
+        f"{step.exposed_communication_s * 1e3:.2f} ms)",
+        f"throughput: {_flops(plan.tflops_per_device * 1e12)} per device, "
+        f"{plan.mfu:.0%} of peak (recomputation counted)",
+    ]
+    lines += [f"note: {note}" for note in cluster.notes]
+    return "\n".join(lines)
+
+
+def _flops(rate: float) -> str:
+    return f"{rate / 1e12:,.1f} TFLOP/s" if rate >= 1e12 else f"{rate / 1e9:,.1f} GFLOP/s"
+
+
+def chart(plan: Plan, path: str) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        raise ConfigError("--chart needs matplotlib: pip install matplotlib") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    ax.plot([b / GiB for b in plan.timeline], color="tab:blue")
+    if plan.cluster.memory_bytes < 3 * plan.peak_memory_bytes:  # else off the scale
+        ax.axhline(plan.cluster.memory_bytes / GiB, color="tab:red", linestyle="--", lw=1)
+    ax.set_xlabel("op of the training step (forward, backward, optimizer)")
+    ax.set_ylabel("live tensors per rank (GiB)")
+    ax.set_title(f"flatshard plan: {plan.setup.strategy.name}, {plan.setup.world_size} ranks")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,27 @@
+"""Byte sizes as people write them: '20GiB' in, '1.50 GiB' out."""
+
+from __future__ import annotations
+
+import re
+
+from flatshard.cli.config import ConfigError
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+def size(nbytes: float) -> str:
+    if abs(nbytes) >= GiB:
+        return f"{nbytes / GiB:.2f} GiB"
+    return f"{nbytes / MiB:.1f} MiB"
+
+
+def parse_size(text: str, option: str, device_bytes: int) -> int:
+    """'20GiB', '512MiB', '80GB' or 'device' (``device_bytes``) -> bytes."""
+    if text == "device":
+        return device_bytes
+    match = re.fullmatch(r"\s*([0-9.]+)\s*(GiB|GB|MiB|MB)\s*", text)
+    if match is None:
+        raise ConfigError(f"{option}: expected e.g. 20GiB, 512MiB or 'device', got {text!r}")
+    scale = {"GiB": 1 << 30, "GB": 10**9, "MiB": 1 << 20, "MB": 10**6}[match.group(2)]
+    return int(float(match.group(1)) * scale)

@@ -1,0 +1,89 @@
+"""Where ``flatshard train`` keeps its checkpoints: which one ``--resume`` names, and a
+``--ckpt-dir`` that cannot hold them found before training."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from flatshard.cli.config import ConfigError
+from flatshard.cli.lm.config import TrainConfig
+from flatshard.state import CheckpointError, read_manifest
+
+
+def resume_from(config: TrainConfig) -> Path | None:
+    """The checkpoint ``--resume`` names (None: start from step 0).
+
+    A directory; ``latest``, the newest ``step_*`` (an error if there is none or it is
+    damaged); ``auto``, the newest whole one, or a fresh start if there is none: the
+    setting for a job that is restarted after a crash (a save cut short is never picked).
+    """
+    if not config.resume:
+        return None
+    if config.resume == "auto":
+        for path in reversed(saved_checkpoints(config.checkpoint_dir)):
+            try:
+                read_manifest(path)
+                return path
+            except CheckpointError:
+                continue  # damaged: an older one may be whole
+        return None
+    latest = config.resume == "latest"
+    path = latest_checkpoint(config.checkpoint_dir) if latest else Path(config.resume)
+    try:
+        read_manifest(path)
+    except CheckpointError as error:
+        raise ConfigError(f"--resume: {str(error).removeprefix('flatshard: ')}") from None
+    return path
+
+
+def check_checkpoint_dir(config: TrainConfig) -> None:
+    """An unwritable ``--ckpt-dir`` is found before training, not at the first save."""
+    if not config.ckpt_every:
+        return
+    directory = config.checkpoint_dir
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"0")
+        probe.unlink()
+    except OSError as error:
+        raise ConfigError(
+            f"--ckpt-dir {directory}: cannot write there ({error.strerror or error}); choose "
+            "a writable directory (or --ckpt-every 0 to save nothing)."
+        ) from None
+
+
+def check_checkpoint_room(config: TrainConfig, params: int) -> None:
+    """A ``--ckpt-dir`` too small for the checkpoints kept is found before training.
+
+    A checkpoint holds the parameters and AdamW's two moments in fp32 (12 bytes per
+    parameter); ``--keep-ckpts`` of them stay, and one more is written before the oldest
+    is removed.
+    """
+    if not config.ckpt_every:
+        return
+    directory = config.checkpoint_dir
+    need = 12 * params * (config.keep_ckpts + 1)
+    free = shutil.disk_usage(directory).free
+    if free < need:
+        raise ConfigError(
+            f"--ckpt-dir {directory}: {free / 2**20:,.0f} MiB free, but --keep-ckpts "
+            f"{config.keep_ckpts} checkpoints plus the one being written need about "
+            f"{need / 2**20:,.0f} MiB ({12 * params / 2**20:,.0f} MiB each: parameters and "
+            "AdamW moments in fp32). Free space, lower --keep-ckpts, or choose another "
+            "--ckpt-dir."
+        )
+
+
+def saved_checkpoints(directory: Path) -> list[Path]:
+    """``step_NNNNNN`` directories, oldest first (not ``.partial`` or ``.previous`` ones)."""
+    return sorted(directory.glob("step_[0-9]*[0-9]"))
+
+
+def latest_checkpoint(directory: Path) -> Path:
+    found = saved_checkpoints(directory)
+    if not found:
+        raise ConfigError(f"--resume latest: no checkpoint (step_*) in {directory}")
+    return found[-1]

@@ -1,0 +1,346 @@
+"""``flatshard train``: train a language model on text, sharded with flatshard.
+
+By default a small GPT learns the shipped public-domain corpus (Genesis and Exodus, King
+James Version) byte by byte at 2 local CPU ranks, then writes a sample of generated text.
+Without a launcher it starts --nproc local processes; under torchrun (single or multi-node)
+it uses the ranks torchrun starts. NCCL on GPUs, gloo on CPUs. Options come from flags and
+an optional TOML file (--config run.toml; flags win).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import flatshard
+from flatshard.cli.config import ConfigError, add_config_parser, config_from_args
+from flatshard.cli.devices import backend_for, init_rank, peak_memory_mib, resolve_device
+from flatshard.cli.lm.config import PRECISIONS, TrainConfig
+from flatshard.cli.lm.data import VOCAB, Corpus, batch_for_step, decode, encode, load_corpus
+from flatshard.cli.lm.model import (
+    LanguageModel,
+    build_language_model,
+    check_hugging_face,
+    export_hugging_face,
+    shard_language_model,
+)
+from flatshard.cli.sizes import parse_size
+from flatshard.cli.train.checkpoints import (
+    check_checkpoint_dir,
+    check_checkpoint_room,
+    resume_from,
+    saved_checkpoints,
+)
+from flatshard.cli.train.elastic import run_elastic
+from flatshard.cli.train.fit_memory import fit_memory
+from flatshard.cli.train.launch import run_local_ranks, stop_with_parent
+from flatshard.cli.train.predict import Measurement, Prediction, predict_run, prediction_line
+from flatshard.cli.train.progress import MetricsLog, ProgressBar, StepMetrics, plot
+from flatshard.comm import exit_without_teardown
+from flatshard.planner import kept_phrase
+
+PROMPT = "And God said"
+
+
+def add_parser(commands: Any) -> None:
+    add_config_parser(
+        commands,
+        "train",
+        help="train a GPT (or a Hugging Face model) on text, sharded with flatshard",
+        description=__doc__,
+        config=TrainConfig,
+        run=run,
+        config_file=True,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(TrainConfig, args)
+    load_corpus(config.data, config.seq_len)  # a missing file fails here, once
+    if config.resume:
+        resume_from(config)  # a checkpoint to resume from must exist and be whole
+    check_checkpoint_dir(config)
+    if config.model.startswith("hf:"):
+        check_hugging_face(config)  # a bad config or missing transformers fails here too
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+        world = int(os.environ["WORLD_SIZE"])
+        config.check_world(world)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        config = replace(config, device=resolve_device(config.device, local))
+        lead = os.environ["RANK"] == "0"
+        config = _fitted(config, world, lead)
+        _train(config, None, _predicted(config, world, local) if lead else None)
+        return 0
+    config.check_world(config.nproc)
+    if config.max_restarts:
+        resume = [] if config.resume else ["--resume", "auto"]
+        return run_elastic(config.nproc, config.max_restarts, [*sys.argv[1:], *resume])
+    config = replace(config, device=resolve_device(config.device, config.nproc))
+    config = _fitted(config, config.nproc, lead=True)
+    prediction = _predicted(config, config.nproc, config.nproc)
+    with tempfile.TemporaryDirectory(prefix="flatshard-train-") as tmp:
+        return _spawn(config, os.path.join(tmp, "store"), prediction)
+
+
+def _predicted(config: TrainConfig, world: int, local: int) -> Prediction | None:
+    """--predict: the plan of this run, before any rank starts (rank 0's, under torchrun)."""
+    if not config.predict:
+        return None
+    prediction = predict_run(config, world, local)
+    print(prediction_line(prediction), flush=True)
+    return prediction
+
+
+def _fitted(config: TrainConfig, world: int, lead: bool) -> TrainConfig:
+    """--fit-memory: the planner's choice of strategy and checkpointing (the same on every
+    rank: it plans with a fixed cluster preset)."""
+    if not config.fit_memory:
+        return config
+    budget = parse_size(config.fit_memory, "--fit-memory", 0)
+    return fit_memory(config, budget, world, config.device, quiet=not lead)
+
+
+def _spawn(config: TrainConfig, store: str, prediction: Prediction | None) -> int:
+    """One process per local rank (see ``launch.run_local_ranks``)."""
+    return run_local_ranks(config.nproc, _worker, (config, store, prediction))
+
+
+def _worker(
+    rank: int, config: TrainConfig, store: str, prediction: Prediction | None, launcher: int
+) -> None:
+    stop_with_parent(launcher)  # never outlive the launcher
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(config.nproc)
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(config.nproc))
+    try:
+        _train(config, store, prediction)
+    except ConfigError as error:  # found by every rank alike: one line, from rank 0
+        if rank == 0:
+            print(f"flatshard train: error: {error}", file=sys.stderr)
+        sys.exit(2)
+    exit_without_teardown(0)  # see [Note: exiting without teardown]
+
+
+# ---------------------------------------------------------------- one rank
+class Trainer:
+    """Everything one rank holds while training."""
+
+    def __init__(
+        self, config: TrainConfig, device: torch.device, prediction: Prediction | None = None
+    ) -> None:
+        self.config = config
+        self.device = device
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.corpus: Corpus = load_corpus(config.data, config.seq_len)
+        # --predict: rank 0 measures from the model's construction on (predict.py).
+        self.measurement = None
+        if prediction is not None and self.rank == 0:
+            self.measurement = Measurement.start(device, prediction)
+        self.lm: LanguageModel = build_language_model(config)
+        self.params = sum(p.numel() for p in self.lm.module.parameters())
+        self.model = _compiled(shard_language_model(self.lm, config, device), self.lm, config)
+        self.optim = _optimizer(self.model, config)
+        low = PRECISIONS[config.mixed_precision]
+        self.scaler = flatshard.ShardedGradScaler(device.type, enabled=low is torch.float16)
+        self.step = 0
+
+    def loss(self, idx: torch.Tensor) -> torch.Tensor:
+        logits = self.lm.logits(self.model, idx[:, :-1].to(self.device))
+        target = idx[:, 1:].to(self.device)
+        return nn.functional.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+
+    def train_step(self) -> float:
+        """One optimizer step over --grad-accum micro-batches; this rank's mean loss."""
+        config, step = self.config, self.step + 1
+        for group in self.optim.param_groups:
+            group["lr"] = config.lr_at(step)
+        rows = config.batch * self.world * config.grad_accum
+        batch = batch_for_step(self.corpus.train, config.seq_len, rows, config.seed, step)
+        total = 0.0
+        for micro in range(config.grad_accum):
+            first = (micro * self.world + self.rank) * config.batch
+            local = batch[first : first + config.batch]
+            quiet = config.accum_no_sync and micro < config.grad_accum - 1
+            with flatshard.no_sync(self.model) if quiet else nullcontext():
+                loss = self.loss(local) / config.grad_accum
+                torch.autograd.backward(self.scaler.scale(loss))
+            total += loss.item()
+        if config.clip > 0:
+            self.scaler.unscale_(self.optim)
+            flatshard.clip_grad_norm_(self.model, config.clip)
+        self.scaler.step(self.optim)
+        self.scaler.update()
+        self.optim.zero_grad()
+        self.step = step
+        return total
+
+    @torch.no_grad()
+    def val_loss(self, batches: int = 4) -> float:
+        """Mean loss on held-out windows (the same on every rank)."""
+        rows = self.config.batch
+        losses = [
+            self.loss(batch_for_step(self.corpus.val, self.config.seq_len, rows, 12345, i)).item()
+            for i in range(batches)
+        ]
+        return sum(losses) / len(losses)
+
+    @torch.no_grad()
+    def sample(self, length: int) -> str:
+        """Text generated from ``PROMPT`` (every rank runs the same forwards)."""
+        gen = torch.Generator().manual_seed(self.config.seed)
+        ids = encode(PROMPT)
+        for _ in range(length):
+            context = torch.tensor([ids[-self.config.seq_len :]])
+            logits = self.lm.logits(self.model, context.to(self.device))[0, -1, :VOCAB]  # bytes
+            logits = logits.float().cpu()
+            probs = (logits / 0.8).softmax(-1)
+            ids.append(int(torch.multinomial(probs, 1, generator=gen)))
+        return decode(ids)
+
+    def save(self) -> Path:
+        path = self.config.checkpoint_dir / f"step_{self.step:06d}"
+        extra = {"step": self.step, "rng": torch.get_rng_state(), "config": asdict(self.config)}
+        flatshard.save_checkpoint(path, self.model, self.optim, extra=extra)
+        if self.rank == 0:
+            for old in saved_checkpoints(self.config.checkpoint_dir)[: -self.config.keep_ckpts]:
+                shutil.rmtree(old, ignore_errors=True)
+        return path
+
+    def resume(self, path: Path) -> None:
+        extra = flatshard.load_checkpoint(path, self.model, self.optim)
+        self.step = int(extra["step"])
+        torch.set_rng_state(extra["rng"])
+
+
+def _compiled(model: nn.Module, lm: LanguageModel, config: TrainConfig) -> nn.Module:
+    """--compile: each block compiled; the model's other parts and the hooks stay eager."""
+    if config.compile:
+        for module in model.modules():
+            if type(module) in lm.unit_classes:
+                module.compile()
+    return model
+
+
+def _optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW; weight decay for parameters with 2+ dimensions (their shards keep theirs)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95))
+
+
+def _train(config: TrainConfig, store: str | None, prediction: Prediction | None) -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    init = f"file://{store}" if store else "env://"
+    device = init_rank(config.device, init, rank, world, local)
+    try:
+        backend = backend_for(config.device)
+        if backend == "gloo":
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        _loop(Trainer(config, device, prediction), backend)
+    finally:
+        dist.destroy_process_group()
+
+
+def _loop(trainer: Trainer, backend: str) -> None:
+    config, lead = trainer.config, trainer.rank == 0
+    out = Path(config.out_dir)
+    check_checkpoint_room(config, trainer.params)
+    path = resume_from(config)
+    if path is not None:
+        trainer.resume(path)
+        if lead:
+            print(f"resumed from {path} at step {trainer.step}")
+    elif config.resume == "auto" and lead:
+        print(f"--resume auto: no whole checkpoint in {config.checkpoint_dir}, starting afresh")
+    if lead:
+        _print_start(trainer, backend)
+    resumed_at = trainer.step if path is not None else None
+    log = MetricsLog(out / "metrics.jsonl", resumed_at) if lead else None
+    bar = ProgressBar(config.steps, trainer.step + 1, config.log_every) if lead else None
+    started = time.perf_counter()
+    while trainer.step < config.steps:
+        tick = time.perf_counter()
+        local = trainer.train_step()
+        if trainer.measurement is not None:
+            trainer.measurement.stepped(time.perf_counter() - tick)
+        peak = peak_memory_mib(trainer.device)
+        # On the rank's device: NCCL gathers GPU tensors only.
+        facts = torch.tensor([local, peak], dtype=torch.float64, device=trainer.device)
+        everyone = [torch.zeros_like(facts) for _ in range(trainer.world)]
+        dist.all_gather(everyone, facts)
+        # Logged before the save: a crash during the save keeps the step's line, and a
+        # resume from an older checkpoint drops it (MetricsLog) and logs it again.
+        if log is not None and bar is not None:
+            tokens = config.batch * config.grad_accum * config.seq_len * trainer.world
+            metrics = StepMetrics(
+                step=trainer.step,
+                loss=sum(float(f[0]) for f in everyone) / trainer.world,
+                lr=trainer.optim.param_groups[0]["lr"],
+                tokens_per_s=tokens / (time.perf_counter() - tick),
+                peak_mem_mib=[round(float(f[1]), 1) for f in everyone],
+                elapsed_s=round(time.perf_counter() - started, 3),
+            )
+            log.write(metrics)
+            bar.update(metrics)
+        if config.ckpt_every and (
+            trainer.step % config.ckpt_every == 0 or trainer.step == config.steps
+        ):
+            trainer.save()
+    _finish(trainer, out)
+
+
+def _print_start(trainer: Trainer, backend: str) -> None:
+    config = trainer.config
+    units = ", sublayer units" if config.units == "sublayers" else ""
+    print(
+        f"flatshard train: {trainer.lm.description}, {trainer.params:,} parameters, "
+        f"{trainer.world} ranks ({backend}, {config.strategy}{units}"
+        f"{kept_phrase(config.keep_gathered)}{', CPU offload' if config.cpu_offload else ''}), "
+        f"{config.steps} steps"
+    )
+    print(
+        f"data: {trainer.corpus.name}, {len(trainer.corpus.train):,} training bytes; "
+        f"unigram entropy {trainer.corpus.unigram_entropy:.3f} nats/byte (uniform 5.545)"
+    )
+    print(flatshard.sharding_summary(trainer.model))
+    if config.mixed_precision != "none":
+        print("dtype plan (master = optimizer state dtype):")
+        print(flatshard.dtype_plan(trainer.model))
+
+
+def _finish(trainer: Trainer, out: Path) -> None:
+    """Held-out loss, a text sample, the plot (collectives first, then rank 0 prints)."""
+    val = trainer.val_loss()
+    text = trainer.sample(trainer.config.sample_bytes) if trainer.config.sample_bytes else ""
+    exported = None
+    if trainer.config.model.startswith("hf:"):  # for from_pretrained (config.json included)
+        exported = out / "hf_model"
+        export_hugging_face(trainer.model, trainer.lm, exported)
+    if trainer.rank != 0:
+        return
+    if trainer.measurement is not None:
+        print(trainer.measurement.report())
+    if exported is not None:
+        print(f"exported for from_pretrained: {exported}")
+    print(
+        f"held-out loss {val:.4f} nats/byte (unigram entropy {trainer.corpus.unigram_entropy:.3f})"
+    )
+    if text:
+        print("sample:\n" + text)
+    print(plot(out / "metrics.jsonl", out / "loss.png"))
+    print(f"metrics: {out / 'metrics.jsonl'}")

@@ -1,0 +1,127 @@
+"""What rank 0 of ``flatshard train`` shows and writes: progress bar, metrics, plot."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TextIO
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """One optimizer step, as written to metrics.jsonl (one JSON object per line)."""
+
+    step: int
+    loss: float  # mean over ranks of the step's training loss
+    lr: float
+    tokens_per_s: float  # global: all ranks' tokens over the step's wall time
+    peak_mem_mib: list[float]  # per rank: peak RSS on CPU, max allocated on CUDA
+    elapsed_s: float  # since the start of this process's training loop
+
+
+class ProgressBar:
+    """A bar redrawn in place on a terminal; a line every ``every`` steps otherwise."""
+
+    def __init__(self, total: int, first: int, every: int, out: TextIO = sys.stdout) -> None:
+        self.total = total
+        self.first = first  # the first step this run trains (resumed runs start later)
+        self.every = every
+        self.out = out
+        self.tty = out.isatty()
+        self.started = time.perf_counter()
+
+    def update(self, m: StepMetrics) -> None:
+        if not self.tty and m.step % self.every and m.step != self.total:
+            return
+        done = m.step - self.first + 1
+        left = (time.perf_counter() - self.started) / done * (self.total - m.step)
+        width = 24
+        filled = int(width * m.step / self.total)
+        mem = "/".join(f"{v:.0f}" for v in m.peak_mem_mib)
+        line = (
+            f"step {m.step:>{len(str(self.total))}}/{self.total} "
+            f"[{'=' * filled}{' ' * (width - filled)}] loss {m.loss:.4f} | "
+            f"{m.tokens_per_s:,.0f} tok/s | peak MiB/rank {mem} | ETA {_clock(left)}"
+        )
+        if self.tty:
+            self.out.write("\r" + line + ("\n" if m.step == self.total else ""))
+        else:
+            self.out.write(line + "\n")
+        self.out.flush()
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
+
+
+class MetricsLog:
+    """Appends ``StepMetrics`` to ``metrics.jsonl``: one line per step, also across resumes.
+
+    ``resumed_at``: the step a resumed run starts after (None: a fresh start, the file is
+    emptied). Lines for later steps, written before the crash, are dropped: the resumed run
+    trains and logs those steps again.
+    """
+
+    def __init__(self, path: Path, resumed_at: int | None) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if resumed_at is not None and path.exists():
+            kept = [
+                line
+                for line in path.read_text().splitlines()
+                if (step := _step_of(line)) is not None and step <= resumed_at
+            ]
+        path.write_text("".join(line + "\n" for line in kept))
+        self.path = path
+
+    def write(self, m: StepMetrics) -> None:
+        with self.path.open("a") as handle:
+            handle.write(json.dumps(asdict(m)) + "\n")
+
+
+def _step_of(line: str) -> int | None:
+    """The step a metrics line is for; None for a line cut short by a crash."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def read_metrics(path: Path) -> list[StepMetrics]:
+    """Every step in the file, a resumed run's later lines replacing earlier ones."""
+    by_step: dict[int, StepMetrics] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            m = StepMetrics(**json.loads(line))
+            by_step[m.step] = m
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def plot(metrics_path: Path, png_path: Path) -> str:
+    """Loss and throughput over steps as a PNG; what happened, in words."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no plot: pip install matplotlib"
+    rows = read_metrics(metrics_path)
+    steps = [m.step for m in rows]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    top.plot(steps, [m.loss for m in rows])
+    top.set_ylabel("training loss (nats/byte)")
+    top.grid(alpha=0.3)
+    bottom.plot(steps, [m.tokens_per_s for m in rows], color="tab:orange")
+    bottom.set_ylabel("tokens/s (all ranks)")
+    bottom.set_xlabel("step")
+    bottom.grid(alpha=0.3)
+    fig.suptitle("flatshard train")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return f"plot: {png_path}"

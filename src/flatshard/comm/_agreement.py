@@ -1,0 +1,76 @@
+"""Do all ranks hold the same lines? One 8-byte digest each; the lines only on a mismatch.
+
+The protocol behind every "ranks built/read/issued different ..." error: the startup
+checks (``fully_shard``), ``load_safetensors`` and the end-of-step collective check
+(``_ledger.py``) each describe what they compare as lines of text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import cast
+
+import torch
+import torch.distributed as dist
+
+from flatshard.comm._collectives import all_gather_into, all_gather_object
+
+_SHOWN = 4  # differing lines quoted per rank
+
+
+def lines_if_different(
+    lines: list[str], group: dist.ProcessGroup, device: torch.device
+) -> list[list[str]] | None:
+    """Every rank's ``lines`` if they are not the same on all ranks, else None.
+
+    A collective over ``group``. One 8-byte digest per rank travels as a tensor on
+    ``device`` (the backend's own device: NCCL needs a GPU tensor); only on a mismatch do
+    ranks exchange their lines as objects, so every rank can raise the same error.
+    """
+    world = dist.get_world_size(group)
+    if world == 1:
+        return None
+    digest = hashlib.sha256("\n".join(lines).encode()).digest()[:8]
+    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], device=device)
+    every_digest = mine.new_empty(world)
+    all_gather_into(every_digest, mine, group)
+    # On meta (the planner's simulated world, ``flatshard.plan``) nothing was sent.
+    same = every_digest.is_meta or bool((every_digest == mine).all())
+    # Waited for, so freed now: gloo's worker thread lets go of its reference a moment
+    # after the wait, and the memory would outlive the check until then.
+    every_digest.untyped_storage().resize_(0)
+    if same:
+        return None
+    gathered = all_gather_object(lines, group)
+    return [cast(list[str], g) for g in gathered]
+
+
+def check_same_on_all_ranks(
+    lines: list[str],
+    group: dist.ProcessGroup,
+    device: torch.device,
+    what: str,
+    fix: str,
+    caller: str = "fully_shard",
+) -> None:
+    """Raise on every rank, naming ranks and differing lines, unless all ranks agree."""
+    every = lines_if_different(lines, group, device)
+    if every is None:
+        return
+    reference = set(every[0])
+    reports = []
+    for rank, theirs in enumerate(every):
+        if rank == 0 or set(theirs) == reference:
+            continue
+        only_0 = [line.strip() for line in every[0] if line not in theirs][:_SHOWN]
+        only_r = [line.strip() for line in theirs if line not in reference][:_SHOWN]
+        reports.append(
+            f"rank {rank} differs from rank 0:\n"
+            + "".join(f"    rank 0 only: {line}\n" for line in only_0)
+            + "".join(f"    rank {rank} only: {line}\n" for line in only_r)
+        )
+    raise ValueError(
+        f"flatshard.{caller}: ranks {what} (seen on rank {dist.get_rank()}).\n"
+        + "".join(reports)
+        + fix
+    )

@@ -1,0 +1,338 @@
+"""The collectives flatshard issues, as free functions with explicit groups.
+
+Every collective flatshard issues goes through here, tagged with what it is for (``Tag``):
+the watchdog records it, waits for it with a timeout and diagnoses a hang (see
+[Note: diagnosing a hang] in ``_watchdog.py``); choosing an implementation per backend has
+its home here too.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from enum import Enum
+from functools import partial
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from flatshard.comm._checks import Tag, current_tag
+from flatshard.comm._mesh import ShardGroups
+from flatshard.comm._watchdog import watchdog
+
+# torch 2.13 renamed the tensor collectives; older releases only have the old names.
+# Module attributes looked up at call time, so that tests can delay them
+# (flatshard.testing.delays).
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_REDUCE = dist.all_reduce
+_ALL_TO_ALL = dist.all_to_all_single
+
+
+class WaitClock:
+    """Seconds the calling thread spent blocked on flatshard's collectives.
+
+    On CPU backends (gloo) this is communication the compute waited for: the exposed
+    communication time. On CUDA, ``Work.wait()`` only makes the compute stream wait and
+    returns at once, so there it measures nothing; use a profiler trace instead.
+    """
+
+    seconds = 0.0
+
+    @classmethod
+    @contextmanager
+    def measure(cls) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            cls.seconds += time.perf_counter() - start
+
+
+class PendingReduction(NamedTuple):
+    """A gradient reduction in flight.
+
+    ``input`` is held so that its memory stays alive until the collective has read it.
+    ``finish`` turns what the collective left into ``output`` once ``work`` is done (the
+    all-reduce form copies this rank's chunk, the all-to-all form sums the received chunks).
+    """
+
+    work: dist.Work | None
+    input: torch.Tensor  # (C * F,) the unsharded gradient
+    output: torch.Tensor  # (C,) this rank's averaged shard once ``work`` is done
+    finish: Callable[[], None] | None = None
+    post_divide: int = 1  # the part of W divided after the sum (see split_division)
+
+
+def _issue(
+    group: dist.ProcessGroup,
+    op: str,
+    tensor: torch.Tensor,
+    tag: Tag | None,
+    launch: Callable[[], Any],
+) -> dist.Work:
+    """Record a collective with the watchdog, issue it (``launch``), and track its work."""
+    dog = watchdog()
+    if dog is None:
+        work: dist.Work = launch()
+        return work
+    record = dog.issue(group, op, tensor.numel(), str(tensor.dtype)[6:], tag or current_tag())
+    work = launch()
+    dog.track(work, record, group)
+    return work
+
+
+def all_gather_into(
+    unsharded: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, tag: Tag | None = None
+) -> None:
+    """Fill ``unsharded`` (C * F,) with every rank's ``shard`` (C,), in rank order; blocking."""
+    wait_work(start_all_gather(unsharded, shard, group, tag))
+
+
+def start_all_gather(
+    unsharded: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, tag: Tag | None = None
+) -> dist.Work:
+    """``all_gather_into`` without waiting: ``wait_work`` before reading ``unsharded``.
+
+    ``shard`` must stay alive until then (the collective reads it in the background).
+    """
+    launch = partial(_ALL_GATHER, unsharded, shard, group=group, async_op=True)
+    return _issue(group, "all_gather", shard, tag, launch)
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup,
+    tag: Tag | None = None,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+) -> None:
+    """Reduce ``tensor`` in place over ``group``; blocking.
+
+    A CPU tensor over a group without a CPU backend (NCCL only: what
+    ``init_process_group("nccl")`` makes) is reduced on the accelerator and copied back:
+    with ``CPUOffload`` the norms ``clip_grad_norm_`` reduces and the scaler's found-inf
+    flags live on the CPU.
+    """
+    sent = tensor
+    if tensor.device.type == "cpu" and not has_cpu_backend(group):
+        sent = tensor.to(_accelerator())
+    launch = partial(_ALL_REDUCE, sent, op=op, group=group, async_op=True)
+    wait_work(_issue(group, "all_reduce", sent, tag, launch))
+    if sent is not tensor:
+        tensor.copy_(sent)
+
+
+def has_cpu_backend(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` can communicate CPU tensors (gloo can; NCCL alone cannot)."""
+    try:
+        group._get_backend(torch.device("cpu"))
+    except RuntimeError:
+        return False
+    return True
+
+
+def _accelerator() -> torch.device:
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is None:
+        raise RuntimeError("flatshard: a process group without a CPU backend needs an accelerator")
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
+
+
+def broadcast(
+    tensor: torch.Tensor, group_src: int, group: dist.ProcessGroup, tag: Tag | None = None
+) -> None:
+    """Copy ``tensor`` of the group's rank ``group_src`` into every rank's; blocking."""
+    launch = partial(dist.broadcast, tensor, group_src=group_src, group=group, async_op=True)
+    wait_work(_issue(group, "broadcast", tensor, tag, launch))
+
+
+def barrier(group: dist.ProcessGroup | None, tag: Tag | None = None) -> None:
+    """Wait until every rank of ``group`` got here (None: a process alone, nothing to do)."""
+    if group is not None:
+        launch = partial(dist.barrier, group=group, async_op=True)
+        wait_work(_issue(group, "barrier", torch.empty(0), tag, launch))
+
+
+def all_gather_object(
+    obj: object, group: dist.ProcessGroup, tag: Tag | None = None
+) -> list[object]:
+    """Every rank's ``obj``, in group rank order (pickled; for small objects)."""
+    _record_object_collective(group, "all_gather_object", 1, tag)
+    gathered: list[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
+def broadcast_object_list(
+    objects: list[object], group_src: int, group: dist.ProcessGroup, tag: Tag | None = None
+) -> None:
+    """Replace ``objects`` on every rank by the group's rank ``group_src``'s (pickled)."""
+    _record_object_collective(group, "broadcast_object_list", len(objects), tag)
+    dist.broadcast_object_list(objects, group_src=group_src, group=group)
+
+
+def _record_object_collective(
+    group: dist.ProcessGroup, op: str, count: int, tag: Tag | None
+) -> None:
+    """Object collectives block inside torch: recorded for the reports, not waited for here."""
+    dog = watchdog()
+    if dog is not None:
+        dog.issue(group, op, count, "object", tag or current_tag())
+
+
+def wait_work(work: dist.Work | None) -> None:
+    """Block until ``work`` is done (on CUDA: make the current stream wait for it)."""
+    if work is None:
+        return
+    with WaitClock.measure():
+        dog = watchdog()
+        if dog is None:
+            work.wait()
+        else:
+            dog.wait(work)
+
+
+class ReduceScatter(Enum):
+    """How a reduce-scatter over a group runs; ``reduce_scatter_impl`` picks one per backend.
+
+    All three leave the same sums in this rank's chunk (up to the order of addition).
+    """
+
+    REDUCE_SCATTER = "reduce_scatter_tensor"  # the collective itself (NCCL)
+    ALL_REDUCE = "all_reduce in place + copy of own chunk"
+    ALL_TO_ALL = "all_to_all_single + local sum of the received chunks"
+
+
+def reduce_scatter_impl(group: dist.ProcessGroup) -> ReduceScatter:
+    """The fastest reduce-scatter form measured for ``group``'s backend.
+
+    gloo implements reduce_scatter_tensor as a full-size clone, an all-reduce and a copy.
+    An all-to-all sends each rank only the chunks it sums, (F - 1) / F of the gradient,
+    where an all-reduce sends twice that; the received chunks are then summed here. It
+    was the fastest form in the whole training step, at every buffer size tried
+    (docs/performance.md, "gloo's reduce-scatter", has the A/B runs and their commands).
+    """
+    backend: str = dist.get_backend(group)
+    if backend == dist.Backend.FAKE:  # the planner's simulated world (``flatshard.plan``)
+        backend = SIMULATED_BACKEND[0]
+    if backend == dist.Backend.GLOO:
+        return ReduceScatter.ALL_TO_ALL
+    return ReduceScatter.REDUCE_SCATTER
+
+
+# The backend ``flatshard.plan`` simulates on torch's fake process group (which sends
+# nothing): the reduce-scatter form is the one that backend would get.
+SIMULATED_BACKEND = [str(dist.Backend.NCCL)]
+
+
+def describe(group: dist.ProcessGroup) -> str:
+    """Which implementation each collective uses on ``group``'s backend (for reports)."""
+    backend = dist.get_backend(group)
+    reduce = reduce_scatter_impl(group).value
+    return f"{backend}: all-gather all_gather_into_tensor (async); gradient reduce {reduce}"
+
+
+def reduce_gradient(grad: torch.Tensor, groups: ShardGroups, tag: Tag | None) -> PendingReduction:
+    """Average ``grad`` (C * F,) over all W ranks; this rank keeps its chunk (C,).
+
+    Reduce-scatter inside the shard group, then all-reduce of the chunk inside the
+    replicate group. Divides by part of W before the sum and the rest after
+    (``split_division``), so that low-precision sums neither overflow nor underflow.
+    """
+    pre, post = split_division(groups.world_size)
+    if pre > 1:
+        grad.div_(pre)
+    return _start_sum(grad, groups, tag)._replace(post_divide=post)
+
+
+def _start_sum(grad: torch.Tensor, groups: ShardGroups, tag: Tag | None) -> PendingReduction:
+    """Start summing ``grad`` (C * F,) over all W ranks into this rank's chunk (C,)."""
+    if groups.shard is None:
+        work = None
+        if groups.replicate is not None:
+            work = _start_all_reduce(grad, groups.replicate, tag)
+        return PendingReduction(work=work, input=grad, output=grad)
+    output = grad.new_empty(grad.numel() // groups.factor)  # (C,)
+    if groups.replicate is not None:  # the all-reduce across replicas needs the chunk now
+        _scatter_sum(output, grad, groups, tag)
+        work = _start_all_reduce(output, groups.replicate, tag)
+        return PendingReduction(work=work, input=grad, output=output)
+    return _start_scatter_sum(output, grad, groups, tag)
+
+
+def _start_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, tag: Tag | None) -> dist.Work:
+    launch = partial(_ALL_REDUCE, tensor, group=group, async_op=True)
+    return _issue(group, "all_reduce", tensor, tag, launch)
+
+
+def split_division(world_size: int) -> tuple[int, int]:
+    """(pre, post) with pre * post = W: divide by ``pre`` before summing, ``post`` after.
+
+    Dividing by all of W first can underflow small low-precision gradients at large W;
+    not dividing first can overflow the sum. ``pre`` is the smallest power of two >=
+    sqrt(W) that divides W (as FSDP does), splitting the range between the two risks.
+    """
+    pre = 1
+    while world_size % (pre * 2) == 0 and world_size / pre > pre:
+        pre *= 2
+    return pre, world_size // pre
+
+
+def wait_reduction(pending: PendingReduction) -> torch.Tensor:
+    """Block until the reduction is done; returns this rank's averaged shard."""
+    wait_work(pending.work)
+    if pending.finish is not None:
+        pending.finish()
+    if pending.post_divide > 1:
+        pending.output.div_(pending.post_divide)
+    return pending.output
+
+
+def sum_reduce(grad: torch.Tensor, groups: ShardGroups, tag: Tag | None = None) -> torch.Tensor:
+    """Sum ``grad`` (C * F,) over all W ranks and return this rank's chunk (C,); blocking."""
+    output = grad
+    if groups.shard is not None:
+        output = grad.new_empty(grad.numel() // groups.factor)
+        _scatter_sum(output, grad, groups, tag)
+    if groups.replicate is not None:
+        wait_work(_start_all_reduce(output, groups.replicate, tag))
+    return output
+
+
+def _start_scatter_sum(
+    output: torch.Tensor, grad: torch.Tensor, groups: ShardGroups, tag: Tag | None
+) -> PendingReduction:
+    """Start summing ``grad`` (C * F,) over the shard group into ``output`` (C,)."""
+    assert groups.shard is not None
+    group, size = groups.shard, output.numel()
+    impl = reduce_scatter_impl(group)
+    if impl is ReduceScatter.ALL_TO_ALL:
+        received = torch.empty_like(grad)  # (F, C): every rank's copy of this rank's chunk
+        launch = partial(_ALL_TO_ALL, received, grad, group=group, async_op=True)
+        work = _issue(group, "reduce_scatter", grad, tag, launch)
+
+        def sum_received() -> None:
+            torch.sum(received.view(groups.factor, size), dim=0, out=output)
+
+        return PendingReduction(work, grad, output, sum_received)
+    if impl is ReduceScatter.ALL_REDUCE:  # in place: the gradient is ours to overwrite
+        work = _start_all_reduce(grad, group, tag)
+        chunk = grad[groups.shard_rank * size : (groups.shard_rank + 1) * size]
+
+        def copy_chunk() -> None:
+            output.copy_(chunk)
+
+        return PendingReduction(work, grad, output, copy_chunk)
+    launch = partial(_REDUCE_SCATTER, output, grad, group=group, async_op=True)
+    work = _issue(group, "reduce_scatter", grad, tag, launch)
+    return PendingReduction(work, grad, output)
+
+
+def _scatter_sum(
+    output: torch.Tensor, grad: torch.Tensor, groups: ShardGroups, tag: Tag | None
+) -> None:
+    """Blocking reduce-scatter of ``grad`` (C * F,) into ``output`` (C,)."""
+    pending = _start_scatter_sum(output, grad, groups, tag)
+    wait_reduction(pending)

@@ -1,0 +1,345 @@
+"""The watchdog: every flatshard collective recorded, waited for with a timeout, diagnosed.
+
+[Note: diagnosing a hang]
+A rank that waits on a collective its peers never issue waits for the process group's
+timeout (30 minutes by default) and then gets the backend's words ("Connection closed by
+peer", "Timed out waiting 1800000ms"), which name neither the step nor the unit nor who
+stopped. flatshard's waits on host-blocking backends (gloo) run in slices of ``SLICE_S``;
+when one has waited past the timeout (``flatshard.Checks``), the rank asks every rank what
+it is doing through the c10d store that ``init_process_group`` (or torchrun) already made.
+The store is out of band: it answers while a peer is blocked in a native collective, and
+a dead peer simply gives no answer. Each rank's responder thread polls the store for
+requests every ``POLL_S`` and publishes its status: the collective it waits for, if any,
+and its last collectives. A waiting rank that sees a request does not wait out its own
+timeout: it takes part at once. So every rank in a flatshard wait raises the same
+``CollectiveTimeoutError`` (or ``PeerLostError`` when the backend reports a closed
+connection) within seconds of the first timeout.
+
+On backends whose wait does not block the host (NCCL: it makes the stream wait), the wait
+is left to the backend's own watchdog.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from datetime import timedelta
+from typing import NamedTuple, NoReturn
+
+import torch.distributed as dist
+
+from flatshard.comm._checks import Tag, current_checks, debug_enabled
+from flatshard.comm._diagnosis import SAME_CALLS, Status, report
+from flatshard.comm._errors import (
+    CollectiveError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    PeerLostError,
+)
+from flatshard.comm._record import Record
+
+SLICE_S = 1.0  # a wait looks for diagnosis requests this often
+POLL_S = 0.5  # a responder thread looks for diagnosis requests this often
+_GRACE_S = 3 * POLL_S + 2.5  # how long answers are awaited (slack for a loaded machine)
+_KEPT = 16  # collectives a rank reports
+_REQUESTS = "flatshard/diagnosis/requests"
+_Attempt = Callable[[float], bool]  # wait up to this many seconds: True if done
+
+
+class _Tracked(NamedTuple):
+    """A collective in flight: waited for through ``Watchdog.wait``."""
+
+    work: dist.Work
+    record: Record
+    group: dist.ProcessGroup
+
+
+class Watchdog:
+    """The collectives of this process, and its side of the out-of-band diagnosis."""
+
+    def __init__(self, world: dist.ProcessGroup) -> None:
+        self.world: dist.ProcessGroup | None = world  # None once released at exit
+        self.store = dist.distributed_c10d._get_default_store()
+        self.rank = dist.get_rank()
+        self.recent: deque[Record] = deque(maxlen=_KEPT)
+        self._seq: dict[str, int] = {}  # group name -> collectives issued on it
+        self._agreements: dict[str, int] = {}  # group name -> agreements made on it
+        self._tracked: list[_Tracked] = []
+        self.waiting: tuple[str, float] | None = None  # (what, since) while blocked
+        self.seen_requests = self._requests()  # earlier incidents are not ours
+        self.failed = False  # raised: collectives may be left in flight
+        self._stop = threading.Event()
+        self._answered = self.seen_requests
+        self._answer_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._respond, name="flatshard-watchdog")
+        self._thread.daemon = True
+        self._thread.start()
+        atexit.register(self._at_exit)
+
+    # ------------------------------------------------------------------ recording
+    def issue(self, group: dist.ProcessGroup, op: str, numel: int, dtype: str, tag: Tag) -> Record:
+        """Record a collective about to be issued (debug mode: agree on it first)."""
+        name = group.group_name
+        seq = self._seq[name] = self._seq.get(name, 0) + 1
+        record = Record(seq, name, op, numel, dtype, tag.phase, tag.unit, tag.step)
+        if debug_enabled():
+            self.agree(group, record)
+        self.recent.append(record)
+        return record
+
+    def track(self, work: dist.Work, record: Record, group: dist.ProcessGroup) -> None:
+        self._tracked.append(_Tracked(work, record, group))
+        del self._tracked[:-_KEPT]  # works dropped unwaited must not pile up
+
+    def entry(self, group: dist.ProcessGroup, tag: Tag) -> None:
+        """A call every rank of ``group`` must make (summon, state dict, clip, checkpoint):
+        agree on it through the store before any of its collectives reach the backend."""
+        if group.size() == 1:
+            return
+        seq = self._seq.get(group.group_name, 0)
+        record = Record(seq, group.group_name, "call", 0, "", tag.phase, tag.unit, tag.step)
+        self.agree(group, record)
+
+    # ------------------------------------------------------------------ waiting
+    def wait(self, work: dist.Work) -> None:
+        """Wait for ``work``: with a timeout and a diagnosis where the wait blocks the host."""
+        found = next((t for t in self._tracked if t.work is work), None)
+        if found is not None:  # a work holds its tensors: never kept past its wait
+            self._tracked.remove(found)
+        if found is None or dist.get_backend(found.group) != dist.Backend.GLOO:
+            work.wait()
+            return
+        start = time.monotonic()
+        try:
+            if _try_wait(work, SLICE_S):  # the common case, kept cheap: done within a slice
+                return
+        except RuntimeError:
+            pass  # a peer left: waited for again below, which says so
+        timeout = current_checks().timeout_s(found.group)
+        what = found.record.describe()
+        try:
+            self._waiting_for(what, found.group, timeout, lambda s: _try_wait(work, s), start)
+        except CollectiveError:
+            self._tracked.append(found)  # left in flight: the exit must not wait for it
+            raise
+
+    def _waiting_for(
+        self,
+        what: str,
+        group: dist.ProcessGroup,
+        timeout: float,
+        attempt: _Attempt,
+        start: float | None = None,
+    ) -> None:
+        """Call ``attempt`` in slices until it succeeds; diagnose a timeout, a request from
+        another rank, or a failed collective (a peer that left)."""
+        start = time.monotonic() if start is None else start
+        self.waiting = (what, start)
+        try:
+            while True:
+                try:
+                    requested = self._requests() > self.seen_requests
+                except RuntimeError as error:  # the store went with its host
+                    cause = f"flatshard: the c10d store stopped answering; rank {self.rank}"
+                    self._diagnose(group, f"{cause} waited for {what}", PeerLostError, error)
+                if requested:
+                    self._join_diagnosis(group, what)
+                remaining = timeout - (time.monotonic() - start)
+                if remaining <= 0:
+                    cause = f"flatshard: {what} did not complete within {timeout:g} s"
+                    self._diagnose(group, f"{cause} (seen on rank {self.rank})")
+                try:
+                    if attempt(max(0.001, min(SLICE_S, remaining))):
+                        return
+                except RuntimeError as error:
+                    cause = f"flatshard: a peer left while rank {self.rank} waited for {what}"
+                    self._diagnose(group, cause, PeerLostError, error)
+        finally:
+            self.waiting = None
+
+    # ------------------------------------------------------------------ agreement
+    def agree(self, group: dist.ProcessGroup, record: Record) -> None:
+        """Every rank of ``group`` shows the same ``record`` through the store, or raises."""
+        name = group.group_name
+        count = self._agreements[name] = self._agreements.get(name, 0) + 1
+        prefix = f"flatshard/agree/{name}/{count}/"
+        self.store.set(prefix + str(self.rank), record.descriptor())
+        ranks = dist.get_process_group_ranks(group)
+        keys = [prefix + str(r) for r in ranks]
+        what = f"the other ranks to reach {record.describe()}"
+        self._waiting_for(
+            what, group, current_checks().timeout_s(group), lambda s: _try_keys(self.store, keys, s)
+        )
+        seen = {r: self.store.get(k).decode() for r, k in zip(ranks, keys, strict=True)}
+        if count > 2:  # every rank has read agreement count - 2 before writing this one
+            self.store.delete_key(f"flatshard/agree/{name}/{count - 2}/{self.rank}")
+        if len(set(seen.values())) > 1:
+            raise CollectiveMismatchError(_mismatch(seen, self.rank))
+
+    # ------------------------------------------------------------------ diagnosis
+    def _requests(self) -> int:
+        return int(self.store.add(_REQUESTS, 0))
+
+    def _diagnose(
+        self,
+        group: dist.ProcessGroup,
+        cause: str,
+        error: type[Exception] = CollectiveTimeoutError,
+        original: BaseException | None = None,
+    ) -> NoReturn:
+        """Ask every rank what it is doing; raise ``error`` with the table on this rank."""
+        ranks = dist.get_process_group_ranks(group)
+        self.failed = True
+        try:
+            statuses = self._ask_everyone(ranks, error)
+        except Exception as unreachable:  # its host (rank 0, or the launcher) is gone
+            statuses = {}
+            cause += f" (the c10d store did not answer either: {unreachable})"
+        timeout = current_checks().timeout_s(group)
+        settings = (
+            f"Timeout in force: {timeout:g} s (flatshard.set_checks(flatshard.Checks(timeout=...)) "
+            "or FLATSHARD_TIMEOUT; by default the process group's own). FLATSHARD_DEBUG=1 "
+            "checks every collective across ranks before it is issued."
+        )
+        # A peer that timed out too asks as well: answer before this rank can exit (unless
+        # the store is gone: then nobody is left to ask).
+        with contextlib.suppress(Exception):
+            self._answer_pending()
+        raise error(report(cause, group.group_name, ranks, statuses, settings)) from original
+
+    def _ask_everyone(self, ranks: list[int], error: type[Exception]) -> dict[int, Status]:
+        """Every answering rank's status, through the store (see the module's note)."""
+        current = self._requests()
+        generation = current
+        if current <= self.seen_requests:  # the first to ask: say why, for those who join
+            generation = int(self.store.add(_REQUESTS, 1))
+            self.store.set(f"flatshard/diagnosis/{generation}/cause", error.__name__)
+        self._publish(generation)
+        statuses = self._collect(generation, ranks)
+        self.seen_requests = max(self.seen_requests, generation)
+        return statuses
+
+    def _join_diagnosis(self, group: dist.ProcessGroup, what: str) -> NoReturn:
+        """Another rank asked: raise its kind of error (a lost peer, or a timeout)."""
+        try:
+            key = f"flatshard/diagnosis/{self._requests()}/cause"
+            lost = _try_keys(self.store, [key], SLICE_S) and self.store.get(key) == b"PeerLostError"
+        except RuntimeError:  # the store went with its host: someone is gone
+            lost = True
+        seen = "a peer left" if lost else "another rank timed out"
+        cause = f"flatshard: {seen}; rank {self.rank} waited for {what}"
+        self._diagnose(group, cause, PeerLostError if lost else CollectiveTimeoutError)
+
+    def _publish(self, generation: int) -> None:
+        waiting = self.waiting
+        status = Status(
+            rank=self.rank,
+            host=socket.gethostname(),
+            waiting=None if waiting is None else waiting[0],
+            waiting_s=0.0 if waiting is None else time.monotonic() - waiting[1],
+            recent=[(r.group, r.seq, r.describe()) for r in list(self.recent)],
+        )
+        self.store.set(
+            f"flatshard/diagnosis/{generation}/{self.rank}", json.dumps(status.to_json())
+        )
+
+    def _collect(self, generation: int, ranks: list[int]) -> dict[int, Status]:
+        keys = {r: f"flatshard/diagnosis/{generation}/{r}" for r in ranks}
+        deadline = time.monotonic() + _GRACE_S
+        while time.monotonic() < deadline and not self.store.check(list(keys.values())):
+            time.sleep(0.05)
+        found = {}
+        for rank, key in keys.items():
+            if self.store.check([key]):
+                found[rank] = Status.from_json(json.loads(self.store.get(key)))
+        return found
+
+    def _respond(self) -> None:
+        """The responder thread: answer diagnosis requests until stopped or the store goes."""
+        while not self._stop.wait(POLL_S):
+            try:
+                self._answer_pending()
+            except Exception:  # the store went away: the job is over
+                return
+
+    def _answer_pending(self) -> None:
+        """Publish this rank's status for every diagnosis asked for so far. Also called by
+        a rank about to raise or exit after a diagnosis: its responder thread might not
+        look again before the process ends, and a peer's table would lack this rank."""
+        with self._answer_lock:
+            requested = self._requests()
+            while self._answered < requested:
+                self._answered += 1
+                self._publish(self._answered)
+
+    def _at_exit(self) -> None:
+        if self.failed:
+            with contextlib.suppress(Exception):  # (the store may have gone with its host)
+                self._answer_pending()
+        self._stop.set()
+        self._thread.join(timeout=2 * POLL_S)
+        if self.failed and any(not t.work.is_completed() for t in self._tracked):
+            # A collective left in flight after the error would hold the process at exit
+            # until the backend's own timeout (its worker thread cannot be joined).
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+        if not dist.is_initialized():
+            # Process groups must not outlive the interpreter's teardown: see
+            # StepContext.release_process_groups (gloo's workers would abort the exit).
+            self._tracked.clear()
+            self.world = None
+
+
+def _try_wait(work: dist.Work, seconds: float) -> bool:
+    """Wait up to ``seconds``: True if done. A failed collective raises RuntimeError."""
+    try:
+        work.wait(timeout=timedelta(seconds=seconds))
+    except RuntimeError as error:
+        if "Operation timed out" in str(error):
+            return False
+        raise
+    return True
+
+
+def _try_keys(store: dist.distributed_c10d.Store, keys: list[str], seconds: float) -> bool:
+    try:
+        store.wait(keys, timedelta(seconds=seconds))
+    except RuntimeError:  # the store's "Wait timeout"
+        return False
+    return True
+
+
+def _mismatch(seen: dict[int, str], rank: int) -> str:
+    lines = [
+        f"flatshard: ranks are about to issue different collectives (seen on rank {rank}); "
+        "nothing was sent:"
+    ]
+    lines += [
+        f"  rank {r}: {Record.from_descriptor(d).describe()}" for r, d in sorted(seen.items())
+    ]
+    lines.append(SAME_CALLS)
+    return "\n".join(lines)
+
+
+_WATCHDOG: Watchdog | None = None
+
+
+def watchdog() -> Watchdog | None:
+    """This process's watchdog (made on first use); None outside a distributed job."""
+    global _WATCHDOG
+    world = dist.group.WORLD  # None before init_process_group and after destroy
+    if _WATCHDOG is not None and _WATCHDOG.world is world and world is not None:
+        return _WATCHDOG  # the common case, on every collective: no backend lookup
+    if world is None or dist.get_backend(world) == dist.Backend.FAKE:
+        return None  # (fake: the planner's simulated world, where no peer runs)
+    _WATCHDOG = Watchdog(world)
+    return _WATCHDOG

@@ -1,0 +1,32 @@
+"""The flat parameter: the row-aligned layout, ``FlatParamGroup`` (the paper's
+FlatParameter) and its gradient reduction, and what decides its contents.
+
+Pure layout math (``_layout``), storage with unshard/reshard and views (``_flat_param``),
+the gradient path (``_reduction``), dtypes and offload (``_mixed_precision``),
+tensor-parallel (DTensor) parameters (``_tensor_parallel``), which unit owns each
+parameter (``_partition``) and which modules become units (``_policy``), full-size gathers
+outside forward/backward (``_full_params``), the marks of tensors awaiting a load
+(``_awaiting_load``).
+
+Layer 2: imports ``flatshard.comm`` and below.
+"""
+
+from flatshard.flat._layout import FlatLayout, ParamSlot, ShardRange, plan_layout
+from flatshard.flat._mixed_precision import CPUOffload, DtypePlan, DtypeRow, MixedPrecision
+from flatshard.flat._policy import AutoWrapPolicy, SizePolicy, SublayerPolicy
+from flatshard.flat._reduction import CommHook
+
+__all__ = [
+    "AutoWrapPolicy",
+    "CPUOffload",
+    "CommHook",
+    "DtypePlan",
+    "DtypeRow",
+    "FlatLayout",
+    "MixedPrecision",
+    "ParamSlot",
+    "ShardRange",
+    "SizePolicy",
+    "SublayerPolicy",
+    "plan_layout",
+]

@@ -1,0 +1,356 @@
+"""FlatParamGroup: a group of a unit's original parameters in one flat, sharded buffer.
+
+This is the paper's FlatParameter (the docs keep that name for the concept). It is not an
+``nn.Parameter``: the user's parameters stay registered in their modules (as views of the
+shard), so nothing is renamed. A unit has one group per (requires_grad, dtype, compute
+dtype) set of its parameters, so frozen parameters never get gradient memory or a
+reduce-scatter. This file owns the storage and the views; the gradient path is
+``_reduction.py``; gathering for state dicts and ``summon_full_params`` is
+``_full_params.py``.
+
+[Note: flat tensors and their lifetimes]
+- ``shard`` (C,): this rank's chunk; persistent. Every original parameter's ``.data`` is a
+  view of its rows in it, so the optimizer updates the shard in place.
+- ``unsharded`` (C * F,), in the compute dtype and device: the autograd leaf that forward
+  uses; original parameters are swapped for ``split`` + ``view`` views of it while the unit
+  runs, so autograd accumulates one flat gradient for the whole group. Its storage is freed
+  (resized to 0) while resharded and re-allocated by the next unshard. The storage object
+  itself lives as long as the group, so views saved by autograd for backward stay valid
+  across reshard/unshard.
+- ``_unsharded_data``: the same storage without autograd's version counter. The all-gather
+  writes through it; writing through ``unsharded`` would bump the version that autograd
+  checks on saved views and make backward fail.
+- The reduced gradient (C,) becomes the original parameters' ``.grad`` (``_reduction.py``).
+- The all-gather is asynchronous (see [Note: asynchronous all-gather]).
+- With F = 1 (NO_SHARD, or a world of one) in the master dtype and device there is nothing
+  to gather: ``unsharded`` is a leaf sharing the shard's storage, never freed, and
+  unshard/reshard only swap views (``aliases_shard``).
+
+[Note: asynchronous all-gather]
+``start_unshard`` allocates the unsharded buffer on the current stream, casts the shard and
+issues the all-gather with ``async_op=True``; ``finish_unshard`` waits on the work handle.
+Prefetch only starts; the unit's own hook finishes (and registers views), so the gather
+runs while the current unit computes. On CPU (gloo) the collective runs in gloo's threads
+and ``wait()`` blocks the CPU until the data is there. On CUDA (NCCL) it runs on NCCL's
+internal stream and ``wait()`` makes the current (compute) stream wait for it without
+blocking the CPU. Since torch 2.8 the NCCL process group no longer calls ``record_stream``:
+a Work object keeps its tensors referenced until ``wait()``. A reference does not stop
+``untyped_storage().resize_(0)`` from releasing the memory, so safety rests on one rule:
+a buffer a collective uses is waited for before it is freed or re-allocated (``reshard``
+and ``set_compute_dtype`` wait for a gather in flight first; a reduction keeps its input
+until it is waited for). After the wait the compute stream is ordered after the
+collective, and the buffer was allocated on that stream, so the caching allocator can
+hand its memory only to work that runs later. The cast source is held until the wait for
+the same reason. The CPU may run ahead of the GPU; the rate limiter
+(``_rate_limiter.py``) bounds how far.
+
+[Note: stale gathers]
+A gathered buffer is a copy of the shards at the time its all-gather started. If the shard
+is written afterwards (``optimizer.step()`` after a forward that prefetched a unit it never
+ran, or kept a unit gathered for a backward that never came; an EMA swap; any in-place
+edit), that copy is stale, and on NCCL the gather may even have read the shard while the
+step wrote it. So each gather records a fingerprint of the shard's writes: the version
+counters of the shard and of every original parameter (``param.data = view`` gives a
+parameter its own counter, which the optimizer's in-place updates bump). ``unshard`` finds
+a gathered or gathering buffer whose fingerprint moved, waits for it, frees it and gathers
+again. Every rank runs the same optimizer steps and edits, so every rank decides alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flatshard.comm._checks import Tag
+from flatshard.comm._collectives import start_all_gather, wait_work
+from flatshard.comm._mesh import ShardGroups
+from flatshard.flat._layout import FlatLayout, ViewPlan, plan_layout
+from flatshard.flat._reduction import GradientReduction
+from flatshard.flat._tensor_parallel import TensorParallel, tensor_parallel
+
+
+@dataclass
+class OriginalParam:
+    """One of the user's parameters, with every place a module registers it (ties)."""
+
+    param: nn.Parameter
+    fqn: str  # its first name in the model
+    usages: list[tuple[nn.Module, str]] = field(default_factory=list)
+
+    @property
+    def tp(self) -> TensorParallel | None:
+        """Set when it was a DTensor parameter (see [Note: DTensor parameters])."""
+        return tensor_parallel(self.param)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a group's tensors live and in which dtypes (mixed precision, CPU offload)."""
+
+    master_device: torch.device  # the shard (and the optimizer state)
+    compute_device: torch.device  # the unsharded buffer
+    compute_dtype: torch.dtype | None = None  # None: the parameters' own dtype
+    reduce_dtype: torch.dtype | None = None  # None: the compute dtype
+    offload: bool = False  # CPUOffload: every use on the compute device copies the shard
+
+
+def allocate_storage(tensor: torch.Tensor, nbytes: int) -> None:
+    """Give ``tensor``'s storage its memory back (``nbytes``)."""
+    tensor.untyped_storage().resize_(nbytes)
+
+
+def free_storage(tensor: torch.Tensor) -> None:
+    """Release ``tensor``'s memory while keeping its storage object (and its views) alive."""
+    tensor.untyped_storage().resize_(0)
+
+
+class FlatParamGroup:
+    """A group of original parameters flattened into one row-aligned buffer and sharded."""
+
+    def __init__(
+        self, originals: list[OriginalParam], groups: ShardGroups, placement: Placement
+    ) -> None:
+        """Plan the layout and allocate this rank's (zero) shard on the master device.
+
+        Nothing full-size stays allocated: the originals may still be on the meta device.
+        ``load_shard`` then copies this rank's rows out of the materialized originals.
+        """
+        first = originals[0].param
+        self.originals = originals
+        self.groups = groups
+        self.rank = groups.shard_rank
+        self.factor = groups.factor  # F: ranks the buffer is cut across
+        self.requires_grad = first.requires_grad
+        self.layout: FlatLayout = plan_layout([o.param.shape for o in originals], self.factor)
+        self.views = ViewPlan(self.layout, self.rank)
+        self.full_shapes = [slot.shape for slot in self.layout.slots]  # per original
+        self.compute_dtype = placement.compute_dtype or first.dtype
+        self.compute_device = placement.compute_device
+        self.reduce_dtype = placement.reduce_dtype or self.compute_dtype
+        device = placement.master_device
+        self.offloaded = placement.offload
+        # Persistent: this rank's shard; original parameters are views of it.
+        # Pinned when offloaded from an accelerator: host-to-device copies run async.
+        pin = device.type == "cpu" and self.compute_device.type != "cpu"
+        self.shard = torch.zeros(
+            self.layout.shard_numel, dtype=first.dtype, device=device, pin_memory=pin
+        )
+        self._grad_hook: Callable[[torch.Tensor], None] | None = None
+        # (original's index, its module's parameter dict, its name there), on first use.
+        self._registrations: list[tuple[int, dict[str, torch.Tensor], str]] | None = None
+        self.has_tp = any(o.tp is not None for o in originals)  # DTensor parameters
+        self._gather: tuple[dist.Work, torch.Tensor] | None = None  # started, not waited
+        self.views_registered = False  # the modules hold views of ``unsharded``
+        self._gathered_version = -1  # shard writes seen by the last gather [Note: stale gathers]
+        # Told of every collective issued for the group: (kind, elements sent); gives the
+        # tag to issue it with. The unit records it in its root's ledger (see comm/_ledger.py).
+        self.on_collective: Callable[[str, int], Tag | None] = _ignore
+        self._allocate_unsharded()
+        self.reduction = GradientReduction(self)
+
+    def load_shard(self) -> None:
+        """Copy this rank's rows of the (full) originals into the shard; they become views."""
+        for orig, slot, held in zip(
+            self.originals, self.layout.slots, self.views.held, strict=True
+        ):
+            start = held.first_row * slot.row_numel
+            source = orig.param.detach().reshape(-1)[start : start + held.numel]
+            self.shard[held.local_offset : held.local_offset + held.numel].copy_(source)
+        self.use_sharded_data()
+
+    @property
+    def needs_all_gather(self) -> bool:
+        """Whether unsharding needs an all-gather (F > 1)."""
+        return self.groups.shard is not None
+
+    @property
+    def aliases_shard(self) -> bool:
+        """F = 1 in the master dtype and device, not offloaded: the shard is the unsharded
+        buffer."""
+        return (
+            not self.needs_all_gather
+            and not self.offloaded
+            and self.compute_dtype == self.shard.dtype
+            and self.compute_device == self.shard.device
+        )
+
+    def _allocate_unsharded(self) -> None:
+        """Create the unsharded leaf (C * F,), alive only while unsharded (see the note)."""
+        if self.aliases_shard:
+            self.unsharded = self.shard.detach().requires_grad_(self.requires_grad)
+        else:
+            self.unsharded = torch.empty(
+                self.layout.unsharded_numel, dtype=self.compute_dtype, device=self.compute_device
+            ).requires_grad_(self.requires_grad)
+        self._unsharded_data = self.unsharded.data
+        self._unsharded_nbytes = self.unsharded.untyped_storage().nbytes()
+        self.is_unsharded = self.aliases_shard
+        if not self.aliases_shard:
+            free_storage(self._unsharded_data)
+        if self._grad_hook is not None:
+            self.register_post_accumulate_hook(self._grad_hook)
+
+    def set_compute_dtype(self, compute_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
+        """Change the dtype of gathering and compute (before first use: inherited policy)."""
+        self.finish_unshard()  # a gather in flight writes the buffer about to be replaced
+        if self.is_unsharded and not self.aliases_shard:
+            raise RuntimeError(
+                "a flat parameter group's compute dtype can only change while sharded"
+            )
+        self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype
+        self._allocate_unsharded()
+
+    # ------------------------------------------------------------------ unshard / reshard
+    @property
+    def gather_in_flight(self) -> bool:
+        """An all-gather into the unsharded buffer was started and not yet waited for."""
+        return self._gather is not None
+
+    def start_unshard(self) -> None:
+        """Start all-gathering the shards into the unsharded buffer, without waiting.
+
+        Nothing if unsharded or already gathering. See [Note: asynchronous all-gather].
+        """
+        if self.is_unsharded or self._gather is not None:
+            return
+        allocate_storage(self._unsharded_data, self._unsharded_nbytes)
+        self._gathered_version = self._shard_version()
+        # Cast once per unshard (not once per op), before communicating.
+        source = self.shard.to(
+            self.compute_device, self.compute_dtype, non_blocking=True, copy=self.offloaded
+        )
+        if self.groups.shard is None:
+            self._unsharded_data.copy_(source)
+            self.is_unsharded = True
+            return
+        tag = self.on_collective("all_gather", source.numel())
+        work = start_all_gather(self._unsharded_data, source, self.groups.shard, tag)
+        self._gather = (work, source)  # the source must outlive the collective
+
+    def finish_unshard(self) -> None:
+        """Wait for a started all-gather; the buffer is then safe to read."""
+        if self._gather is not None:
+            wait_work(self._gather[0])
+            self._gather = None
+            self.is_unsharded = True
+
+    def unshard(self) -> None:
+        """All-gather the shards (unless unsharded) and register fresh views in the modules.
+
+        Views are made anew on every call so that they follow the current grad mode. A
+        gathered buffer the shard was written after is gathered again (see [Note: stale
+        gathers]).
+        """
+        if self.holds_stale_gather:
+            self.reshard()
+        self.start_unshard()
+        self.finish_unshard()
+        self.register_views(self.views.full_views(self.unsharded))
+
+    @property
+    def holds_stale_gather(self) -> bool:
+        """Whether the buffer was (or is being) gathered from shards written since."""
+        gathered = self.is_unsharded or self._gather is not None
+        return (
+            gathered and not self.aliases_shard and self._shard_version() != self._gathered_version
+        )
+
+    def _shard_version(self) -> int:
+        """How often the shard and its original parameters were written (in place)."""
+        return self.shard._version + sum(orig.param._version for orig in self.originals)
+
+    @property
+    def unshard_allocates(self) -> bool:
+        """Whether unsharding now would allocate the unsharded buffer (and gather into it)."""
+        return not (self.is_unsharded or self.aliases_shard or self._gather is not None)
+
+    def reshard(self) -> bool:
+        """Free the unsharded buffer and register the original parameters again.
+
+        Views of the buffer that autograd saved stay valid objects (see the note above).
+        A prefetched all-gather still running is waited for first: its memory is in use.
+        Returns whether memory was freed.
+        """
+        self.finish_unshard()
+        freed = not self.aliases_shard and self.is_unsharded
+        if freed:
+            free_storage(self._unsharded_data)
+            self.is_unsharded = False
+        self.register_views(None)
+        return freed
+
+    # ------------------------------------------------------------------ views
+    def use_sharded_data(self) -> None:
+        """Point every original parameter's ``.data`` at its rows of the shard."""
+        for orig, view in zip(self.originals, self.views.shard_views(self.shard), strict=True):
+            orig.param.data = view
+
+    def register_views(self, views: list[torch.Tensor] | None) -> None:
+        """Put ``views`` (or, with None, the original parameters) in their modules.
+
+        Writing ``module._parameters`` directly keeps the registration order, so
+        ``named_parameters()`` and ``state_dict()`` keys never move.
+        """
+        if self._registrations is None:  # runs twice per unit and step: resolved once
+            self._registrations = [
+                (i, cast(dict[str, torch.Tensor], module._parameters), name)
+                for i, orig in enumerate(self.originals)
+                for module, name in orig.usages
+            ]
+        values = [o.param for o in self.originals] if views is None else self._as_used(views)
+        for i, registry, name in self._registrations:
+            registry[name] = values[i]
+        self.views_registered = views is not None
+
+    def _as_used(self, views: list[torch.Tensor]) -> list[torch.Tensor]:
+        """DTensor parameters' views wrapped back into DTensors for their TP layers."""
+        if not self.has_tp:
+            return views
+        return [
+            tp.wrap(view) if (tp := orig.tp) is not None else view
+            for orig, view in zip(self.originals, views, strict=True)
+        ]
+
+    # ------------------------------------------------------------------ gradients
+    def take_grad(self) -> torch.Tensor:
+        """The accumulated flat gradient (C * F,), zeros if none arrived; detached from it.
+
+        Zeros keep every rank issuing the same collectives when a unit's gradient did not
+        reach it on this rank (its outputs were unused in the loss here).
+        """
+        grad = self.unsharded.grad
+        self.unsharded.grad = None
+        if grad is None:
+            grad = torch.zeros_like(self._unsharded_data, memory_format=torch.contiguous_format)
+        return grad
+
+    def add_to_grads(self, reduced: torch.Tensor) -> None:
+        """Add this rank's reduced chunk (C,) to the originals' ``.grad`` (views of its rows)."""
+        # The optimizer steps on the master shard: its dtype and device.
+        # Blocking: the optimizer may read it on the CPU right after (offload).
+        reduced = reduced.to(self.shard.device, self.shard.dtype, copy=self.offloaded)
+        for orig, view in zip(self.originals, self.views.shard_views(reduced), strict=True):
+            if orig.param.grad is None:
+                orig.param.grad = view
+            else:
+                orig.param.grad.add_(view)
+
+    def register_post_accumulate_hook(self, hook: Callable[[torch.Tensor], None]) -> None:
+        """Call ``hook(tensor)`` once autograd has accumulated the flat gradient."""
+        # torch's stub leaves this method unannotated; the cast states its real signature.
+        self._grad_hook = hook  # registered again if the leaf is ever re-created
+        register = cast(
+            Callable[[Callable[[torch.Tensor], None]], object],
+            self.unsharded.register_post_accumulate_grad_hook,
+        )
+        register(hook)
+
+
+def _ignore(kind: str, numel: int) -> Tag | None:
+    """``on_collective`` of a group no unit watches (yet)."""
+    return None

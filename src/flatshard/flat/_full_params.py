@@ -1,0 +1,101 @@
+"""Full-size parameters (and tensors laid out like them) gathered outside forward/backward.
+
+Used by ``summon_full_params``, full state dicts and full optimizer state dicts: a blocking
+all-gather over the group's shard group, on the compute device (NCCL cannot gather CPU
+shards when offloading).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from flatshard.comm._collectives import all_gather_into
+from flatshard.flat._flat_param import FlatParamGroup
+from flatshard.flat._tensor_parallel import TensorParallel
+
+
+def gather_full(
+    flat: FlatParamGroup, flat_shard: torch.Tensor
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """All-gather a (C,) tensor laid out like ``flat.shard``; return it and full-shape views.
+
+    A collective over the shard group. Used for parameters (the shard itself) and for
+    anything shaped like them, such as optimizer moments packed by ``pack_rows``.
+    """
+    full = torch.empty(
+        flat.layout.unsharded_numel, dtype=flat_shard.dtype, device=flat.compute_device
+    )  # (C * F,)
+    source = flat_shard.to(flat.compute_device)
+    if flat.groups.shard is None:
+        full.copy_(source)
+    else:
+        all_gather_into(full, source, flat.groups.shard)
+    return full, flat.views.full_views(full)
+
+
+def gather_copies(
+    flat: FlatParamGroup, flat_shard: torch.Tensor, keep: bool, cpu_offload: bool
+) -> list[torch.Tensor]:
+    """Gather ``flat_shard`` (laid out like the shard) and copy out each original's part.
+
+    Returns nothing when not ``keep``. A function of its own so that the gathered buffer
+    (which every view keeps alive) is freed on return, before the next gather.
+    """
+    views = gather_full(flat, flat_shard)[1]
+    if not keep:
+        return []
+    copies = [copy_out(view, cpu_offload) for view in views]
+    if flat.has_tp:  # a DTensor parameter's local shard -> the global tensor (a TP collective)
+        copies = [_global(orig.tp, c, flat) for orig, c in zip(flat.originals, copies, strict=True)]
+    return copies
+
+
+def _global(tp: TensorParallel | None, local: torch.Tensor, flat: FlatParamGroup) -> torch.Tensor:
+    """The global tensor of a DTensor parameter from every TP rank's ``local``.
+
+    Every TP peer keeps (or does not keep) alike: they are rank ``r`` of their own dp groups.
+    """
+    if tp is None:
+        return local
+    return tp.full(local.to(flat.compute_device)).to(local.device)
+
+
+def copy_out(tensor: torch.Tensor, cpu_offload: bool) -> torch.Tensor:
+    """A fresh copy (on the CPU with ``cpu_offload``): a view would keep a whole buffer."""
+    device = torch.device("cpu") if cpu_offload else tensor.device
+    return tensor.detach().to(device, copy=True)
+
+
+def pack_rows(flat: FlatParamGroup, local_rows: list[torch.Tensor]) -> torch.Tensor:
+    """Lay tensors shaped like each original's held rows out like ``flat.shard`` (C,)."""
+    packed = torch.zeros(
+        flat.layout.shard_numel, dtype=local_rows[0].dtype, device=flat.shard.device
+    )
+    for view, rows in zip(flat.views.shard_views(packed), local_rows, strict=True):
+        view.copy_(rows)
+    return packed
+
+
+@contextmanager
+def full_params(flat: FlatParamGroup, writeback: bool) -> Iterator[None]:
+    """Give every original parameter of ``flat`` its full shape and value (master dtype)."""
+    full, views = gather_full(flat, flat.shard)
+    for orig, view in zip(flat.originals, views, strict=True):
+        orig.param.data = view
+    try:
+        yield
+    finally:
+        if writeback:
+            _write_back(flat, full, views)
+        flat.use_sharded_data()
+
+
+def _write_back(flat: FlatParamGroup, full: torch.Tensor, views: list[torch.Tensor]) -> None:
+    for orig, view in zip(flat.originals, views, strict=True):
+        if orig.param.data_ptr() != view.data_ptr():  # the user replaced ``.data``
+            view.copy_(orig.param.data)
+    chunk = flat.layout.shard_numel
+    flat.shard.copy_(full[flat.rank * chunk : (flat.rank + 1) * chunk])

@@ -1,0 +1,81 @@
+"""The gradient path of one flat parameter group: reduce, then write the shard to ``.grad``.
+
+After backward, autograd has accumulated one flat gradient (C * F,) for the group. It is
+reduced (``_collectives.reduce_gradient``: reduce-scatter in the shard group, all-reduce
+across replicas, averaged over W; or a user's communication hook), and this rank's (C,)
+chunk is added to the original parameters' ``.grad`` as views of their rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from flatshard.comm._checks import Tag, current_tag, tagged
+from flatshard.comm._collectives import PendingReduction, reduce_gradient, wait_reduction
+from flatshard.comm._mesh import ShardGroups
+
+CommHook = Callable[[torch.Tensor, ShardGroups], torch.Tensor]
+"""Replaces a group's gradient reduction: ``hook(grad, groups) -> shard``.
+
+``grad`` is the unsharded flat gradient (C * F,) summed over this rank's backward passes;
+the hook returns this rank's chunk (C,), averaged over all ``groups.world_size`` (W) ranks,
+in ``grad``'s dtype. It must issue the same collectives on every rank.
+"""
+
+
+class ReducedGroup(Protocol):
+    """What a reduction needs of its flat parameter group (``FlatParamGroup``)."""
+
+    groups: ShardGroups
+    reduce_dtype: torch.dtype
+    # Told of each collective issued for the group: (kind, elements sent) -> its tag.
+    on_collective: Callable[[str, int], Tag | None]
+
+    def take_grad(self) -> torch.Tensor: ...
+
+    def add_to_grads(self, reduced: torch.Tensor) -> None: ...
+
+
+class GradientReduction:
+    """The reduction of one group's gradient: in flight at most once, per backward pass."""
+
+    def __init__(self, flat: ReducedGroup) -> None:
+        self.flat = flat
+        self.comm_hook: CommHook | None = None  # None: the built-in reduction
+        self.pending: PendingReduction | None = None  # started, not waited
+        # Whether this backward pass's gradient was dealt with (reduced, or kept for
+        # later under no_sync); reset by the end of the pass.
+        self.done_in_backward = False
+
+    def start(self) -> None:
+        """Reduce the accumulated flat gradient (zeros if none arrived), without waiting."""
+        grad = self.flat.take_grad()
+        if self.pending is not None:
+            self.finish()
+        grad = grad.to(self.flat.reduce_dtype).contiguous()
+        groups = self.flat.groups
+        tag = None
+        if groups.world_size > 1:
+            tag = self.flat.on_collective("reduce", grad.numel())
+        if self.comm_hook is not None:
+            with tagged(tag or current_tag()):
+                reduced = self.comm_hook(grad, groups)
+            self.pending = PendingReduction(work=None, input=grad, output=reduced)
+        else:
+            self.pending = reduce_gradient(grad, groups, tag)
+        self.done_in_backward = True
+
+    def keep_unreduced(self) -> None:
+        """no_sync: leave the flat gradient to accumulate until a synchronized backward."""
+        self.done_in_backward = True
+
+    def finish(self) -> None:
+        """Wait for the reduction and add the result to the originals' ``.grad``."""
+        if self.pending is None:
+            return
+        reduced = wait_reduction(self.pending)  # (C,)
+        self.pending = None
+        self.flat.add_to_grads(reduced)

@@ -1,0 +1,30 @@
+"""Exact accounting on CPU, below flatshard: collectives counted and storage tracked at the
+dispatcher. ``flatshard bench``, ``flatshard train --predict``, the planner and the tests
+measure memory and communication with these.
+
+Layer 0: imports nothing of flatshard.
+"""
+
+from flatshard.measure._accounting import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    ALL_TO_ALL,
+    REDUCE_SCATTER,
+    STEP_CHECK,
+    STEP_CHECK_BYTES,
+    CollectiveTracker,
+    PeakStorage,
+    distinct_storage_bytes,
+)
+
+__all__ = [
+    "ALL_GATHER",
+    "ALL_REDUCE",
+    "ALL_TO_ALL",
+    "REDUCE_SCATTER",
+    "STEP_CHECK",
+    "STEP_CHECK_BYTES",
+    "CollectiveTracker",
+    "PeakStorage",
+    "distinct_storage_bytes",
+]

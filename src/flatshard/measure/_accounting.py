@@ -1,0 +1,148 @@
+"""Exact accounting on CPU: which collectives ran, and what storage they left alive.
+
+Both work at the dispatcher, below flatshard, so they count what really happened rather
+than what flatshard believes it did.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import Counter
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ALL_GATHER = "all_gather"
+REDUCE_SCATTER = "reduce_scatter"
+ALL_REDUCE = "all_reduce"
+ALL_TO_ALL = "all_to_all"
+# The end-of-step check (flatshard/comm/_ledger.py): one all-gather of an 8-byte digest per
+# rank at the end of every backward pass and of every forward without backward.
+STEP_CHECK = 1  # all-gathers per check
+STEP_CHECK_BYTES = 8  # bytes each rank contributes
+
+_KINDS = {
+    "c10d._allgather_base_": ALL_GATHER,
+    "c10d.allgather_": ALL_GATHER,
+    "c10d._reduce_scatter_base_": REDUCE_SCATTER,
+    "c10d.reduce_scatter_": REDUCE_SCATTER,
+    "c10d.allreduce_": ALL_REDUCE,
+    "c10d.alltoall_base_": ALL_TO_ALL,
+}
+
+
+# torch ships TorchDispatchMode without annotations; subclassing it is an untyped call.
+class CollectiveTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Counts collectives by kind and watches the storage every all-gather writes.
+
+    ``peak_gathered_bytes`` is the most bytes that all-gather outputs held at once, sampled
+    right after each all-gather: the unsharded-parameter peak.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.counts: Counter[str] = Counter()
+        self.bytes: Counter[str] = Counter()  # bytes each kind of collective produced
+        self._gathered: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        self.peak_gathered_bytes = 0
+        self._reduced: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        self.peak_reduce_input_bytes = 0  # most bytes of reduction inputs alive at once
+        self.timeline: list[tuple[str, int]] = []  # (kind, gathered bytes after it)
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        kind = _KINDS.get(str(func.overloadpacket))
+        if kind is not None:
+            self.counts[kind] += 1
+            target = args[0]
+            for t in target if isinstance(target, list | tuple) else [target]:
+                for x in t if isinstance(t, list) else [t]:
+                    self.bytes[kind] += x.numel() * x.element_size()
+        if kind in (REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL):
+            source = args[0] if kind == ALL_REDUCE else args[1]
+            for t in source if isinstance(source, list | tuple) else [source]:
+                for x in t if isinstance(t, list) else [t]:
+                    storage = x.untyped_storage()
+                    self._reduced[id(storage)] = weakref.ref(storage)
+            self.peak_reduce_input_bytes = max(
+                self.peak_reduce_input_bytes, _alive_bytes(self._reduced)
+            )
+        if kind == ALL_GATHER:
+            target = args[0]
+            tensors = target if isinstance(target, list | tuple) else [target]
+            for tensor in tensors:
+                for t in tensor if isinstance(tensor, list) else [tensor]:
+                    storage = t.untyped_storage()
+                    # Keyed by the storage object: a resized storage changes its data_ptr.
+                    self._gathered[id(storage)] = weakref.ref(storage)
+            self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
+        if kind is not None:
+            self.timeline.append((kind, self.gathered_bytes()))
+        return out
+
+    def gathered_bytes(self) -> int:
+        """Bytes still held by storages that all-gathers wrote into."""
+        return _alive_bytes(self._gathered)
+
+
+def _alive_bytes(storages: dict[int, weakref.ref[torch.UntypedStorage]]) -> int:
+    total = 0
+    for ref in storages.values():
+        storage = ref()
+        if storage is not None:
+            total += storage.nbytes()
+    return total
+
+
+def distinct_storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views counted once)."""
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+class PeakStorage(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """The most bytes that storages created inside the mode held alive at once.
+
+    Counts every storage an op returns that none of its inputs had (views are not new
+    memory), so the peak covers temporaries, not just collective outputs. Meta is free.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._live: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        self.peak = 0
+
+    def reset_peak(self) -> None:
+        """From now on, the peak counts from the bytes alive now (still tracked)."""
+        self.peak = _alive_bytes(self._live)
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            id(t.untyped_storage())
+            for t in [*args, *(kwargs or {}).values()]
+            if isinstance(t, torch.Tensor) and not t.is_meta
+        }
+        for t in out if isinstance(out, list | tuple) else [out]:
+            if isinstance(t, torch.Tensor) and not t.is_meta:
+                storage = t.untyped_storage()
+                if id(storage) not in inputs:  # a view of an input is not new memory
+                    self._live[id(storage)] = weakref.ref(storage)
+        self.peak = max(self.peak, _alive_bytes(self._live))
+        return out

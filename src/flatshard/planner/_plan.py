@@ -1,0 +1,288 @@
+"""``flatshard.plan``: per-rank peak memory, collectives and step time, before launch.
+
+See _recorder.py ([Note: simulated step]) for how the memory is known and _timing.py for
+the step-time model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flatshard.comm._mesh import ShardingStrategy
+from flatshard.comm._processes import fast_context
+from flatshard.flat._policy import AutoWrapPolicy
+from flatshard.planner._cluster import PRESETS, Cluster
+from flatshard.planner._recorder import Op
+from flatshard.planner._simulate import Inputs, Loss, Setup, simulate
+from flatshard.planner._timing import StepTime, collective_time, step_time
+from flatshard.runtime._prefetch import Prefetch
+
+# Device memory a plan keeps free of tensors: the CUDA context and the caching
+# allocator's rounding and fragmentation, which live-tensor accounting does not see.
+CONTEXT_BYTES = 1 << 30
+ALLOCATOR_SLACK = 0.05
+
+
+@dataclass(frozen=True)
+class CollectiveTotal:
+    kind: str
+    count: int
+    bytes: int  # the ring's buffer sizes summed (gathered output, reduced input)
+    seconds: float  # alone on its link
+    links: str  # "intra-host", "inter-host" or both
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one rank of the planned run needs and does per optimizer step."""
+
+    setup: Setup
+    cluster: Cluster
+    params: int
+    trainable: int
+    units: int
+    peak_memory_bytes: int  # live tensor storage at the steady-state step's peak
+    memory: dict[str, int]  # the same bytes by what they hold
+    at_rest_bytes: int  # alive between steps: the state sharding divides
+    collectives: list[CollectiveTotal]
+    step: StepTime
+    timeline: list[int] = field(repr=False)  # live bytes after each op of the step
+    ops: list[Op] = field(repr=False)
+    # CPU offload: the peak of what lives in host memory (shards, gradients, optimizer
+    # state); the fields above are then the device's alone.
+    host_memory_bytes: int = 0
+    total_peak_bytes: int = 0  # the peak of both memories together (a CPU's one memory)
+
+    @property
+    def device_memory_needed(self) -> int:
+        """The peak plus the context and allocator slack (``CONTEXT_BYTES``, 5%)."""
+        slack = int(self.peak_memory_bytes * ALLOCATOR_SLACK)
+        context = CONTEXT_BYTES if self.cluster.device != "cpu" else 0
+        return self.peak_memory_bytes + slack + context
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_within(self.cluster.memory_bytes)
+
+    def fits_within(self, budget: int) -> bool:
+        """Within ``budget`` of device memory, and its host's memory (CPU offload); on a
+        CPU, whose one memory holds what is offloaded too, both within ``budget``."""
+        host = self.cluster.host_memory_bytes
+        if not host:
+            offloaded = self.total_peak_bytes - self.peak_memory_bytes
+            return self.device_memory_needed + offloaded <= budget
+        return self.device_memory_needed <= budget and self.host_memory_bytes <= host
+
+    @property
+    def tflops_per_device(self) -> float:
+        return self.step.flops / self.step.seconds / 1e12 if self.step.seconds else 0.0
+
+    @property
+    def mfu(self) -> float:
+        """Executed FLOP/s over the device's peak in the compute dtype (recomputation
+        counts: hardware, not model, utilization)."""
+        peak = self.cluster.peak_flops(self.setup.param_dtype or torch.float32)
+        return self.tflops_per_device * 1e12 / peak
+
+    def to_json(self) -> dict[str, Any]:
+        step = self.step
+        return {
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "memory_bytes": dict(self.memory),
+            "at_rest_bytes": self.at_rest_bytes,
+            "device_memory_needed_bytes": self.device_memory_needed,
+            "device_memory_bytes": self.cluster.memory_bytes,
+            "host_memory_bytes": self.host_memory_bytes,
+            "total_peak_bytes": self.total_peak_bytes,
+            "fits": self.fits,
+            "step_time_s": step.seconds,
+            "compute_s": step.compute_s,
+            "communication_s": step.communication_s,
+            "exposed_communication_s": step.exposed_communication_s,
+            "flops_per_step": step.flops,
+            "tflops_per_device": self.tflops_per_device,
+            "mfu": self.mfu,
+            "collectives": [vars(c) for c in self.collectives],
+            "params": self.params,
+            "trainable_params": self.trainable,
+            "units": self.units,
+            "world_size": self.setup.world_size,
+            "strategy": self.setup.strategy.name,
+            "kept_gathered": self.setup.kept_gathered,
+            "cpu_offload": self.setup.cpu_offload,
+            "cluster": self.cluster.name,
+        }
+
+
+def plan(
+    build: Callable[..., nn.Module],
+    inputs: Inputs,
+    *,
+    loss: Loss | None = None,
+    auto_wrap_policy: AutoWrapPolicy = None,
+    cluster: Cluster | str = "a100-80gb",
+    hosts: int = 1,
+    ranks_per_host: int | None = None,
+    strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
+    sharding_factor: int | None = None,
+    mixed_precision: torch.dtype | None = None,
+    prefetch: Prefetch | None = None,
+    grad_accum: int = 1,
+    optimizer: str = "adamw",
+    clip: bool = True,
+    keep_gathered: int = 0,
+    cpu_offload: bool = False,
+    tensor_parallel: int = 1,
+) -> Plan:
+    """Predict one rank's memory and step time for a training run, without running it.
+
+    ``build()`` makes the model; it is called under ``torch.device("meta")``, so nothing
+    is allocated, and ``fully_shard`` with these options runs on it in a simulated world
+    of ``hosts * ranks_per_host`` ranks (torch's fake process group: nothing is sent) for
+    two training steps. ``inputs()`` makes one rank's micro-batch (a tuple of tensors,
+    also on meta), and ``loss(model, batch)`` runs the forward and returns the scalar to
+    backpropagate (default: ``model(*batch)``'s ``.loss``, or its output's mean). Called
+    where a process group already exists, the simulation runs in a spawned process, and
+    these three must then be picklable (module-level functions).
+
+    Args:
+        cluster: a preset name ("a100-80gb", "h100-80gb", "h200", "cpu-dev"; "cpu": this
+            machine, measured) or a ``Cluster``.
+        sharding_factor: F for the hybrid strategies (default: ``ranks_per_host``, as
+            ``fully_shard`` defaults to under torchrun).
+        mixed_precision: the compute and all-gather dtype (gradients reduced in fp32).
+        optimizer: "adamw", "adam", "sgd-momentum" or "sgd".
+        keep_gathered: the last N units (FULL_SHARD, HYBRID_SHARD) keep their parameters
+            gathered from forward to backward, in the strategy's ZeRO-2 form: backward
+            gathers them no more, for their memory.
+        tensor_parallel: T > 1 plans 2-D parallelism: the W ranks form a (W / T, T) mesh
+            named ("dp", "tp"), ``build(mesh["tp"])`` makes the model and applies its
+            tensor-parallel plan (``parallelize_module``), and flatshard shards over "dp"
+            (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD). TP's own collectives are in the step.
+        cpu_offload: ``CPUOffload()``: shards, gradients and the optimizer on the host.
+            The peak is then the device's, ``host_memory_bytes`` the host's; the step
+            adds the copies over PCIe and the optimizer's step at the host's speed.
+
+    The peak is the steady-state step's most live tensor bytes on the rank, the
+    quantity ``flatshard bench`` and the tests measure at the dispatcher; on the rank the
+    planner runs (rank 0) it is exact for the ops the run will dispatch.
+    """
+    machines = _cluster(cluster, hosts, ranks_per_host)
+    _check_tensor_parallel(tensor_parallel, machines.world_size, strategy)
+    if strategy.is_hybrid and sharding_factor is None:  # shard inside a host, as torchrun
+        sharding_factor = machines.ranks_per_host  # would make fully_shard's default
+    setup = Setup(
+        world_size=machines.world_size,
+        auto_wrap_policy=auto_wrap_policy,
+        strategy=strategy,
+        sharding_factor=sharding_factor,
+        param_dtype=mixed_precision,
+        prefetch=prefetch,
+        grad_accum=grad_accum,
+        optimizer=optimizer,
+        clip=clip,
+        backend=machines.backend,
+        foreach=machines.device != "cpu" and not cpu_offload,  # the optimizer's device
+        kept_gathered=keep_gathered,
+        cpu_offload=cpu_offload,
+        tensor_parallel=tensor_parallel,
+    )
+    return plan_setup(build, inputs, loss or _default_loss, setup, machines)
+
+
+def plan_setup(
+    build: Callable[..., nn.Module], inputs: Inputs, loss: Loss, setup: Setup, cluster: Cluster
+) -> Plan:
+    """``plan`` of an explicit ``Setup``. In a process that already joined a process group
+    the simulation runs in a fresh one (its world would clash), so ``build``, ``inputs``
+    and ``loss`` must then be picklable (module-level functions)."""
+    if dist.is_initialized():
+        context = fast_context()
+        with ProcessPoolExecutor(1, mp_context=context) as child:
+            return child.submit(plan_setup, build, inputs, loss, setup, cluster).result()
+    simulated = simulate(build, inputs, loss, setup, cluster.ranks_per_host)
+    recorder = simulated.recorder
+    ops = list(recorder.ops)
+    device, host = recorder.split(simulated.host.__contains__)
+    return Plan(
+        setup=setup,
+        cluster=cluster,
+        params=simulated.params,
+        trainable=simulated.trainable,
+        units=simulated.units,
+        peak_memory_bytes=device.peak,
+        memory=recorder.breakdown(device.at_peak),
+        at_rest_bytes=device.timeline[0] if device.timeline else device.peak,
+        collectives=_collectives(ops, cluster),
+        step=step_time(ops, cluster, simulated.host),
+        timeline=device.timeline,
+        ops=ops,
+        host_memory_bytes=host.peak,
+        total_peak_bytes=recorder.peak,
+    )
+
+
+def _check_tensor_parallel(degree: int, world: int, strategy: ShardingStrategy) -> None:
+    if degree < 1 or world % degree:
+        raise ValueError(
+            f"flatshard.plan: tensor_parallel={degree} must be >= 1 and divide the "
+            f"{world} ranks (hosts x ranks_per_host)"
+        )
+    if degree > 1 and strategy.is_hybrid:
+        raise ValueError(
+            f"flatshard.plan: tensor_parallel with {strategy.name} is not planned yet; "
+            "plan FULL_SHARD or SHARD_GRAD_OP over the dp ranks"
+        )
+
+
+def _cluster(cluster: Cluster | str, hosts: int, ranks_per_host: int | None) -> Cluster:
+    if isinstance(cluster, Cluster):
+        return cluster.sized(hosts, ranks_per_host or cluster.ranks_per_host)
+    if cluster == "cpu":
+        from flatshard.planner._calibrate import cpu_cluster
+
+        return cpu_cluster(ranks_per_host or 1).sized(hosts, ranks_per_host or 1)
+    if cluster not in PRESETS:
+        raise ValueError(
+            f"flatshard.plan: unknown cluster {cluster!r}; expected one of "
+            f"{', '.join([*PRESETS, 'cpu'])} or a flatshard.Cluster"
+        )
+    preset = PRESETS[cluster]
+    return preset.sized(hosts, ranks_per_host or preset.ranks_per_host)
+
+
+def _collectives(ops: list[Op], cluster: Cluster) -> list[CollectiveTotal]:
+    totals: dict[str, CollectiveTotal] = {}
+    for op in ops:
+        if op.collective is None or op.group_size <= 1:
+            continue
+        link = "inter-host" if op.hosts > 1 else "intra-host"
+        old = totals.get(op.collective)
+        if old is None:
+            old = CollectiveTotal(op.collective, 0, 0, 0.0, link)
+        links = old.links if link in old.links else f"{old.links}, {link}"
+        totals[op.collective] = replace(
+            old,
+            count=old.count + 1,
+            bytes=old.bytes + op.io_bytes,
+            seconds=old.seconds + collective_time(op, cluster),
+            links=links,
+        )
+    return list(totals.values())
+
+
+def _default_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    output = model(*batch)
+    value = getattr(output, "loss", None)
+    if isinstance(value, torch.Tensor):
+        return value
+    tensor = output if isinstance(output, torch.Tensor) else output[0]
+    mean: torch.Tensor = tensor.float().mean()
+    return mean

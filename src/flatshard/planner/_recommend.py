@@ -1,0 +1,239 @@
+"""Given a memory budget, the fastest setup that fits, and why the others do not.
+
+The candidates are what an FSDP user would try by hand: each sharding strategy (the
+hybrid ones only across hosts, sharded over one host, two, four... : every F =
+ranks_per_host x 2^k below the world size), with and without activation checkpointing. Each is
+planned (simulated) in full; the fastest whose device memory fits the budget wins. If it
+reshards after forward, as many of its last units as still fit are then kept gathered
+until backward (``keep_gathered_where_it_fits``): less communication than resharding
+every unit, a choice no peer makes for you. Before that, the unit policy: where a
+candidate that gathers parameters is faster than the best that fits but does not fit
+itself, it is planned again with its blocks split into sublayers
+(``finer_units_where_they_help``, ``SublayerPolicy``): fewer parameters gathered at once,
+for more collectives. Where nothing fits, FULL_SHARD with CPU offload is planned too
+(``offload_where_nothing_fits``): the slowest way, and the last.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from torch import nn
+
+from flatshard.comm._mesh import ShardingStrategy
+from flatshard.flat._policy import SublayerPolicy
+from flatshard.planner._cluster import Cluster
+from flatshard.planner._plan import Plan, plan_setup
+from flatshard.planner._simulate import Inputs, Loss, Setup
+
+Builder = Callable[[bool], Callable[[], nn.Module]]
+"""checkpoint_activations -> the model's build function."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What every candidate plans: the model, one rank's micro-batch, the loss, the cluster."""
+
+    builder: Builder
+    inputs: Inputs
+    loss: Loss
+    cluster: Cluster
+
+    def plan(self, setup: Setup, checkpointing: bool) -> Plan:
+        return plan_setup(self.builder(checkpointing), self.inputs, self.loss, setup, self.cluster)
+
+
+def recommend(problem: Problem, setup: Setup, budget: int) -> list[Candidate]:
+    """Every candidate of the module docstring planned, fastest first (``best_fit`` picks)."""
+    found = candidates(problem, setup)
+    found = finer_units_where_they_help(found, budget, problem)
+    found = keep_gathered_where_it_fits(found, budget, problem)
+    return offload_where_nothing_fits(found, budget, problem)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    strategy: ShardingStrategy
+    checkpoint_activations: bool
+    plan: Plan
+    kept_gathered: int = 0  # the last N units in the strategy's ZeRO-2 form
+
+    @property
+    def sharding_factor(self) -> int | None:
+        return self.plan.setup.sharding_factor if self.strategy.is_hybrid else None
+
+    @property
+    def sublayers(self) -> bool:
+        return isinstance(self.plan.setup.auto_wrap_policy, SublayerPolicy)
+
+    @property
+    def label(self) -> str:
+        factor = f" (F={self.sharding_factor})" if self.sharding_factor else ""
+        units = ", sublayer units" if self.sublayers else ""
+        checkpointing = ", activation checkpointing" if self.checkpoint_activations else ""
+        offload = ", CPU offload" if self.plan.setup.cpu_offload else ""
+        kept = kept_phrase(self.kept_gathered)
+        return f"{self.strategy.name}{factor}{units}{kept}{checkpointing}{offload}"
+
+
+def kept_phrase(count: int) -> str:
+    """How a setup's label says that its last ``count`` units are kept gathered."""
+    if not count:
+        return ""
+    return f", last {count} unit{'s' if count > 1 else ''} kept gathered"
+
+
+def candidates(problem: Problem, setup: Setup) -> list[Candidate]:
+    """Every strategy with and without checkpointing, planned, fastest first."""
+    cluster = problem.cluster
+    strategies = [
+        ShardingStrategy.NO_SHARD,
+        ShardingStrategy.SHARD_GRAD_OP,
+        ShardingStrategy.FULL_SHARD,
+    ]
+    if cluster.hosts > 1:
+        strategies += [ShardingStrategy.HYBRID_SHARD_ZERO2, ShardingStrategy.HYBRID_SHARD]
+    found = []
+    for strategy in strategies:
+        for factor in _factors(strategy, cluster):
+            for checkpointing in (False, True):
+                chosen = replace(setup, strategy=strategy, sharding_factor=factor)
+                plan = problem.plan(chosen, checkpointing)
+                found.append(Candidate(strategy, checkpointing, plan))
+    return sorted(found, key=lambda c: c.plan.step.seconds)
+
+
+def _factors(strategy: ShardingStrategy, cluster: Cluster) -> list[int | None]:
+    """The sharding factors F to try: one host's ranks, then two hosts', four... below the
+    world (F = W is FULL_SHARD itself); None for the other strategies."""
+    if not strategy.is_hybrid:
+        return [None]
+    factors: list[int | None] = []
+    factor = cluster.ranks_per_host
+    while factor < cluster.world_size and cluster.world_size % factor == 0:
+        factors.append(factor)
+        factor *= 2
+    return factors
+
+
+# Each try is a whole plan; the fastest few that miss the budget are the ones worth it.
+MOST_SPLIT = 3
+
+
+def finer_units_where_they_help(
+    found: list[Candidate], budget: int, problem: Problem
+) -> list[Candidate]:
+    """``found`` and, planned with their blocks split into sublayers, the best that fits
+    and the ``MOST_SPLIT`` fastest of those faster than it that do not fit, of those that
+    can be split (``_splittable``); fastest first."""
+    best = best_fit(found, budget)
+    splittable = [c for c in found if _splittable(c)]
+    faster = [
+        c
+        for c in splittable
+        if not c.plan.fits_within(budget)
+        and (best is None or c.plan.step.seconds < best.plan.step.seconds)
+    ][:MOST_SPLIT]
+    added = []
+    for c in [*faster, *([best] if best is not None and _splittable(best) else [])]:
+        split = replace(
+            c.plan.setup, auto_wrap_policy=SublayerPolicy(c.plan.setup.auto_wrap_policy)
+        )
+        added.append(
+            Candidate(
+                c.strategy, c.checkpoint_activations, problem.plan(split, c.checkpoint_activations)
+            )
+        )
+    return sorted(found + added, key=lambda c: c.plan.step.seconds)
+
+
+def _splittable(c: Candidate) -> bool:
+    """Gathers parameters (not NO_SHARD) and has blocks to split (not split already)."""
+    policy = c.plan.setup.auto_wrap_policy
+    return c.strategy != ShardingStrategy.NO_SHARD and policy is not None and not c.sublayers
+
+
+def best_fit(found: list[Candidate], budget: int) -> Candidate | None:
+    return next((c for c in found if c.plan.fits_within(budget)), None)
+
+
+def offload_where_nothing_fits(
+    found: list[Candidate], budget: int, problem: Problem
+) -> list[Candidate]:
+    """``found`` and, if none of it fits, FULL_SHARD with CPU offload (with and without
+    activation checkpointing): the device then holds no sharded state at all."""
+    if best_fit(found, budget) is not None or not found:
+        return found
+    setup = replace(
+        found[0].plan.setup,
+        strategy=ShardingStrategy.FULL_SHARD,
+        sharding_factor=None,
+        kept_gathered=0,
+        cpu_offload=True,
+        foreach=False,  # the optimizer steps on the CPU
+    )
+    added = [
+        Candidate(ShardingStrategy.FULL_SHARD, checkpointing, plan)
+        for checkpointing in (False, True)
+        for plan in [problem.plan(setup, checkpointing)]
+    ]
+    return sorted(found + added, key=lambda c: c.plan.step.seconds)
+
+
+# Kept units cost memory; below this share of the step saved, the headroom is worth more
+# (where prefetch already hides backward's all-gathers, keeping units saves next to nothing).
+MIN_GAIN = 0.005
+
+
+def keep_gathered_where_it_fits(
+    found: list[Candidate], budget: int, problem: Problem
+) -> list[Candidate]:
+    """``found`` and, for each candidate that reshards after forward (FULL_SHARD,
+    HYBRID_SHARD) and fits while its ZeRO-2 form does not, the same with as many of its
+    last units kept gathered until backward as still fit, if that saves at least
+    ``MIN_GAIN`` of the step; fastest first. Each kept unit saves the all-gather backward
+    would make for it. Skipped where it cannot win: the ZeRO-2 form (every unit kept)
+    bounds how fast it gets."""
+    added: list[Candidate] = []
+    for reshards in found:
+        form = reshards.strategy.kept_gathered
+        zero2 = next(
+            (
+                c
+                for c in found
+                if c.strategy == form
+                and c.sharding_factor == reshards.sharding_factor
+                and c.checkpoint_activations == reshards.checkpoint_activations
+            ),
+            None,
+        )
+        best = best_fit(found + added, budget)
+        if (
+            form is None
+            or zero2 is None
+            or not reshards.plan.fits_within(budget)
+            or zero2.plan.fits_within(budget)
+            or (best is not None and best.plan.step.seconds <= zero2.plan.step.seconds)
+        ):
+            continue
+        kept = _most_kept(reshards, budget, problem)
+        if kept.plan.step.seconds < reshards.plan.step.seconds * (1 - MIN_GAIN):
+            added.append(kept)
+    return sorted(found + added, key=lambda c: c.plan.step.seconds)
+
+
+def _most_kept(reshards: Candidate, budget: int, problem: Problem) -> Candidate:
+    """``reshards`` with its most last units kept gathered that fit (bisection: memory
+    grows with their number)."""
+    chosen, low, high = reshards, 0, reshards.plan.units - 1  # the root is never one
+    while low < high:
+        count = (low + high + 1) // 2
+        setup = replace(reshards.plan.setup, kept_gathered=count)
+        planned = problem.plan(setup, reshards.checkpoint_activations)
+        if planned.fits_within(budget):
+            low = count
+            chosen = Candidate(reshards.strategy, reshards.checkpoint_activations, planned, count)
+        else:
+            high = count - 1
+    return chosen

@@ -1,0 +1,334 @@
+"""What one simulated step did, op by op: memory alive at each op, FLOPs, bytes and collectives.
+
+[Note: simulated step]
+The planner does not model flatshard from the outside: it runs flatshard itself. The model
+is built on the meta device (shapes, no data), ``fully_shard`` runs in a world of W ranks
+made of torch's fake process group (collectives return at once and send nothing) and a
+real training step runs on it. Every op below autograd passes this dispatch mode, which
+sees what a rank would allocate (meta tensors have sizes, not memory): the same storage
+accounting the tests do on CPU at the dispatcher (``testing.accounting.PeakStorage``),
+so the predicted peak is the measured peak's definition, not a formula that could drift
+from the runtime. Each op's FLOPs (torch's own formulas) and bytes read and written feed
+the step-time model (``_timing.py``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+# What a storage holds, by when and by which op it was made (see ``Recorder.tag_of``).
+PARAMETERS = "sharded parameters and buffers"
+BATCH = "input batch"
+UNSHARDED = "unsharded parameters (gathered units)"
+GRADIENTS = "gradient shards"
+UNSHARDED_GRADIENTS = "unsharded gradients (being reduced)"
+BUFFERS = "communication buffers"
+OPTIMIZER = "optimizer state"
+ACTIVATIONS = "activations and temporaries"
+
+COLLECTIVES = {
+    "c10d._allgather_base_": "all_gather",
+    "c10d.allgather_": "all_gather",
+    "c10d._reduce_scatter_base_": "reduce_scatter",
+    "c10d.reduce_scatter_": "reduce_scatter",
+    "c10d.allreduce_": "all_reduce",
+    "c10d.alltoall_base_": "all_to_all",
+    "c10d.broadcast_": "broadcast",
+}
+# Out of place, on a group named by its last argument: DTensor's (tensor parallel).
+FUNCTIONAL_COLLECTIVES = {
+    "_c10d_functional.all_reduce": "all_reduce",
+    "_c10d_functional.all_gather_into_tensor": "all_gather",
+    "_c10d_functional.reduce_scatter_tensor": "reduce_scatter",
+    "_c10d_functional.all_to_all_single": "all_to_all",
+}
+
+
+@dataclass(frozen=True)
+class Op:
+    """One op of the simulated step, as the step-time model needs it."""
+
+    name: str
+    flops: float
+    io_bytes: int  # bytes of the tensors it reads and writes
+    collective: str | None  # its kind, or None for compute
+    group_size: int  # ranks of the collective's group (1 for compute)
+    reads: tuple[int, ...]  # storage serials it reads
+    writes: tuple[int, ...]  # storage serials it writes or creates
+    backward: bool
+    dtype: torch.dtype | None = None  # compute: of its first output
+    hosts: int = 1  # collective: hosts its group spans (see ``Recorder.ranks_per_host``)
+    read_bytes: tuple[int, ...] = ()  # compute: bytes it reads of each of ``reads``
+
+
+@dataclass
+class MemoryView:
+    """One memory's share of the recorded step (see ``Recorder.split``)."""
+
+    total: int = 0  # bytes alive now, while replaying
+    peak: int = 0
+    peak_op: int = 0  # ops recorded before the peak
+    at_peak: dict[int, int] = field(default_factory=dict)  # serial -> bytes at the peak
+    timeline: list[int] = field(default_factory=list)  # bytes after each op (and at start)
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, list | tuple):
+        return [t for item in tree for t in _tensors(item)]
+    if isinstance(tree, dict):
+        return [t for item in tree.values() for t in _tensors(item)]
+    return []
+
+
+def _guessed_scalar(t: torch.Tensor) -> bool | int | float:
+    """``.item()`` of a meta tensor has no value; model code asks for one in checks like
+    transformers' "are these sequences packed?" (``(mask == 0).all()``). A plan answers
+    True for a flag (the check passed: the common, fast path) and 0 for a number."""
+    if t.dtype == torch.bool:
+        return True
+    return 0.0 if t.dtype.is_floating_point else 0
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# torch ships TorchDispatchMode without annotations; subclassing it is an untyped call.
+class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Tracks every storage created inside it (meta included) and, while ``recording``, the
+    ops with their costs, the peak of the bytes alive and what they were at that peak."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._serial = itertools.count()
+        self._live: dict[int, tuple[int, weakref.ref[torch.UntypedStorage]]] = {}
+        self.tags: dict[int, str] = {}  # serial -> what it holds
+        self.phase = PARAMETERS  # the tag of storages made by compute ops now
+        self.backward = False
+        self.recording = False
+        self.ops: list[Op] = []
+        self.peak = 0
+        self.at_peak: dict[int, int] = {}  # serial -> bytes alive at the peak
+        self.peak_op = 0  # ops recorded before the peak
+        self.ranks_per_host = 1  # to tell which collectives cross hosts
+        self.timeline: list[int] = []  # bytes alive after each recorded op (and at start)
+        # While recording: (timeline index, serial, its bytes from then on; 0: freed), so
+        # that the bytes can be split afterwards by where they live (``split``).
+        self._events: list[tuple[int, int, int]] = []
+        self._sizes: dict[int, int] = {}  # serial -> bytes at the last timeline entry
+        self._ops_at: list[int] = []  # ops recorded before each timeline entry
+
+    def serial(self, storage: torch.UntypedStorage) -> int | None:
+        entry = self._live.get(id(storage))
+        if entry is None or entry[1]() is not storage:
+            return None
+        return entry[0]
+
+    def retag(self, tensors: list[torch.Tensor], tag: str) -> None:
+        for t in tensors:
+            serial = self.serial(t.untyped_storage())
+            if serial is not None:
+                self.tags[serial] = tag
+
+    def start_recording(self) -> None:
+        """From now on: ops are recorded and the peak counts from the bytes alive now."""
+        self.recording = True
+        self.ops.clear()
+        self.timeline.clear()
+        self._events.clear()
+        self._ops_at.clear()
+        self._sizes = {}
+        self.peak = 0
+        self._note_peak()
+
+    def alive(self) -> dict[int, int]:
+        """serial -> bytes, of the storages alive now."""
+        out: dict[int, int] = {}
+        for key, (serial, ref) in list(self._live.items()):
+            storage = ref()
+            if storage is None:
+                del self._live[key]
+            else:
+                out[serial] = storage.nbytes()
+        return out
+
+    def _note_peak(self) -> None:
+        alive = self.alive()
+        total = sum(alive.values())
+        index = len(self.timeline)
+        for serial, nbytes in alive.items():
+            if self._sizes.get(serial) != nbytes:
+                self._events.append((index, serial, nbytes))
+        self._events.extend((index, serial, 0) for serial in self._sizes.keys() - alive.keys())
+        self._sizes = alive
+        self._ops_at.append(len(self.ops))
+        self.timeline.append(total)
+        if total > self.peak:
+            self.peak, self.at_peak, self.peak_op = total, alive, len(self.ops)
+
+    def split(self, on_host: Callable[[int], bool]) -> tuple[MemoryView, MemoryView]:
+        """The recorded step's bytes as two memories, the device's and the host's, by
+        ``on_host(serial)`` (CPU offload: shards, gradients, optimizer state)."""
+        device, host = MemoryView(), MemoryView()
+        alive: dict[int, int] = {}
+        events = iter(self._events)
+        pending = next(events, None)
+        for index, ops in enumerate(self._ops_at):
+            while pending is not None and pending[0] == index:
+                _, serial, nbytes = pending
+                memory = host if on_host(serial) else device
+                memory.total += nbytes - alive.get(serial, 0)
+                alive[serial] = nbytes
+                pending = next(events, None)
+            for memory, mine in ((device, False), (host, True)):
+                memory.timeline.append(memory.total)
+                if memory.total > memory.peak:
+                    memory.peak, memory.peak_op = memory.total, ops
+                    memory.at_peak = {s: b for s, b in alive.items() if b and on_host(s) == mine}
+        return device, host
+
+    def _track(self, t: torch.Tensor, tag: str) -> int:
+        storage = t.untyped_storage()
+        serial = self.serial(storage)
+        if serial is None:
+            serial = next(self._serial)
+            self._live[id(storage)] = (serial, weakref.ref(storage))
+            self.tags[serial] = tag
+        return serial
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
+            return _guessed_scalar(args[0])
+        inputs = _tensors([args, kwargs])
+        before = {id(t.untyped_storage()) for t in inputs}
+        out = func(*args, **kwargs)
+        name = str(func.overloadpacket)
+        kind = COLLECTIVES.get(name)
+        outputs = _tensors(out)
+        new = [t for t in outputs if id(t.untyped_storage()) not in before]
+        for t in new:
+            self._track(t, self.phase)
+        if kind is not None:
+            self._collective(kind, args, inputs)
+        elif name in FUNCTIONAL_COLLECTIVES:
+            self._functional(FUNCTIONAL_COLLECTIVES[name], args, inputs, outputs)
+        elif self.recording:
+            self._compute(func, args, kwargs, out, inputs, new)
+        if self.recording:
+            self._note_peak()
+        return out
+
+    def _collective(self, kind: str, args: tuple[Any, ...], inputs: list[torch.Tensor]) -> None:
+        if kind == "all_gather" and self.phase == ACTIVATIONS:
+            self.retag(_tensors(args[0]), UNSHARDED)
+        if kind in ("reduce_scatter", "all_to_all") and self.phase == ACTIVATIONS:
+            # (output, input): the input is the unit's unsharded gradient; what the
+            # all-to-all receives is a buffer (gloo's form, ``_collectives``).
+            self.retag(_tensors(args[1]), UNSHARDED_GRADIENTS)
+            if kind == "all_to_all":
+                self.retag(_tensors(args[0]), BUFFERS)
+        if not self.recording:
+            return
+        boxed = next(a for a in args if isinstance(a, torch.ScriptObject))
+        group = dist.ProcessGroup.unbox(boxed)
+        written = _tensors(args[0])
+        # The size a ring moves: the full buffer (gathered output, reduced input).
+        full = _tensors(args[1]) if kind in ("reduce_scatter", "all_to_all") else written
+        self._add_collective(kind, group, full, inputs, written)
+
+    def _functional(
+        self, kind: str, args: tuple[Any, ...], inputs: list[torch.Tensor], out: list[torch.Tensor]
+    ) -> None:
+        """A functional collective (tensor parallel's): it returns its output."""
+        if self.recording:
+            # By name; torch keeps the lookup private (2.2 and later).
+            group = c10d._resolve_process_group(args[-1])  # type: ignore[attr-defined]
+            full = out if kind == "all_gather" else inputs
+            self._add_collective(kind, group, full, inputs, out)
+
+    def _add_collective(
+        self,
+        kind: str,
+        group: dist.ProcessGroup,
+        full: list[torch.Tensor],
+        inputs: list[torch.Tensor],
+        written: list[torch.Tensor],
+    ) -> None:
+        ranks = dist.get_process_group_ranks(group)
+        self.ops.append(
+            Op(
+                name=kind,
+                flops=0.0,
+                io_bytes=sum(_bytes(t) for t in full),
+                collective=kind,
+                group_size=len(ranks),
+                reads=tuple(self._serials(inputs)),
+                writes=tuple(self._serials(written)),
+                backward=self.backward,
+                hosts=len({r // self.ranks_per_host for r in ranks}),
+            )
+        )
+
+    def _compute(
+        self,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        out: Any,
+        inputs: list[torch.Tensor],
+        new: list[torch.Tensor],
+    ) -> None:
+        formula = flop_registry.get(func.overloadpacket)
+        flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
+        outputs = _tensors(out)
+        if not new and not flops and not func._schema.is_mutable:
+            return  # a view or a no-op: no kernel runs
+        read = [
+            (s, _bytes(t)) for t in inputs if (s := self.serial(t.untyped_storage())) is not None
+        ]
+        self.ops.append(
+            Op(
+                name=str(func.overloadpacket),
+                flops=flops,
+                io_bytes=sum(_bytes(t) for t in [*inputs, *outputs]),
+                collective=None,
+                group_size=1,
+                reads=tuple(s for s, _ in read),
+                writes=tuple(self._serials(outputs)),
+                backward=self.backward,
+                dtype=outputs[0].dtype if outputs else None,
+                read_bytes=tuple(b for _, b in read),
+            )
+        )
+
+    def _serials(self, tensors: list[torch.Tensor]) -> list[int]:
+        found = (self.serial(t.untyped_storage()) for t in tensors)
+        return [s for s in found if s is not None]
+
+    def breakdown(self, at_peak: dict[int, int] | None = None) -> dict[str, int]:
+        """Bytes alive at the peak (or ``at_peak``, a ``MemoryView``'s), by what they hold
+        (tags as they stand now)."""
+        parts: dict[str, int] = {}
+        for serial, nbytes in (self.at_peak if at_peak is None else at_peak).items():
+            tag = self.tags.get(serial, ACTIVATIONS)
+            parts[tag] = parts.get(tag, 0) + nbytes
+        return parts

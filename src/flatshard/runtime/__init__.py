@@ -1,0 +1,41 @@
+"""The runtime: what happens during a training step once a model is sharded.
+
+``Unit`` (one unit's configuration, per-step state and hook bodies) and ``StepContext``
+(what a root's units share in a step: order, the reduction in flight, ``no_sync``), the
+hooks and their guards (``_hooks``), prefetch and the rate limiter, change detection,
+inputs' casts and gradient watches, profiler ranges; and the functions users call between
+steps: ``no_sync``, ``clip_grad_norm_``, ``summon_full_params``, ``ShardedGradScaler``,
+``sharding_summary``.
+
+Layer 3: imports ``flatshard.flat`` and below.
+"""
+
+from flatshard.runtime._clip import clip_grad_norm_
+from flatshard.runtime._grad_scaler import ShardedGradScaler
+from flatshard.runtime._hooks import register_entry_point, set_prefetch
+from flatshard.runtime._no_sync import no_sync
+from flatshard.runtime._prefetch import BackwardPrefetch, Prefetch
+from flatshard.runtime._summary import (
+    FlatParamSummary,
+    ShardingSummary,
+    dtype_plan,
+    sharding_summary,
+)
+from flatshard.runtime._summon import summon_full_params
+from flatshard.runtime._unit import units_of
+
+__all__ = [
+    "BackwardPrefetch",
+    "FlatParamSummary",
+    "Prefetch",
+    "ShardedGradScaler",
+    "ShardingSummary",
+    "clip_grad_norm_",
+    "dtype_plan",
+    "no_sync",
+    "register_entry_point",
+    "set_prefetch",
+    "sharding_summary",
+    "summon_full_params",
+    "units_of",
+]

@@ -1,0 +1,116 @@
+"""A model changed after ``fully_shard`` is an error at its next forward, not a silent drift.
+
+``fully_shard`` flattens the parameters it finds into flat groups split by
+``requires_grad``. A parameter added afterwards (peft's ``get_peft_model`` applied after
+sharding, a new head) belongs to no group: it is never reduced, so ranks drift apart. A
+parameter frozen afterwards still sits in a trainable group and still gets gradients; one
+unfrozen afterwards never does. A parameter replaced (``module.weight = nn.Parameter(...)``)
+is both. None of this raises anywhere in torch.
+
+[Note: cheap change detection]
+``requires_grad`` has no hook, so every unit's pre-forward compares its originals' flags
+with their group's: one attribute read per parameter. Additions, removals and replacements
+go through ``nn.Module`` registration, which torch reports to process-wide hooks; a
+``ChangeWatch`` only marks its model as "to check" there, and the root's next pre-forward
+then compares the parameters the model holds with the ones it sharded (one traversal, only
+after something was registered somewhere in the process).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from torch import nn
+from torch.nn.modules.module import (
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
+from torch.utils.hooks import RemovableHandle
+
+from flatshard.comm._ranks import global_rank, join_name
+from flatshard.flat._flat_param import FlatParamGroup
+
+_SHOWN = 8  # names quoted per kind of change
+
+_FIX = (
+    "fully_shard flattens the parameters it finds, split by requires_grad, when it runs: "
+    "make such changes before calling it (e.g. apply peft's get_peft_model, add heads and "
+    "freeze or unfreeze parameters, then call flatshard.fully_shard)."
+)
+
+
+class ChangeWatch:
+    """Marks a model "to check" whenever a parameter or module is registered anywhere.
+
+    The hooks hold the watch weakly and are removed when it dies, so discarded models
+    cost nothing (see [Note: cheap change detection]).
+    """
+
+    def __init__(self) -> None:
+        self.to_check = False
+        ref = weakref.ref(self)
+
+        def mark(*unused: object) -> None:
+            watch = ref()
+            if watch is not None:
+                watch.to_check = True
+
+        handles = [
+            register_module_parameter_registration_hook(mark),
+            register_module_module_registration_hook(mark),
+        ]
+        weakref.finalize(self, _remove_all, handles)
+
+
+def _remove_all(handles: list[RemovableHandle]) -> None:
+    for handle in handles:
+        handle.remove()
+
+
+def check_requires_grad(flat_params: list[FlatParamGroup]) -> None:
+    """An error if an original parameter's ``requires_grad`` differs from its group's."""
+    flipped = [
+        f"'{orig.fqn}' (now {orig.param.requires_grad})"
+        for flat in flat_params
+        for orig in flat.originals
+        if orig.param.requires_grad is not flat.requires_grad
+    ]
+    if flipped:
+        raise RuntimeError(
+            f"flatshard: requires_grad changed after fully_shard (rank {global_rank()}): "
+            f"{_listed(flipped)}. Their flat parameter groups were made for the old value, "
+            f"so frozen parameters would still get gradients and unfrozen ones none. {_FIX}"
+        )
+
+
+def check_parameters(root: nn.Module, flat_params: list[FlatParamGroup]) -> None:
+    """An error naming parameters added, removed or replaced in ``root`` since sharding."""
+    sharded = {id(o.param): o.fqn for f in flat_params for o in f.originals}
+    showing_views = {id(o.param) for f in flat_params if f.views_registered for o in f.originals}
+    found: set[int] = set()
+    added: list[str] = []
+    for module_name, module in root.named_modules(remove_duplicate=False):
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            if id(param) in sharded:
+                found.add(id(param))
+            elif isinstance(param, nn.Parameter):  # not a view flatshard registered
+                added.append(f"'{join_name(module_name, name)}'")
+    removed = [
+        f"'{fqn}'" for key, fqn in sharded.items() if key not in found and key not in showing_views
+    ]
+    if not added and not removed:
+        return
+    parts = [f"added or replaced: {_listed(added)}"] if added else []
+    parts += [f"no longer in the model: {_listed(removed)}"] if removed else []
+    raise RuntimeError(
+        f"flatshard: parameters changed after fully_shard (rank {global_rank()}): "
+        f"{'; '.join(parts)}. Added parameters belong to no flat parameter group, so their "
+        f"gradients would never be averaged across ranks and the ranks would drift apart. {_FIX}"
+    )
+
+
+def _listed(names: list[str]) -> str:
+    shown = ", ".join(names[:_SHOWN])
+    return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")

@@ -1,0 +1,30 @@
+"""``no_sync``: accumulate gradients locally, reduce once (paper mechanism 7)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from torch import nn
+
+from flatshard.runtime._step import contexts_under
+
+
+@contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Backward passes inside keep their gradients unsharded and unreduced.
+
+    The first backward outside the context adds its gradient to the kept ones and reduces
+    the sum once per flat parameter group. It costs a full-size (unsharded) gradient per
+    flat parameter group between those backward passes, and saves all their communication.
+    Enter it on every rank alike.
+    """
+    contexts = contexts_under(model, "no_sync")
+    previous = [context.sync_gradients for context in contexts]
+    for context in contexts:
+        context.sync_gradients = False
+    try:
+        yield
+    finally:
+        for context, value in zip(contexts, previous, strict=True):
+            context.sync_gradients = value

@@ -1,0 +1,259 @@
+"""StepContext: what the units of one root share during a training step.
+
+One per ``fully_shard`` call on a root (bottom-up calls merge into the outermost): the
+units, the execution order prefetch predicts from, the one gradient reduction in flight,
+the end-of-backward callback and the ``no_sync`` flag.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import replace
+from typing import Any, TypeVar, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+
+from flatshard.comm._checks import Tag, tagged
+from flatshard.comm._ledger import StepLedger
+from flatshard.comm._mesh import ShardGroups
+from flatshard.comm._watchdog import watchdog
+from flatshard.flat._flat_param import FlatParamGroup
+from flatshard.flat._mixed_precision import MixedPrecision
+from flatshard.flat._reduction import GradientReduction
+from flatshard.runtime._changes import ChangeWatch, check_parameters
+from flatshard.runtime._prefetch import ExecutionOrder
+from flatshard.runtime._profiling import traced
+from flatshard.runtime._rate_limiter import RateLimiter
+from flatshard.runtime._unit import Unit, unit_of, units_of
+
+CONTEXT_ATTR = "_flatshard_context"  # attribute of a module fully_shard was called on
+
+
+class StepContext:
+    """The per-root state of a step, shared by the units of one ``fully_shard`` call."""
+
+    def __init__(
+        self,
+        root: nn.Module,
+        process_group: dist.ProcessGroup,
+        rate_limiter: RateLimiter,
+    ) -> None:
+        self.root = root
+        # All the ranks that train the model together (None after interpreter exit began).
+        self.process_group: dist.ProcessGroup | None = process_group
+        self.rate_limiter = rate_limiter  # Prefetch.limit_all_gathers (see _rate_limiter.py)
+        self.units: list[Unit] = []  # inner units first; forward order is not assumed
+        self.order = ExecutionOrder()
+        self.ledger = StepLedger()  # collectives issued since the ranks last compared them
+        self.changes = ChangeWatch()  # parameters registered since the last check
+        self.sync_gradients = True  # False inside no_sync: keep unsharded gradients
+        self.forward_depth = 0  # units whose forward runs now (nested calls)
+        self.step = 0  # backward passes completed (the ledger's and the reports' step)
+        self.phase = "forward"  # what the units do now, in the reports' words
+        # Per backward pass:
+        self.callback_queued = False  # the end-of-backward callback is queued
+        # The one gradient reduction left in flight: each waits for the one before, so at
+        # most one unsharded gradient waits on communication (see ``reduce``).
+        self.in_flight: GradientReduction | None = None
+        atexit.register(_release_at_exit, weakref.ref(self))
+
+    def release_process_groups(self) -> None:
+        """Drop every reference this root holds to a process group (interpreter exit).
+
+        A gloo process group joins its worker threads only when its last Python reference
+        dies. Held here, that would be during interpreter finalization, after
+        ``destroy_process_group``; a worker still finishing its last collective then needs
+        the GIL and the process dies with SIGABRT ("terminate called without an active
+        exception"). Dropped at exit, while the interpreter is whole, the group is torn
+        down then.
+        """
+        self.process_group = None
+        for unit in self.units:
+            for flat in unit.flat_params:
+                flat.groups = ShardGroups(shard=None, replicate=None)
+
+    def tag(self, unit: str = "", phase: str | None = None) -> Tag:
+        """What a collective issued now is for (see ``comm/_watchdog.py``)."""
+        return Tag(phase or self.phase, unit, self.step)
+
+    def add(self, unit: Unit) -> None:
+        unit.context = self
+        self.units.append(unit)
+
+    def adopt(
+        self, other: StepContext, prefix: str, mixed_precision: MixedPrecision | None
+    ) -> None:
+        """Take over the units of an earlier call on the submodule named ``prefix``.
+
+        Units sharded without a mixed-precision policy inherit ``mixed_precision`` (all but
+        ``keep_full_precision``, which needs its own groups).
+        """
+        for unit in other.units:
+            unit.rename(prefix)
+            if unit.config.mixed_precision is None and mixed_precision is not None:
+                unit.inherit(replace(mixed_precision, keep_full_precision=frozenset()))
+            self.add(unit)
+        other.units = []
+
+    def check_unchanged(self) -> None:
+        """An error if parameters were added, removed or replaced since ``fully_shard``."""
+        if self.changes.to_check:
+            check_parameters(self.root, [f for u in self.units for f in u.flat_params])
+            self.changes.to_check = False
+
+    def reduce(self, flat: FlatParamGroup) -> None:
+        """A group's gradient is complete in backward: start reducing it (or keep it).
+
+        The previous reduction had this unit's whole backward to finish; waiting for it
+        now frees its unsharded gradient before the next one is held.
+        """
+        if not self.sync_gradients:
+            flat.reduction.keep_unreduced()
+            return
+        if self.in_flight is not None:
+            self.in_flight.finish()
+        flat.reduction.start()
+        self.in_flight = flat.reduction
+
+    def forward_started(self, unit: Unit) -> None:
+        if unit.is_root:
+            self.forward_depth = 0  # a new iteration: forget a forward that raised
+        self.forward_depth += 1
+        self.phase = "forward"
+
+    def forward_ended(self) -> None:
+        """After the outermost forward: free what no backward will use.
+
+        Without a backward to come (``no_grad``, eval, one unit called alone), a prefetch
+        that guessed wrong would otherwise stay gathered until some later use, and could be
+        read after the optimizer wrote its shards (see [Note: stale gathers]).
+        """
+        self.forward_depth = max(0, self.forward_depth - 1)
+        if self.forward_depth or any(u.expects_backward for u in self.units):
+            return
+        for unit in self.units:
+            if unit.reshard():
+                self.rate_limiter.resharded(unit.compute_device)
+        tag = self.tag(phase="end-of-forward check")
+        self.ledger.check(self.process_group, self._device, "forward without backward", tag)
+
+    def queue_finish_backward(self) -> None:
+        """Queue ``finish_backward`` to run once autograd is done with this pass."""
+        if not self.callback_queued:
+            self.callback_queued = True
+            self.phase = "backward"
+            Variable._execution_engine.queue_callback(self.finish_backward)
+
+    def finish_backward(self) -> None:
+        """The end of a backward pass: reduce what did not reach the hook, wait, reshard.
+
+        A unit that ran forward with grad on this rank may get no gradient here (its output
+        did not reach this rank's loss); it still reduces (zeros), as every rank must.
+        """
+        with traced("finish_backward"):
+            for unit in self.units:
+                if unit.expects_backward and self.sync_gradients:
+                    for flat in unit.trainable:
+                        if not flat.reduction.done_in_backward:
+                            flat.reduction.start()
+            for unit in self.units:
+                unit.end_backward()
+            self.in_flight = None
+            self.callback_queued = False
+            # Before optimizer.step() can apply what a mismatch produced.
+            tag = self.tag(phase="end-of-backward check")
+            self.ledger.check(self.process_group, self._device, "backward pass", tag)
+            self.step += 1
+            self.phase = "between steps"
+
+    @property
+    def _device(self) -> torch.device:
+        """Where a collective over the whole model group runs (NCCL: the accelerator)."""
+        return self.units[0].compute_device if self.units else torch.device("cpu")
+
+
+def context_of(module: nn.Module) -> StepContext | None:
+    """The step context of the ``fully_shard`` call made on ``module``, if any."""
+    found = module.__dict__.get(CONTEXT_ATTR)
+    return found if isinstance(found, StepContext) else None
+
+
+def contexts_under(model: nn.Module, caller: str) -> list[StepContext]:
+    """The distinct step contexts of every unit inside ``model`` (an error if none)."""
+    return _distinct_contexts(units_of(model, caller))
+
+
+def _distinct_contexts(units: list[Unit]) -> list[StepContext]:
+    """The step contexts of ``units``, each once (a unit sees its own as a ``UnitStep``)."""
+    found: dict[int, StepContext] = {}
+    for unit in units:
+        context = unit.context
+        if not isinstance(context, StepContext):
+            raise TypeError(f"flatshard: unit '{unit.label}' is in no StepContext")
+        found[id(context)] = context
+    return list(found.values())
+
+
+def _release_at_exit(ref: weakref.ref[StepContext]) -> None:
+    """At exit, once ``destroy_process_group`` ran: while the groups live, an exit handler
+    of the user's (they run in reverse order of registration) may still use the model."""
+    context = ref()
+    if context is not None and not dist.is_initialized():
+        context.release_process_groups()
+
+
+_IN_CALL: ContextVar[bool] = ContextVar("flatshard_in_call", default=False)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@contextmanager
+def collective_call(model: nn.Module, caller: str) -> Iterator[None]:
+    """A call every rank of the model's group must make (``caller``: summon, state dicts,
+    ``clip_grad_norm_``, checkpoints), which a program may well make on some ranks only.
+
+    The ranks first agree on it through the c10d store (``Watchdog.entry``), so a rank
+    that calls it alone waits there, and is reported, instead of sending its collectives to
+    a backend that would pair them with another rank's (gloo aborts on a size mismatch).
+    Its collectives are tagged with ``caller`` and the model's step.
+    """
+    units = [u for m in model.modules() if (u := unit_of(m)) is not None]
+    contexts = _distinct_contexts(units)
+    if _IN_CALL.get() or not contexts:  # agreed on already; or not sharded (the call says)
+        yield
+        return
+    tag = contexts[0].tag(phase=caller)
+    dog = watchdog()
+    groups = {id(c.process_group): c.process_group for c in contexts}
+    for group in groups.values():
+        if dog is not None and group is not None:
+            dog.entry(group, tag)
+    token = _IN_CALL.set(True)
+    try:
+        with tagged(tag):
+            yield
+    finally:
+        _IN_CALL.reset(token)
+
+
+def every_rank_calls(caller: str, model_arg: int = 0) -> Callable[[F], F]:
+    """Decorate ``fn`` as a ``collective_call`` named ``caller`` on its argument
+    ``model_arg`` (the model)."""
+
+    def decorate(fn: F) -> F:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            model = args[model_arg] if len(args) > model_arg else kwargs["model"]
+            with collective_call(model, caller):
+                return fn(*args, **kwargs)
+
+        return cast(F, wrapper)
+
+    return decorate

@@ -1,0 +1,102 @@
+"""A report of how a sharded model is laid out: units, flat parameter groups, padding."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from flatshard.flat._mixed_precision import DtypePlan, DtypeRow, dtype_name
+from flatshard.runtime._unit import units_of
+
+
+@dataclass(frozen=True)
+class FlatParamSummary:
+    """One flat parameter group of one unit, in elements."""
+
+    unit: str  # the unit's module name ("<root>" for the top)
+    param_names: tuple[str, ...]  # original names, in layout order
+    held_rows: tuple[tuple[int, int], ...]  # per name: (first row, row count) on this rank
+    requires_grad: bool
+    dtype: str
+    param_numel: int  # the originals' elements
+    shard_numel: int  # C: elements each rank stores
+    factor: int  # F: ranks the group is cut across
+    padding_numel: int  # C * F - param_numel
+    alignment_padding_numel: int  # the part of the padding that keeps rows whole
+
+
+@dataclass(frozen=True)
+class ShardingSummary:
+    """Every flat parameter group of a sharded model."""
+
+    flat_params: tuple[FlatParamSummary, ...]
+
+    def held_rows(self, name: str) -> tuple[int, int]:
+        """(first row, row count) of parameter ``name`` that this rank holds."""
+        for flat in self.flat_params:
+            if name in flat.param_names:
+                return flat.held_rows[flat.param_names.index(name)]
+        raise KeyError(f"no sharded parameter named '{name}'")
+
+    @property
+    def shard_numel(self) -> int:
+        """Parameter elements each rank stores."""
+        return sum(f.shard_numel for f in self.flat_params)
+
+    @property
+    def alignment_padding_numel(self) -> int:
+        return sum(f.alignment_padding_numel for f in self.flat_params)
+
+    def __str__(self) -> str:
+        w = max([28, *(len(f.unit) for f in self.flat_params)])  # long names stay aligned
+        lines = [f"{'unit':<{w}} {'grad':>5} {'params':>12} {'per rank':>10} {'align pad':>9}"]
+        for f in self.flat_params:
+            lines.append(
+                f"{f.unit:<{w}} {'yes' if f.requires_grad else 'no':>5} {f.param_numel:>12,} "
+                f"{f.shard_numel:>10,} {f.alignment_padding_numel:>9,}"
+            )
+        return "\n".join(lines)
+
+
+def sharding_summary(model: nn.Module) -> ShardingSummary:
+    """How ``model``'s parameters are flattened, padded and sharded on this rank."""
+    entries = []
+    for unit in units_of(model, "sharding_summary"):
+        for flat in unit.flat_params:
+            layout = flat.layout
+            entries.append(
+                FlatParamSummary(
+                    unit=unit.label,
+                    param_names=tuple(o.fqn for o in flat.originals),
+                    held_rows=tuple((held.first_row, held.rows) for held in flat.views.held),
+                    requires_grad=flat.requires_grad,
+                    dtype=str(flat.shard.dtype).removeprefix("torch."),
+                    param_numel=layout.param_numel,
+                    shard_numel=layout.shard_numel,
+                    factor=layout.factor,
+                    padding_numel=layout.padding_numel,
+                    alignment_padding_numel=layout.alignment_padding_numel,
+                )
+            )
+    return ShardingSummary(flat_params=tuple(entries))
+
+
+def dtype_plan(model: nn.Module) -> DtypePlan:
+    """The resolved dtypes of every flat parameter group: master (and optimizer state),
+    all-gather, compute and reduction, and where the master shard lives."""
+    rows = []
+    for unit in units_of(model, "dtype_plan"):
+        for flat in unit.flat_params:
+            rows.append(
+                DtypeRow(
+                    unit=unit.label,
+                    params=len(flat.originals),
+                    master=dtype_name(flat.shard.dtype),
+                    all_gather=dtype_name(flat.compute_dtype) if flat.needs_all_gather else "-",
+                    compute=dtype_name(flat.compute_dtype),
+                    reduce=dtype_name(flat.reduce_dtype) if flat.requires_grad else "-",
+                    master_device=str(flat.shard.device),
+                )
+            )
+    return DtypePlan(rows=tuple(rows))

@@ -1,0 +1,422 @@
+"""One FSDP unit: a module whose parameters are sharded, unsharded and reduced together.
+
+A ``Unit`` owns its configuration, its flat parameter groups, its per-step state and the
+bodies of its hooks (paper section "autograd integration"); ``_hooks.py`` registers them:
+- pre-forward: unshard (all-gather; the modules then hold views of the unsharded buffer);
+  prefetch the next unit; wrap the inputs so that autograd tells us when their gradients
+  are done (units with frozen groups only).
+- post-forward: register the pre-backward hook on the outputs; reshard (the modules get the
+  original parameters back), except the root and the last unit of forward when a backward
+  will follow (they would all-gather again at once) and except during checkpoint
+  recomputation inside backward.
+- pre-backward (first gradient reaching any output): unshard again; prefetch; queue the
+  end-of-backward callback once per pass (``StepContext``).
+- post-backward (autograd accumulated a group's flat gradient): start its reduction and
+  free the unsharded buffer.
+What is shared by the units of one root (execution order, the reduction in flight, the
+end-of-backward callback, ``no_sync``) is the ``StepContext`` (``_step.py``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, replace
+from enum import Enum, auto
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+
+from flatshard.comm._checks import Tag
+from flatshard.comm._ledger import StepLedger
+from flatshard.comm._mesh import ShardingStrategy
+from flatshard.comm._ranks import global_rank, join_name
+from flatshard.flat._awaiting_load import check_loaded
+from flatshard.flat._flat_param import FlatParamGroup
+from flatshard.flat._mixed_precision import MixedPrecision
+from flatshard.runtime._changes import check_requires_grad
+from flatshard.runtime._inputs import cast_floats, tensors_in, watch_input_grads
+from flatshard.runtime._prefetch import (
+    BackwardPrefetch,
+    ExecutionOrder,
+    Prefetch,
+    PrefetchTargets,
+    backward_targets,
+    forward_targets,
+    issue,
+)
+from flatshard.runtime._profiling import traced
+from flatshard.runtime._rate_limiter import RateLimiter
+
+UNIT_ATTR = "_flatshard_unit"  # attribute of a unit's module holding its Unit
+OWNER_ATTR = "_flatshard_owner"  # attribute of the other modules a unit owns: (Unit, name)
+
+
+class TrainingState(Enum):
+    """Where a unit is in the step. Only the unit's hooks change it."""
+
+    IDLE = auto()  # outside forward and backward: parameters are shard views
+    FORWARD = auto()  # between the unit's pre-forward and post-forward hooks
+    BACKWARD = auto()  # the unit's pre-backward ran in the current backward pass
+
+
+@dataclass(frozen=True)
+class UnitConfig:
+    """How a unit runs: the options of the ``fully_shard`` call that made it."""
+
+    strategy: ShardingStrategy
+    mixed_precision: MixedPrecision | None
+    prefetch: Prefetch
+
+
+class UnitStep(Protocol):
+    """What a unit needs of the step its root runs (``StepContext``).
+
+    A unit gets its step when its root's ``StepContext`` adds it, and a new one when a
+    later ``fully_shard`` call on an enclosing module adopts it (bottom-up sharding).
+    """
+
+    root: nn.Module
+    order: ExecutionOrder  # units in forward order, this iteration and the last
+    rate_limiter: RateLimiter
+    ledger: StepLedger  # collectives issued since the ranks last compared them
+
+    def tag(self, unit: str = "", phase: str | None = None) -> Tag: ...
+
+    def check_unchanged(self) -> None: ...
+
+    def forward_started(self, unit: Unit) -> None: ...
+
+    def forward_ended(self) -> None: ...
+
+    def queue_finish_backward(self) -> None: ...
+
+    def reduce(self, flat: FlatParamGroup) -> None: ...
+
+
+class Unit:
+    """A module plus the flat parameter groups holding the parameters assigned to it."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        fqn: str,
+        flat_params: list[FlatParamGroup],
+        modules: list[tuple[str, nn.Module]],
+        config: UnitConfig,
+    ) -> None:
+        # Fixed at construction (``fqn`` and ``config`` change once if a later call adopts it)
+        self.module = module
+        self.fqn = fqn  # the module's name in the model passed to fully_shard ("" = root)
+        self.flat_params = flat_params
+        self.config = config
+        # Modules inside the unit (not inner units) that register its parameters directly:
+        # calling one of them while the unit is sharded is an error (see _hooks.py).
+        owned = {id(m) for f in flat_params for o in f.originals for m, _ in o.usages}
+        self.owned_modules = [(n, m) for n, m in modules if m is not module]  # all of them
+        self.inner_modules = [(n, m) for n, m in self.owned_modules if id(m) in owned]
+        for flat in flat_params:
+            flat.on_collective = self._record
+        self.prefetch_targets = PrefetchTargets()  # set_prefetch
+        self.context: UnitStep  # set when a StepContext adds the unit (see UnitStep)
+        # Changed by summon_full_params only:
+        self.params_are_full = False
+        # True while flatshard itself calls state_dict() (see _hooks._refuse_partial_state_dict)
+        self.own_state_dict_call = False
+        # Per step, changed by the hooks; reset by the end of each backward pass:
+        self.state = TrainingState.IDLE
+        self.expects_backward = False  # a forward with grad ran: every rank must reduce
+        self.pending_input_grads = 0  # forwards whose inputs' gradients are still to come
+        # (name, tensor) left to flatshard.load_safetensors by skip_init (flat/_awaiting_load.py)
+        self.awaiting_load: list[tuple[str, torch.Tensor]] = []
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def label(self) -> str:
+        """The unit's name for messages and profiler ranges."""
+        return self.fqn or "<root>"
+
+    @property
+    def prefetch(self) -> Prefetch:
+        """How far ahead of use this unit's neighbours are gathered."""
+        return self.config.prefetch
+
+    @property
+    def is_root(self) -> bool:
+        return self.module is self.context.root
+
+    def rename(self, prefix: str) -> None:
+        """Name the unit and its parameters as seen from a parent ``prefix`` module."""
+        self.fqn = join_name(prefix, self.fqn)
+        for flat in self.flat_params:
+            for orig in flat.originals:
+                orig.fqn = join_name(prefix, orig.fqn)
+
+    def inherit(self, policy: MixedPrecision) -> None:
+        """Adopt the mixed-precision policy of the call that shards the enclosing model."""
+        self.config = replace(self.config, mixed_precision=policy)
+        for flat in self.flat_params:
+            compute = policy.compute_dtype(flat.shard.dtype, full_precision_module=False)
+            flat.set_compute_dtype(compute, policy.gradient_reduce_dtype(compute))
+
+    def full_precision_modules(self) -> list[nn.Module]:
+        """Modules inside the unit whose parameters compute in the master dtype."""
+        policy = self.config.mixed_precision
+        if policy is None or policy.param_dtype is None or not policy.keep_full_precision:
+            return []
+        keep = tuple(policy.keep_full_precision)
+        return [
+            m for m in [self.module, *(m for _, m in self.inner_modules)] if isinstance(m, keep)
+        ]
+
+    def require_idle(self, caller: str, advice: str) -> None:
+        """An error unless the unit is between steps (not inside forward or backward)."""
+        if self.state is not TrainingState.IDLE:
+            raise RuntimeError(
+                f"flatshard.{caller}: unit '{self.label}' is in its "
+                f"{self.state.name.lower()} pass (rank {global_rank()}); {advice}"
+            )
+
+    # ------------------------------------------------------------------ groups
+    @property
+    def trainable(self) -> list[FlatParamGroup]:
+        return [f for f in self.flat_params if f.requires_grad]
+
+    @property
+    def frozen(self) -> list[FlatParamGroup]:
+        return [f for f in self.flat_params if not f.requires_grad]
+
+    @property
+    def compute_device(self) -> torch.device:
+        return self.flat_params[0].compute_device if self.flat_params else torch.device("cpu")
+
+    @property
+    def is_sharded(self) -> bool:
+        """Whether the originals hold only this rank's rows (some group has F > 1)."""
+        return any(flat.factor > 1 for flat in self.flat_params)
+
+    @property
+    def is_gathered(self) -> bool:
+        """Whether the original parameters may be read full-size right now."""
+        return self.params_are_full or all(f.is_unsharded for f in self.flat_params)
+
+    # ------------------------------------------------------------------ unshard / reshard
+    def unshard(self) -> None:
+        """All-gather every group; the modules then hold views of the buffers."""
+        self.start_unshard()  # every gather in flight before the first wait
+        for flat in self.flat_params:
+            flat.unshard()
+
+    def start_unshard(self) -> None:
+        """Start every group's all-gather (prefetch); the unit's hook waits."""
+        for flat in self.flat_params:
+            flat.start_unshard()
+
+    def finish_unshard(self) -> None:
+        """Wait for the all-gathers a prefetch started (views come with ``unshard``)."""
+        for flat in self.flat_params:
+            flat.finish_unshard()
+
+    @property
+    def gather_in_flight(self) -> bool:
+        return any(flat.gather_in_flight for flat in self.flat_params)
+
+    @property
+    def unshard_allocates(self) -> bool:
+        """Whether unsharding now would allocate memory (F = 1 in the master dtype: never)."""
+        return any(flat.unshard_allocates for flat in self.flat_params)
+
+    def reshard(self) -> bool:
+        """Free the unsharded buffers; the modules then hold the original parameters.
+
+        Returns whether any memory was freed.
+        """
+        freed = [flat.reshard() for flat in self.flat_params]
+        return any(freed)
+
+    # ------------------------------------------------------------------ hooks
+    def pre_forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if self.params_are_full:  # inside summon_full_params: nothing to gather
+            self._check_inference_only()
+            return args, kwargs
+        with traced(f"pre_forward {self.label}"):
+            if self.state is not TrainingState.BACKWARD:
+                if self.awaiting_load:
+                    check_loaded(self.label, self.awaiting_load)
+                check_requires_grad(self.flat_params)
+                if self.is_root:
+                    self.context.check_unchanged()
+                self.state = TrainingState.FORWARD
+                self.context.forward_started(self)
+                self.context.order.record_forward(self, self.is_root)
+            self.unshard()
+            if self.state is TrainingState.FORWARD:
+                issue(forward_targets(self, self.context.order), self.context.rate_limiter)
+            policy = self.config.mixed_precision
+            if policy is not None and policy.param_dtype is not None and policy.cast_forward_inputs:
+                args, kwargs = cast_floats((args, kwargs), policy.param_dtype)
+            # Only frozen groups wait for the inputs' gradients (_reshard_frozen_if_done).
+            if self.frozen and torch.is_grad_enabled() and self.state is TrainingState.FORWARD:
+                args, kwargs, watched = watch_input_grads(args, kwargs, self._inputs_grad_done)
+                self.pending_input_grads += watched
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if self.params_are_full:
+            return output
+        with traced(f"post_forward {self.label}"):
+            needs_grad = [t for t in tensors_in(output) if t.requires_grad]
+            if needs_grad:
+                self.expects_backward = True
+                register_multi_grad_hook(needs_grad, self.pre_backward, mode="any")
+            if self.state is TrainingState.BACKWARD:
+                return output  # recomputation inside backward: keep the parameters
+            self.state = TrainingState.IDLE
+            # Kept until backward: the root and the last unit of the forward order
+            # (backward starts with them, they would be gathered again at once, with no
+            # compute to hide the wait), and units whose strategy keeps parameters from
+            # forward to backward (SHARD_GRAD_OP, ZERO2).
+            keep = needs_grad and (
+                self.is_root
+                or self.context.order.ended_last_forward(self)
+                or not self.config.strategy.reshard_after_forward
+            )
+            hidden_graph = not needs_grad and self._may_hide_graph(output)
+            self.expects_backward |= hidden_graph  # its gradient may still come
+            if not (keep or hidden_graph) and self.reshard():
+                self.context.rate_limiter.resharded(self.compute_device)
+            self.context.forward_ended()
+        return output
+
+    def pre_backward(self, *unused: Any) -> None:
+        with traced(f"pre_backward {self.label}"):
+            self.context.queue_finish_backward()
+            self.state = TrainingState.BACKWARD
+            # Autograd runs hooks with grad disabled; views made so would not require grad,
+            # and checkpoint recomputation reading them would save other tensors than
+            # forward did.
+            with torch.enable_grad():
+                self.unshard()
+                if self.config.prefetch.backward is BackwardPrefetch.BACKWARD_PRE:
+                    self._prefetch_backward()
+
+    def post_backward(self, flat: FlatParamGroup, *unused: Any) -> None:
+        with traced(f"post_backward {self.label}"):
+            self.context.queue_finish_backward()  # in case no pre-backward hook could fire
+            self.context.reduce(flat)
+            flat.reshard()
+            self._reshard_frozen_if_done()
+            last = all(f.reduction.done_in_backward for f in self.trainable)
+            if last and self.config.prefetch.backward is BackwardPrefetch.BACKWARD_POST:
+                with torch.enable_grad():
+                    self._prefetch_backward()
+
+    def end_backward(self) -> None:
+        """The end of a backward pass: every reduction waited for, everything resharded."""
+        for flat in self.flat_params:
+            flat.reduction.finish()
+        self.reshard()
+        self.state = TrainingState.IDLE
+        self.expects_backward = False
+        self.pending_input_grads = 0
+        for flat in self.flat_params:
+            flat.reduction.done_in_backward = False
+
+    # ------------------------------------------------------------------ hook helpers
+    def _check_inference_only(self) -> None:
+        """Inside summon_full_params a forward may not record a graph: its backward would
+        write full-size gradients no reduction would see."""
+        if any(f.has_tp for f in self.flat_params):
+            raise RuntimeError(
+                f"flatshard: unit '{self.label}' ran forward inside summon_full_params "
+                f"(rank {global_rank()}), and it holds tensor-parallel parameters, which are "
+                "plain local shards there, not the DTensors their layers expect. Run the "
+                "forward outside summon_full_params."
+            )
+        if torch.is_grad_enabled() and any(f.requires_grad for f in self.flat_params):
+            raise RuntimeError(
+                f"flatshard: unit '{self.label}' ran forward with gradients inside "
+                f"summon_full_params (rank {global_rank()}); its backward would not be "
+                "reduced. Run it under torch.no_grad() (e.g. generate: every unit stays "
+                "gathered, no all-gather per token), or train outside summon_full_params."
+            )
+
+    def _record(self, kind: str, numel: int) -> Tag:
+        """A collective for this unit: in the step's ledger; its tag (see comm/_watchdog.py)."""
+        self.context.ledger.record(kind, self.label, numel)
+        return self.context.tag(self.label)
+
+    def _prefetch_backward(self) -> None:
+        issue(backward_targets(self, self.context.order), self.context.rate_limiter)
+
+    def _inputs_grad_done(self) -> None:
+        self.pending_input_grads -= 1
+        self._reshard_frozen_if_done()
+
+    def _reshard_frozen_if_done(self) -> None:
+        """Free the frozen groups once backward can no longer read them.
+
+        Any backward op that reads a frozen parameter computes a gradient for something:
+        this unit's inputs or its trainable parameters. Once both are done, none is left.
+        """
+        if not self.frozen:
+            return
+        trainable_done = all(f.reduction.done_in_backward for f in self.trainable)
+        if trainable_done and self.pending_input_grads == 0:
+            for flat in self.frozen:
+                flat.reshard()
+
+    def _may_hide_graph(self, output: Any) -> bool:
+        """Whether the output may carry a graph through tensors flatshard cannot find.
+
+        Without them there is no pre-backward hook to unshard again, so the unit must stay
+        unsharded until its gradient is reduced (or the backward pass ends).
+        """
+        if not (torch.is_grad_enabled() and self.trainable) or tensors_in(output):
+            return False
+        warnings.warn(
+            f"flatshard: unit '{self.label}' returned {type(output).__name__} with no tensor "
+            "flatshard can find, so it stays unsharded until its backward. Return tensors in "
+            "tuples, lists or dicts, or register the type with torch.utils._pytree.",
+            stacklevel=3,
+        )
+        return True
+
+
+def owner_of(module: nn.Module) -> tuple[Unit, str] | None:
+    """The unit that owns ``module`` without being rooted at it, and the module's name
+    (as fully_shard saw it)."""
+    found = module.__dict__.get(OWNER_ATTR)
+    return found if isinstance(found, tuple) else None
+
+
+def unit_of(module: nn.Module) -> Unit | None:
+    """The unit rooted at ``module``, if any."""
+    found = module.__dict__.get(UNIT_ATTR)
+    return found if isinstance(found, Unit) else None
+
+
+def units_of(model: nn.Module, caller: str) -> list[Unit]:
+    """Every unit inside ``model``; an error if ``fully_shard`` never touched it."""
+    units = [u for m in model.modules() if (u := unit_of(m)) is not None]
+    if not units:
+        raise ValueError(
+            f"flatshard.{caller}: {type(model).__name__} holds no flatshard unit; call "
+            "flatshard.fully_shard(model, ...) first."
+        )
+    return units
+
+
+def unit_or_error(module: nn.Module, caller: str) -> Unit:
+    """The unit rooted at ``module``; an error naming ``caller`` if there is none."""
+    unit = unit_of(module)
+    if unit is None:
+        raise ValueError(
+            f"flatshard.{caller}: {type(module).__name__} is not a flatshard "
+            "unit; pass the module fully_shard made a unit (the model itself, or a "
+            "submodule chosen by auto_wrap_policy)."
+        )
+    return unit

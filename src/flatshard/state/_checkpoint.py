@@ -1,0 +1,382 @@
+"""Checkpoint directories: model, optimizer and extra state via torch.distributed.checkpoint.
+
+[Note: checkpoint directory]
+``save_checkpoint(path, ...)`` writes ``<path>.partial/`` with DCP (each rank writes its own
+rows, in parallel; replicated values once), then a manifest ``flatshard.json`` with the size
+and CRC32 of every file, then renames it to ``<path>``. A previous checkpoint at ``<path>`` is
+moved to ``<path>.previous`` just before and deleted just after, so a crash at any moment
+leaves a complete checkpoint: ``<path>`` (old or new), or ``<path>.previous`` if the crash
+fell between the two renames (the loader says so). Loading checks the manifest first, so a
+truncated, corrupted or foreign directory gives an error naming the file instead of
+garbage weights. Keys inside DCP: ``model/<name>``, ``optim/<name>/<state key>``,
+``optim/param_groups``, ``extra/<rank>``.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import zlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeGuard, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flatshard.comm._collectives import all_gather_object, barrier
+from flatshard.comm._ranks import rank_in
+from flatshard.runtime._step import every_rank_calls
+from flatshard.state._optim_state import (
+    OptimStateDict,
+    is_row_shape,
+    load_optim_state_dict,
+    sharded_optim_state_dict,
+)
+from flatshard.state._state_dict import (
+    RowShard,
+    check_keys,
+    checkpoint_group,
+    param_places,
+    reshard_for_load,
+    sharded_state_dict,
+)
+
+if TYPE_CHECKING:  # torch.distributed.checkpoint takes ~1 s to import: only when used
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+MANIFEST = "flatshard.json"
+FORMAT = "flatshard-checkpoint"
+VERSION = 1
+MODEL, OPTIM, GROUPS, EXTRA = "model/", "optim/", "optim/param_groups", "extra/"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded (missing, foreign, truncated, corrupt) or saved."""
+
+
+# ---------------------------------------------------------------- saving
+@every_rank_calls("save_checkpoint", model_arg=1)
+def save_checkpoint(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """Write model, optimizer and ``extra`` state to the directory ``path``, atomically.
+
+    A collective over the model's ranks (every rank calls it with the same ``path`` on a
+    file system they share). Loadable at any world size and strategy, and with no process
+    group at all (see ``load_checkpoint``). ``extra``: anything ``torch.load`` reads with
+    ``weights_only=True`` (numbers, strings, tensors such as RNG states, lists, dicts); each
+    rank's own ``extra`` is kept and given back to the same rank on load. A model without
+    flatshard units is saved by the calling process alone: call it from one process only.
+    """
+    target = Path(path)
+    group = checkpoint_group(model)
+    partial = target.with_name(target.name + ".partial")
+    try:
+        _save(target, partial, model, optimizer, extra)
+    except Exception as error:
+        if rank_in(group) == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # or it keeps the disk full
+        if _out_of_space(error):
+            raise CheckpointError(
+                f"flatshard.save_checkpoint: no space left on the device of {target.parent} "
+                f"while writing '{target.name}'; the partial save was removed, the checkpoint "
+                "already there (if any) is untouched. Free space or keep fewer checkpoints."
+            ) from error
+        raise
+
+
+def _out_of_space(error: BaseException | None, depth: int = 0) -> bool:
+    """Whether a full disk caused ``error`` or its causes: ENOSPC, or its text (torch.save's
+    "unexpected pos"; DCP's exception carries each rank's failure as text)."""
+    if error is None or depth > 16:
+        return False
+    if (isinstance(error, OSError) and error.errno == errno.ENOSPC) or any(
+        text in str(error) for text in ("No space left", "unexpected pos")
+    ):
+        return True
+    return _out_of_space(error.__cause__ or error.__context__, depth + 1)
+
+
+def _save(
+    target: Path,
+    partial: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    extra: dict[str, Any] | None,
+) -> None:
+    group = checkpoint_group(model)
+    rank = rank_in(group)
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+    barrier(group)
+    state: dict[str, Any] = {MODEL + k: v for k, v in sharded_state_dict(model).items()}
+    if optimizer is not None:
+        state.update(_optim_entries(sharded_optim_state_dict(model, optimizer)))
+    state[f"{EXTRA}{rank}"] = extra if extra is not None else {}
+    from flatshard.state._dcp import write  # DCP: imported when first used
+
+    write(partial, state, group)
+    files = _share_of_checksums(partial, group)
+    if rank == 0:
+        manifest = {
+            "format": FORMAT,
+            "version": VERSION,
+            "world_size": dist.get_world_size(group) if group is not None else 1,
+            "torch": torch.__version__,
+            "has_optimizer": optimizer is not None,
+            "files": files,
+        }
+        (partial / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        _swap_in(partial, target)
+    barrier(group)
+
+
+def _optim_entries(osd: OptimStateDict) -> dict[str, Any]:
+    entries: dict[str, Any] = {GROUPS: osd["param_groups"]}
+    for name, values in osd["state"].items():
+        for key, value in values.items():
+            entries[f"{OPTIM}{name}/{key}"] = value
+    return entries
+
+
+def _swap_in(partial: Path, target: Path) -> None:
+    """Rename ``partial`` to ``target``, keeping the old one until the new one is in place."""
+    previous = target.with_name(target.name + ".previous")
+    if target.exists():
+        shutil.rmtree(previous, ignore_errors=True)
+        os.replace(target, previous)
+    os.replace(partial, target)
+    _fsync_dir(target.parent)
+    shutil.rmtree(previous, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _share_of_checksums(directory: Path, group: dist.ProcessGroup | None) -> dict[str, Any]:
+    """Size and CRC32 of every file, each rank reading a share of them."""
+    names = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name != MANIFEST)
+    world = dist.get_world_size(group) if group is not None else 1
+    rank = rank_in(group)
+    mine = {name: _file_facts(directory / name) for name in names[rank::world]}
+    if group is None:
+        return mine
+    shares = cast(list[dict[str, Any] | None], all_gather_object(mine, group))
+    return {k: v for share in shares if share for k, v in share.items()}
+
+
+def _file_facts(path: Path) -> dict[str, int]:
+    crc, size = 0, 0
+    with path.open("rb") as handle:
+        while block := handle.read(1 << 22):
+            crc = zlib.crc32(block, crc)
+            size += len(block)
+    return {"bytes": size, "crc32": crc}
+
+
+# ---------------------------------------------------------------- loading
+@every_rank_calls("load_checkpoint", model_arg=1)
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    strict: bool = True,
+) -> dict[str, Any]:
+    """Load a ``save_checkpoint`` directory into ``model`` (and ``optimizer``); return extra.
+
+    Works at any world size and strategy, resharding as needed, and on a plain
+    (non-sharded) model without a process group. A collective over the model's ranks.
+    The optimizer may be fresh (no state yet): every moment is restored. Returns this
+    rank's ``extra`` as saved (rank 0's when the saving run had fewer ranks).
+    """
+    target = Path(path)
+    group = checkpoint_group(model)
+    rank = rank_in(group)
+    manifest = read_manifest(target)
+    verify_files(target, manifest, group)
+    saved = checkpoint_metadata(target).state_dict_metadata
+    reshard_for_load(model, "load_checkpoint")
+    state: dict[str, Any] = _model_targets(model, saved, strict)
+    if optimizer is not None:
+        state.update(_optim_targets(model, saved, target))
+    extra_key = f"{EXTRA}{rank}" if f"{EXTRA}{rank}" in saved else f"{EXTRA}0"
+    state[extra_key] = None
+    _read(target, state, group)
+    if optimizer is not None:
+        load_optim_state_dict(model, optimizer, _optim_state(state))
+    extra = state[extra_key]
+    return extra if isinstance(extra, dict) else {}
+
+
+def load_raw(target: Path, state: dict[str, Any]) -> None:
+    """Read the named entries of a checked checkpoint into ``state``, in this process."""
+    _read(target, state, None)
+
+
+def _read(target: Path, state: dict[str, Any], group: dist.ProcessGroup | None) -> None:
+    """DCP's load of ``state`` (in place) from ``target``; one process if no group."""
+    from flatshard.state._dcp import read
+
+    read(target, state, group)
+
+
+def _model_targets(model: nn.Module, saved: dict[str, Any], strict: bool) -> dict[str, Any]:
+    """The model's shards as DCP load targets (read in place), after checking names/shapes."""
+    mine = sharded_state_dict(model)
+    saved_names = [k[len(MODEL) :] for k in saved if k.startswith(MODEL)]
+    check_keys("load_checkpoint", mine.keys(), saved_names, strict)
+    problems = []
+    for name, value in mine.items():
+        md = saved.get(MODEL + name)
+        shape = value.full_shape if isinstance(value, RowShard) else value.shape
+        if is_tensor_entry(md) and md.size != shape:
+            problems.append(f"'{name}': checkpoint {tuple(md.size)}, model {tuple(shape)}")
+    if problems:
+        raise CheckpointError(
+            "flatshard.load_checkpoint: parameter shapes differ from the checkpoint (a "
+            "different model config?):\n  " + "\n  ".join(problems)
+        )
+    return {MODEL + k: v for k, v in mine.items() if MODEL + k in saved}
+
+
+def _optim_targets(model: nn.Module, saved: dict[str, Any], target: Path) -> dict[str, Any]:
+    """Fresh tensors for every saved optimizer value, cut to this rank's rows."""
+    if GROUPS not in saved:
+        raise CheckpointError(
+            f"flatshard.load_checkpoint: {target} holds no optimizer state (saved without "
+            "an optimizer); call load_checkpoint without one."
+        )
+    params = dict(model.named_parameters())
+    places = param_places(model)
+    targets: dict[str, Any] = {GROUPS: None}
+    for key, md in saved.items():
+        if not key.startswith(OPTIM) or key == GROUPS:
+            continue
+        name, _, state_key = key[len(OPTIM) :].rpartition("/")
+        if name not in params:
+            raise CheckpointError(
+                f"flatshard.load_checkpoint: the checkpoint has optimizer state for "
+                f"'{name}', which is not a parameter of this model."
+            )
+        param = params[name]
+        place = places[id(param)]
+        if not is_tensor_entry(md):
+            targets[key] = None  # a Python value
+        elif is_row_shape(state_key, md.size, place.global_shape, len(place.full_shape)):
+            local = torch.empty(place.local_shape, dtype=md.properties.dtype, device=param.device)
+            targets[key] = place.row_shard(local)
+        else:
+            targets[key] = torch.empty(md.size, dtype=md.properties.dtype, device=param.device)
+    return targets
+
+
+def _optim_state(state: dict[str, Any]) -> OptimStateDict:
+    values: dict[str, dict[str, Any]] = {}
+    for key, value in state.items():
+        if key.startswith(OPTIM) and key != GROUPS:
+            name, _, state_key = key[len(OPTIM) :].rpartition("/")
+            values.setdefault(name, {})[state_key] = value
+    return {"state": values, "param_groups": state[GROUPS]}
+
+
+# ---------------------------------------------------------------- checking
+def read_manifest(target: Path) -> dict[str, Any]:
+    """The manifest of a checkpoint directory, or an error saying what is there instead."""
+    if not target.exists():
+        hint = ""
+        if target.with_name(target.name + ".previous").exists():
+            hint = (
+                f" {target.name}.previous is a complete checkpoint left by a save that was "
+                f"interrupted between its two renames: rename it to {target.name}."
+            )
+        elif target.with_name(target.name + ".partial").exists():
+            hint = f" {target.name}.partial is an unfinished save; it cannot be loaded."
+        raise CheckpointError(f"flatshard: no checkpoint at {target}.{hint}")
+    if not target.is_dir():
+        raise CheckpointError(
+            f"flatshard: {target} is a file; a flatshard checkpoint is a directory written "
+            "by flatshard.save_checkpoint."
+        )
+    manifest_path = target / MANIFEST
+    if not manifest_path.exists():
+        what = (
+            "a torch.distributed.checkpoint directory"
+            if (target / ".metadata").exists()
+            else "a directory"
+        )
+        raise CheckpointError(
+            f"flatshard: {target} is {what} without {MANIFEST}: not written by "
+            "flatshard.save_checkpoint (or its save never finished)."
+        )
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"flatshard: {manifest_path} is damaged: {error}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"flatshard: {manifest_path} is not a flatshard manifest.")
+    if manifest.get("version") != VERSION:
+        raise CheckpointError(
+            f"flatshard: {target} has checkpoint format version {manifest.get('version')}; "
+            f"this flatshard reads version {VERSION}."
+        )
+    return manifest
+
+
+def verify_files(target: Path, manifest: dict[str, Any], group: dist.ProcessGroup | None) -> None:
+    """Compare every file's size and CRC32 with the manifest; each rank checks a share."""
+    expected: dict[str, dict[str, int]] = manifest["files"]
+    names = sorted(expected)
+    world = dist.get_world_size(group) if group is not None else 1
+    rank = rank_in(group)
+    problems = [p for n in names[rank::world] if (p := _file_problem(target / n, expected[n]))]
+    if group is not None:
+        shares = cast(list[list[str] | None], all_gather_object(problems, group))
+        problems = [p for share in shares if share for p in share]
+    if problems:
+        raise CheckpointError(
+            f"flatshard: checkpoint {target} is damaged:\n  "
+            + "\n  ".join(problems)
+            + "\nRestore it from a copy, or load an older checkpoint."
+        )
+
+
+def _file_problem(path: Path, facts: dict[str, int]) -> str | None:
+    if not path.exists():
+        return f"{path.name} is missing"
+    found = _file_facts(path)
+    if found["bytes"] != facts["bytes"]:
+        return (
+            f"{path.name} is {found['bytes']} bytes, the manifest says {facts['bytes']} "
+            "(truncated or overwritten)"
+        )
+    if found["crc32"] != facts["crc32"]:
+        return f"{path.name} has the right size but the wrong checksum (corrupted)"
+    return None
+
+
+def is_tensor_entry(md: object) -> TypeGuard[TensorStorageMetadata]:
+    """Whether a DCP metadata entry describes a tensor (else a Python value)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    return isinstance(md, TensorStorageMetadata)
+
+
+def checkpoint_metadata(target: Path) -> Metadata:
+    """DCP's metadata of a checked checkpoint directory (no process group needed)."""
+    read_manifest(target)
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    return FileSystemReader(target).read_metadata()

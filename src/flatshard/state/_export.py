@@ -1,0 +1,167 @@
+"""Export full weights as safetensors: from a live sharded model, or offline from a checkpoint.
+
+Both stream: a live model is gathered one flat parameter group at a time (rank 0 writes each
+tensor as it arrives); a checkpoint directory is read one output file at a time on CPU,
+with no process group. The result loads with ``safetensors.torch.load_file`` into the plain
+model (same names as its ``state_dict()``; tied parameters are written under each name).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from flatshard.comm._ranks import rank_in
+from flatshard.flat._full_params import gather_copies
+from flatshard.runtime._step import every_rank_calls
+from flatshard.state._checkpoint import (
+    MODEL,
+    checkpoint_metadata,
+    is_tensor_entry,
+    load_raw,
+    read_manifest,
+    verify_files,
+)
+from flatshard.state._safetensors import Entry, StreamWriter
+from flatshard.state._state_dict import (
+    Names,
+    Place,
+    flat_params,
+    model_group,
+    param_places,
+    plain_state_dict,
+    renamed,
+    tensor_parallel_of,
+)
+
+DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size
+
+
+@every_rank_calls("export_safetensors")
+def export_safetensors(
+    model: nn.Module,
+    out_dir: str | os.PathLike[str],
+    *,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    dtype: torch.dtype | None = None,
+    names: Names | None = None,
+) -> list[str]:
+    """Write the model's full state dict to ``out_dir`` as safetensors; a collective.
+
+    Rank 0 of the model's group writes; at most one flat parameter group is gathered at a time.
+    ``dtype``: cast floating-point tensors (e.g. ``torch.bfloat16``); default as stored.
+    A Hugging Face model also gets its ``config.json`` (and ``generation_config.json``), so
+    ``from_pretrained(out_dir)`` loads the result: this is ``save_pretrained`` for a sharded
+    model. ``names``: each entry's name in the files (a ``state_dict()`` key -> the name to
+    write, or None to leave it out), e.g. a peft model's merged base under its own names.
+    Returns the files written (on rank 0; ``[]`` elsewhere).
+    """
+    keep = rank_in(model_group(model)) == 0
+    # With tensor parallelism each TP peer of rank 0 gathers too (the TP collectives need
+    # them); only TP rank 0 writes.
+    write = keep and all(tp.mesh.get_local_rank() == 0 for tp in tensor_parallel_of(model))
+    state = renamed(plain_state_dict(model), names, "export_safetensors")
+    keys_of: dict[int, list[str]] = {}
+    for key, value in state.items():
+        keys_of.setdefault(id(value), []).append(key)
+    order = _write_order(model, state)
+    places = param_places(model)
+    entries = [
+        Entry(key, _out_dtype(state[key].dtype, dtype), tuple(_full_shape(state[key], places)))
+        for key in order
+    ]
+    writer = StreamWriter(Path(out_dir), entries, max_shard_bytes) if write else None
+    written: set[str] = set()
+    for flat in flat_params(model):
+        copies = gather_copies(flat, flat.shard, keep, cpu_offload=True)
+        for orig, copy in zip(flat.originals, copies, strict=keep):
+            for key in keys_of.get(id(orig.param), []):
+                _write(writer, key, copy, dtype)
+                written.add(key)
+    for key in order:
+        if key not in written:
+            _write(writer, key, state[key].detach(), dtype)
+    if writer is None:
+        return []
+    return writer.finish() + _write_hugging_face_configs(model, Path(out_dir))
+
+
+def _write_hugging_face_configs(model: nn.Module, out_dir: Path) -> list[str]:
+    """``config.json`` and ``generation_config.json`` of a transformers model, if it is one."""
+    written = []
+    for attribute, file in (
+        ("config", "config.json"),
+        ("generation_config", "generation_config.json"),
+    ):
+        config = getattr(model, attribute, None)
+        if callable(getattr(config, "save_pretrained", None)):
+            config.save_pretrained(out_dir)  # type: ignore[union-attr]
+            written.append(str(out_dir / file))
+    return written
+
+
+def _write_order(model: nn.Module, state: dict[str, torch.Tensor]) -> list[str]:
+    """State-dict keys in the order their tensors become available: units first."""
+    position: dict[int, int] = {}
+    for flat in flat_params(model):
+        for orig in flat.originals:
+            position[id(orig.param)] = len(position)
+    keys = list(state)
+    last = len(position)
+    return sorted(keys, key=lambda k: (position.get(id(state[k]), last), keys.index(k)))
+
+
+def _full_shape(value: torch.Tensor, places: dict[int, Place]) -> torch.Size:
+    place = places.get(id(value))
+    return place.global_shape if place is not None else value.shape
+
+
+def _out_dtype(stored: torch.dtype, wanted: torch.dtype | None) -> torch.dtype:
+    return wanted if wanted is not None and stored.is_floating_point else stored
+
+
+def _write(
+    writer: StreamWriter | None, key: str, tensor: torch.Tensor, dtype: torch.dtype | None
+) -> None:
+    if writer is not None:
+        writer.write(key, tensor.to(_out_dtype(tensor.dtype, dtype)))
+
+
+def export_checkpoint(
+    checkpoint_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    dtype: torch.dtype | None = None,
+) -> list[str]:
+    """Convert a ``save_checkpoint`` directory's model weights to safetensors, on CPU.
+
+    No process group needed; reads and writes one output file's worth at a time.
+    """
+    source = Path(checkpoint_dir)
+    verify_files(source, read_manifest(source), None)
+    saved = checkpoint_metadata(source).state_dict_metadata
+    tensors = {
+        key[len(MODEL) :]: md
+        for key, md in saved.items()
+        if key.startswith(MODEL) and is_tensor_entry(md)
+    }
+    entries = [
+        Entry(name, _out_dtype(md.properties.dtype, dtype), tuple(md.size))
+        for name, md in tensors.items()
+    ]
+    writer = StreamWriter(Path(out_dir), entries, max_shard_bytes)
+    for _, group in writer.files:
+        batch = {
+            MODEL + e.name: torch.empty(
+                tensors[e.name].size, dtype=tensors[e.name].properties.dtype
+            )
+            for e in group
+        }
+        load_raw(source, batch)
+        for entry in group:
+            writer.write(entry.name, batch[MODEL + entry.name].to(entry.dtype))
+    return writer.finish()

@@ -1,0 +1,326 @@
+"""Optimizer state dicts keyed by original parameter names: full and sharded.
+
+Form (both kinds)::
+
+    {"state": {name: {key: value}}, "param_groups": [{**hyperparameters, "params": [name]}]}
+
+A state value shaped like its parameter's rows on this rank (Adam's moments, SGD's momentum)
+is a "row value": gathered to the full shape (full form) or kept as a ``RowShard`` (sharded
+form), and cut to the loading rank's rows on load. Anything else (``step``, Python scalars)
+is the same on every rank and kept as it is. For a 0-dim parameter a 0-dim value is a row
+value unless it is ``step``, the one per-parameter scalar torch's optimizers keep.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flatshard.comm._collectives import broadcast
+from flatshard.comm._ranks import checked_on_rank0, global_rank, rank_in
+from flatshard.flat._full_params import copy_out, gather_copies, pack_rows
+from flatshard.runtime._step import every_rank_calls
+from flatshard.state._state_dict import Place, RowShard, flat_params, model_group, param_places
+
+OptimStateDict = dict[str, Any]
+
+
+def is_row_value(key: str, value: object, local_shape: torch.Size, full_dim: int) -> bool:
+    """Whether a state value is shaped like its parameter's rows (see the module note)."""
+    return isinstance(value, torch.Tensor) and is_row_shape(key, value.shape, local_shape, full_dim)
+
+
+def is_row_shape(key: str, shape: torch.Size, local_shape: torch.Size, full_dim: int) -> bool:
+    """``is_row_value`` by shape alone."""
+    return shape == local_shape and (full_dim > 0 or len(shape) > 0 or key != "step")
+
+
+def named_param_groups(
+    model: nn.Module, optim: torch.optim.Optimizer, caller: str
+) -> list[list[tuple[str, nn.Parameter]]]:
+    """The optimizer's parameter groups as (original name, parameter) pairs."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups: list[list[tuple[str, nn.Parameter]]] = []
+    for index, group in enumerate(optim.param_groups):
+        named = []
+        for param in group["params"]:
+            if id(param) not in names:
+                raise ValueError(
+                    f"flatshard.{caller} (rank {global_rank()}): parameter group {index} of "
+                    f"the optimizer holds a tensor of shape {tuple(param.shape)} that is not a "
+                    "parameter of the model. Build the optimizer from model.parameters() "
+                    "after fully_shard."
+                )
+            named.append((names[id(param)], param))
+        groups.append(named)
+    return groups
+
+
+def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+# ---------------------------------------------------------------- producing
+@every_rank_calls("sharded_optim_state_dict")
+def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> OptimStateDict:
+    """This rank's rows of every row value (``RowShard``), other values as they are."""
+    places = param_places(model)
+    groups = named_param_groups(model, optim, "sharded_optim_state_dict")
+    state: dict[str, dict[str, Any]] = {}
+    for named in groups:
+        for name, param in named:
+            if param not in optim.state:
+                continue
+            place = places[id(param)]
+            state[name] = {
+                key: (
+                    place.row_shard(value)
+                    if place.flat is not None
+                    and is_row_value(key, value, place.local_shape, len(place.full_shape))
+                    else value
+                )
+                for key, value in optim.state[param].items()
+            }
+    return {"state": state, "param_groups": _named_groups(optim, groups)}
+
+
+@every_rank_calls("full_optim_state_dict")
+def full_optim_state_dict(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    *,
+    rank0_only: bool = True,
+    cpu_offload: bool = True,
+) -> OptimStateDict:
+    """Every row value gathered to its parameter's full shape; a collective.
+
+    Gathered one flat parameter group and one state key at a time. ``rank0_only`` and
+    ``cpu_offload`` as in ``full_state_dict``.
+    """
+    keep = not rank0_only or rank_in(model_group(model)) == 0
+    groups = named_param_groups(model, optim, "full_optim_state_dict")
+    gathered = _gather_row_values(model, optim, keep, cpu_offload)
+    if not keep:
+        return {}
+    state: dict[str, dict[str, Any]] = {}
+    for named in groups:
+        for name, param in named:
+            if param not in optim.state:
+                continue
+            full = gathered.get(id(param), {})
+            state[name] = {
+                key: full[key] if key in full else _copy_value(value, cpu_offload)
+                for key, value in optim.state[param].items()
+            }
+    return {"state": state, "param_groups": _named_groups(optim, groups)}
+
+
+def _gather_row_values(
+    model: nn.Module, optim: torch.optim.Optimizer, keep: bool, cpu_offload: bool
+) -> dict[int, dict[str, torch.Tensor]]:
+    """``id(param) -> {key: full tensor}`` for the row values of sharded parameters."""
+    gathered: dict[int, dict[str, torch.Tensor]] = {}
+    for flat in flat_params(model):
+        states = [optim.state.get(orig.param, {}) for orig in flat.originals]
+        keys = sorted(
+            {
+                key
+                for index, (orig, st) in enumerate(zip(flat.originals, states, strict=True))
+                for key, value in st.items()
+                if is_row_value(key, value, orig.param.shape, len(flat.full_shapes[index]))
+            }
+        )
+        for key in keys:
+            local = [
+                st[key] if key in st else torch.zeros_like(orig.param.detach())
+                for orig, st in zip(flat.originals, states, strict=True)
+            ]
+            copies = gather_copies(flat, pack_rows(flat, local), keep, cpu_offload)
+            for orig, st, copy in zip(flat.originals, states, copies, strict=keep):
+                if key in st:
+                    gathered.setdefault(id(orig.param), {})[key] = copy
+    return gathered
+
+
+def _copy_value(value: Any, cpu_offload: bool) -> Any:
+    return copy_out(value, cpu_offload) if isinstance(value, torch.Tensor) else value
+
+
+def _named_groups(
+    optim: torch.optim.Optimizer, groups: list[list[tuple[str, nn.Parameter]]]
+) -> list[dict[str, Any]]:
+    return [
+        {**_hyperparameters(group), "params": [name for name, _ in named]}
+        for group, named in zip(optim.param_groups, groups, strict=True)
+    ]
+
+
+# ---------------------------------------------------------------- loading
+@every_rank_calls("load_optim_state_dict")
+def load_optim_state_dict(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    state_dict: OptimStateDict,
+    *,
+    from_rank0: bool = False,
+) -> None:
+    """Load a full or sharded optimizer state dict; a fresh optimizer gets every moment.
+
+    The optimizer's parameter groups must hold the same names in the same order as the
+    saved ones; hyperparameters (learning rate, ...) come from the saved groups, as with
+    ``torch.optim.Optimizer.load_state_dict``. ``from_rank0=True``: only rank 0 of the
+    model's group holds the (full) dict, e.g. the default ``full_optim_state_dict``
+    output, and the others pass ``{}``; it is broadcast one tensor at a time.
+    """
+    if from_rank0 and model_group(model) is not None:
+        state_dict = _receive_from_rank0(model, optim, state_dict)
+    places = param_places(model)
+    groups = named_param_groups(model, optim, "load_optim_state_dict")
+    saved_groups = state_dict.get("param_groups")
+    saved_state = state_dict.get("state")
+    if not isinstance(saved_groups, list) or not isinstance(saved_state, dict):
+        raise ValueError(
+            f"flatshard.load_optim_state_dict (rank {global_rank()}): expected a dict with "
+            "'state' and 'param_groups' as made by flatshard.full_optim_state_dict or "
+            f"sharded_optim_state_dict, found keys {sorted(state_dict)}"
+        )
+    _check_groups(groups, saved_groups)
+    torch_state: dict[int, dict[str, Any]] = {}
+    torch_groups: list[dict[str, Any]] = []
+    index = 0
+    for named, saved in zip(groups, saved_groups, strict=True):
+        ids = []
+        for name, param in named:
+            if name in saved_state:
+                place = places[id(param)]
+                torch_state[index] = {
+                    key: _local_value(name, key, value, place)
+                    for key, value in saved_state[name].items()
+                }
+            ids.append(index)
+            index += 1
+        torch_groups.append({**_hyperparameters(saved), "params": ids})
+    optim.load_state_dict({"state": torch_state, "param_groups": torch_groups})
+
+
+def _check_groups(
+    groups: list[list[tuple[str, nn.Parameter]]], saved_groups: list[dict[str, Any]]
+) -> None:
+    mine = [[name for name, _ in named] for named in groups]
+    theirs = [list(g.get("params", [])) for g in saved_groups]
+    if mine == theirs:
+        return
+    detail = f"the optimizer has {len(mine)} parameter groups, the state dict {len(theirs)}"
+    for index, (a, b) in enumerate(zip(mine, theirs, strict=False)):
+        if a != b:
+            only_here = [n for n in a if n not in b][:5]
+            only_there = [n for n in b if n not in a][:5]
+            detail = (
+                f"parameter group {index} differs: only in the optimizer {only_here}, only "
+                f"in the state dict {only_there}"
+                + (" (same names, other order)" if not only_here and not only_there else "")
+            )
+            break
+    raise ValueError(
+        f"flatshard.load_optim_state_dict (rank {global_rank()}): {detail}. Build the "
+        "optimizer with the same parameter groups as the run that saved it."
+    )
+
+
+def _local_value(name: str, key: str, value: Any, place: Place) -> Any:
+    """This rank's part of one saved state value."""
+    if isinstance(value, RowShard):
+        if not place.matches(value):
+            raise ValueError(
+                f"flatshard.load_optim_state_dict (rank {global_rank()}): state '{key}' of "
+                f"'{name}' holds {value.describe()}, this rank holds rows {place.first_row}.."
+                f"{place.first_row + place.rows}; reshard through flatshard.load_checkpoint"
+            )
+        return value.local.clone()
+    if is_row_value(key, value, place.global_shape, len(place.full_shape)):
+        return place.take_global(value).clone()
+    if isinstance(value, torch.Tensor) and value.dim() > 0:
+        raise ValueError(
+            f"flatshard.load_optim_state_dict (rank {global_rank()}): state '{key}' of "
+            f"'{name}' has shape {tuple(value.shape)}, expected the parameter's full shape "
+            f"{tuple(place.global_shape)} or a scalar"
+        )
+    return value
+
+
+# ---------------------------------------------------------------- loading from rank 0
+@dataclass(frozen=True)
+class _Sent:
+    """Stands for a tensor of a state dict that rank 0 broadcasts on its own."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+def _receive_from_rank0(
+    model: nn.Module, optim: torch.optim.Optimizer, state_dict: OptimStateDict
+) -> OptimStateDict:
+    """This rank's sharded optimizer state dict, from the full one rank 0 holds.
+
+    Rank 0 checks the dict and sends its outline (scalars as they are, other tensors as
+    shape and dtype); an error there is raised on every rank. Then each tensor is
+    broadcast and every rank keeps its rows of the row values.
+    """
+    group = cast(dist.ProcessGroup, model_group(model))
+    places = param_places(model)
+    received = checked_on_rank0(group, lambda: _outline(model, optim, state_dict, places))
+    named = dict(model.named_parameters())
+    for name, entries in received["state"].items():
+        place = places[id(named[name])]
+        device = place.flat.compute_device if place.flat is not None else named[name].device
+        for key, value in entries.items():
+            if not isinstance(value, _Sent):
+                continue
+            if dist.get_rank(group) == 0:
+                full = state_dict["state"][name][key].to(device, value.dtype).contiguous()
+            else:
+                full = torch.empty(value.shape, dtype=value.dtype, device=device)
+            broadcast(full, group_src=0, group=group)
+            local = place.take_global(full).to(named[name].device).clone()
+            entries[key] = place.row_shard(local) if place.flat is not None else local
+    return received
+
+
+def _outline(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    state_dict: OptimStateDict,
+    places: dict[int, Place],
+) -> OptimStateDict:
+    """Rank 0: check a full optimizer state dict; tensors of 1+ dims become ``_Sent``."""
+    saved_state, saved_groups = state_dict.get("state"), state_dict.get("param_groups")
+    if not isinstance(saved_groups, list) or not isinstance(saved_state, dict):
+        raise ValueError(
+            "flatshard.load_optim_state_dict(from_rank0=True): rank 0 expected a dict with "
+            "'state' and 'param_groups' as made by flatshard.full_optim_state_dict, found "
+            f"keys {sorted(state_dict)}"
+        )
+    _check_groups(named_param_groups(model, optim, "load_optim_state_dict"), saved_groups)
+    named = dict(model.named_parameters())
+    state: dict[str, dict[str, Any]] = {}
+    for name, entries in saved_state.items():
+        if name not in named:
+            continue  # not in any group: _check_groups made sure it is not wanted
+        place = places[id(named[name])]
+        state[name] = {}
+        for key, value in entries.items():
+            if isinstance(value, RowShard):
+                raise ValueError(
+                    f"flatshard.load_optim_state_dict(from_rank0=True): state '{key}' of "
+                    f"'{name}' is a RowShard; rank 0 must hold a full optimizer state dict"
+                )
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                _local_value(name, key, value, place)  # the shape check, on rank 0
+                state[name][key] = _Sent(value.shape, value.dtype)
+            else:
+                state[name][key] = value
+    return {"state": state, "param_groups": saved_groups}
