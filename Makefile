@@ -1,31 +1,39 @@
 # The two commands of the README: `make train` and `make test`.
-# Both create the virtual environment on first use (torch pinned by constraints.txt).
+# Each creates the virtual environment on first use (torch pinned by constraints.txt) and
+# installs what it needs: train the package and matplotlib, test the development tools too.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+TRAIN_STAMP := $(VENV)/.installed-train
+DEV_STAMP := $(VENV)/.installed-dev
 NPROC ?= 2
 TRAIN_ARGS ?=
 
 .PHONY: train test lint typecheck unit clean
 
-$(STAMP): pyproject.toml constraints.txt
+$(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
-	touch $(STAMP)
 
-train: $(STAMP)
+$(TRAIN_STAMP): pyproject.toml constraints.txt | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[bench]'
+	touch $@
+
+$(DEV_STAMP): pyproject.toml constraints.txt | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+	touch $@
+
+train: $(TRAIN_STAMP)
 	$(BIN)/flatshard train --nproc $(NPROC) $(TRAIN_ARGS)
 
-lint: $(STAMP)
+lint: $(DEV_STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 
-typecheck: $(STAMP)
+typecheck: $(DEV_STAMP)
 	$(BIN)/mypy
 
-unit: $(STAMP)
+unit: $(DEV_STAMP)
 	$(BIN)/pytest -q
 
 test: lint typecheck unit
