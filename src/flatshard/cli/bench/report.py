@@ -97,9 +97,7 @@ def chart(summary: dict[str, dict[str, float]], path: str, device: str) -> None:
     try:
         import matplotlib
     except ImportError:
-        raise ConfigError(
-            "the PNG chart needs matplotlib: pip install matplotlib"
-        ) from None
+        raise ConfigError("the PNG chart needs matplotlib: pip install matplotlib") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
