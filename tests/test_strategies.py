@@ -263,6 +263,62 @@ def test_clip_grad_norm_matches_torch(
     pool.run(parity_job, config, False)
 
 
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+@pytest.mark.parametrize(
+    "case",
+    [
+        ("FULL_SHARD", 2, None),
+        ("SHARD_GRAD_OP", 4, None),
+        ("HYBRID_SHARD", 4, 2),
+        ("mixed", 4, None),
+    ],
+    ids=_id,
+)
+def test_torch_clip_grad_norm_takes_the_norm_of_the_whole_gradient(
+    pool: WorkerPool, case: tuple[str, int, int | None], norm_type: float
+) -> None:
+    """torch.nn.utils.clip_grad_norm_(model.parameters(), ...) as FSDP2 users call it: on
+    a sharded model it returns and clips by the unsharded model's norm (each rank's own
+    norm would scale each rank's rows differently)."""
+    strategy, world, factor = case
+    mixed = strategy == "mixed"
+    config = ParityConfig(
+        model="frozen" if mixed else "gpt",
+        world_size=world,
+        strategy="HYBRID_SHARD" if mixed else strategy,
+        sharding_factor=2 if mixed else factor,
+        root_strategy="NO_SHARD" if mixed else None,
+        clip=0.05,  # below the gradient norm: every step clips
+        norm_type=norm_type,
+        clip_with="torch",
+        optimizer="sgd",
+    )
+    pool.run(parity_job, config, False)
+
+
+def test_torch_clip_grad_value_is_exact_on_shards(pool: WorkerPool) -> None:
+    """clip_grad_value_ clamps each element alone: this rank's rows are clipped right."""
+    config = ParityConfig(model="gpt", world_size=2, clip=1e-3, clip_with="value", optimizer="sgd")
+    pool.run(parity_job, config, False)
+
+
+def torch_norm_of_other_tensors_job(ctx: WorkerContext) -> None:
+    """Tensors flatshard does not manage keep torch's own (local) norm, also once a model
+    is sharded in the process."""
+    group = ctx.group(2)
+    if group is None:
+        return
+    model: Any = build("gpt")
+    shard_with_flatshard(model, ParityConfig(model="gpt", world_size=2), group)
+    plain = [torch.full((3,), float(ctx.rank + 1))]
+    expected = torch.linalg.vector_norm(plain[0])
+    torch.testing.assert_close(torch.nn.utils.get_total_norm(plain), expected)
+
+
+def test_torch_norm_of_other_tensors_is_unchanged(pool: WorkerPool) -> None:
+    pool.run(torch_norm_of_other_tensors_job)
+
+
 # ---------------------------------------------------------------- memory by formula
 def strategy_memory_job(ctx: WorkerContext, config: ParityConfig) -> dict[str, int] | None:
     group = ctx.group(config.world_size)

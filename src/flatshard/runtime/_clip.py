@@ -10,7 +10,7 @@ from torch import nn
 
 from flatshard.comm._collectives import all_reduce
 from flatshard.runtime._step import every_rank_calls
-from flatshard.runtime._unit import units_of
+from flatshard.runtime._unit import Unit, units_of
 
 
 @every_rank_calls("clip_grad_norm_")
@@ -34,28 +34,42 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
 
 
 def _global_norm(model: nn.Module, norm_type: float) -> torch.Tensor:
-    """Each element of the gradient counted once: per shard group, then across them.
+    """The norm of every gradient of ``model``, each element counted once."""
+    units = units_of(model, "clip_grad_norm_")
+    managed = {id(o.param) for u in units for f in u.trainable for o in f.originals}
+    local = [p.grad for p in model.parameters() if id(p) not in managed and p.grad is not None]
+    device = next(model.parameters()).device
+    return sharded_norm(units, None, local, norm_type, device)
+
+
+def sharded_norm(
+    units: list[Unit],
+    only: set[int] | None,
+    local: list[torch.Tensor],
+    norm_type: float,
+    device: torch.device,
+) -> torch.Tensor:
+    """The norm of the units' gradients (those whose ``id`` is in ``only``, or all) and of
+    ``local`` tensors, each element counted once. A collective over the units' groups.
 
     A shard group's ranks hold disjoint rows, so their partial sums (or maxima) add up over
     that group; replicas hold the same rows, so nothing is reduced across them. Parameters
     split by tensor parallelism add up over their TP group too (replicated ones do not).
-    Parameters flatshard does not manage are replicated and counted locally.
+    ``local`` tensors (parameters flatshard does not manage) are replicated: counted here.
+    Every rank makes the same buckets in the same order, with or without gradients.
     """
     inf = math.isinf(norm_type)
     buckets: dict[tuple[int, int], tuple[list[dist.ProcessGroup], list[torch.Tensor]]] = {}
-    managed: set[int] = set()
-    for unit in units_of(model, "clip_grad_norm_"):
+    for unit in units:
         for flat in unit.trainable:
             for orig in flat.originals:
-                managed.add(id(orig.param))
                 tp = orig.tp.group if orig.tp is not None and orig.tp.sharded else None
                 groups = [g for g in (flat.groups.shard, tp) if g is not None]
                 _, grads = buckets.setdefault((id(flat.groups.shard), id(tp)), (groups, []))
-                if orig.param.grad is not None:
-                    grads.append(orig.param.grad)
-    local = [p.grad for p in model.parameters() if id(p) not in managed and p.grad is not None]
+                grad = orig.param.grad
+                if grad is not None and (only is None or id(grad) in only):
+                    grads.append(grad)
     buckets.setdefault((id(None), id(None)), ([], []))[1].extend(local)
-    device = next(model.parameters()).device
     partials = []
     for groups, grads in buckets.values():  # the same order on every rank
         partial = _partial(grads, norm_type, device)

@@ -49,6 +49,9 @@ class ParityConfig:
     no_sync: bool = False  # all micro-batches but the last under flatshard.no_sync
     clip: float | None = None  # clip_grad_norm_ to this each step
     norm_type: float = 2.0
+    # How flatshard's runs clip: flatshard.clip_grad_norm_, torch.nn.utils.clip_grad_norm_
+    # ("torch"), or torch.nn.utils.clip_grad_value_ ("value", every run alike).
+    clip_with: str = "flatshard"
     comm_hook: str | None = None  # None | "bf16" | "fp16"
     param_dtype: str | None = None  # mixed precision: "bfloat16" | "float16"
     reduce_dtype: str | None = None  # None: float32 when param_dtype is set
@@ -59,6 +62,10 @@ class ParityConfig:
     device: str = "cpu"  # where models and batches live ("cuda": tests/test_gpu.py)
 
     def __post_init__(self) -> None:
+        if self.clip_with not in ("flatshard", "torch", "value"):
+            raise ValueError(
+                f"clip_with must be 'flatshard', 'torch' or 'value', got {self.clip_with!r}"
+            )
         if self.checkpoint not in ("", "inside", "around"):
             raise ValueError(
                 f"checkpoint must be '', 'inside' or 'around', got {self.checkpoint!r}"
@@ -144,7 +151,7 @@ def train(
                 torch.autograd.backward(cast(torch.Tensor, loss))
             step_loss += cast(torch.Tensor, loss).detach()
         if config.clip is not None:
-            result.norms.append(_clip(model, kind, config.clip, config.norm_type))
+            result.norms.append(_clip(model, kind, config))
         optim.step()
         optim.zero_grad()
         if group is not None and shard_count > 1:
@@ -162,8 +169,12 @@ def _accumulation(model: nn.Module, kind: str, keep_local: bool) -> AbstractCont
     return nullcontext()
 
 
-def _clip(model: nn.Module, kind: str, max_norm: float, norm_type: float) -> float:
-    if kind == "flatshard":
+def _clip(model: nn.Module, kind: str, config: ParityConfig) -> float:
+    max_norm, norm_type = cast(float, config.clip), config.norm_type
+    if config.clip_with == "value":
+        torch.nn.utils.clip_grad_value_(model.parameters(), max_norm)
+        return 0.0
+    if kind == "flatshard" and config.clip_with == "flatshard":
         return flatshard.clip_grad_norm_(model, max_norm, norm_type).item()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)

@@ -1,0 +1,88 @@
+"""``torch.nn.utils.clip_grad_norm_`` on a sharded model: the global norm, not a rank's.
+
+[Note: torch's clip_grad_norm_ on sharded gradients]
+FSDP2 users clip with ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)``:
+there the gradients are DTensors, whose norm is reduced across ranks. flatshard's
+gradients are plain tensors of this rank's rows, so torch's function would take each
+rank's own norm and scale each rank's rows by a different factor: a silently wrong step,
+and one no later check can always see (where every rank's own norm is under
+``max_norm`` and the global one is not, no rank scales anything).
+
+So once a model is sharded, torch's norm (``torch.nn.utils.get_total_norm``, which
+``clip_grad_norm_`` looks up when it is called, however the caller imported it) is
+replaced by one that recognizes the gradients of flatshard's original parameters and
+takes their norm over the shard and tensor-parallel groups, as ``flatshard.clip_grad_norm_``
+does; tensors flatshard does not manage count locally, so on anything else the result is
+torch's. Given flatshard's gradients it is a collective, agreed on through the store first
+like every flatshard call a program may make on some ranks only. ``clip_grad_value_``
+clamps each element on its own and is right as it is.
+
+The replacement is process-wide, installed by the first ``fully_shard``; the models it
+looks in are held weakly.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.utils
+import torch.nn.utils.clip_grad
+
+from flatshard.flat._flat_param import OriginalParam
+from flatshard.runtime._clip import sharded_norm
+from flatshard.runtime._step import StepContext, collective_call
+
+_TotalNorm = Callable[..., torch.Tensor]
+
+# torch's own function, called for tensors flatshard does not manage.
+_TORCH_TOTAL_NORM: _TotalNorm = torch.nn.utils.clip_grad._get_total_norm
+# The step contexts of every model sharded in this process (weakly: a model that dies
+# leaves).
+_sharded: weakref.WeakSet[StepContext] = weakref.WeakSet()
+
+
+def watch_torch_norms(context: StepContext) -> None:
+    """Make torch's gradient norm global for ``context``'s gradients (see the note)."""
+    _sharded.add(context)
+    torch.nn.utils.clip_grad._get_total_norm = _total_norm
+    torch.nn.utils.get_total_norm = _total_norm
+
+
+def _total_norm(
+    tensors: torch.Tensor | Iterable[torch.Tensor],
+    norm_type: float | str = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """``torch.nn.utils.get_total_norm``, over every rank's rows of flatshard's gradients."""
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    given = {id(t) for t in tensors}
+    contexts = [c for c in list(_sharded) if _holds_any(c, given)]
+    if not contexts:
+        return _TORCH_TOTAL_NORM(tensors, norm_type, error_if_nonfinite, foreach)
+    units = [u for c in contexts for u in c.units]
+    managed = {id(g) for u in units for f in u.trainable for g in _grads(f.originals)}
+    local = [t for t in tensors if id(t) not in managed]
+    order = float(norm_type)
+    with collective_call(contexts[0].root, "torch.nn.utils.clip_grad_norm_"):
+        total = sharded_norm(units, given, local, order, tensors[0].device)
+    if error_if_nonfinite and not math.isfinite(float(total)):
+        raise RuntimeError(
+            f"The total norm of order {order} for gradients from `parameters` is non-finite, "
+            "so it cannot be clipped (flatshard: the norm over every rank's rows). To scale "
+            "the gradients by the non-finite norm anyway, set `error_if_nonfinite=False`"
+        )
+    return total
+
+
+def _holds_any(context: StepContext, given: set[int]) -> bool:
+    return any(
+        id(g) in given for u in context.units for f in u.trainable for g in _grads(f.originals)
+    )
+
+
+def _grads(originals: list[OriginalParam]) -> list[torch.Tensor]:
+    return [o.param.grad for o in originals if o.param.grad is not None]
