@@ -126,8 +126,20 @@ class StepContext:
     def forward_started(self, unit: Unit) -> None:
         if unit.is_root:
             self.forward_depth = 0  # a new iteration: forget a forward that raised
+            self._free_kept(but=unit)
         self.forward_depth += 1
         self.phase = "forward"
+
+    def _free_kept(self, but: Unit) -> None:
+        """A new forward: free what an earlier forward kept for a backward that has not
+        come (it may never: see [Note: kept for backward]), except ``but``, used at once.
+
+        The same on every rank, at the same point of the program. A backward of the earlier
+        forward that does come later gathers these units again.
+        """
+        for unit in self.units:
+            if unit is not but and unit.kept_for_backward and unit.reshard():
+                self.rate_limiter.resharded(unit.compute_device)
 
     def forward_ended(self) -> None:
         """After the outermost forward: free what no backward will use.

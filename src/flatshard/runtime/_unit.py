@@ -15,6 +15,19 @@ bodies of its hooks (paper section "autograd integration"); ``_hooks.py`` regist
   free the unsharded buffer.
 What is shared by the units of one root (execution order, the reduction in flight, the
 end-of-backward callback, ``no_sync``) is the ``StepContext`` (``_step.py``).
+
+[Note: kept for backward]
+Some units keep their gathered buffers from forward to backward (the root, the last unit
+of forward, SHARD_GRAD_OP and HYBRID_SHARD_ZERO2 units). Their modules get the original
+parameters back at the end of their forward all the same, and the pre-backward hook
+registers fresh views of the kept buffer (no all-gather): autograd only needs the views it
+saved, not the modules' entries. So between forward and backward, and for good when no
+backward comes (an evaluation forward without ``torch.no_grad()``), ``model.parameters()``
+are the sharded leaves: an optimizer can be built, ``state_dict`` hooks see a sharded unit,
+and a module called outside its unit's forward is refused as at any time between steps.
+Whether a backward will come cannot be known, so the kept buffers are freed at the next
+deterministic point: the next forward of the root (``StepContext._free_kept``) or
+``summon_full_params``; a backward that still comes gathers them again.
 """
 
 from __future__ import annotations
@@ -198,8 +211,11 @@ class Unit:
 
     @property
     def is_gathered(self) -> bool:
-        """Whether the original parameters may be read full-size right now."""
-        return self.params_are_full or all(f.is_unsharded for f in self.flat_params)
+        """Whether the unit's modules hold full-size parameters right now: views of the
+        gathered buffers, or the originals where the shard is the whole buffer."""
+        return self.params_are_full or all(
+            f.views_registered or f.aliases_shard for f in self.flat_params
+        )
 
     # ------------------------------------------------------------------ unshard / reshard
     def unshard(self) -> None:
@@ -226,6 +242,18 @@ class Unit:
     def unshard_allocates(self) -> bool:
         """Whether unsharding now would allocate memory (F = 1 in the master dtype: never)."""
         return any(flat.unshard_allocates for flat in self.flat_params)
+
+    def hide_views(self) -> None:
+        """Keep the unsharded buffers for backward, but give the modules back the original
+        parameters: outside forward and backward the model holds its sharded leaves, also
+        when no backward follows a forward with gradients (see [Note: kept for backward])."""
+        for flat in self.flat_params:
+            flat.register_views(None)
+
+    @property
+    def kept_for_backward(self) -> bool:
+        """Unsharded buffers kept after forward, the modules holding the originals."""
+        return any(f.is_unsharded and not f.views_registered for f in self.flat_params)
 
     def reshard(self) -> bool:
         """Free the unsharded buffers; the modules then hold the original parameters.
@@ -286,7 +314,9 @@ class Unit:
             )
             hidden_graph = not needs_grad and self._may_hide_graph(output)
             self.expects_backward |= hidden_graph  # its gradient may still come
-            if not (keep or hidden_graph) and self.reshard():
+            if keep or hidden_graph:
+                self.hide_views()
+            elif self.reshard():
                 self.context.rate_limiter.resharded(self.compute_device)
             self.context.forward_ended()
         return output

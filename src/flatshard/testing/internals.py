@@ -32,6 +32,7 @@ from flatshard.runtime._prefetch import ExecutionOrder
 from flatshard.runtime._profiling import Ranges
 from flatshard.runtime._rate_limiter import RateLimiter
 from flatshard.runtime._step import context_of
+from flatshard.runtime._unit import units_of
 from flatshard.state import _checkpoint
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "fitted_achieved",
     "forced_reduce_scatter",
     "gather_now",
+    "gathered_units",
     "measured_step_peak",
     "measured_step_seconds",
     "no_keep_last_unit",
@@ -54,6 +56,16 @@ __all__ = [
     "rate_limiter_of",
     "select_unit_roots",
 ]
+
+
+def gathered_units(model: nn.Module) -> list[str]:
+    """The units inside ``model`` whose unsharded buffers are allocated right now (a
+    buffer that is the shard itself, F = 1 in the master dtype, does not count)."""
+    return [
+        unit.label
+        for unit in units_of(model, "gathered_units")
+        if any(f.is_unsharded and not f.aliases_shard for f in unit.flat_params)
+    ]
 
 
 def rate_limiter_of(model: nn.Module) -> RateLimiter:
