@@ -12,13 +12,12 @@ Layer 4: imports ``flatshard.runtime`` and below.
 from flatshard.build._fully_shard import fully_shard
 from flatshard.build._init import InitOptions, init_weights
 from flatshard.build._keep_gathered import shard_keeping_last
-from flatshard.build._skip_init import leave_for_load, skip_init
+from flatshard.build._skip_init import skip_init
 
 __all__ = [
     "InitOptions",
     "fully_shard",
     "init_weights",
-    "leave_for_load",
     "shard_keeping_last",
     "skip_init",
 ]

@@ -9,7 +9,8 @@ uninitialized memory) and marks each as awaiting a load. ``flatshard.load_safete
 clears the mark of every tensor it writes; a unit's forward raises while any tensor of it
 is still marked, so a forgotten or partial load cannot train silently on zeros. A
 non-persistent buffer (e.g. rotary frequencies) is in no checkpoint, so it cannot be left
-for a load: ``skip_init`` refuses its module.
+for a load: ``skip_init`` computes it by building its module again from the ``config`` the
+module keeps, and refuses a module that keeps none.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import flatshard
-from flatshard.build import leave_for_load, shard_keeping_last
+from flatshard.build import shard_keeping_last
 from flatshard.cli.config import ConfigError
 from flatshard.cli.lm.config import PRECISIONS, TrainConfig, unit_policy
 from flatshard.cli.lm.data import VOCAB
@@ -120,7 +120,8 @@ def _hugging_face(config: TrainConfig) -> LanguageModel:
         description += f", LoRA {config.lora}"
     lm = LanguageModel(model, {block}, description, _call_hf_model, lora=bool(config.lora))
     if pretrained:
-        lm.weights, lm.param_init_fn = config.model[3:], _pretrained_init(model_config)
+        # skip_init rebuilds rotary embeddings (buffers in no checkpoint) from their config.
+        lm.weights, lm.param_init_fn = config.model[3:], flatshard.skip_init
         if lm.lora:
             lm.param_init_fn = adapter_init(model, lm.param_init_fn)
         lm.description += ", pretrained weights"
@@ -178,36 +179,16 @@ def export_hugging_face(model: nn.Module, lm: LanguageModel, out_dir: Path) -> N
     flatshard.export_safetensors(model, out_dir, names=names)
 
 
-def _pretrained_init(hf_config: Any) -> Callable[[nn.Module], None]:
-    """``skip_init`` (the weights come from the checkpoint), except that a module holding
-    non-persistent buffers (rotary frequencies: in no checkpoint) is built afresh from the
-    config to give those; its other tensors are left for the load all the same."""
-
-    def init(module: nn.Module) -> None:
-        if not module._non_persistent_buffers_set:
-            flatshard.skip_init(module)
-            return
-        try:
-            with torch.device("cpu"):
-                fresh = type(module)(config=hf_config)
-        except TypeError as error:
-            raise ConfigError(
-                f"--init pretrained: cannot rebuild {type(module).__name__} for its "
-                f"non-persistent buffers: {error}"
-            ) from None
-        for name, buffer in module._buffers.items():
-            if buffer is not None and name in module._non_persistent_buffers_set:
-                buffer.copy_(fresh.get_buffer(name))
-        leave_for_load(module)
-
-    return init
-
-
 def hf_config(transformers: Any, config: TrainConfig, fit_to_bytes: bool = True) -> Any:
     """The named config (a directory, a config.json or a model type), fitted to bytes
     (the vocabulary, and positions for --seq-len) unless told not to."""
     spec = config.model[3:]
     overrides = parse_overrides(config.hf_overrides)
+    local = Path(spec).expanduser()
+    path_like = spec.startswith((".", "/", "~")) or spec.endswith(".json")
+    if path_like and not local.exists():
+        what = "file" if spec.endswith(".json") else "directory"
+        raise ConfigError(f"--model {config.model}: no such {what}: {local.absolute()}")
     try:
         if Path(spec).exists() or spec.endswith(".json") or "/" in spec:
             loaded = transformers.AutoConfig.from_pretrained(spec, **overrides)
