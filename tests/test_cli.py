@@ -118,6 +118,12 @@ BAD_TOML = {"unknown": "stepz = 3", "type": 'steps = "many"', "syntax": "steps =
         (["--lr", "-1"], "--lr must be > 0"),
         (["--mixed-precision", "fp8"], "--mixed-precision must be one of none, bf16, fp16"),
         (["--strategy", "ZERO3"], "--strategy must be one of FULL_SHARD"),
+        (
+            ["--strategy", "full_shrd"],
+            "--strategy must be one of FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, "
+            "HYBRID_SHARD_ZERO2, got 'full_shrd' (did you mean FULL_SHARD?)",
+        ),
+        (["--model", "hf:./no/such/dir"], "--model hf:./no/such/dir: no such directory: "),
         (["--strategy", "HYBRID_SHARD", "--sharding-factor", "3"], "--sharding-factor (3) must"),
         (["--sharding-factor", "2"], "--sharding-factor only applies to hybrid strategies"),
         (
@@ -173,7 +179,22 @@ def test_unknown_flag_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
         main(["train", "--stepz", "3"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert "unrecognized arguments: --stepz 3" in err and "\n" not in err
+    expected = "flatshard train: error: unrecognized arguments: --stepz (did you mean --steps?) 3"
+    assert err == f"{expected} (see flatshard train --help)", err
+
+
+def test_choices_take_any_case() -> None:
+    from flatshard.cli.config import config_from_args
+    from flatshard.cli.lm.config import TrainConfig
+    from flatshard.cli.main import build_parser
+
+    argv = ["train", "--strategy", "shard_grad_op", "--lr-schedule", "Linear", "--units", "BLOCKS"]
+    config = config_from_args(TrainConfig, build_parser().parse_args(argv))
+    assert (config.strategy, config.lr_schedule, config.units) == (
+        "SHARD_GRAD_OP",
+        "linear",
+        "blocks",
+    )
 
 
 def test_bench_compares_all_systems(tmp_path: Path) -> None:
@@ -297,3 +318,32 @@ def test_ckpt_errors_are_one_line(
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_charts_without_matplotlib_are_a_note(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench and train print their results first; a missing matplotlib then costs the PNG
+    only, with a note (bench used to end with an error)."""
+    from flatshard.cli.bench.report import chart
+    from flatshard.cli.train.progress import plot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    assert (
+        chart({}, str(tmp_path / "b.png"), "cpu") == "no chart (bench.png): pip install matplotlib"
+    )
+    assert plot(tmp_path / "m.jsonl", tmp_path / "l.png", 1.0, 2.0).startswith("no plot: pip")
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_resume_at_another_world_size_says_what_changes() -> None:
+    from flatshard.cli.lm.config import TrainConfig
+    from flatshard.cli.train.command import world_change
+
+    one = TrainConfig(batch=4)  # 2 ranks x 4 sequences saved, resumed at 1 rank
+    assert world_change(2, 4, one, 1) == (
+        "resumed at 1 rank (saved at 2): the global batch changes from 8 to 4 sequences per "
+        "step, and the data each step reads with it; to keep it: --batch 8 or --grad-accum 2"
+    )
+    assert world_change(2, 4, TrainConfig(batch=8), 1).endswith("stays 8 sequences per step")
+    assert "to keep it" not in world_change(3, 1, TrainConfig(batch=2), 2)  # 3 of 4: no way

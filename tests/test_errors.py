@@ -183,3 +183,50 @@ def test_helper_option_errors(local_group: dist.ProcessGroup) -> None:
         flatshard.clip_grad_norm_(model, 1.0, norm_type=-1)
     with pytest.raises(TypeError, match=r"hook must be callable"):
         comm_hooks.register_comm_hook(model, "bf16")  # type: ignore[arg-type]
+
+
+def test_strategy_by_name_in_any_case_or_as_torchs_enum(local_group: dist.ProcessGroup) -> None:
+    """Strings and PyTorch FSDP1's ShardingStrategy name the same strategies (they read
+    like the right value, so refusing them helped no one)."""
+    from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
+
+    ours = flatshard.ShardingStrategy
+    for given, expected in [
+        ("shard_grad_op", ours.SHARD_GRAD_OP),
+        ("Full_Shard", ours.FULL_SHARD),
+        (TorchStrategy.SHARD_GRAD_OP, ours.SHARD_GRAD_OP),
+        (TorchStrategy._HYBRID_SHARD_ZERO2, ours.HYBRID_SHARD_ZERO2),
+        (ours.NO_SHARD, ours.NO_SHARD),
+    ]:
+        assert ours.parse(given) is expected, given
+    flatshard.fully_shard(build("mlp"), strategy="no_shard")
+    with pytest.raises(TypeError, match=r"fully_shard: strategy must be .* \(FULL_SHARD, "):
+        flatshard.fully_shard(build("mlp"), strategy="ZERO3")
+
+
+def test_the_summary_names_each_unit_once(local_group: dist.ProcessGroup) -> None:
+    """A unit with frozen and trainable groups (LoRA) has a row per group, its name on
+    the first only."""
+    model = build("frozen")
+    flatshard.fully_shard(model, auto_wrap_policy=set(model.UNIT_CLASSES))  # type: ignore[arg-type]
+    summary = flatshard.sharding_summary(model)
+    rows = str(summary).splitlines()[1:]
+    assert len(rows) == len(summary.flat_params) > len({f.unit for f in summary.flat_params})
+    named = [row.split()[0] for row in rows if not row.startswith(" ")]
+    assert sorted(named) == sorted({f.unit for f in summary.flat_params}), str(summary)
+
+
+class _Scaled(nn.Module):
+    """A non-persistent buffer, and no config to build the module again from."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2, 2)
+        self.register_buffer("scale", torch.ones(2), persistent=False)
+
+
+def test_skip_init_refuses_buffers_it_cannot_compute(local_group: dist.ProcessGroup) -> None:
+    with torch.device("meta"):
+        model = _Scaled()
+    with pytest.raises(ValueError, match=r"_Scaled holds non-persistent buffer\(s\) 'scale'"):
+        flatshard.fully_shard(model, param_init_fn=flatshard.skip_init, device="cpu")

@@ -45,7 +45,7 @@ def fully_shard(
     module: M,
     *,
     auto_wrap_policy: AutoWrapPolicy = None,
-    strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
+    strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD,
     process_group: dist.ProcessGroup | DeviceMesh | None = None,
     sharding_factor: int | None = None,
     mixed_precision: MixedPrecision | None = None,
@@ -94,8 +94,7 @@ def fully_shard(
             (``flatshard.Prefetch``; default: backward BACKWARD_PRE, forward on, limited).
     """
     _check_distributed()
-    if not isinstance(strategy, ShardingStrategy):
-        raise TypeError(f"strategy must be a flatshard.ShardingStrategy, got {strategy!r}")
+    strategy = ShardingStrategy.parse(strategy)
     group = model_group(process_group)
     with tagged(Tag("fully_shard")):
         init = init or InitOptions()

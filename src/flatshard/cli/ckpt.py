@@ -44,7 +44,7 @@ def add_parser(commands: Any) -> None:
     inspect = actions.add_parser("inspect", help="what a checkpoint holds; checks every file")
     inspect.add_argument("path", type=Path, help="checkpoint directory")
     inspect.add_argument("--tensors", action="store_true", help="list every model tensor")
-    inspect.set_defaults(run=run_inspect)
+    inspect.set_defaults(run=run_inspect, command_parser=inspect)
     export = actions.add_parser(
         "export",
         help="write the model weights as safetensors (Hugging Face layout)",
@@ -58,7 +58,7 @@ def add_parser(commands: Any) -> None:
     export.add_argument(
         "--dtype", default="as-saved", help="cast floating tensors: as-saved | bf16 | fp16 | fp32"
     )
-    export.set_defaults(run=run_export)
+    export.set_defaults(run=run_export, command_parser=export)
 
 
 def parse_size(text: str) -> int:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import argparse
 import ast
+import difflib
 import inspect
 import itertools
 import sys
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar, cast
@@ -31,10 +32,27 @@ class ConfigError(ValueError):
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (the usage is one ``--help`` away)."""
+    """argparse, but a usage error is one line (the usage is one ``--help`` away), and a
+    mistyped flag of a subcommand is reported by that subcommand with the closest flag."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: None = None
+    ) -> argparse.Namespace:
+        parsed, unknown = self.parse_known_args(args)
+        if unknown:
+            command: argparse.ArgumentParser = getattr(parsed, "command_parser", self)
+            flags: tuple[str, ...] = getattr(parsed, "known_flags", ())
+            hints = [
+                f"{word} (did you mean {close[0]}?)"
+                if (close := difflib.get_close_matches(word.split("=")[0], flags, n=1))
+                else word
+                for word in unknown
+            ]
+            command.error(f"unrecognized arguments: {' '.join(hints)}")
+        return parsed
 
 
 def field_docs(config: type[Any]) -> dict[str, str]:
@@ -75,6 +93,11 @@ def add_config_parser(
         description=description,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    known = ["--help", *(["--config"] if config_file else [])]
+    for field in fields(config):
+        known += [flag(field.name)]
+        if isinstance(field.default, bool):
+            known += [f"--no-{flag(field.name)[2:]}"]
     docs = field_docs(config)
     if config_file:
         parser.add_argument(
@@ -97,7 +120,7 @@ def add_config_parser(
             parser.add_argument(
                 flag(field.name), type=type(default), default=argparse.SUPPRESS, help=text
             )
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run, command_parser=parser, known_flags=tuple(known))
 
 
 def config_from_args(config: Callable[..., C], args: argparse.Namespace) -> C:

@@ -59,6 +59,11 @@ def init_rank(
     return on
 
 
+def peak_memory_label(device: torch.device) -> str:
+    """What ``peak_memory_mib`` measures on ``device``, in a few words."""
+    return "max allocated" if device.type == "cuda" else "peak RSS"
+
+
 def peak_memory_mib(device: torch.device) -> float:
     """Peak memory of this process: allocated by PyTorch on a GPU, resident set on CPU."""
     if device.type == "cuda":

@@ -36,6 +36,24 @@ class ShardingStrategy(Enum):
     def is_hybrid(self) -> bool:
         return self in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.HYBRID_SHARD_ZERO2)
 
+    @classmethod
+    def parse(cls, value: object, caller: str = "fully_shard") -> ShardingStrategy:
+        """``value`` as a strategy: one of ours, its name in any case (``"shard_grad_op"``),
+        or an enum member of that name, such as PyTorch FSDP1's
+        ``torch.distributed.fsdp.ShardingStrategy.SHARD_GRAD_OP``."""
+        if isinstance(value, cls):
+            return value
+        name = value.name if isinstance(value, Enum) else value
+        if isinstance(name, str):
+            key = name.strip().lstrip("_").upper().replace("-", "_")
+            if key in cls.__members__:
+                return cls[key]
+        names = ", ".join(cls.__members__)
+        raise TypeError(
+            f"flatshard.{caller}: strategy must be a flatshard.ShardingStrategy or one of its "
+            f"names ({names}), got {value!r}"
+        )
+
     @property
     def kept_gathered(self) -> ShardingStrategy | None:
         """The same sharding, kept unsharded from forward to backward (None: already is,

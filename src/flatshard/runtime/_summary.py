@@ -51,9 +51,12 @@ class ShardingSummary:
     def __str__(self) -> str:
         w = max([28, *(len(f.unit) for f in self.flat_params)])  # long names stay aligned
         lines = [f"{'unit':<{w}} {'grad':>5} {'params':>12} {'per rank':>10} {'align pad':>9}"]
-        for f in self.flat_params:
+        previous = None
+        for f in self.flat_params:  # a unit's groups are adjacent: its name on the first
+            name = f.unit if f.unit != previous else ""
+            previous = f.unit
             lines.append(
-                f"{f.unit:<{w}} {'yes' if f.requires_grad else 'no':>5} {f.param_numel:>12,} "
+                f"{name:<{w}} {'yes' if f.requires_grad else 'no':>5} {f.param_numel:>12,} "
                 f"{f.shard_numel:>10,} {f.alignment_padding_numel:>9,}"
             )
         return "\n".join(lines)

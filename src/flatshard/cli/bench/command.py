@@ -81,8 +81,8 @@ def run(args: argparse.Namespace) -> int:
         if config.scaling:
             report["scaling"] = {str(w): s for w, (s, _) in by_world.items()}
         json.dump(report, f, indent=2)
-    chart(summary, os.path.join(config.out, "bench.png"), config.device)
-    print(f"wrote {config.out}/bench.json and {config.out}/bench.png")
+    print(f"results: {config.out}/bench.json")
+    print(chart(summary, os.path.join(config.out, "bench.png"), config.device))
     return 0
 
 

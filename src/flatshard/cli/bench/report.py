@@ -5,8 +5,6 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from flatshard.cli.config import ConfigError
-
 
 def summarize(
     tokens: int, units: int, runs: dict[str, list[dict[str, Any]]]
@@ -93,11 +91,12 @@ def _cell(value: float | None, unit: str, width: int) -> str:
     return f"{text:>{width}}"
 
 
-def chart(summary: dict[str, dict[str, float]], path: str, device: str) -> None:
+def chart(summary: dict[str, dict[str, float]], path: str, device: str) -> str:
+    """The bench as a PNG at ``path``; what happened, in words."""
     try:
         import matplotlib
     except ImportError:
-        raise ConfigError("the PNG chart needs matplotlib: pip install matplotlib") from None
+        return "no chart (bench.png): pip install matplotlib"
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -113,3 +112,4 @@ def chart(summary: dict[str, dict[str, float]], path: str, device: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return f"chart: {path}"

@@ -7,6 +7,7 @@ with a one-line error naming the option.
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,12 +158,12 @@ class TrainConfig:
             fail("lr", f"must be > 0 and >= --min-lr >= 0, got {self.lr} and {self.min_lr}")
         if self.weight_decay < 0 or self.clip < 0:
             fail("weight_decay" if self.weight_decay < 0 else "clip", "must be >= 0")
-        _one_of("lr_schedule", self.lr_schedule, SCHEDULES)
-        _one_of("mixed_precision", self.mixed_precision, tuple(PRECISIONS))
-        _one_of("strategy", self.strategy, tuple(s.name for s in flatshard.ShardingStrategy))
+        _one_of(self, "lr_schedule", SCHEDULES)
+        _one_of(self, "mixed_precision", tuple(PRECISIONS))
+        _one_of(self, "strategy", tuple(s.name for s in flatshard.ShardingStrategy))
         if self.keep_gathered and self.sharding_strategy.kept_gathered is None:
             fail("keep_gathered", f"applies to FULL_SHARD and HYBRID_SHARD, not {self.strategy}")
-        _one_of("units", self.units, UNITS)
+        _one_of(self, "units", UNITS)
         units = self.layers * (3 if self.units == "sublayers" else 1)  # GPT: + attn, MLP
         if self.keep_gathered > units and self.model == "gpt":
             fail(
@@ -174,7 +175,7 @@ class TrainConfig:
             fail("model", f"must be 'gpt' or 'hf:<config>', got {self.model!r}")
         if self.max_restarts and self.resume not in ("", "auto"):
             fail("max_restarts", f"resumes with --resume auto, not {self.resume!r}")
-        _one_of("init", self.init, ("random", "pretrained"))
+        _one_of(self, "init", ("random", "pretrained"))
         if self.init == "pretrained" and not self.model.startswith("hf:"):
             fail("init", "pretrained needs --model hf:<directory with config and weights>")
         for name in ("hf_overrides", "lora"):
@@ -215,6 +216,16 @@ class TrainConfig:
         return self.min_lr + (self.lr - self.min_lr) * cosine
 
 
-def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        fail(name, f"must be one of {', '.join(allowed)}, got {value!r}")
+def _one_of(config: object, name: str, allowed: tuple[str, ...]) -> None:
+    """The option ``name`` as one of ``allowed``, matched in any case (set to its spelling
+    there); an error naming the closest choice otherwise."""
+    value = getattr(config, name)
+    for choice in allowed:
+        if choice.lower() == value.lower():
+            object.__setattr__(config, name, choice)  # a frozen dataclass, still building
+            return
+    close = difflib.get_close_matches(value.lower(), [a.lower() for a in allowed], n=1)
+    hint = (
+        f" (did you mean {allowed[[a.lower() for a in allowed].index(close[0])]}?)" if close else ""
+    )
+    fail(name, f"must be one of {', '.join(allowed)}, got {value!r}{hint}")

@@ -26,7 +26,13 @@ from torch import nn
 
 import flatshard
 from flatshard.cli.config import ConfigError, add_config_parser, config_from_args
-from flatshard.cli.devices import backend_for, init_rank, peak_memory_mib, resolve_device
+from flatshard.cli.devices import (
+    backend_for,
+    init_rank,
+    peak_memory_label,
+    peak_memory_mib,
+    resolve_device,
+)
 from flatshard.cli.lm.config import PRECISIONS, TrainConfig
 from flatshard.cli.lm.data import VOCAB, Corpus, batch_for_step, decode, encode, load_corpus
 from flatshard.cli.lm.model import (
@@ -211,16 +217,44 @@ class Trainer:
     def save(self) -> Path:
         path = self.config.checkpoint_dir / f"step_{self.step:06d}"
         extra = {"step": self.step, "rng": torch.get_rng_state(), "config": asdict(self.config)}
+        extra["world"] = self.world  # a resume at another world size says what changes
         flatshard.save_checkpoint(path, self.model, self.optim, extra=extra)
         if self.rank == 0:
             for old in saved_checkpoints(self.config.checkpoint_dir)[: -self.config.keep_ckpts]:
                 shutil.rmtree(old, ignore_errors=True)
         return path
 
-    def resume(self, path: Path) -> None:
+    def resume(self, path: Path) -> str:
+        """Continue from the checkpoint at ``path``; what changed, in words ("" if nothing)."""
         extra = flatshard.load_checkpoint(path, self.model, self.optim)
         self.step = int(extra["step"])
         torch.set_rng_state(extra["rng"])
+        saved_world = extra.get("world")
+        if not isinstance(saved_world, int) or saved_world == self.world:
+            return ""
+        saved = extra["config"]
+        per_rank = saved["batch"] * saved["grad_accum"]
+        return world_change(saved_world, per_rank, self.config, self.world)
+
+
+def world_change(saved_world: int, saved_per_rank: int, config: TrainConfig, world: int) -> str:
+    """What resuming at ``world`` ranks a checkpoint saved at ``saved_world`` changes (each
+    rank then read ``saved_per_rank`` sequences per step), and the flags that keep it."""
+    before = saved_world * saved_per_rank
+    after = world * config.batch * config.grad_accum
+    ranks = f"resumed at {world} rank{'s' * (world != 1)} (saved at {saved_world})"
+    if before == after:
+        return f"{ranks}: the global batch stays {before} sequences per step"
+    ways = []
+    if before % (world * config.grad_accum) == 0:
+        ways.append(f"--batch {before // (world * config.grad_accum)}")
+    if before % (world * config.batch) == 0:
+        ways.append(f"--grad-accum {before // (world * config.batch)}")
+    keep = f"; to keep it: {' or '.join(ways)}" if ways else ""
+    return (
+        f"{ranks}: the global batch changes from {before} to {after} sequences per step, "
+        f"and the data each step reads with it{keep}"
+    )
 
 
 def _compiled(model: nn.Module, lm: LanguageModel, config: TrainConfig) -> nn.Module:
@@ -262,16 +296,19 @@ def _loop(trainer: Trainer, backend: str) -> None:
     check_checkpoint_room(config, trainer.params)
     path = resume_from(config)
     if path is not None:
-        trainer.resume(path)
+        change = trainer.resume(path)
         if lead:
             print(f"resumed from {path} at step {trainer.step}")
+            if change:
+                print(change)
     elif config.resume == "auto" and lead:
         print(f"--resume auto: no whole checkpoint in {config.checkpoint_dir}, starting afresh")
     if lead:
         _print_start(trainer, backend)
     resumed_at = trainer.step if path is not None else None
     log = MetricsLog(out / "metrics.jsonl", resumed_at) if lead else None
-    bar = ProgressBar(config.steps, trainer.step + 1, config.log_every) if lead else None
+    memory = peak_memory_label(trainer.device)
+    bar = ProgressBar(config.steps, trainer.step + 1, config.log_every, memory) if lead else None
     started = time.perf_counter()
     while trainer.step < config.steps:
         tick = time.perf_counter()
@@ -342,5 +379,5 @@ def _finish(trainer: Trainer, out: Path) -> None:
     )
     if text:
         print("sample:\n" + text)
-    print(plot(out / "metrics.jsonl", out / "loss.png"))
+    print(plot(out / "metrics.jsonl", out / "loss.png", val, trainer.corpus.unigram_entropy))
     print(f"metrics: {out / 'metrics.jsonl'}")

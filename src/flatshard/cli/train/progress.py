@@ -25,8 +25,11 @@ class StepMetrics:
 class ProgressBar:
     """A bar redrawn in place on a terminal; a line every ``every`` steps otherwise."""
 
-    def __init__(self, total: int, first: int, every: int, out: TextIO = sys.stdout) -> None:
+    def __init__(
+        self, total: int, first: int, every: int, memory: str, out: TextIO = sys.stdout
+    ) -> None:
         self.total = total
+        self.memory = memory  # what peak_mem_mib measures: "peak RSS", "max allocated"
         self.first = first  # the first step this run trains (resumed runs start later)
         self.every = every
         self.out = out
@@ -44,7 +47,7 @@ class ProgressBar:
         line = (
             f"step {m.step:>{len(str(self.total))}}/{self.total} "
             f"[{'=' * filled}{' ' * (width - filled)}] loss {m.loss:.4f} | "
-            f"{m.tokens_per_s:,.0f} tok/s | peak MiB/rank {mem} | ETA {_clock(left)}"
+            f"{m.tokens_per_s:,.0f} tok/s | {self.memory} MiB/rank {mem} | ETA {_clock(left)}"
         )
         if self.tty:
             self.out.write("\r" + line + ("\n" if m.step == self.total else ""))
@@ -101,8 +104,10 @@ def read_metrics(path: Path) -> list[StepMetrics]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def plot(metrics_path: Path, png_path: Path) -> str:
-    """Loss and throughput over steps as a PNG; what happened, in words."""
+def plot(metrics_path: Path, png_path: Path, held_out: float, entropy: float) -> str:
+    """Loss (with the held-out loss at the end and the text's unigram entropy, the loss of
+    a model that knows byte frequencies only), learning rate and throughput over steps as
+    a PNG; what happened, in words."""
     try:
         import matplotlib
 
@@ -112,14 +117,21 @@ def plot(metrics_path: Path, png_path: Path) -> str:
         return "no plot: pip install matplotlib"
     rows = read_metrics(metrics_path)
     steps = [m.step for m in rows]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
-    top.plot(steps, [m.loss for m in rows])
-    top.set_ylabel("training loss (nats/byte)")
-    top.grid(alpha=0.3)
+    fig, (top, middle, bottom) = plt.subplots(
+        3, 1, figsize=(7, 8), sharex=True, gridspec_kw={"height_ratios": [3, 1, 1]}
+    )
+    top.plot(steps, [m.loss for m in rows], label="training loss")
+    top.plot(steps[-1:], [held_out], "o", color="tab:red", label=f"held-out loss {held_out:.3f}")
+    top.axhline(entropy, color="gray", linestyle="--", label=f"unigram entropy {entropy:.3f}")
+    top.set_ylabel("loss (nats/byte)")
+    top.legend()
+    middle.plot(steps, [m.lr for m in rows], color="tab:green")
+    middle.set_ylabel("learning rate")
     bottom.plot(steps, [m.tokens_per_s for m in rows], color="tab:orange")
     bottom.set_ylabel("tokens/s (all ranks)")
     bottom.set_xlabel("step")
-    bottom.grid(alpha=0.3)
+    for axis in (top, middle, bottom):
+        axis.grid(alpha=0.3)
     fig.suptitle("flatshard train")
     fig.tight_layout()
     fig.savefig(png_path, dpi=100)
