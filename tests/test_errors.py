@@ -230,3 +230,12 @@ def test_skip_init_refuses_buffers_it_cannot_compute(local_group: dist.ProcessGr
         model = _Scaled()
     with pytest.raises(ValueError, match=r"_Scaled holds non-persistent buffer\(s\) 'scale'"):
         flatshard.fully_shard(model, param_init_fn=flatshard.skip_init, device="cpu")
+
+
+def test_when_a_wait_is_worth_a_warning() -> None:
+    """10x the slowest step, at least a minute, unless Checks(warn_after=...) says."""
+    assert flatshard.Checks().warn_after_s(slowest_step_s=0.0) == 60.0
+    assert flatshard.Checks().warn_after_s(slowest_step_s=30.0) == 300.0
+    assert flatshard.Checks(warn_after=5.0).warn_after_s(slowest_step_s=100.0) == 5.0
+    with pytest.raises(ValueError, match=r"warn_after must be > 0 seconds, got 0"):
+        flatshard.Checks(warn_after=0)

@@ -9,7 +9,9 @@ default) or aborted inside gloo.
 from __future__ import annotations
 
 import os
+import re
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +112,40 @@ def test_clip_on_one_rank_is_reported_on_every_rank() -> None:
     for message in _all_raised(run_isolated(clip_alone_job), "CollectiveTimeoutError"):
         assert "rank 1: waiting" in message and "clip_grad_norm_ at step 1" in message
         assert "rank 0: waiting" in message and "(step 1, forward): all_gather" in message
+
+
+def warned_first_job(rank: int) -> tuple[tuple[str, str, float], list[str]]:
+    """Rank 1 clips alone, with an early word after 1.5 s and the timeout at 5 s."""
+    model = _net()
+    flatshard.set_checks(flatshard.Checks(timeout=5.0, warn_after=1.5))
+
+    def run() -> None:
+        _step(model)
+        if rank == 1:
+            flatshard.clip_grad_norm_(model, 1.0)
+        _step(model)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outcome = _outcome(run)
+    words = [str(w.message) for w in caught if w.category is flatshard.SlowCollectiveWarning]
+    return outcome, words
+
+
+def test_a_long_wait_prints_the_diagnosis_early_then_raises_at_the_timeout() -> None:
+    """Every waiting rank prints what the timeout would raise as a warning, once, and waits
+    on: the error still comes at the timeout (before, nothing was said until then)."""
+    results = run_isolated(warned_first_job)
+    for rank, (outcome, words) in enumerate(results):
+        name, _, seconds = outcome
+        assert name == "CollectiveTimeoutError" and 5.0 <= seconds < 5.0 + 15.0, outcome
+        assert len(words) == 1, f"rank {rank}: {words}"
+        word = words[0]
+        assert re.search(f"flatshard: rank {rank} has waited [0-9]+ s for", word), word
+        assert "It waits on until the timeout (5 s), then raises on every rank." in word
+        assert "rank 1: waiting" in word and "clip_grad_norm_ at step 1" in word
+        assert "rank 0: waiting" in word and "(step 1, forward): all_gather" in word
+        assert "flatshard.Checks(warn_after=...)" in word
 
 
 @pytest.mark.parametrize("call", ["summon_full_params", "full_state_dict", "save_checkpoint"])

@@ -19,6 +19,7 @@ from flatshard.comm import (
     CollectiveTimeoutError,
     PeerLostError,
     ShardingStrategy,
+    SlowCollectiveWarning,
     set_checks,
 )
 from flatshard.flat import CPUOffload, MixedPrecision, SizePolicy, SublayerPolicy
@@ -77,6 +78,7 @@ __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "PeerLostError",
+    "SlowCollectiveWarning",
     # state dicts
     "full_state_dict",
     "sharded_state_dict",

@@ -26,6 +26,7 @@ from flatshard.comm._errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
     PeerLostError,
+    SlowCollectiveWarning,
 )
 from flatshard.comm._mesh import ShardGroups, ShardingStrategy
 from flatshard.comm._processes import exit_without_teardown, fast_context
@@ -39,6 +40,7 @@ __all__ = [
     "ReduceScatter",
     "ShardGroups",
     "ShardingStrategy",
+    "SlowCollectiveWarning",
     "WaitClock",
     "describe",
     "exit_without_teardown",

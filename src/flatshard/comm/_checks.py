@@ -26,6 +26,9 @@ import torch.distributed as dist
 TIMEOUT_ENV = "FLATSHARD_TIMEOUT"  # seconds
 DEBUG_ENV = "FLATSHARD_DEBUG"  # "1": check every collective's descriptor first
 _DEFAULT_TIMEOUT_S = 1800.0  # torch's own default for gloo and NCCL groups
+# A wait this many times the slowest step (and at least this long) gets a warning first.
+WARN_AFTER_STEPS = 10
+MIN_WARN_AFTER_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -41,14 +44,29 @@ class Checks:
             number) through the c10d store before issuing it, so the first mismatch is
             reported before it reaches the backend. Slower; for finding a desync. None:
             the ``FLATSHARD_DEBUG`` environment variable ("1" turns it on).
+        warn_after: seconds a flatshard collective may wait before every waiting rank
+            prints, as a ``flatshard.SlowCollectiveWarning``, the diagnosis the timeout
+            would raise, and waits on. None: 10 times the slowest step so far, and at
+            least a minute. No warning where it would come at or after the timeout.
     """
 
     timeout: float | None = None
     debug: bool | None = None
+    warn_after: float | None = None
 
     def __post_init__(self) -> None:
         if self.timeout is not None and not self.timeout > 0:
             raise ValueError(f"flatshard.Checks: timeout must be > 0 seconds, got {self.timeout}")
+        if self.warn_after is not None and not self.warn_after > 0:
+            raise ValueError(
+                f"flatshard.Checks: warn_after must be > 0 seconds, got {self.warn_after}"
+            )
+
+    def warn_after_s(self, slowest_step_s: float) -> float:
+        """When a wait is worth a warning, given the slowest step seen so far."""
+        if self.warn_after is not None:
+            return self.warn_after
+        return max(MIN_WARN_AFTER_S, WARN_AFTER_STEPS * slowest_step_s)
 
     def timeout_s(self, group: dist.ProcessGroup) -> float:
         """The timeout in force for a collective over ``group``."""

@@ -1,4 +1,5 @@
-"""The errors ranks raise when they stop agreeing on collectives (all public as flatshard.*)."""
+"""The errors ranks raise when they stop agreeing on collectives, and the warning before
+them (all public as flatshard.*)."""
 
 from __future__ import annotations
 
@@ -19,5 +20,16 @@ class PeerLostError(CollectiveError):
     """A rank left (crashed, was killed, or raised) while others waited in a collective."""
 
 
-for _error in (CollectiveError, CollectiveMismatchError, CollectiveTimeoutError, PeerLostError):
+class SlowCollectiveWarning(UserWarning):
+    """A flatshard collective has waited far longer than a step takes: the diagnosis the
+    timeout would raise, printed early while the wait goes on (``flatshard.Checks``)."""
+
+
+for _error in (
+    CollectiveError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    PeerLostError,
+    SlowCollectiveWarning,
+):
     _error.__module__ = "flatshard"  # their public home, in tracebacks

@@ -29,6 +29,7 @@ import socket
 import sys
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
@@ -36,13 +37,20 @@ from typing import NamedTuple, NoReturn
 
 import torch.distributed as dist
 
-from flatshard.comm._checks import Tag, current_checks, debug_enabled
+from flatshard.comm._checks import (
+    MIN_WARN_AFTER_S,
+    WARN_AFTER_STEPS,
+    Tag,
+    current_checks,
+    debug_enabled,
+)
 from flatshard.comm._diagnosis import SAME_CALLS, Status, report
 from flatshard.comm._errors import (
     CollectiveError,
     CollectiveMismatchError,
     CollectiveTimeoutError,
     PeerLostError,
+    SlowCollectiveWarning,
 )
 from flatshard.comm._record import Record
 
@@ -51,6 +59,7 @@ POLL_S = 0.5  # a responder thread looks for diagnosis requests this often
 _GRACE_S = 3 * POLL_S + 2.5  # how long answers are awaited (slack for a loaded machine)
 _KEPT = 16  # collectives a rank reports
 _REQUESTS = "flatshard/diagnosis/requests"
+_WARNINGS = "flatshard/warning/requests"  # early words: asked for, answered, nobody raises
 _Attempt = Callable[[float], bool]  # wait up to this many seconds: True if done
 
 
@@ -75,9 +84,14 @@ class Watchdog:
         self._tracked: list[_Tracked] = []
         self.waiting: tuple[str, float] | None = None  # (what, since) while blocked
         self.seen_requests = self._requests()  # earlier incidents are not ours
+        # The slowest interval between two ends of a backward pass: a wait far longer
+        # than that is worth a word before the timeout (Checks.warn_after).
+        self.slowest_step_s = 0.0
+        self._last_step_end: float | None = None
         self.failed = False  # raised: collectives may be left in flight
         self._stop = threading.Event()
         self._answered = self.seen_requests
+        self._warnings_answered = int(self.store.add(_WARNINGS, 0))
         self._answer_lock = threading.Lock()
         self._thread = threading.Thread(target=self._respond, name="flatshard-watchdog")
         self._thread.daemon = True
@@ -107,6 +121,14 @@ class Watchdog:
         seq = self._seq.get(group.group_name, 0)
         record = Record(seq, group.group_name, "call", 0, "", tag.phase, tag.unit, tag.step)
         self.agree(group, record)
+
+    def step_ended(self) -> None:
+        """A backward pass ended: the slowest step so far sets when a wait is worth a
+        warning."""
+        now = time.monotonic()
+        if self._last_step_end is not None:
+            self.slowest_step_s = max(self.slowest_step_s, now - self._last_step_end)
+        self._last_step_end = now
 
     # ------------------------------------------------------------------ waiting
     def wait(self, work: dist.Work) -> None:
@@ -143,6 +165,8 @@ class Watchdog:
         another rank, or a failed collective (a peer that left)."""
         start = time.monotonic() if start is None else start
         self.waiting = (what, start)
+        warn_after = current_checks().warn_after_s(self.slowest_step_s)
+        warned = warn_after >= timeout  # the timeout comes first: no warning
         try:
             while True:
                 try:
@@ -152,7 +176,11 @@ class Watchdog:
                     self._diagnose(group, f"{cause} waited for {what}", PeerLostError, error)
                 if requested:
                     self._join_diagnosis(group, what)
-                remaining = timeout - (time.monotonic() - start)
+                waited = time.monotonic() - start
+                if not warned and waited >= warn_after:
+                    warned = True
+                    self._warn(group, what, waited, timeout)
+                remaining = timeout - waited
                 if remaining <= 0:
                     cause = f"flatshard: {what} did not complete within {timeout:g} s"
                     self._diagnose(group, f"{cause} (seen on rank {self.rank})")
@@ -183,6 +211,39 @@ class Watchdog:
             self.store.delete_key(f"flatshard/agree/{name}/{count - 2}/{self.rank}")
         if len(set(seen.values())) > 1:
             raise CollectiveMismatchError(_mismatch(seen, self.rank))
+
+    def _warn(self, group: dist.ProcessGroup, what: str, waited: float, timeout: float) -> None:
+        """The diagnosis a timeout would raise, as a warning; the wait goes on. Every
+        rank's status comes through the store, as for the error, but under a key of its
+        own: no rank raises for it. Where the store does not answer, no warning."""
+        ranks = dist.get_process_group_ranks(group)
+        try:
+            generation = int(self.store.add(_WARNINGS, 1))
+            self._publish(generation, "warning")
+            statuses = self._collect(generation, ranks, "warning")
+        except Exception:  # the timeout will say what happened
+            return
+        given = current_checks().warn_after
+        if given is not None:
+            why = f"past Checks(warn_after={given:g})"
+        elif self.slowest_step_s:
+            why = f"over {WARN_AFTER_STEPS}x the slowest step so far, {self.slowest_step_s:.1f} s"
+        else:
+            why = f"over {MIN_WARN_AFTER_S:g} s, and no two steps have ended yet"
+        cause = (
+            f"flatshard: rank {self.rank} has waited {waited:.0f} s for {what} ({why}). It "
+            f"waits on until the timeout ({timeout:g} s), then raises on every rank."
+        )
+        settings = (
+            "This early word comes after flatshard.Checks(warn_after=...) seconds (by "
+            "default 10x the slowest step, at least 60 s); the timeout after "
+            "Checks(timeout=...) or FLATSHARD_TIMEOUT."
+        )
+        warnings.warn(
+            report(cause, group.group_name, ranks, statuses, settings),
+            SlowCollectiveWarning,
+            stacklevel=4,
+        )
 
     # ------------------------------------------------------------------ diagnosis
     def _requests(self) -> int:
@@ -238,7 +299,7 @@ class Watchdog:
         cause = f"flatshard: {seen}; rank {self.rank} waited for {what}"
         self._diagnose(group, cause, PeerLostError if lost else CollectiveTimeoutError)
 
-    def _publish(self, generation: int) -> None:
+    def _publish(self, generation: int, kind: str = "diagnosis") -> None:
         waiting = self.waiting
         status = Status(
             rank=self.rank,
@@ -247,12 +308,12 @@ class Watchdog:
             waiting_s=0.0 if waiting is None else time.monotonic() - waiting[1],
             recent=[(r.group, r.seq, r.describe()) for r in list(self.recent)],
         )
-        self.store.set(
-            f"flatshard/diagnosis/{generation}/{self.rank}", json.dumps(status.to_json())
-        )
+        self.store.set(f"flatshard/{kind}/{generation}/{self.rank}", json.dumps(status.to_json()))
 
-    def _collect(self, generation: int, ranks: list[int]) -> dict[int, Status]:
-        keys = {r: f"flatshard/diagnosis/{generation}/{r}" for r in ranks}
+    def _collect(
+        self, generation: int, ranks: list[int], kind: str = "diagnosis"
+    ) -> dict[int, Status]:
+        keys = {r: f"flatshard/{kind}/{generation}/{r}" for r in ranks}
         deadline = time.monotonic() + _GRACE_S
         while time.monotonic() < deadline and not self.store.check(list(keys.values())):
             time.sleep(0.05)
@@ -279,6 +340,10 @@ class Watchdog:
             while self._answered < requested:
                 self._answered += 1
                 self._publish(self._answered)
+            warnings_requested = int(self.store.add(_WARNINGS, 0))
+            while self._warnings_answered < warnings_requested:
+                self._warnings_answered += 1
+                self._publish(self._warnings_answered, "warning")
 
     def _at_exit(self) -> None:
         if self.failed:

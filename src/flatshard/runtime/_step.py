@@ -185,6 +185,8 @@ class StepContext:
             self.ledger.check(self.process_group, self._device, "backward pass", tag)
             self.step += 1
             self.phase = "between steps"
+            if (dog := watchdog()) is not None:
+                dog.step_ended()  # how long steps take: when a wait is worth a warning
 
     @property
     def _device(self) -> torch.device:
