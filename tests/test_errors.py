@@ -116,11 +116,6 @@ def test_one_hybrid_option_at_a_time(local_group: dist.ProcessGroup) -> None:
         )
 
 
-def test_strategy_must_be_the_enum(local_group: dist.ProcessGroup) -> None:
-    with pytest.raises(TypeError, match=r"strategy must be a flatshard.ShardingStrategy"):
-        flatshard.fully_shard(build("mlp"), strategy="FULL_SHARD")  # type: ignore[arg-type]
-
-
 def test_summon_on_an_unsharded_model(local_group: dist.ProcessGroup) -> None:
     with (
         pytest.raises(ValueError, match=r"holds no flatshard unit.*fully_shard"),

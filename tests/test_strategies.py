@@ -248,9 +248,15 @@ def test_accumulation_parity(pool: WorkerPool, config: ParityConfig) -> None:
 def test_clip_grad_norm_matches_torch(
     pool: WorkerPool, case: tuple[str, int, int | None], norm_type: float
 ) -> None:
+    pool.run(parity_job, _clipped(case, norm_type, "flatshard"), False)
+
+
+def _clipped(case: tuple[str, int, int | None], norm_type: float, clip_with: str) -> ParityConfig:
+    """A parity run that clips every step (``mixed``: hybrid blocks under a NO_SHARD root,
+    with frozen parts)."""
     strategy, world, factor = case
     mixed = strategy == "mixed"
-    config = ParityConfig(
+    return ParityConfig(
         model="frozen" if mixed else "gpt",
         world_size=world,
         strategy="HYBRID_SHARD" if mixed else strategy,
@@ -258,9 +264,9 @@ def test_clip_grad_norm_matches_torch(
         root_strategy="NO_SHARD" if mixed else None,
         clip=0.05,  # below the gradient norm: every step clips
         norm_type=norm_type,
+        clip_with=clip_with,
         optimizer="sgd",
     )
-    pool.run(parity_job, config, False)
 
 
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
@@ -280,20 +286,7 @@ def test_torch_clip_grad_norm_takes_the_norm_of_the_whole_gradient(
     """torch.nn.utils.clip_grad_norm_(model.parameters(), ...) as FSDP2 users call it: on
     a sharded model it returns and clips by the unsharded model's norm (each rank's own
     norm would scale each rank's rows differently)."""
-    strategy, world, factor = case
-    mixed = strategy == "mixed"
-    config = ParityConfig(
-        model="frozen" if mixed else "gpt",
-        world_size=world,
-        strategy="HYBRID_SHARD" if mixed else strategy,
-        sharding_factor=2 if mixed else factor,
-        root_strategy="NO_SHARD" if mixed else None,
-        clip=0.05,  # below the gradient norm: every step clips
-        norm_type=norm_type,
-        clip_with="torch",
-        optimizer="sgd",
-    )
-    pool.run(parity_job, config, False)
+    pool.run(parity_job, _clipped(case, norm_type, "torch"), False)
 
 
 def test_torch_clip_grad_value_is_exact_on_shards(pool: WorkerPool) -> None:

@@ -314,8 +314,10 @@ class Unit:
             )
             hidden_graph = not needs_grad and self._may_hide_graph(output)
             self.expects_backward |= hidden_graph  # its gradient may still come
-            if keep or hidden_graph:
+            if keep:
                 self.hide_views()
+            elif hidden_graph:
+                pass  # no pre-backward hook could gather again: stays as it is until backward
             elif self.reshard():
                 self.context.rate_limiter.resharded(self.compute_device)
             self.context.forward_ended()
