@@ -32,6 +32,7 @@ from flatshard.runtime import (
     dtype_plan,
     no_sync,
     register_entry_point,
+    register_matrix_optimizer,
     set_prefetch,
     sharding_summary,
     summon_full_params,
@@ -70,6 +71,7 @@ __all__ = [
     "ShardedGradScaler",
     "summon_full_params",
     "register_entry_point",
+    "register_matrix_optimizer",
     "set_prefetch",
     # when ranks disagree
     "Checks",

@@ -34,7 +34,7 @@ from flatshard.runtime._hooks import install
 from flatshard.runtime._prefetch import Prefetch
 from flatshard.runtime._rate_limiter import DEFAULT_LIMIT, RateLimiter
 from flatshard.runtime._step import CONTEXT_ATTR, StepContext, context_of
-from flatshard.runtime._torch_norm import watch_torch_norms
+from flatshard.runtime._torch_utilities import watch_torch_utilities
 from flatshard.runtime._unit import Unit, UnitConfig, owner_of, unit_of
 
 M = TypeVar("M", bound=nn.Module)
@@ -129,7 +129,7 @@ def fully_shard(
         )
         limiter = RateLimiter(DEFAULT_LIMIT if prefetch.limit_all_gathers else None)
         context = StepContext(module, group, limiter)
-        watch_torch_norms(context)  # torch.nn.utils.clip_grad_norm_ is global on it
+        watch_torch_utilities(context)
         for name, sub_context in earlier.items():
             context.adopt(sub_context, prefix=name, mixed_precision=mixed_precision)
         for plan in plans:

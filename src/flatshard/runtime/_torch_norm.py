@@ -18,13 +18,12 @@ like every flatshard call a program may make on some ranks only. ``clip_grad_val
 clamps each element on its own and is right as it is.
 
 The replacement is process-wide, installed by the first ``fully_shard``; the models it
-looks in are held weakly.
+looks in are held weakly (``_sharded_models.py``).
 """
 
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Callable, Iterable
 
 import torch
@@ -33,20 +32,18 @@ import torch.nn.utils.clip_grad
 
 from flatshard.flat._flat_param import OriginalParam
 from flatshard.runtime._clip import sharded_norm
+from flatshard.runtime._sharded_models import sharded_contexts
 from flatshard.runtime._step import StepContext, collective_call
 
 _TotalNorm = Callable[..., torch.Tensor]
 
 # torch's own function, called for tensors flatshard does not manage.
 _TORCH_TOTAL_NORM: _TotalNorm = torch.nn.utils.clip_grad._get_total_norm
-# The step contexts of every model sharded in this process (weakly: a model that dies
-# leaves).
-_sharded: weakref.WeakSet[StepContext] = weakref.WeakSet()
 
 
-def watch_torch_norms(context: StepContext) -> None:
-    """Make torch's gradient norm global for ``context``'s gradients (see the note)."""
-    _sharded.add(context)
+def make_torch_norms_global() -> None:
+    """Make torch's gradient norm global for the gradients of sharded models (see the
+    note); idempotent."""
     torch.nn.utils.clip_grad._get_total_norm = _total_norm
     torch.nn.utils.get_total_norm = _total_norm
 
@@ -60,7 +57,7 @@ def _total_norm(
     """``torch.nn.utils.get_total_norm``, over every rank's rows of flatshard's gradients."""
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
     given = {id(t) for t in tensors}
-    contexts = [c for c in list(_sharded) if _holds_any(c, given)]
+    contexts = [c for c in sharded_contexts() if _holds_any(c, given)]
     if not contexts:
         return _TORCH_TOTAL_NORM(tensors, norm_type, error_if_nonfinite, foreach)
     units = [u for c in contexts for u in c.units]

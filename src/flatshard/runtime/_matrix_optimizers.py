@@ -1,0 +1,101 @@
+"""Optimizers that update each parameter as a whole matrix refuse row shards.
+
+[Note: matrix optimizers on row shards]
+Between steps a parameter is this rank's rows of it. That is all a vector-wise optimizer
+(SGD, Adam, AdamW, Adagrad, RMSprop, Lion) needs: its update of an element reads that
+element's gradient and state only. A matrix optimizer reads the whole matrix: Muon
+orthogonalizes each weight (Newton-Schulz), Adafactor factors its second moment into row
+and column statistics. On a row shard each rank would compute another update than an
+unsharded run, without a word (Muon), or divide by zero on a rank that holds no rows
+(Adafactor). So such an optimizer's step refuses a parameter a shard group cuts into rows,
+at its first step, on every rank alike (the layout decides, not the rows a rank happens to
+hold), naming the optimizer, the parameter and the fix. A model whose matrices those
+optimizers update can shard them with NO_SHARD (every rank holds whole matrices and the
+gradients are averaged: exactly data parallel) and the rest as it likes.
+``register_matrix_optimizer`` declares another such class (Shampoo, SOAP).
+
+The check is a step pre-hook of every optimizer of the process (torch's global one),
+installed by the first ``fully_shard``: one ``isinstance`` per step for other optimizers.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from flatshard.comm._ranks import global_rank
+from flatshard.flat._flat_param import OriginalParam
+from flatshard.runtime._sharded_models import sharded_contexts
+
+# The optimizer classes that update whole matrices (register_matrix_optimizer adds).
+_MATRIX_OPTIMIZERS: set[type[torch.optim.Optimizer]] = {torch.optim.Muon, torch.optim.Adafactor}
+# Optimizers found clean, with how many parameters they held then (a group added later
+# is checked again).
+_CHECKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+_HOOK: list[Any] = []  # the handle of the global step pre-hook, once installed
+
+
+def register_matrix_optimizer(optimizer_class: type[torch.optim.Optimizer]) -> None:
+    """Declare ``optimizer_class`` an optimizer that updates each parameter as a whole
+    matrix (e.g. Shampoo, SOAP): its step then refuses row-sharded parameters, as
+    ``torch.optim.Muon`` and ``torch.optim.Adafactor`` do (see the note)."""
+    if not (
+        isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)
+    ):
+        raise TypeError(
+            "flatshard.register_matrix_optimizer: expected a torch.optim.Optimizer subclass, "
+            f"got {optimizer_class!r}"
+        )
+    _MATRIX_OPTIMIZERS.add(optimizer_class)
+
+
+def check_matrix_optimizers() -> None:
+    """Install the step pre-hook that refuses row shards to matrix optimizers (once)."""
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_pre_hook(_before_step))
+
+
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if not isinstance(optimizer, tuple(_MATRIX_OPTIMIZERS)):
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if _CHECKED.get(optimizer) == len(params):
+        return
+    split = {
+        id(orig.param): (orig.fqn, tuple(full), unit.label, _how_cut(flat.factor, orig))
+        for context in sharded_contexts()
+        for unit in context.units
+        for flat in unit.flat_params
+        for orig, full in zip(flat.originals, flat.full_shapes, strict=True)
+        if flat.factor > 1 or (orig.tp is not None and orig.tp.sharded)
+    }
+    first = next((split[id(p)] for p in params if id(p) in split), None)
+    if first is not None:  # the first in the optimizer's own order, the same on every rank
+        _refuse(optimizer, *first)
+    _CHECKED[optimizer] = len(params)
+
+
+def _how_cut(factor: int, orig: OriginalParam) -> str:
+    parts = [f"into rows across {factor} ranks"] if factor > 1 else []
+    if orig.tp is not None and orig.tp.sharded:
+        parts.append("by tensor parallelism")
+    return " and ".join(parts)
+
+
+def _refuse(
+    optimizer: torch.optim.Optimizer, name: str, shape: tuple[int, ...], unit: str, how: str
+) -> None:
+    kind = type(optimizer)
+    where = "torch.optim" if kind.__module__.startswith("torch.optim") else kind.__module__
+    raise RuntimeError(
+        f"flatshard: {where}.{kind.__name__} updates each parameter as a whole matrix, but "
+        f"'{name}' {shape} is cut {how} (unit '{unit}', rank "
+        f"{global_rank()}): each rank would update a slice of it differently from an "
+        "unsharded run. Shard the units it updates with "
+        "strategy=flatshard.ShardingStrategy.NO_SHARD (whole matrices on every rank, "
+        "gradients averaged), or update row-sharded parameters with a vector-wise "
+        "optimizer such as AdamW (docs/guide.md, 'Matrix optimizers')."
+    )
