@@ -160,6 +160,7 @@ def strategy_counts_job(
         return None
     model: Any = build(config.model)
     shard_with_flatshard(model, config, group)
+    flatshard.set_reshard_after_backward(model, config.reshard_after_backward)
     local = slice_batch(next(batches(model, 1)), ctx.rank, config.world_size)
     with CollectiveTracker() as tracker:
         for micro in range(micro_batches):
@@ -212,6 +213,121 @@ def test_no_sync_reduces_once_per_unit(pool: WorkerPool, strategy: str) -> None:
     reductions = sum(counts.get(kind, 0) for kind in (REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL))
     per_unit = {"FULL_SHARD": 1, "NO_SHARD": 1, "HYBRID_SHARD": 2}[strategy]
     assert reductions == per_unit * units  # four backward passes, one reduction
+
+
+@pytest.mark.parametrize(
+    "case", [("FULL_SHARD", 2, None), ("SHARD_GRAD_OP", 2, None), ("HYBRID_SHARD", 4, 2)], ids=_id
+)
+def test_units_kept_gathered_after_backward_are_not_gathered_again(
+    pool: WorkerPool, case: tuple[str, int, int | None]
+) -> None:
+    """set_reshard_after_backward(model, False): the forward of each micro-batch after the
+    first gathers nothing (N micro-batches: (N - 1) x units all-gathers fewer); backward
+    gathers what forward freed, as before."""
+    strategy, world, factor = case
+    counts = []
+    for keep in (False, True):
+        config = ParityConfig(
+            model="gpt",
+            world_size=world,
+            strategy=strategy,
+            sharding_factor=factor,
+            no_sync=True,
+            reshard_after_backward=not keep,
+        )
+        result = pool.run(strategy_counts_job, config, 4)[0]
+        counts.append(result["counts"])
+    units = len(result["flats"])
+    resharding, keeping = counts
+    assert resharding[ALL_GATHER] - keeping[ALL_GATHER] == (4 - 1) * units
+    assert {k: v for k, v in resharding.items() if k != ALL_GATHER} == {
+        k: v for k, v in keeping.items() if k != ALL_GATHER
+    }
+
+
+@pytest.mark.parametrize(
+    ("config", "against_fsdp2"),
+    [
+        (
+            ParityConfig(
+                model="gpt", world_size=2, micro_batches=4, no_sync=True, accumulate_with="switch"
+            ),
+            True,
+        ),
+        (
+            ParityConfig(
+                model="gpt",
+                world_size=2,
+                micro_batches=4,
+                no_sync=True,
+                reshard_after_backward=False,
+            ),
+            False,
+        ),
+        (
+            ParityConfig(
+                model="gpt",
+                world_size=2,
+                micro_batches=3,
+                no_sync=True,
+                accumulate_with="switch",
+                reshard_after_backward=False,
+                strategy="SHARD_GRAD_OP",
+            ),
+            True,
+        ),
+        (
+            ParityConfig(
+                model="nested",
+                world_size=4,
+                micro_batches=2,
+                no_sync=True,
+                reshard_after_backward=False,
+                strategy="HYBRID_SHARD",
+                sharding_factor=2,
+                optimizer="sgd",
+            ),
+            False,
+        ),
+        (ParityConfig(model="frozen", world_size=2, steps=3, reshard_after_backward=False), False),
+    ],
+    ids=["switch-fsdp2", "keep-gathered", "switch-keep-zero2-fsdp2", "keep-hybrid", "keep-frozen"],
+)
+def test_fsdp2_named_switches_parity(
+    pool: WorkerPool, config: ParityConfig, against_fsdp2: bool
+) -> None:
+    """set_requires_gradient_sync and set_reshard_after_backward against the unsharded
+    model and, where marked, FSDP2 with the same settings; over several steps, so a unit
+    kept gathered across optimizer.step() would show (it is gathered again)."""
+    pool.run(parity_job, config, against_fsdp2)
+
+
+def switch_misuse_job(ctx: WorkerContext) -> list[str] | None:
+    group = ctx.group(2)
+    if group is None:
+        return None
+    model: Any = build("gpt")
+    shard_with_flatshard(model, ParityConfig(model="gpt", world_size=2), group)
+    errors = []
+    for call in (
+        lambda: flatshard.set_reshard_after_backward(model.blocks[0], False),
+        lambda: flatshard.set_requires_gradient_sync(torch.nn.Linear(2, 2), False),
+    ):
+        try:
+            call()
+            errors.append("no error")
+        except ValueError as error:
+            errors.append(str(error))
+    return errors
+
+
+def test_switches_apply_to_a_whole_model(pool: WorkerPool) -> None:
+    block, plain = pool.run(switch_misuse_job)[0]
+    assert block.startswith(
+        "flatshard.set_reshard_after_backward: GPTBlock is part of the model that fully_shard "
+        "was last called on (TinyGPT)"
+    ), block
+    assert "set_requires_gradient_sync: Linear holds no" in plain, plain
 
 
 @pytest.mark.parametrize(

@@ -34,6 +34,8 @@ from flatshard.runtime import (
     register_entry_point,
     register_matrix_optimizer,
     set_prefetch,
+    set_requires_gradient_sync,
+    set_reshard_after_backward,
     sharding_summary,
     summon_full_params,
 )
@@ -67,6 +69,8 @@ __all__ = [
     "init_weights",
     # during training
     "no_sync",
+    "set_requires_gradient_sync",
+    "set_reshard_after_backward",
     "clip_grad_norm_",
     "ShardedGradScaler",
     "summon_full_params",

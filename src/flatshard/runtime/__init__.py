@@ -23,6 +23,7 @@ from flatshard.runtime._summary import (
     sharding_summary,
 )
 from flatshard.runtime._summon import summon_full_params
+from flatshard.runtime._switches import set_requires_gradient_sync, set_reshard_after_backward
 from flatshard.runtime._unit import units_of
 
 __all__ = [
@@ -37,6 +38,8 @@ __all__ = [
     "register_entry_point",
     "register_matrix_optimizer",
     "set_prefetch",
+    "set_requires_gradient_sync",
+    "set_reshard_after_backward",
     "sharding_summary",
     "summon_full_params",
     "units_of",

@@ -55,6 +55,9 @@ class StepContext:
         self.ledger = StepLedger()  # collectives issued since the ranks last compared them
         self.changes = ChangeWatch()  # parameters registered since the last check
         self.sync_gradients = True  # False inside no_sync: keep unsharded gradients
+        # False (set_reshard_after_backward): units stay gathered after backward for the
+        # next micro-batch's forward; a shard written since is gathered again.
+        self.reshard_after_backward = True
         self.forward_depth = 0  # units whose forward runs now (nested calls)
         self.step = 0  # backward passes completed (the ledger's and the reports' step)
         self.phase = "forward"  # what the units do now, in the reports' words
@@ -137,6 +140,8 @@ class StepContext:
         The same on every rank, at the same point of the program. A backward of the earlier
         forward that does come later gathers these units again.
         """
+        if not self.reshard_after_backward:
+            return  # kept on purpose, for this forward
         for unit in self.units:
             if unit is not but and unit.kept_for_backward and unit.reshard():
                 self.rate_limiter.resharded(unit.compute_device)

@@ -91,6 +91,7 @@ class UnitStep(Protocol):
     """
 
     root: nn.Module
+    reshard_after_backward: bool  # False: stay gathered for the next micro-batch
     order: ExecutionOrder  # units in forward order, this iteration and the last
     rate_limiter: RateLimiter
     ledger: StepLedger  # collectives issued since the ranks last compared them
@@ -339,7 +340,7 @@ class Unit:
         with traced(f"post_backward {self.label}"):
             self.context.queue_finish_backward()  # in case no pre-backward hook could fire
             self.context.reduce(flat)
-            flat.reshard()
+            self._done_in_backward(flat)
             self._reshard_frozen_if_done()
             last = all(f.reduction.done_in_backward for f in self.trainable)
             if last and self.config.prefetch.backward is BackwardPrefetch.BACKWARD_POST:
@@ -350,7 +351,7 @@ class Unit:
         """The end of a backward pass: every reduction waited for, everything resharded."""
         for flat in self.flat_params:
             flat.reduction.finish()
-        self.reshard()
+            self._done_in_backward(flat)
         self.state = TrainingState.IDLE
         self.expects_backward = False
         self.pending_input_grads = 0
@@ -399,7 +400,16 @@ class Unit:
         trainable_done = all(f.reduction.done_in_backward for f in self.trainable)
         if trainable_done and self.pending_input_grads == 0:
             for flat in self.frozen:
-                flat.reshard()
+                self._done_in_backward(flat)
+
+    def _done_in_backward(self, flat: FlatParamGroup) -> None:
+        """Backward no longer reads ``flat``: free it, or (set_reshard_after_backward(False))
+        keep the buffer for the next forward, the modules holding the originals."""
+        if self.context.reshard_after_backward:
+            flat.reshard()
+        else:
+            flat.finish_unshard()
+            flat.register_views(None)
 
     def _may_hide_graph(self, output: Any) -> bool:
         """Whether the output may carry a graph through tensors flatshard cannot find.

@@ -47,6 +47,10 @@ class ParityConfig:
     root_strategy: str | None = None  # another strategy for the root (units sharded first)
     keep_gathered: int = 0  # the last N units in the strategy's ZeRO-2 form (flatshard train)
     no_sync: bool = False  # all micro-batches but the last under flatshard.no_sync
+    # How no_sync is asked for: the context manager, or set_requires_gradient_sync ("switch",
+    # which FSDP2 has too).
+    accumulate_with: str = "no_sync"
+    reshard_after_backward: bool = True  # False: set_reshard_after_backward(model, False)
     clip: float | None = None  # clip_grad_norm_ to this each step
     norm_type: float = 2.0
     # How flatshard's runs clip: flatshard.clip_grad_norm_, torch.nn.utils.clip_grad_norm_
@@ -62,6 +66,10 @@ class ParityConfig:
     device: str = "cpu"  # where models and batches live ("cuda": tests/test_gpu.py)
 
     def __post_init__(self) -> None:
+        if self.accumulate_with not in ("no_sync", "switch"):
+            raise ValueError(
+                f"accumulate_with must be 'no_sync' or 'switch', got {self.accumulate_with!r}"
+            )
         if self.clip_with not in ("flatshard", "torch", "value"):
             raise ValueError(
                 f"clip_with must be 'flatshard', 'torch' or 'value', got {self.clip_with!r}"
@@ -132,6 +140,8 @@ def train(
     """Train ``config.steps`` steps on this rank's slice; ``kind`` is reference, flatshard
     or fsdp2. Returns the global loss (and gradient norm, when clipping) per step."""
     optim = make_optimizer(model, config.lr, config.optimizer)
+    if not config.reshard_after_backward and kind == "flatshard":
+        flatshard.set_reshard_after_backward(model, False)
     loss_fn = cast(Callable[[Batch], torch.Tensor], cast(Any, model).loss)
     result = RunResult()
     for global_batch in batches(model, config.steps, config.device):
@@ -144,7 +154,12 @@ def train(
                 for f in range(config.forwards_per_backward)
             ]
             keep_local = config.no_sync and micro < config.micro_batches - 1
-            with _accumulation(model, kind, keep_local):
+            if not config.reshard_after_backward and kind == "fsdp2":
+                # FSDP2 never gathers a unit kept across optimizer.step() again: its docs
+                # keep units gathered for all micro-batches but the last.
+                last = micro == config.micro_batches - 1
+                cast(Any, model).set_reshard_after_backward(last)
+            with _accumulation(model, kind, keep_local, config.accumulate_with):
                 loss = sum(loss_fn(chunk) for chunk in chunks) / (
                     config.forwards_per_backward * config.micro_batches
                 )
@@ -160,8 +175,17 @@ def train(
     return result
 
 
-def _accumulation(model: nn.Module, kind: str, keep_local: bool) -> AbstractContextManager[Any]:
-    """The context a micro-batch's backward runs in: no_sync where asked (flatshard)."""
+def _accumulation(
+    model: nn.Module, kind: str, keep_local: bool, accumulate_with: str
+) -> AbstractContextManager[Any]:
+    """The context a micro-batch's backward runs in: no_sync where asked (flatshard), or
+    the gradient-sync switch set for it (flatshard and FSDP2)."""
+    if accumulate_with == "switch" and kind == "flatshard":
+        flatshard.set_requires_gradient_sync(model, not keep_local)
+        return nullcontext()
+    if accumulate_with == "switch" and kind == "fsdp2":
+        cast(Any, model).set_requires_gradient_sync(not keep_local)
+        return nullcontext()
     if keep_local and kind == "flatshard":
         return flatshard.no_sync(model)
     if keep_local and kind == "fsdp2":

@@ -1,0 +1,42 @@
+"""Switches of a sharded model's step, named after FSDP2's methods so that migrating is a
+rename: ``set_requires_gradient_sync`` and ``set_reshard_after_backward``.
+
+Each applies to a whole model (every unit of the ``fully_shard`` call on it, bottom-up
+calls included), set on every rank alike, until set again.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from flatshard.runtime._step import StepContext, contexts_under
+
+
+def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
+    """False: backward passes keep their gradients unsharded and unreduced, as inside
+    ``flatshard.no_sync(model)``, until it is set True again; the first backward after
+    that reduces the sum once. FSDP2's ``model.set_requires_gradient_sync(False)``."""
+    for context in _contexts_of(model, "set_requires_gradient_sync"):
+        context.sync_gradients = bool(requires_gradient_sync)
+
+
+def set_reshard_after_backward(model: nn.Module, reshard_after_backward: bool) -> None:
+    """False: units stay gathered after backward, so the next micro-batch's forward
+    gathers nothing (between micro-batches of one optimizer step the shards do not change;
+    a unit whose shard was written since, by ``optimizer.step()``, is gathered again). It
+    holds the unsharded model between steps. FSDP2's
+    ``model.set_reshard_after_backward(False)``."""
+    for context in _contexts_of(model, "set_reshard_after_backward"):
+        context.reshard_after_backward = bool(reshard_after_backward)
+
+
+def _contexts_of(model: nn.Module, caller: str) -> list[StepContext]:
+    contexts = contexts_under(model, caller)
+    outer = [c for c in contexts if c.root is not model]
+    if outer:
+        raise ValueError(
+            f"flatshard.{caller}: {type(model).__name__} is part of the model that "
+            f"fully_shard was last called on ({type(outer[0].root).__name__}); the switch "
+            "applies to a whole model's step: call it on that model."
+        )
+    return contexts
