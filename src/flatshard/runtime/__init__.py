@@ -25,6 +25,7 @@ from flatshard.runtime._summary import (
 from flatshard.runtime._summon import summon_full_params
 from flatshard.runtime._switches import set_requires_gradient_sync, set_reshard_after_backward
 from flatshard.runtime._unit import units_of
+from flatshard.runtime._unshard import UnshardHandle, reshard, unshard
 
 __all__ = [
     "BackwardPrefetch",
@@ -32,15 +33,18 @@ __all__ = [
     "Prefetch",
     "ShardedGradScaler",
     "ShardingSummary",
+    "UnshardHandle",
     "clip_grad_norm_",
     "dtype_plan",
     "no_sync",
     "register_entry_point",
     "register_matrix_optimizer",
+    "reshard",
     "set_prefetch",
     "set_requires_gradient_sync",
     "set_reshard_after_backward",
     "sharding_summary",
     "summon_full_params",
     "units_of",
+    "unshard",
 ]

@@ -157,7 +157,7 @@ class StepContext:
         if self.forward_depth or any(u.expects_backward for u in self.units):
             return
         for unit in self.units:
-            if unit.reshard():
+            if not unit.pinned and unit.reshard():
                 self.rate_limiter.resharded(unit.compute_device)
         tag = self.tag(phase="end-of-forward check")
         self.ledger.check(self.process_group, self._device, "forward without backward", tag)

@@ -136,6 +136,8 @@ class Unit:
         self.context: UnitStep  # set when a StepContext adds the unit (see UnitStep)
         # Changed by summon_full_params only:
         self.params_are_full = False
+        # flatshard.unshard: gathered until flatshard.reshard, whatever the hooks would do
+        self.pinned = False
         # True while flatshard itself calls state_dict() (see _hooks._refuse_partial_state_dict)
         self.own_state_dict_call = False
         # Per step, changed by the hooks; reset by the end of each backward pass:
@@ -315,7 +317,9 @@ class Unit:
             )
             hidden_graph = not needs_grad and self._may_hide_graph(output)
             self.expects_backward |= hidden_graph  # its gradient may still come
-            if keep:
+            if self.pinned:
+                pass  # unshard() asked for it: gathered until reshard()
+            elif keep:
                 self.hide_views()
             elif hidden_graph:
                 pass  # no pre-backward hook could gather again: stays as it is until backward
@@ -405,6 +409,8 @@ class Unit:
     def _done_in_backward(self, flat: FlatParamGroup) -> None:
         """Backward no longer reads ``flat``: free it, or (set_reshard_after_backward(False))
         keep the buffer for the next forward, the modules holding the originals."""
+        if self.pinned:
+            return  # unshard() asked for it: gathered until reshard()
         if self.context.reshard_after_backward:
             flat.reshard()
         else:

@@ -1,0 +1,49 @@
+"""``unshard`` and ``reshard``: a unit gathered on request, until asked to free it.
+
+FSDP2's ``module.unshard()`` / ``module.reshard()`` as free functions, for generation in a
+training loop (every unit gathered once, no all-gather per token) and for hand-made
+prefetch. Like FSDP2's, they act on one unit, not the units inside it. An unsharded unit's
+modules hold views of its gathered buffer, and forward and backward leave it gathered;
+after ``optimizer.step()`` wrote its shard, its next use gathers it again.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from flatshard.runtime._unit import Unit, unit_or_error
+
+
+class UnshardHandle:
+    """An all-gather ``unshard(..., async_op=True)`` started: ``wait()`` finishes it and
+    gives the unit's modules their full parameters."""
+
+    def __init__(self, unit: Unit) -> None:
+        self._unit = unit
+
+    def wait(self) -> None:
+        self._unit.unshard()
+
+
+def unshard(module: nn.Module, *, async_op: bool = False) -> UnshardHandle | None:
+    """Gather the unit ``module`` (one the ``fully_shard`` call made a unit) and keep it
+    gathered until ``flatshard.reshard(module)``. A collective: every rank alike. With
+    ``async_op`` the all-gather is started and a handle returned; the unit's forward (or
+    ``handle.wait()``) waits for it."""
+    unit = unit_or_error(module, "unshard")
+    unit.pinned = True
+    if async_op:
+        unit.start_unshard()
+        return UnshardHandle(unit)
+    unit.unshard()
+    return None
+
+
+def reshard(module: nn.Module) -> None:
+    """Free the unit ``module``'s gathered parameters (the modules get the sharded ones
+    back), whether ``unshard`` or a forward left it gathered. Between steps only."""
+    unit = unit_or_error(module, "reshard")
+    unit.require_idle("reshard", "call it between steps, not inside forward or backward.")
+    unit.pinned = False
+    if unit.reshard():
+        unit.context.rate_limiter.resharded(unit.compute_device)
