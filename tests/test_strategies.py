@@ -500,3 +500,34 @@ def test_predivision_avoids_fp16_overflow(pool: WorkerPool) -> None:
 def test_low_precision_hook_rejects_other_dtypes() -> None:
     with pytest.raises(ValueError, match=r"torch.bfloat16 or torch.float16"):
         comm_hooks.LowPrecisionHook(torch.float32)
+
+
+def hybrid_groups_job(ctx: WorkerContext) -> int | None:
+    group = ctx.group(4)
+    if group is None:
+        return None
+    internals.forget_hybrid_groups()
+    made: list[Any] = []
+    real = torch.distributed.new_group
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        made.append(args)
+        return real(*args, **kwargs)
+
+    torch.distributed.new_group = counted  # type: ignore[assignment]
+    try:
+        model: Any = build("gpt")
+        options: Any = {"strategy": "HYBRID_SHARD", "sharding_factor": 2, "process_group": group}
+        for block in model.blocks:
+            flatshard.fully_shard(block, **options)
+        flatshard.fully_shard(model, **options)
+    finally:
+        torch.distributed.new_group = real  # type: ignore[assignment]
+    model.loss(slice_batch(next(batches(model, 1)), ctx.rank, 4)).backward()
+    return len(made)
+
+
+def test_hybrid_calls_share_their_groups(pool: WorkerPool) -> None:
+    """Four hybrid fully_shard calls (three blocks, then the root) at 2 x 2 create the two
+    shard and two replicate groups once (on NCCL each group is a communicator per rank)."""
+    assert pool.run(hybrid_groups_job)[0] == 4

@@ -11,6 +11,7 @@ group, then an all-reduce of the shard inside the replicate group.
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 from enum import Enum
@@ -195,6 +196,30 @@ def _factor_groups(process_group: dist.ProcessGroup, factor: int) -> ShardGroups
 
 
 def _world_factor_groups(ranks: list[int], factor: int) -> ShardGroups:
+    """This rank's shard and replicate groups for ``factor``: made once per world and F.
+
+    Every hybrid ``fully_shard`` call (per-block calls, kept units, the bench) asks for
+    them. Made anew each time, they would cost on NCCL two more communicators per call on
+    every rank (GPU memory, threads, start-up time); made once, every unit shares them.
+    Every rank makes the same calls, so every rank finds the same groups cached.
+    """
+    world = _world()
+    key = (id(world), tuple(ranks), factor)
+    cached = _HYBRID_GROUPS.get(key)
+    if cached is not None and cached[0] is world:  # not a world that died at the same id
+        return cached[1]
+    if not _HYBRID_GROUPS:
+        atexit.register(_HYBRID_GROUPS.clear)  # see _release_at_exit in runtime/_step.py
+    groups = _new_world_factor_groups(ranks, factor)
+    _HYBRID_GROUPS[key] = (world, groups)
+    return groups
+
+
+# (id of the world group, its ranks, F) -> (that world group, this rank's groups).
+_HYBRID_GROUPS: dict[tuple[int, tuple[int, ...], int], tuple[dist.ProcessGroup, ShardGroups]] = {}
+
+
+def _new_world_factor_groups(ranks: list[int], factor: int) -> ShardGroups:
     """Create every shard and replicate group (all ranks, same order); keep this rank's."""
     me = dist.get_rank()
     # Shard groups are consecutive ranks (one host under torchrun); replicas are strided.

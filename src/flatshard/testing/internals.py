@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatshard.comm import _collectives
+from flatshard.comm import _collectives, _mesh
 from flatshard.comm._checks import Tag
 from flatshard.comm._collectives import ReduceScatter
 from flatshard.comm._mesh import ranks_per_host
@@ -45,6 +45,7 @@ __all__ = [
     "collective_tag",
     "fitted_achieved",
     "forced_reduce_scatter",
+    "forget_hybrid_groups",
     "gather_now",
     "gathered_units",
     "measured_step_peak",
@@ -56,6 +57,12 @@ __all__ = [
     "rate_limiter_of",
     "select_unit_roots",
 ]
+
+
+def forget_hybrid_groups() -> None:
+    """The next hybrid ``fully_shard`` of this process makes its groups anew (to count the
+    groups it creates)."""
+    _mesh._HYBRID_GROUPS.clear()
 
 
 def gathered_units(model: nn.Module) -> list[str]:
