@@ -234,3 +234,17 @@ def test_when_a_wait_is_worth_a_warning() -> None:
     assert flatshard.Checks(warn_after=5.0).warn_after_s(slowest_step_s=100.0) == 5.0
     with pytest.raises(ValueError, match=r"warn_after must be > 0 seconds, got 0"):
         flatshard.Checks(warn_after=0)
+
+
+def test_a_device_without_an_index_gets_the_current_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fully_shard(device="cuda") means the current cuda:N: "cuda" != "cuda:0" would keep
+    F = 1 units from using their shard as the unsharded buffer (a full copy per unshard).
+    The accelerator is faked: this checks the rule, on a machine without a GPU."""
+    from flatshard.testing import internals
+
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 1)
+    assert internals.device_with_index(torch.device("cuda")) == torch.device("cuda", 1)
+    assert internals.device_with_index(torch.device("cuda", 0)) == torch.device("cuda", 0)
+    assert internals.device_with_index(torch.device("cpu")) == torch.device("cpu")

@@ -18,6 +18,7 @@ from flatshard.build._init import (
     default_device,
     init_module,
     materialize_unit,
+    with_index,
 )
 from flatshard.comm._agreement import check_same_on_all_ranks
 from flatshard.comm._checks import Tag, tagged
@@ -265,7 +266,7 @@ def _target_device(
 ) -> torch.device | None:
     """Where the units' tensors must end: ``device``, else where the real ones are."""
     if device is not None:
-        return torch.device(device)
+        return with_index(torch.device(device))
     tensors = [*module.parameters(), *module.buffers()]
     real = {t.device for t in tensors if not t.is_meta}
     if len(real) > 1:

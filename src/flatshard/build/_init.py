@@ -67,6 +67,22 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def with_index(device: torch.device) -> torch.device:
+    """``device`` with its index: ``cuda`` is the current ``cuda:N``.
+
+    Devices compare equal only with the same index (``cuda`` != ``cuda:0``): a unit whose
+    compute device lacked it would never let its shard serve as its unsharded buffer
+    (F = 1), and would copy a full buffer at every unshard.
+    """
+    if device.index is not None or device.type in ("cpu", "meta"):
+        return device
+    if torch.accelerator.is_available():
+        accelerator = torch.accelerator.current_accelerator()
+        if accelerator is not None and accelerator.type == device.type:
+            return torch.device(device.type, torch.accelerator.current_device_index())
+    return device
+
+
 def module_seed(seed: int, module_name: str) -> int:
     """The seed a module is initialized with: a hash of the base seed and its name."""
     digest = hashlib.sha256(f"{seed}:{module_name}".encode()).digest()

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flatshard.build._init import with_index as device_with_index
 from flatshard.comm import _collectives, _mesh
 from flatshard.comm._checks import Tag
 from flatshard.comm._collectives import ReduceScatter
@@ -43,6 +44,7 @@ __all__ = [
     "calibrated_seconds",
     "checkpoint_save_fails",
     "collective_tag",
+    "device_with_index",
     "fitted_achieved",
     "forced_reduce_scatter",
     "forget_hybrid_groups",
