@@ -352,7 +352,8 @@ class Unit:
                     self._prefetch_backward()
 
     def end_backward(self) -> None:
-        """The end of a backward pass: every reduction waited for, everything resharded."""
+        """The end of a backward pass: every reduction waited for, every group done with
+        (resharded, unless kept: set_reshard_after_backward, unshard)."""
         for flat in self.flat_params:
             flat.reduction.finish()
             self._done_in_backward(flat)
