@@ -148,6 +148,18 @@ def test_a_long_wait_prints_the_diagnosis_early_then_raises_at_the_timeout() -> 
         assert "flatshard.Checks(warn_after=...)" in word
 
 
+def switches_disagree_job(rank: int) -> tuple[str, str, float]:
+    model = _net()
+    return _outcome(lambda: flatshard.set_reshard_after_backward(model, rank == 1))
+
+
+def test_ranks_that_set_a_switch_differently_are_told_before_anything_is_sent() -> None:
+    """Before: the next micro-batch issued different collectives and gloo aborted a rank."""
+    for message in _all_raised(run_isolated(switches_disagree_job), "CollectiveMismatchError"):
+        assert "rank 0: set_reshard_after_backward(False)" in message
+        assert "rank 1: set_reshard_after_backward(True)" in message
+
+
 @pytest.mark.parametrize("call", ["summon_full_params", "full_state_dict", "save_checkpoint"])
 def test_a_call_on_rank_0_only_never_reaches_gloo(call: str, tmp_path: Path) -> None:
     """Before: rank 0 died with SIGABRT inside gloo (mismatched sizes), or hung."""

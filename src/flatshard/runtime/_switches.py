@@ -2,22 +2,26 @@
 rename: ``set_requires_gradient_sync`` and ``set_reshard_after_backward``.
 
 Each applies to a whole model (every unit of the ``fully_shard`` call on it, bottom-up
-calls included), set on every rank alike, until set again.
+calls included), until set again. Ranks that set different values would issue different
+collectives (gloo can abort a process on the sizes), so the ranks first agree on the call
+and its value through the c10d store: a rank that differs raises
+``CollectiveMismatchError`` on every rank before anything is sent.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from flatshard.runtime._step import StepContext, contexts_under
+from flatshard.runtime._step import StepContext, collective_call, contexts_under
 
 
 def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
     """False: backward passes keep their gradients unsharded and unreduced, as inside
     ``flatshard.no_sync(model)``, until it is set True again; the first backward after
     that reduces the sum once. FSDP2's ``model.set_requires_gradient_sync(False)``."""
-    for context in _contexts_of(model, "set_requires_gradient_sync"):
-        context.sync_gradients = bool(requires_gradient_sync)
+    value = bool(requires_gradient_sync)
+    for context in _agreed(model, "set_requires_gradient_sync", value):
+        context.sync_gradients = value
 
 
 def set_reshard_after_backward(model: nn.Module, reshard_after_backward: bool) -> None:
@@ -26,11 +30,13 @@ def set_reshard_after_backward(model: nn.Module, reshard_after_backward: bool) -
     a unit whose shard was written since, by ``optimizer.step()``, is gathered again). It
     holds the unsharded model between steps. FSDP2's
     ``model.set_reshard_after_backward(False)``."""
-    for context in _contexts_of(model, "set_reshard_after_backward"):
-        context.reshard_after_backward = bool(reshard_after_backward)
+    value = bool(reshard_after_backward)
+    for context in _agreed(model, "set_reshard_after_backward", value):
+        context.reshard_after_backward = value
 
 
-def _contexts_of(model: nn.Module, caller: str) -> list[StepContext]:
+def _agreed(model: nn.Module, caller: str, value: bool) -> list[StepContext]:
+    """The model's step contexts, once every rank made the same call with ``value``."""
     contexts = contexts_under(model, caller)
     outer = [c for c in contexts if c.root is not model]
     if outer:
@@ -39,4 +45,5 @@ def _contexts_of(model: nn.Module, caller: str) -> list[StepContext]:
             f"fully_shard was last called on ({type(outer[0].root).__name__}); the switch "
             "applies to a whole model's step: call it on that model."
         )
-    return contexts
+    with collective_call(model, f"{caller}({value})"):
+        return contexts

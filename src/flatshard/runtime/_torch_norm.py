@@ -30,7 +30,6 @@ import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad
 
-from flatshard.flat._flat_param import OriginalParam
 from flatshard.runtime._clip import sharded_norm
 from flatshard.runtime._sharded_models import sharded_contexts
 from flatshard.runtime._step import StepContext, collective_call
@@ -57,11 +56,12 @@ def _total_norm(
     """``torch.nn.utils.get_total_norm``, over every rank's rows of flatshard's gradients."""
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
     given = {id(t) for t in tensors}
-    contexts = [c for c in sharded_contexts() if _holds_any(c, given)]
+    grads = {c: _grads(c) for c in sharded_contexts()}  # each sharded model's gradients
+    contexts = [c for c, found in grads.items() if any(id(g) in given for g in found)]
     if not contexts:
         return _TORCH_TOTAL_NORM(tensors, norm_type, error_if_nonfinite, foreach)
     units = [u for c in contexts for u in c.units]
-    managed = {id(g) for u in units for f in u.trainable for g in _grads(f.originals)}
+    managed = {id(g) for c in contexts for g in grads[c]}
     local = [t for t in tensors if id(t) not in managed]
     order = float(norm_type)
     with collective_call(contexts[0].root, "torch.nn.utils.clip_grad_norm_"):
@@ -75,11 +75,12 @@ def _total_norm(
     return total
 
 
-def _holds_any(context: StepContext, given: set[int]) -> bool:
-    return any(
-        id(g) in given for u in context.units for f in u.trainable for g in _grads(f.originals)
-    )
-
-
-def _grads(originals: list[OriginalParam]) -> list[torch.Tensor]:
-    return [o.param.grad for o in originals if o.param.grad is not None]
+def _grads(context: StepContext) -> list[torch.Tensor]:
+    """The gradients of the trainable original parameters of ``context``'s units."""
+    return [
+        o.param.grad
+        for u in context.units
+        for f in u.trainable
+        for o in f.originals
+        if o.param.grad is not None
+    ]
