@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 import torch
 
+from flatshard.flat._layout import ViewPlan
 from flatshard.report import FlatLayout, plan_layout
 
 
@@ -108,3 +110,40 @@ def test_transformer_block_waste_is_at_most_one_row_per_chunk(factor: int) -> No
 def test_rejects_bad_sharding_factor() -> None:
     with pytest.raises(ValueError, match="sharding factor F must be >= 1, got 0"):
         plan_layout([torch.Size((2,))], 0)
+
+
+@pytest.mark.parametrize("shapes", SHAPES)
+@pytest.mark.parametrize("factor", [1, 2, 3, 4, 8])
+def test_whole_layout_cuts_no_parameter(shapes: list[tuple[int, ...]], factor: int) -> None:
+    layout = plan_layout([torch.Size(s) for s in shapes], factor, whole=True)
+    assert layout.whole
+    loads = [0] * factor
+    for slot in layout.slots:
+        owners = [r for r in range(factor) if layout.shard_range(slot, r).numel]
+        assert len(owners) == (1 if slot.numel else 0), (slot, owners)
+        if owners:
+            assert layout.shard_range(slot, owners[0]).rows == slot.rows  # all of it
+            loads[owners[0]] += slot.numel
+    # Disjoint, inside the buffer: each chunk holds its owned parameters end to end.
+    spans = sorted((s.offset, s.end) for s in layout.slots if s.numel)
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+    assert layout.shard_numel == max(1, *loads)  # C is the largest load: no other padding
+
+
+def test_whole_layout_by_hand() -> None:
+    # Largest first to the least loaded rank: 12 -> rank 0, 9 -> 1, 5 -> 1 (9 < 12),
+    # 1 -> 0 (12 < 14); C = 14, and inside a chunk the parameters keep their order.
+    shapes = [torch.Size(s) for s in [(3, 4), (5,), (), (3, 3)]]
+    layout = plan_layout(shapes, 2, whole=True)
+    assert layout.shard_numel == 14
+    assert [s.offset for s in layout.slots] == [0, 14 + 0, 12, 14 + 5]
+    assert layout.alignment_padding_numel == 28 - 28  # 27 elements: ceil(27 / 2) * 2 = 28
+    views = ViewPlan(layout, 1)
+    shard = torch.arange(14.0)
+    matrix, vector, scalar, square = views.shard_views(shard)
+    assert matrix.shape == (0, 4) and scalar.shape == (0,)
+    assert torch.equal(vector, torch.arange(5.0))
+    assert torch.equal(square, torch.arange(5.0, 14.0).view(3, 3))
+    full = ViewPlan(layout, 0).full_views(torch.arange(28.0))
+    assert torch.equal(full[1], torch.arange(14.0, 19.0))
+    assert torch.equal(full[2], torch.tensor(12.0))

@@ -55,6 +55,7 @@ def fully_shard(
     param_init_fn: ParamInitFn | None = None,
     init: InitOptions | None = None,
     prefetch: Prefetch | None = None,
+    whole_params: bool = False,
 ) -> M:
     """Shard ``module``'s parameters over ``process_group`` in place and return it.
 
@@ -93,6 +94,11 @@ def fully_shard(
         init: seed, rank-0 broadcast and startup checks (``flatshard.InitOptions``).
         prefetch: how far ahead units are all-gathered, and the rate limiter
             (``flatshard.Prefetch``; default: backward BACKWARD_PRE, forward on, limited).
+        whole_params: cut no parameter into rows: each lies whole in one rank's shard
+            (balanced by size, shards padded to the largest), so optimizers that update
+            a parameter as a whole matrix (``torch.optim.Muon``, ``torch.optim.Adafactor``,
+            Shampoo) make the unsharded update on its owner; other ranks hold it with 0 rows
+            and ``.grad`` None. Costs the padding in memory and traffic.
     """
     _check_distributed()
     strategy = ShardingStrategy.parse(strategy)
@@ -112,7 +118,9 @@ def fully_shard(
         plans = partition(module, unit_names, managed, rank)
         if init.check_consistency:
             check_same_on_all_ranks(
-                structure_lines(plans, _strategy_line(strategy, group, sharding_factor)),
+                structure_lines(
+                    plans, _strategy_line(strategy, group, sharding_factor, whole_params)
+                ),
                 group,
                 target or _CPU,
                 "built different models or sharding options",
@@ -125,6 +133,7 @@ def fully_shard(
             config=UnitConfig(strategy, mixed_precision, prefetch),
             device=target,
             offload=cpu_offload is not None and cpu_offload.params,
+            whole_params=whole_params,
             param_init_fn=param_init_fn,
             init=init,
         )
@@ -155,6 +164,7 @@ class _UnitBuild:
     config: UnitConfig
     device: torch.device | None  # where full tensors are materialized and computed on
     offload: bool  # shards live on the CPU
+    whole_params: bool  # no parameter cut into rows ([Note: whole-parameter layout])
     param_init_fn: ParamInitFn | None
     init: InitOptions
 
@@ -181,6 +191,7 @@ def _build_unit(plan: UnitPlan, build: _UnitBuild, rank: int) -> Unit | None:
                 compute_dtype=dtype,
                 reduce_dtype=policy.gradient_reduce_dtype(dtype),
                 offload=build.offload,
+                whole_params=build.whole_params,
             ),
         )
         for params, dtype in _split_by_compute_dtype(plan.groups, policy)
@@ -301,12 +312,15 @@ def _check_backend_reaches(
 
 
 def _strategy_line(
-    strategy: ShardingStrategy, group: dist.ProcessGroup, sharding_factor: int | None
+    strategy: ShardingStrategy,
+    group: dist.ProcessGroup,
+    sharding_factor: int | None,
+    whole_params: bool,
 ) -> str:
     line = f"strategy {strategy.name} over {dist.get_world_size(group)} ranks"
     if sharding_factor is not None:
         line += f", sharding_factor {sharding_factor}"
-    return line
+    return line + (", whole_params" if whole_params else "")
 
 
 def _check_distributed() -> None:

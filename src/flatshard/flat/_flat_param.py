@@ -97,6 +97,7 @@ class Placement:
     compute_dtype: torch.dtype | None = None  # None: the parameters' own dtype
     reduce_dtype: torch.dtype | None = None  # None: the compute dtype
     offload: bool = False  # CPUOffload: every use on the compute device copies the shard
+    whole_params: bool = False  # each original whole in one rank's shard (matrix optimizers)
 
 
 def allocate_storage(tensor: torch.Tensor, nbytes: int) -> None:
@@ -126,9 +127,16 @@ class FlatParamGroup:
         self.rank = groups.shard_rank
         self.factor = groups.factor  # F: ranks the buffer is cut across
         self.requires_grad = first.requires_grad
-        self.layout: FlatLayout = plan_layout([o.param.shape for o in originals], self.factor)
+        self.layout: FlatLayout = plan_layout(
+            [o.param.shape for o in originals], self.factor, whole=placement.whole_params
+        )
         self.views = ViewPlan(self.layout, self.rank)
         self.full_shapes = [slot.shape for slot in self.layout.slots]  # per original
+        # Per original: False where a whole-parameter layout puts it in another rank's shard.
+        self.owned = [
+            not (self.layout.whole and held.numel == 0 and slot.numel > 0)
+            for slot, held in zip(self.layout.slots, self.views.held, strict=True)
+        ]
         self.compute_dtype = placement.compute_dtype or first.dtype
         self.compute_device = placement.compute_device
         self.reduce_dtype = placement.reduce_dtype or self.compute_dtype
@@ -330,11 +338,19 @@ class FlatParamGroup:
         return grad
 
     def add_to_grads(self, reduced: torch.Tensor) -> None:
-        """Add this rank's reduced chunk (C,) to the originals' ``.grad`` (views of its rows)."""
+        """Add this rank's reduced chunk (C,) to the originals' ``.grad`` (views of its rows).
+
+        In a whole-parameter layout a parameter another rank owns keeps ``.grad`` None here,
+        so optimizers skip it: a matrix optimizer must not step on an empty slice (Adafactor
+        divides by its size) and holds no state for it ([Note: whole-parameter layout]).
+        """
         # The optimizer steps on the master shard: its dtype and device.
         # Blocking: the optimizer may read it on the CPU right after (offload).
         reduced = reduced.to(self.shard.device, self.shard.dtype, copy=self.offloaded)
-        for orig, view in zip(self.originals, self.views.shard_views(reduced), strict=True):
+        views = self.views.shard_views(reduced)
+        for orig, view, owned in zip(self.originals, views, self.owned, strict=True):
+            if not owned:
+                continue
             if orig.param.grad is None:
                 orig.param.grad = view
             else:

@@ -18,6 +18,18 @@ We keep param-major order but insert padding so that no chunk boundary cuts a ro
   its row length, so we round C up to one and lay out again (C only grows, so this ends).
 Each rank's slice of a parameter is then whole rows: a real view ``[rows, *shape[1:]]``,
 possibly with zero rows. The waste is reported as ``alignment_padding_numel``.
+
+[Note: whole-parameter layout]
+A matrix optimizer (Muon, Adafactor, Shampoo) updates each parameter from the whole of it,
+so any cut into rows changes its update. ``plan_layout(..., whole=True)`` cuts no parameter:
+each one lies in exactly one rank's chunk, its owner. Owners are chosen largest parameter
+first, each to the least loaded rank so far (ties: the lowest rank), and C is the largest
+load; inside a chunk the owned parameters keep their order. The unsharded buffer is still
+the all-gather output (each parameter a contiguous view of it), but parameters are no
+longer in offset order across chunks, and shards are as uneven as the parameters are: the
+padding up to the largest load is the price (``alignment_padding_numel``), paid in shard
+memory and in all-gather and reduce-scatter bytes. Every rank computes the same owners from
+the same shapes.
 """
 
 from __future__ import annotations
@@ -64,6 +76,7 @@ class FlatLayout:
     slots: tuple[ParamSlot, ...]
     factor: int  # F: ranks the buffer is cut across
     shard_numel: int  # C: elements per rank
+    whole: bool = False  # each parameter in one rank's chunk ([Note: whole-parameter layout])
 
     @property
     def unsharded_numel(self) -> int:
@@ -112,10 +125,13 @@ def row_numel(shape: torch.Size) -> int:
     return max(1, math.prod(shape[1:]))
 
 
-def plan_layout(shapes: Sequence[torch.Size], factor: int) -> FlatLayout:
-    """Lay out ``shapes`` param-major, cut across F = ``factor`` ranks between rows."""
+def plan_layout(shapes: Sequence[torch.Size], factor: int, *, whole: bool = False) -> FlatLayout:
+    """Lay out ``shapes`` param-major, cut across F = ``factor`` ranks between rows; with
+    ``whole``, each parameter whole in one rank's chunk ([Note: whole-parameter layout])."""
     if factor < 1:
         raise ValueError(f"the sharding factor F must be >= 1, got {factor}")
+    if whole:
+        return _whole_layout(shapes, factor)
     total = sum(math.prod(s) for s in shapes)
     shard_numel = max(1, _ceil_div(total, factor))
     while True:
@@ -142,6 +158,26 @@ def _try_layout(shapes: Sequence[torch.Size], factor: int, shard_numel: int) -> 
     if cursor > shard_numel * factor:
         return _ceil_div(cursor, factor)
     return FlatLayout(slots=tuple(slots), factor=factor, shard_numel=shard_numel)
+
+
+def _whole_layout(shapes: Sequence[torch.Size], factor: int) -> FlatLayout:
+    """Each parameter in one chunk, largest first to the least loaded rank."""
+    numels = [math.prod(shape) for shape in shapes]
+    loads = [0] * factor
+    owner = [0] * len(shapes)
+    for index in sorted(range(len(shapes)), key=lambda i: -numels[i]):  # stable: ties in order
+        rank = min(range(factor), key=lambda r: loads[r])
+        owner[index] = rank
+        loads[rank] += numels[index]
+    shard_numel = max(1, *loads)
+    cursors = [rank * shard_numel for rank in range(factor)]
+    slots = []
+    for shape, numel, rank in zip(shapes, numels, owner, strict=True):
+        slots.append(
+            ParamSlot(shape=shape, offset=cursors[rank], numel=numel, row_numel=row_numel(shape))
+        )
+        cursors[rank] += numel
+    return FlatLayout(slots=tuple(slots), factor=factor, shard_numel=shard_numel, whole=True)
 
 
 def _rows_aligned(offset: int, numel: int, rown: int, chunk: int) -> bool:
@@ -206,17 +242,19 @@ class ViewPlan:
 def _pieces(ranges: list[tuple[int, int]], total: int) -> tuple[list[int], list[int]]:
     """Split sizes covering ``total`` elements, and the piece of each (offset, numel) range.
 
-    Ranges come in offset order; the gaps between them become pieces of their own, empty
-    ones are left out (an empty range, e.g. rows a rank does not hold, is an empty piece).
+    Ranges may come in any order (a whole-parameter layout's are not in offset order); the
+    gaps between them become pieces of their own, empty ones are left out (an empty range,
+    e.g. rows a rank does not hold, is an empty piece).
     """
     sizes: list[int] = []
-    pieces: list[int] = []
+    pieces = [0] * len(ranges)
     cursor = 0
-    for offset, numel in ranges:
+    for index in sorted(range(len(ranges)), key=lambda i: (ranges[i][0], ranges[i][1])):
+        offset, numel = ranges[index]
         if numel and offset > cursor:
             sizes.append(offset - cursor)
             cursor = offset
-        pieces.append(len(sizes))
+        pieces[index] = len(sizes)
         sizes.append(numel)
         cursor += numel
     if total > cursor:

@@ -9,9 +9,12 @@ and column statistics. On a row shard each rank would compute another update tha
 unsharded run, without a word (Muon), or divide by zero on a rank that holds no rows
 (Adafactor). So such an optimizer's step refuses a parameter a shard group cuts into rows,
 at its first step, on every rank alike (the layout decides, not the rows a rank happens to
-hold), naming the optimizer, the parameter and the fix. A model whose matrices those
-optimizers update can shard them with NO_SHARD (every rank holds whole matrices and the
-gradients are averaged: exactly data parallel) and the rest as it likes.
+hold), naming the optimizer, the parameter and the fix. The fix is
+``fully_shard(..., whole_params=True)``: every parameter lies whole in one rank's shard
+([Note: whole-parameter layout]), its owner steps it with the whole gradient and the other
+ranks leave it alone (``.grad`` None), so the update is the unsharded one. NO_SHARD units
+(whole matrices on every rank, gradients averaged) are exact too, at data parallel's
+memory.
 ``register_matrix_optimizer`` declares another such class (Shampoo, SOAP).
 
 The check is a step pre-hook of every optimizer of the process (torch's global one),
@@ -70,7 +73,7 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
         for unit in context.units
         for flat in unit.flat_params
         for orig, full in zip(flat.originals, flat.full_shapes, strict=True)
-        if flat.factor > 1 or (orig.tp is not None and orig.tp.sharded)
+        if (flat.factor > 1 and not flat.layout.whole) or (orig.tp is not None and orig.tp.sharded)
     }
     first = next((split[id(p)] for p in params if id(p) in split), None)
     if first is not None:  # the first in the optimizer's own order, the same on every rank
@@ -94,7 +97,8 @@ def _refuse(
         f"flatshard: {where}.{kind.__name__} updates each parameter as a whole matrix, but "
         f"'{name}' {shape} is cut {how} (unit '{unit}', rank "
         f"{global_rank()}): each rank would update a slice of it differently from an "
-        "unsharded run. Shard the units it updates with "
+        "unsharded run. Pass fully_shard(..., whole_params=True) (each parameter whole on "
+        "one rank, which steps it), or shard the units it updates with "
         "strategy=flatshard.ShardingStrategy.NO_SHARD (whole matrices on every rank, "
         "gradients averaged), or update row-sharded parameters with a vector-wise "
         "optimizer such as AdamW (docs/guide.md, 'Matrix optimizers')."

@@ -273,6 +273,8 @@ def _optim_targets(model: nn.Module, saved: dict[str, Any], target: Path) -> dic
             )
         param = params[name]
         place = places[id(param)]
+        if place.owned_elsewhere:
+            continue  # its owner alone reads it ([Note: whole-parameter layout])
         if not is_tensor_entry(md):
             targets[key] = None  # a Python value
         elif is_row_shape(state_key, md.size, place.global_shape, len(place.full_shape)):

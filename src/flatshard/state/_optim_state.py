@@ -9,6 +9,11 @@ is a "row value": gathered to the full shape (full form) or kept as a ``RowShard
 form), and cut to the loading rank's rows on load. Anything else (``step``, Python scalars)
 is the same on every rank and kept as it is. For a 0-dim parameter a 0-dim value is a row
 value unless it is ``step``, the one per-parameter scalar torch's optimizers keep.
+
+A parameter of a whole-parameter layout (``whole_params=True``) has state on its owner
+only, and every value there is whole, whatever its shape (Adafactor's row and column
+statistics too): the full form takes it from the owner, the sharded form and the loads
+keep it on the owner alone ([Note: whole-parameter layout]).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatshard.comm._collectives import broadcast
+from flatshard.comm._collectives import all_gather_object, broadcast
 from flatshard.comm._ranks import checked_on_rank0, global_rank, rank_in
 from flatshard.flat._full_params import copy_out, gather_copies, pack_rows
 from flatshard.runtime._step import every_rank_calls
@@ -73,9 +78,9 @@ def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> 
     state: dict[str, dict[str, Any]] = {}
     for named in groups:
         for name, param in named:
-            if param not in optim.state:
-                continue
             place = places[id(param)]
+            if param not in optim.state or place.owned_elsewhere:
+                continue
             state[name] = {
                 key: (
                     place.row_shard(value)
@@ -104,11 +109,16 @@ def full_optim_state_dict(
     keep = not rank0_only or rank_in(model_group(model)) == 0
     groups = named_param_groups(model, optim, "full_optim_state_dict")
     gathered = _gather_row_values(model, optim, keep, cpu_offload)
+    owned = _gather_owned_states(model, optim, cpu_offload)
     if not keep:
         return {}
     state: dict[str, dict[str, Any]] = {}
     for named in groups:
         for name, param in named:
+            if id(param) in owned:
+                if owned[id(param)] is not None:
+                    state[name] = cast(dict[str, Any], owned[id(param)])
+                continue
             if param not in optim.state:
                 continue
             full = gathered.get(id(param), {})
@@ -125,6 +135,8 @@ def _gather_row_values(
     """``id(param) -> {key: full tensor}`` for the row values of sharded parameters."""
     gathered: dict[int, dict[str, torch.Tensor]] = {}
     for flat in flat_params(model):
+        if flat.layout.whole:
+            continue  # _gather_owned_states
         states = [optim.state.get(orig.param, {}) for orig in flat.originals]
         keys = sorted(
             {
@@ -144,6 +156,33 @@ def _gather_row_values(
                 if key in st:
                     gathered.setdefault(id(orig.param), {})[key] = copy
     return gathered
+
+
+def _gather_owned_states(
+    model: nn.Module, optim: torch.optim.Optimizer, cpu_offload: bool
+) -> dict[int, dict[str, Any] | None]:
+    """``id(param) -> its owner's whole state`` (None: no state) for every parameter of a
+    whole-parameter layout; one object all-gather per such group over its shard group."""
+    owned: dict[int, dict[str, Any] | None] = {}
+    for flat in flat_params(model):
+        if not flat.layout.whole:
+            continue
+        mine = {
+            index: {key: _copy_value(value, True) for key, value in optim.state[orig.param].items()}
+            for index, orig in enumerate(flat.originals)
+            if flat.owned[index] and orig.param in optim.state
+        }
+        every = [mine] if flat.groups.shard is None else all_gather_object(mine, flat.groups.shard)
+        device = torch.device("cpu") if cpu_offload else flat.shard.device
+        for index, orig in enumerate(flat.originals):
+            found = [cast(dict[int, Any], states).get(index) for states in every]
+            state = next((s for s in found if s is not None), None)
+            owned[id(orig.param)] = None if state is None else _to_device(state, device)
+    return owned
+
+
+def _to_device(state: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
 def _copy_value(value: Any, cpu_offload: bool) -> Any:
@@ -195,8 +234,8 @@ def load_optim_state_dict(
     for named, saved in zip(groups, saved_groups, strict=True):
         ids = []
         for name, param in named:
-            if name in saved_state:
-                place = places[id(param)]
+            place = places[id(param)]
+            if name in saved_state and not place.owned_elsewhere:
                 torch_state[index] = {
                     key: _local_value(name, key, value, place)
                     for key, value in saved_state[name].items()
@@ -241,6 +280,9 @@ def _local_value(name: str, key: str, value: Any, place: Place) -> Any:
                 f"{place.first_row + place.rows}; reshard through flatshard.load_checkpoint"
             )
         return value.local.clone()
+    if place.flat is not None and place.flat.layout.whole:
+        # Whole values of any shape, kept by the owner (loads skip the other ranks).
+        return value.clone() if isinstance(value, torch.Tensor) else value
     if is_row_value(key, value, place.global_shape, len(place.full_shape)):
         return place.take_global(value).clone()
     if isinstance(value, torch.Tensor) and value.dim() > 0:
@@ -285,6 +327,9 @@ def _receive_from_rank0(
             else:
                 full = torch.empty(value.shape, dtype=value.dtype, device=device)
             broadcast(full, group_src=0, group=group)
+            if place.flat is not None and place.flat.layout.whole:  # whole, kept by its owner
+                entries[key] = full.to(named[name].device, copy=True)
+                continue
             local = place.take_global(full).to(named[name].device).clone()
             entries[key] = place.row_shard(local) if place.flat is not None else local
     return received

@@ -81,6 +81,12 @@ class Place:
             return full if self.rows else full.reshape(1)[:0]
         return full[self.first_row : self.first_row + self.rows]
 
+    @property
+    def owned_elsewhere(self) -> bool:
+        """A whole-parameter layout put it in another rank's shard: nothing of it, its
+        gradient or its optimizer state is here ([Note: whole-parameter layout])."""
+        return self.flat is not None and not self.flat.owned[self.index]
+
     def row_shard(self, local: torch.Tensor) -> RowShard:
         base = self.tp.offset if self.tp is not None else ()
         return RowShard(local, self.first_row, self.global_shape, base)
