@@ -107,6 +107,24 @@ def test_config_file_and_flags(tmp_path: Path) -> None:
     )
 
 
+def test_train_with_muon_shards_whole_parameters_and_resumes_exactly(tmp_path: Path) -> None:
+    """--optimizer muon: Muon on the blocks' matrices, AdamW on the rest, every parameter
+    whole on one rank; a resume from step 4 logs the first run's losses for steps 5-8
+    (Muon's momentum and AdamW's moments restored from one checkpoint)."""
+    common = [*TINY, "--steps", "8", "--optimizer", "MUON", "--sample-bytes", "0"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    out = _train(*common, "--ckpt-every", "4", "--out-dir", str(whole))
+    assert "2 ranks (gloo, FULL_SHARD, Muon + AdamW, whole parameters)" in out, out
+    losses = _losses(whole)
+    assert losses[8] < losses[1], losses
+    ckpt = whole / "checkpoints" / "step_000004"
+    _train(*common, "--resume", str(ckpt), "--out-dir", str(resumed))
+    again = _losses(resumed)
+    assert sorted(again) == list(range(5, 9))
+    for step, loss in again.items():
+        assert loss == pytest.approx(losses[step], rel=1e-6), (step, losses, again)
+
+
 BAD_TOML = {"unknown": "stepz = 3", "type": 'steps = "many"', "syntax": "steps = = 3"}
 
 
@@ -138,6 +156,7 @@ BAD_TOML = {"unknown": "stepz = 3", "type": 'steps = "many"', "syntax": "steps =
         (["--seq-len", "100000"], "--data: kjv_genesis_exodus.txt (shipped, public domain) has"),
         (["--model", "llama"], "--model must be 'gpt' or 'hf:<config>'"),
         (["--device", "tpu"], "--device must be one of auto, cpu, cuda, got 'tpu'"),
+        (["--optimizer", "sgd"], "--optimizer must be one of adamw, muon, adafactor, got 'sgd'"),
         (["--model", "hf:no-such-model-type"], "--model hf:no-such-model-type:"),
         (["--hf-overrides", "n_layer=2"], "--hf-overrides only applies to --model hf:"),
         (["--init", "pretrained"], "--init pretrained needs --model hf:<directory with"),

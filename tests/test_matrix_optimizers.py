@@ -319,9 +319,7 @@ def save_whole_job(ctx: WorkerContext, kind: str, path: str) -> dict[str, Any] |
     steps = list(batches(model, 4))
     for batch in steps[:2]:
         _step(model, optimizers, batch, group)
-    flatshard.save_checkpoint(path, model, optimizers[0], extra={"step": 2})
-    if len(optimizers) > 1:
-        flatshard.save_checkpoint(path + "-adamw", model, optimizers[1])
+    flatshard.save_checkpoint(path, model, optimizers, extra={"step": 2})  # Muon + AdamW
     states = _full_states(model, optimizers)
     losses = [_step(model, optimizers, batch, group) for batch in steps[2:]]
     return {"states": states, "losses": losses}
@@ -335,9 +333,7 @@ def resume_whole_job(ctx: WorkerContext, kind: str, path: str) -> dict[str, Any]
         return None
     model = _whole_model(group, "FULL_SHARD", "fp32", False)
     optimizers = _matrix_optimizers(kind, model)
-    assert flatshard.load_checkpoint(path, model, optimizers[0]) == {"step": 2}
-    if len(optimizers) > 1:
-        flatshard.load_checkpoint(path + "-adamw", model, optimizers[1])
+    assert flatshard.load_checkpoint(path, model, optimizers) == {"step": 2}
     states = _full_states(model, optimizers)
     fresh = _matrix_optimizers(kind, model)
     for optim, full in zip(fresh, states, strict=True):
@@ -374,3 +370,16 @@ def test_whole_params_checkpoint_at_4_ranks_resumes_at_2(
         _assert_states_equal(expected, actual)  # resharded from 4 owners to 2, exactly
         _assert_states_equal(expected, again)  # and through a full dict from rank 0
     torch.testing.assert_close(resumed["losses"], saved["losses"], rtol=1e-5, atol=0)
+
+
+def test_a_checkpoint_of_several_optimizers_names_what_does_not_fit(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    first = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    both = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(flatshard.CheckpointError, match=r"optimizers 0 and 1 both hold \['0\."):
+        flatshard.save_checkpoint(tmp_path / "overlap", model, [first, both])
+    second = torch.optim.SGD(model[1].parameters(), lr=0.1)
+    flatshard.save_checkpoint(tmp_path / "two", model, [first, second])
+    with pytest.raises(flatshard.CheckpointError, match=r"state of 2 optimizer\(s\), 1 were"):
+        flatshard.load_checkpoint(tmp_path / "two", model, first)
+    flatshard.load_checkpoint(tmp_path / "two", model, [first, second])

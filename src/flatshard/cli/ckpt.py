@@ -129,17 +129,17 @@ def describe(
         f"model       {len(model)} tensors, {elements:,} elements",
     ]
     state_keys = sorted(
-        {k.rpartition("/")[2] for k in saved if k.startswith(OPTIM) and k != GROUPS}
+        {k.rpartition("/")[2] for k in saved if k.startswith(OPTIM) and not k.startswith(GROUPS)}
     )
-    if GROUPS in saved:
-        holder: dict[str, Any] = {GROUPS: None}
+    for key in sorted(k for k in saved if k.startswith(GROUPS)):
+        holder: dict[str, Any] = {key: None}
         load_raw(path, holder)
-        groups: list[dict[str, Any]] = holder[GROUPS] or []
+        groups: list[dict[str, Any]] = holder[key] or []
         lines.append(
             f"optimizer   state {', '.join(state_keys) or '(none yet)'}; {len(groups)} "
             f"parameter group(s), lr {[g.get('lr') for g in groups]}"
         )
-    else:
+    if GROUPS not in saved:
         lines.append("optimizer   none saved")
     if f"{EXTRA}0" in saved:
         holder = {f"{EXTRA}0": None}

@@ -9,7 +9,9 @@ leaves a complete checkpoint: ``<path>`` (old or new), or ``<path>.previous`` if
 fell between the two renames (the loader says so). Loading checks the manifest first, so a
 truncated, corrupted or foreign directory gives an error naming the file instead of
 garbage weights. Keys inside DCP: ``model/<name>``, ``optim/<name>/<state key>``,
-``optim/param_groups``, ``extra/<rank>``.
+``optim/param_groups``, ``extra/<rank>``. Several optimizers over disjoint parameters (Muon
+for the matrices, AdamW for the rest) share the state keys; the parameter groups of the
+second and later ones are ``optim/param_groups.<i>``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import os
 import shutil
 import zlib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
@@ -53,8 +56,21 @@ VERSION = 1
 MODEL, OPTIM, GROUPS, EXTRA = "model/", "optim/", "optim/param_groups", "extra/"
 
 
+Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
+
+
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded (missing, foreign, truncated, corrupt) or saved."""
+
+
+def _listed(optimizer: Optimizers) -> list[torch.optim.Optimizer]:
+    if optimizer is None:
+        return []
+    return [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+
+
+def _groups_key(index: int) -> str:
+    return GROUPS if index == 0 else f"{GROUPS}.{index}"
 
 
 # ---------------------------------------------------------------- saving
@@ -62,7 +78,7 @@ class CheckpointError(ValueError):
 def save_checkpoint(
     path: str | os.PathLike[str],
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: Optimizers = None,
     *,
     extra: dict[str, Any] | None = None,
 ) -> None:
@@ -74,12 +90,14 @@ def save_checkpoint(
     ``weights_only=True`` (numbers, strings, tensors such as RNG states, lists, dicts); each
     rank's own ``extra`` is kept and given back to the same rank on load. A model without
     flatshard units is saved by the calling process alone: call it from one process only.
+    ``optimizer`` may be a list of optimizers over disjoint parameters (Muon and AdamW);
+    load it with the same list.
     """
     target = Path(path)
     group = checkpoint_group(model)
     partial = target.with_name(target.name + ".partial")
     try:
-        _save(target, partial, model, optimizer, extra)
+        _save(target, partial, model, _listed(optimizer), extra)
     except Exception as error:
         if rank_in(group) == 0:
             shutil.rmtree(partial, ignore_errors=True)  # or it keeps the disk full
@@ -108,7 +126,7 @@ def _save(
     target: Path,
     partial: Path,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
+    optimizers: list[torch.optim.Optimizer],
     extra: dict[str, Any] | None,
 ) -> None:
     group = checkpoint_group(model)
@@ -117,8 +135,10 @@ def _save(
         shutil.rmtree(partial, ignore_errors=True)
     barrier(group)
     state: dict[str, Any] = {MODEL + k: v for k, v in sharded_state_dict(model).items()}
-    if optimizer is not None:
-        state.update(_optim_entries(sharded_optim_state_dict(model, optimizer)))
+    for index, optimizer in enumerate(optimizers):
+        entries = _optim_entries(sharded_optim_state_dict(model, optimizer), index)
+        _check_disjoint(state, entries, index)
+        state.update(entries)
     state[f"{EXTRA}{rank}"] = extra if extra is not None else {}
     from flatshard.state._dcp import write  # DCP: imported when first used
 
@@ -130,7 +150,8 @@ def _save(
             "version": VERSION,
             "world_size": dist.get_world_size(group) if group is not None else 1,
             "torch": torch.__version__,
-            "has_optimizer": optimizer is not None,
+            "has_optimizer": bool(optimizers),
+            "optimizers": len(optimizers),
             "files": files,
         }
         (partial / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
@@ -138,12 +159,24 @@ def _save(
     barrier(group)
 
 
-def _optim_entries(osd: OptimStateDict) -> dict[str, Any]:
-    entries: dict[str, Any] = {GROUPS: osd["param_groups"]}
+def _optim_entries(osd: OptimStateDict, index: int) -> dict[str, Any]:
+    entries: dict[str, Any] = {_groups_key(index): osd["param_groups"]}
     for name, values in osd["state"].items():
         for key, value in values.items():
             entries[f"{OPTIM}{name}/{key}"] = value
     return entries
+
+
+def _check_disjoint(state: dict[str, Any], entries: dict[str, Any], index: int) -> None:
+    """Two optimizers of one checkpoint must not step the same parameter."""
+    names = {n for g in entries[_groups_key(index)] for n in g["params"]}
+    for earlier in range(index):
+        both = names & {n for g in state[_groups_key(earlier)] for n in g["params"]}
+        if both:
+            raise CheckpointError(
+                f"flatshard.save_checkpoint: optimizers {earlier} and {index} both hold "
+                f"{sorted(both)[:3]}; give each parameter to one optimizer."
+            )
 
 
 def _swap_in(partial: Path, target: Path) -> None:
@@ -191,7 +224,7 @@ def _file_facts(path: Path) -> dict[str, int]:
 def load_checkpoint(
     path: str | os.PathLike[str],
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: Optimizers = None,
     *,
     strict: bool = True,
 ) -> dict[str, Any]:
@@ -200,8 +233,10 @@ def load_checkpoint(
     Works at any world size and strategy, resharding as needed, and on a plain
     (non-sharded) model without a process group. A collective over the model's ranks.
     The optimizer may be fresh (no state yet): every moment is restored. Returns this
-    rank's ``extra`` as saved (rank 0's when the saving run had fewer ranks).
+    rank's ``extra`` as saved (rank 0's when the saving run had fewer ranks). A list of
+    optimizers loads what ``save_checkpoint`` saved from the same list.
     """
+    optimizers = _listed(optimizer)
     target = Path(path)
     group = checkpoint_group(model)
     rank = rank_in(group)
@@ -210,13 +245,13 @@ def load_checkpoint(
     saved = checkpoint_metadata(target).state_dict_metadata
     reshard_for_load(model, "load_checkpoint")
     state: dict[str, Any] = _model_targets(model, saved, strict)
-    if optimizer is not None:
-        state.update(_optim_targets(model, saved, target))
+    if optimizers:
+        state.update(_optim_targets(model, saved, target, len(optimizers)))
     extra_key = f"{EXTRA}{rank}" if f"{EXTRA}{rank}" in saved else f"{EXTRA}0"
     state[extra_key] = None
     _read(target, state, group)
-    if optimizer is not None:
-        load_optim_state_dict(model, optimizer, _optim_state(state))
+    for index, optimizer in enumerate(optimizers):
+        load_optim_state_dict(model, optimizer, _optim_state(state, index))
     extra = state[extra_key]
     return extra if isinstance(extra, dict) else {}
 
@@ -252,18 +287,26 @@ def _model_targets(model: nn.Module, saved: dict[str, Any], strict: bool) -> dic
     return {MODEL + k: v for k, v in mine.items() if MODEL + k in saved}
 
 
-def _optim_targets(model: nn.Module, saved: dict[str, Any], target: Path) -> dict[str, Any]:
+def _optim_targets(
+    model: nn.Module, saved: dict[str, Any], target: Path, count: int
+) -> dict[str, Any]:
     """Fresh tensors for every saved optimizer value, cut to this rank's rows."""
     if GROUPS not in saved:
         raise CheckpointError(
             f"flatshard.load_checkpoint: {target} holds no optimizer state (saved without "
             "an optimizer); call load_checkpoint without one."
         )
+    found = sum(1 for key in saved if key.startswith(GROUPS))
+    if found != count:
+        raise CheckpointError(
+            f"flatshard.load_checkpoint: {target} holds the state of {found} optimizer(s), "
+            f"{count} were given; pass the same optimizers, in the same order, as when saved."
+        )
     params = dict(model.named_parameters())
     places = param_places(model)
-    targets: dict[str, Any] = {GROUPS: None}
+    targets: dict[str, Any] = {_groups_key(index): None for index in range(count)}
     for key, md in saved.items():
-        if not key.startswith(OPTIM) or key == GROUPS:
+        if not key.startswith(OPTIM) or key.startswith(GROUPS):
             continue
         name, _, state_key = key[len(OPTIM) :].rpartition("/")
         if name not in params:
@@ -285,13 +328,17 @@ def _optim_targets(model: nn.Module, saved: dict[str, Any], target: Path) -> dic
     return targets
 
 
-def _optim_state(state: dict[str, Any]) -> OptimStateDict:
+def _optim_state(state: dict[str, Any], index: int) -> OptimStateDict:
+    """The state dict of optimizer ``index``: its groups, and the values of their names."""
+    groups = state[_groups_key(index)]
+    mine = {name for group in groups for name in group["params"]}
     values: dict[str, dict[str, Any]] = {}
     for key, value in state.items():
-        if key.startswith(OPTIM) and key != GROUPS:
+        if key.startswith(OPTIM) and not key.startswith(GROUPS):
             name, _, state_key = key[len(OPTIM) :].rpartition("/")
-            values.setdefault(name, {})[state_key] = value
-    return {"state": values, "param_groups": state[GROUPS]}
+            if name in mine:
+                values.setdefault(name, {})[state_key] = value
+    return {"state": values, "param_groups": groups}
 
 
 # ---------------------------------------------------------------- checking

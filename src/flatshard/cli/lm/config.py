@@ -18,6 +18,7 @@ from torch import nn
 import flatshard
 from flatshard.cli.config import fail
 from flatshard.cli.lm.lora import parse_lora
+from flatshard.cli.lm.optimizers import OPTIMIZERS
 from flatshard.cli.sizes import parse_size
 from flatshard.flat import AutoWrapPolicy
 
@@ -74,8 +75,13 @@ class TrainConfig:
     """GPT transformer blocks (one unit each)"""
     heads: int = 4
     """GPT attention heads"""
+    optimizer: str = "adamw"
+    """adamw | muon | adafactor: muon orthogonalizes the blocks' weight matrices
+    (torch.optim.Muon, AdamW for the embeddings, head, norms and biases); adafactor factors
+    the second moment (torch.optim.Adafactor). Both shard whole parameters
+    (fully_shard(whole_params=True)): each parameter whole on one rank, which steps it"""
     lr: float = 3e-3
-    """peak learning rate (AdamW)"""
+    """peak learning rate (Muon's scaled to match AdamW's update size)"""
     min_lr: float = 3e-4
     """learning rate at the end of the cosine or linear decay"""
     lr_schedule: str = "cosine"
@@ -83,7 +89,7 @@ class TrainConfig:
     warmup_steps: int = 20
     """steps of linear warm-up from 0 to --lr"""
     weight_decay: float = 0.1
-    """AdamW weight decay, for parameters with 2+ dimensions"""
+    """weight decay, for parameters with 2+ dimensions (adafactor: for all)"""
     clip: float = 1.0
     """clip the global gradient norm to this (0: no clipping)"""
     strategy: str = "FULL_SHARD"
@@ -164,6 +170,7 @@ class TrainConfig:
         if self.keep_gathered and self.sharding_strategy.kept_gathered is None:
             fail("keep_gathered", f"applies to FULL_SHARD and HYBRID_SHARD, not {self.strategy}")
         _one_of(self, "units", UNITS)
+        _one_of(self, "optimizer", OPTIMIZERS)
         units = self.layers * (3 if self.units == "sublayers" else 1)  # GPT: + attn, MLP
         if self.keep_gathered > units and self.model == "gpt":
             fail(

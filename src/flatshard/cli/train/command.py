@@ -42,6 +42,7 @@ from flatshard.cli.lm.model import (
     export_hugging_face,
     shard_language_model,
 )
+from flatshard.cli.lm.optimizers import build_optimizers
 from flatshard.cli.sizes import parse_size
 from flatshard.cli.train.checkpoints import (
     check_checkpoint_dir,
@@ -156,7 +157,9 @@ class Trainer:
         self.lm: LanguageModel = build_language_model(config)
         self.params = sum(p.numel() for p in self.lm.module.parameters())
         self.model = _compiled(shard_language_model(self.lm, config, device), self.lm, config)
-        self.optim = _optimizer(self.model, config)
+        self.optims = build_optimizers(
+            self.model, self.lm.unit_classes, config.optimizer, config.lr, config.weight_decay
+        )
         low = PRECISIONS[config.mixed_precision]
         self.scaler = flatshard.ShardedGradScaler(device.type, enabled=low is torch.float16)
         self.step = 0
@@ -169,8 +172,9 @@ class Trainer:
     def train_step(self) -> float:
         """One optimizer step over --grad-accum micro-batches; this rank's mean loss."""
         config, step = self.config, self.step + 1
-        for group in self.optim.param_groups:
-            group["lr"] = config.lr_at(step)
+        for optim in self.optims:
+            for group in optim.param_groups:
+                group["lr"] = config.lr_at(step)
         rows = config.batch * self.world * config.grad_accum
         batch = batch_for_step(self.corpus.train, config.seq_len, rows, config.seed, step)
         total = 0.0
@@ -183,11 +187,14 @@ class Trainer:
                 torch.autograd.backward(self.scaler.scale(loss))
             total += loss.item()
         if config.clip > 0:
-            self.scaler.unscale_(self.optim)
+            for optim in self.optims:
+                self.scaler.unscale_(optim)
             flatshard.clip_grad_norm_(self.model, config.clip)
-        self.scaler.step(self.optim)
+        for optim in self.optims:
+            self.scaler.step(optim)
         self.scaler.update()
-        self.optim.zero_grad()
+        for optim in self.optims:
+            optim.zero_grad()
         self.step = step
         return total
 
@@ -218,7 +225,7 @@ class Trainer:
         path = self.config.checkpoint_dir / f"step_{self.step:06d}"
         extra = {"step": self.step, "rng": torch.get_rng_state(), "config": asdict(self.config)}
         extra["world"] = self.world  # a resume at another world size says what changes
-        flatshard.save_checkpoint(path, self.model, self.optim, extra=extra)
+        flatshard.save_checkpoint(path, self.model, self.optims, extra=extra)
         if self.rank == 0:
             for old in saved_checkpoints(self.config.checkpoint_dir)[: -self.config.keep_ckpts]:
                 shutil.rmtree(old, ignore_errors=True)
@@ -226,7 +233,7 @@ class Trainer:
 
     def resume(self, path: Path) -> str:
         """Continue from the checkpoint at ``path``; what changed, in words ("" if nothing)."""
-        extra = flatshard.load_checkpoint(path, self.model, self.optim)
+        extra = flatshard.load_checkpoint(path, self.model, self.optims)
         self.step = int(extra["step"])
         torch.set_rng_state(extra["rng"])
         saved_world = extra.get("world")
@@ -264,16 +271,6 @@ def _compiled(model: nn.Module, lm: LanguageModel, config: TrainConfig) -> nn.Mo
             if type(module) in lm.unit_classes:
                 module.compile()
     return model
-
-
-def _optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW; weight decay for parameters with 2+ dimensions (their shards keep theirs)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95))
 
 
 def _train(config: TrainConfig, store: str | None, prediction: Prediction | None) -> None:
@@ -327,7 +324,7 @@ def _loop(trainer: Trainer, backend: str) -> None:
             metrics = StepMetrics(
                 step=trainer.step,
                 loss=sum(float(f[0]) for f in everyone) / trainer.world,
-                lr=trainer.optim.param_groups[0]["lr"],
+                lr=trainer.optims[0].param_groups[0]["lr"],
                 tokens_per_s=tokens / (time.perf_counter() - tick),
                 peak_mem_mib=[round(float(f[1]), 1) for f in everyone],
                 elapsed_s=round(time.perf_counter() - started, 3),
@@ -341,14 +338,20 @@ def _loop(trainer: Trainer, backend: str) -> None:
     _finish(trainer, out)
 
 
+def _optimizer_phrase(kind: str) -> str:
+    """How the banner names --optimizer (nothing for the default)."""
+    names = {"adamw": "", "muon": "Muon + AdamW", "adafactor": "Adafactor"}
+    return f", {names[kind]}, whole parameters" if names[kind] else ""
+
+
 def _print_start(trainer: Trainer, backend: str) -> None:
     config = trainer.config
     units = ", sublayer units" if config.units == "sublayers" else ""
     print(
         f"flatshard train: {trainer.lm.description}, {trainer.params:,} parameters, "
         f"{trainer.world} ranks ({backend}, {config.strategy}{units}"
-        f"{kept_phrase(config.keep_gathered)}{', CPU offload' if config.cpu_offload else ''}), "
-        f"{config.steps} steps"
+        f"{kept_phrase(config.keep_gathered)}{', CPU offload' if config.cpu_offload else ''}"
+        f"{_optimizer_phrase(config.optimizer)}), {config.steps} steps"
     )
     print(
         f"data: {trainer.corpus.name}, {len(trainer.corpus.train):,} training bytes; "

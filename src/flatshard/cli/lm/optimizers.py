@@ -1,0 +1,63 @@
+"""--optimizer: AdamW, Muon (with AdamW for what is not a block's matrix) or Adafactor.
+
+Muon and Adafactor update each parameter as a whole matrix, so a run with either shards
+with ``whole_params=True`` (see ``shard_language_model``): each parameter lies whole on one
+rank, which steps it. Muon takes the blocks' 2-D weights; the embeddings, the output head,
+norms and biases go to AdamW, as Muon is used. Muon's learning rate is scaled to match
+AdamW's update size (``adjust_lr_fn="match_rms_adamw"``), so one --lr schedule drives both.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+OPTIMIZERS = ("adamw", "muon", "adafactor")
+
+
+def needs_whole_params(kind: str) -> bool:
+    """Whether ``kind`` updates whole matrices (and the run must shard whole parameters)."""
+    return kind != "adamw"
+
+
+def build_optimizers(
+    model: nn.Module,
+    unit_classes: set[type[nn.Module]],
+    kind: str,
+    lr: float,
+    weight_decay: float,
+) -> list[torch.optim.Optimizer]:
+    """The run's optimizers over ``model``'s trainable parameters (built after sharding)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if kind == "adafactor":
+        return [torch.optim.Adafactor(params, lr=lr, weight_decay=weight_decay)]
+    matrices = _block_matrices(model, unit_classes) if kind == "muon" else set()
+    rest = [p for p in params if id(p) not in matrices]
+    adamw = torch.optim.AdamW(
+        [
+            {"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=lr,
+        betas=(0.9, 0.95),
+    )
+    if kind != "muon":
+        return [adamw]
+    muon = torch.optim.Muon(
+        [p for p in params if id(p) in matrices],
+        lr=lr,
+        weight_decay=weight_decay,
+        adjust_lr_fn="match_rms_adamw",
+    )
+    return [muon, adamw]
+
+
+def _block_matrices(model: nn.Module, unit_classes: set[type[nn.Module]]) -> set[int]:
+    """``id``s of the trainable 2-D parameters inside the blocks (Muon's share)."""
+    return {
+        id(p)
+        for module in model.modules()
+        if type(module) in unit_classes
+        for p in module.parameters()
+        if p.requires_grad and p.dim() == 2
+    }
