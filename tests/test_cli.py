@@ -250,10 +250,13 @@ def test_bench_compares_all_systems(tmp_path: Path) -> None:
     assert "vs fsdp2" in result.stdout and "flatshard" in result.stdout
 
 
-def test_bench_scaling_matches_the_formulas(tmp_path: Path) -> None:
+@pytest.mark.parametrize("optimizer", ["adamw", "muon", "adafactor"])
+def test_bench_scaling_matches_the_formulas(tmp_path: Path, optimizer: str) -> None:
     """``--scaling``: at W = 1 and 2, flatshard's "at rest" tensor bytes and collective
-    output bytes per step equal their formulas (``cli/bench/formula.py``) exactly."""
+    output bytes per step equal their formulas (``cli/bench/formula.py``) exactly, for each
+    optimizer (Muon and Adafactor with whole parameters: uneven, padded shards)."""
     argv = ["bench", "--scaling", "--systems", "flatshard", "--dim", "16", "--layers", "2"]
+    argv += ["--optimizer", optimizer]
     argv += ["--vocab", "40", "--seq-len", "8", "--batch", "2", "--steps", "1", "--rounds", "1"]
     subprocess.run(
         [sys.executable, "-m", "flatshard.cli.main", *argv, "--out", str(tmp_path)],

@@ -115,6 +115,9 @@ CASES = [
     Case("cpu-offload", gpt, options=(("cpu_offload", True),)),
     # dp 2 x tp 2: tensor parallel's all-reduces and DTensor's tensors are in the step.
     Case("tensor-parallel-2x2", tp_gpt, ranks_per_host=4, options=(("tensor_parallel", 2),)),
+    # Muon on the blocks' matrices, kept whole on one rank each (uneven, padded shards),
+    # AdamW on the rest; at 3 ranks, where the blocks' shards are the most uneven.
+    Case("muon-whole-matrices", gpt, ranks_per_host=3, options=(("optimizer", "muon"),)),
 ]
 
 
@@ -329,3 +332,8 @@ def test_plan_misuse_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
         flatshard.plan(linear, lambda: (torch.randn(1, 2),), tensor_parallel=3)
     with pytest.raises(ValueError, match="tensor_parallel with HYBRID_SHARD is not planned yet"):
         flatshard.plan(linear, tokens, tensor_parallel=2, strategy=S.HYBRID_SHARD)
+
+
+def test_adafactor_is_refused_by_name_before_planning() -> None:
+    with pytest.raises(ValueError, match=r"optimizer 'adafactor' cannot be planned"):
+        flatshard.plan(gpt, tokens, loss=language_model_loss, optimizer="adafactor")

@@ -7,6 +7,8 @@ only when digests differ do the ranks exchange their descriptions to say what di
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
 from flatshard.comm._ranks import join_name
@@ -15,8 +17,9 @@ from flatshard.flat._partition import UnitPlan
 _CHUNK_BYTES = 1 << 20  # bytes checksummed at a time
 
 
-def structure_lines(plans: list[UnitPlan], strategy: str) -> list[str]:
-    """One line per unit, parameter and buffer: what every rank must agree on."""
+def structure_lines(plans: list[UnitPlan], strategy: str, whole: Collection[str] = ()) -> list[str]:
+    """One line per unit, parameter and buffer: what every rank must agree on (``whole``:
+    the parameters ``whole_params`` keeps whole)."""
     lines = [strategy]
     for plan in plans:
         lines.append(f"unit '{plan.fqn or '<root>'}'")
@@ -24,7 +27,7 @@ def structure_lines(plans: list[UnitPlan], strategy: str) -> list[str]:
             p = orig.param
             lines.append(
                 f"  parameter '{orig.fqn}' shape {tuple(p.shape)} {str(p.dtype)[6:]} "
-                f"requires_grad={p.requires_grad}"
+                f"requires_grad={p.requires_grad}{' whole' if orig.fqn in whole else ''}"
             )
         for mname, module in plan.modules:
             for bname, buf in module._buffers.items():

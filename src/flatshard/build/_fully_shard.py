@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -40,6 +41,8 @@ from flatshard.runtime._unit import Unit, UnitConfig, owner_of, unit_of
 
 M = TypeVar("M", bound=nn.Module)
 _CPU = torch.device("cpu")
+# whole_params: all parameters, none, or those a predicate of (name, parameter) picks.
+WholeParams = bool | Callable[[str, nn.Parameter], bool]
 
 
 def fully_shard(
@@ -55,7 +58,7 @@ def fully_shard(
     param_init_fn: ParamInitFn | None = None,
     init: InitOptions | None = None,
     prefetch: Prefetch | None = None,
-    whole_params: bool = False,
+    whole_params: WholeParams = False,
 ) -> M:
     """Shard ``module``'s parameters over ``process_group`` in place and return it.
 
@@ -94,11 +97,14 @@ def fully_shard(
         init: seed, rank-0 broadcast and startup checks (``flatshard.InitOptions``).
         prefetch: how far ahead units are all-gathered, and the rate limiter
             (``flatshard.Prefetch``; default: backward BACKWARD_PRE, forward on, limited).
-        whole_params: cut no parameter into rows: each lies whole in one rank's shard
-            (balanced by size, shards padded to the largest), so optimizers that update
-            a parameter as a whole matrix (``torch.optim.Muon``, ``torch.optim.Adafactor``,
-            Shampoo) make the unsharded update on its owner; other ranks hold it with 0 rows
-            and ``.grad`` None. Costs the padding in memory and traffic.
+        whole_params: True: cut no parameter into rows; each lies whole in one rank's
+            shard (balanced by size, shards padded to the largest), so optimizers that
+            update a parameter as a whole matrix (``torch.optim.Muon``,
+            ``torch.optim.Adafactor``, Shampoo) make the unsharded update on its owner;
+            other ranks hold it with 0 rows and ``.grad`` None. Costs the padding in memory
+            and traffic. A callable ``(name, parameter) -> bool`` keeps only the parameters
+            it picks whole (e.g. Muon's matrices), in flat groups of their own beside the
+            row-sharded rest; ``name`` is relative to ``module``.
     """
     _check_distributed()
     strategy = ShardingStrategy.parse(strategy)
@@ -116,11 +122,10 @@ def fully_shard(
         managed = {name: _managed_param_ids(context) for name, context in earlier.items()}
         localize(module, group, rank)  # DTensor (TP) parameters: their local tensors
         plans = partition(module, unit_names, managed, rank)
+        whole = _whole_names(plans, whole_params)
         if init.check_consistency:
             check_same_on_all_ranks(
-                structure_lines(
-                    plans, _strategy_line(strategy, group, sharding_factor, whole_params)
-                ),
+                structure_lines(plans, _strategy_line(strategy, group, sharding_factor), whole),
                 group,
                 target or _CPU,
                 "built different models or sharding options",
@@ -133,7 +138,7 @@ def fully_shard(
             config=UnitConfig(strategy, mixed_precision, prefetch),
             device=target,
             offload=cpu_offload is not None and cpu_offload.params,
-            whole_params=whole_params,
+            whole_params=whole,
             param_init_fn=param_init_fn,
             init=init,
         )
@@ -164,7 +169,7 @@ class _UnitBuild:
     config: UnitConfig
     device: torch.device | None  # where full tensors are materialized and computed on
     offload: bool  # shards live on the CPU
-    whole_params: bool  # no parameter cut into rows ([Note: whole-parameter layout])
+    whole_params: frozenset[str]  # never cut into rows ([Note: whole-parameter layout])
     param_init_fn: ParamInitFn | None
     init: InitOptions
 
@@ -191,10 +196,11 @@ def _build_unit(plan: UnitPlan, build: _UnitBuild, rank: int) -> Unit | None:
                 compute_dtype=dtype,
                 reduce_dtype=policy.gradient_reduce_dtype(dtype),
                 offload=build.offload,
-                whole_params=build.whole_params,
+                whole_params=whole,
             ),
         )
         for params, dtype in _split_by_compute_dtype(plan.groups, policy)
+        for whole, params in _split_whole(params, build.whole_params)
     ]
     _prepare(plan, build, rank)
     _cast_buffers(plan, policy.buffer_dtype)
@@ -312,15 +318,39 @@ def _check_backend_reaches(
 
 
 def _strategy_line(
-    strategy: ShardingStrategy,
-    group: dist.ProcessGroup,
-    sharding_factor: int | None,
-    whole_params: bool,
+    strategy: ShardingStrategy, group: dist.ProcessGroup, sharding_factor: int | None
 ) -> str:
     line = f"strategy {strategy.name} over {dist.get_world_size(group)} ranks"
     if sharding_factor is not None:
         line += f", sharding_factor {sharding_factor}"
-    return line + (", whole_params" if whole_params else "")
+    return line
+
+
+def _whole_names(plans: list[UnitPlan], whole_params: WholeParams) -> frozenset[str]:
+    """The names of the parameters ``whole_params`` keeps whole."""
+    if isinstance(whole_params, bool):
+        return (
+            frozenset(o.fqn for plan in plans for o in plan.originals)
+            if whole_params
+            else frozenset()
+        )
+    if not callable(whole_params):
+        raise TypeError(
+            "flatshard.fully_shard: whole_params must be True, False or a callable "
+            f"(name, parameter) -> bool, got {whole_params!r}"
+        )
+    return frozenset(
+        o.fqn for plan in plans for o in plan.originals if whole_params(o.fqn, o.param)
+    )
+
+
+def _split_whole(
+    params: list[OriginalParam], whole: frozenset[str]
+) -> list[tuple[bool, list[OriginalParam]]]:
+    """A flat group's parameters as (kept whole, members): one or two groups."""
+    kept = [o for o in params if o.fqn in whole]
+    rest = [o for o in params if o.fqn not in whole]
+    return [(flag, members) for flag, members in ((True, kept), (False, rest)) if members]
 
 
 def _check_distributed() -> None:

@@ -158,7 +158,10 @@ def plan(
         sharding_factor: F for the hybrid strategies (default: ``ranks_per_host``, as
             ``fully_shard`` defaults to under torchrun).
         mixed_precision: the compute and all-gather dtype (gradients reduced in fp32).
-        optimizer: "adamw", "adam", "sgd-momentum" or "sgd".
+        optimizer: "adamw", "adam", "sgd-momentum", "sgd" or "muon" (Muon on the blocks'
+            2-D weights, kept whole with ``whole_params``, AdamW on the rest, as
+            ``flatshard train --optimizer muon``). Adafactor cannot be planned: its step
+            reads values (``.item()``) that a simulated step does not have.
         keep_gathered: the last N units (FULL_SHARD, HYBRID_SHARD) keep their parameters
             gathered from forward to backward, in the strategy's ZeRO-2 form: backward
             gathers them no more, for their memory.
@@ -175,6 +178,7 @@ def plan(
     planner runs (rank 0) it is exact for the ops the run will dispatch.
     """
     machines = _cluster(cluster, hosts, ranks_per_host)
+    _check_optimizer(optimizer)
     _check_tensor_parallel(tensor_parallel, machines.world_size, strategy)
     if strategy.is_hybrid and sharding_factor is None:  # shard inside a host, as torchrun
         sharding_factor = machines.ranks_per_host  # would make fully_shard's default
@@ -227,6 +231,23 @@ def plan_setup(
         host_memory_bytes=host.peak,
         total_peak_bytes=recorder.peak,
     )
+
+
+OPTIMIZERS = ("adamw", "adam", "sgd-momentum", "sgd", "muon")
+
+
+def _check_optimizer(optimizer: str) -> None:
+    if optimizer == "adafactor":
+        raise ValueError(
+            "flatshard.plan: optimizer 'adafactor' cannot be planned: torch.optim.Adafactor's "
+            "step reads a value (param.norm().item()) that a simulated step does not have. "
+            "Plan with 'muon' for a whole-parameter layout, or measure with flatshard bench "
+            "--optimizer adafactor."
+        )
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(
+            f"flatshard.plan: optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}"
+        )
 
 
 def _check_tensor_parallel(degree: int, world: int, strategy: ShardingStrategy) -> None:

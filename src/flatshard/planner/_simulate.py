@@ -27,12 +27,13 @@ from flatshard.build._keep_gathered import shard_keeping_last
 from flatshard.comm._collectives import SIMULATED_BACKEND
 from flatshard.comm._mesh import ShardingStrategy
 from flatshard.flat._mixed_precision import OFFLOAD_DEVICE, CPUOffload, MixedPrecision
-from flatshard.flat._policy import AutoWrapPolicy
+from flatshard.flat._policy import AutoWrapPolicy, SublayerPolicy
 from flatshard.measure import PeakStorage
 from flatshard.planner import _recorder as tags
 from flatshard.planner._attention import fused_attention
 from flatshard.planner._recorder import Recorder
 from flatshard.runtime._clip import clip_grad_norm_
+from flatshard.runtime._matrix_optimizers import muon_matrices
 from flatshard.runtime._no_sync import no_sync
 from flatshard.runtime._prefetch import Prefetch
 from flatshard.runtime._summary import sharding_summary
@@ -225,8 +226,20 @@ def _shapes_only(module: nn.Module) -> None:
 
 
 def shard(model: nn.Module, setup: Setup, **extra: Any) -> nn.Module:
-    """``fully_shard`` as ``setup`` says (see ``shard_keeping_last``)."""
+    """``fully_shard`` as ``setup`` says (see ``shard_keeping_last``); Muon's matrices whole."""
+    if setup.optimizer == "muon":
+        matrices = muon_matrices(model, _blocks(setup.auto_wrap_policy))
+        extra["whole_params"] = lambda name, param: id(param) in matrices
     return shard_keeping_last(model, setup.kept_gathered, **shard_options(setup), **extra)
+
+
+def _blocks(policy: AutoWrapPolicy) -> set[type[nn.Module]] | None:
+    """The block classes of a unit policy given as classes (None for other policies)."""
+    if isinstance(policy, SublayerPolicy):
+        policy = policy.blocks
+    if isinstance(policy, (set, frozenset)) and all(isinstance(c, type) for c in policy):
+        return set(policy)
+    return None
 
 
 def shard_options(setup: Setup) -> dict[str, Any]:
@@ -246,7 +259,7 @@ def shard_options(setup: Setup) -> dict[str, Any]:
 
 def training_step(
     model: nn.Module,
-    optim: torch.optim.Optimizer,
+    optimizers: list[torch.optim.Optimizer],
     inputs: Inputs,
     loss: Loss,
     setup: Setup,
@@ -271,18 +284,26 @@ def training_step(
     if setup.clip:
         clip_grad_norm_(model, 1.0)
     say.phase, say.backward = tags.OPTIMIZER, False
-    optim.step()
-    optim.zero_grad()
+    for optim in optimizers:
+        optim.step()
+        optim.zero_grad()
 
 
-def make_optimizer(model: nn.Module, setup: Setup) -> torch.optim.Optimizer:
+def make_optimizer(model: nn.Module, setup: Setup) -> list[torch.optim.Optimizer]:
+    """The planned run's optimizers: Muon's matrices (kept whole by ``shard``) and AdamW
+    for the rest, or one optimizer."""
     params = [p for p in model.parameters() if p.requires_grad]
     name = setup.optimizer
+    if name == "muon":
+        matrices = muon_matrices(model, _blocks(setup.auto_wrap_policy))
+        rest = [p for p in params if id(p) not in matrices]
+        muon = torch.optim.Muon([p for p in params if id(p) in matrices])
+        return [muon, torch.optim.AdamW(rest, weight_decay=0.1, foreach=setup.foreach)]
     if name in ("adamw", "adam"):
         decay = 0.1 if name == "adamw" else 0.0
-        return torch.optim.AdamW(params, weight_decay=decay, foreach=setup.foreach)
+        return [torch.optim.AdamW(params, weight_decay=decay, foreach=setup.foreach)]
     momentum = 0.9 if name == "sgd-momentum" else 0.0
-    return torch.optim.SGD(params, lr=0.1, momentum=momentum, foreach=setup.foreach)
+    return [torch.optim.SGD(params, lr=0.1, momentum=momentum, foreach=setup.foreach)]
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ Layer 3: imports ``flatshard.flat`` and below.
 from flatshard.runtime._clip import clip_grad_norm_
 from flatshard.runtime._grad_scaler import ShardedGradScaler
 from flatshard.runtime._hooks import register_entry_point, set_prefetch
-from flatshard.runtime._matrix_optimizers import register_matrix_optimizer
+from flatshard.runtime._matrix_optimizers import muon_matrices, register_matrix_optimizer
 from flatshard.runtime._no_sync import no_sync
 from flatshard.runtime._prefetch import BackwardPrefetch, Prefetch
 from flatshard.runtime._summary import (
@@ -36,6 +36,7 @@ __all__ = [
     "UnshardHandle",
     "clip_grad_norm_",
     "dtype_plan",
+    "muon_matrices",
     "no_sync",
     "register_entry_point",
     "register_matrix_optimizer",

@@ -24,9 +24,11 @@ installed by the first ``fully_shard``: one ``isinstance`` per step for other op
 from __future__ import annotations
 
 import weakref
+from collections.abc import Collection
 from typing import Any
 
 import torch
+from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from flatshard.comm._ranks import global_rank
@@ -53,6 +55,27 @@ def register_matrix_optimizer(optimizer_class: type[torch.optim.Optimizer]) -> N
             f"got {optimizer_class!r}"
         )
     _MATRIX_OPTIMIZERS.add(optimizer_class)
+
+
+def muon_matrices(model: nn.Module, blocks: Collection[type[nn.Module]] | None) -> set[int]:
+    """``id``s of the parameters Muon steps as it is used: the trainable 2-D weights inside
+    the ``blocks`` modules (with None: every trainable 2-D weight but embeddings'); AdamW
+    takes the rest. ``flatshard train --optimizer muon`` and the planner split so."""
+    if blocks is None:
+        embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+        return {
+            id(p)
+            for p in model.parameters()
+            if p.requires_grad and p.dim() == 2 and id(p) not in embeddings
+        }
+    kinds = tuple(blocks)
+    return {
+        id(p)
+        for module in model.modules()
+        if isinstance(module, kinds)
+        for p in module.parameters()
+        if p.requires_grad and p.dim() == 2
+    }
 
 
 def check_matrix_optimizers() -> None:

@@ -291,7 +291,9 @@ def _local_value(name: str, key: str, value: Any, place: Place) -> Any:
             f"'{name}' has shape {tuple(value.shape)}, expected the parameter's full shape "
             f"{tuple(place.global_shape)} or a scalar"
         )
-    return value
+    # A copy: the optimizer updates its state in place (``step`` too), and the caller's
+    # state dict must not change with it.
+    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 # ---------------------------------------------------------------- loading from rank 0

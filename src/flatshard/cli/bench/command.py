@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 import flatshard
+from flatshard.build import WholeParams
 from flatshard.cli.bench.config import PRESETS, BenchConfig
 from flatshard.cli.bench.formula import flatshard_formulas
 from flatshard.cli.bench.memory import steady_state_peak
@@ -38,6 +39,7 @@ from flatshard.cli.bench.prediction import predict, predicted_line
 from flatshard.cli.bench.report import chart, scaling_table, summarize, table
 from flatshard.cli.config import add_config_parser, config_from_args
 from flatshard.cli.devices import init_rank, peak_memory_mib, resolve_device
+from flatshard.cli.lm.optimizers import build_optimizers, whole_params_for
 from flatshard.comm import WaitClock, describe, fast_context
 from flatshard.measure import CollectiveTracker
 from flatshard.models import GPT, GPTBlock
@@ -220,7 +222,7 @@ def _serve(
         step += 1
     formulas = {"rest": -1, "collective": -1}  # -1: no formula for this system
     if system.startswith("flatshard"):
-        formulas = flatshard_formulas(model, config.layers, config.nproc)
+        formulas = flatshard_formulas(model, optim, config.layers, config.nproc)
     del model, optim  # the memory pass builds its own
     tensor_rest, tensor_peak = steady_state_peak(
         lambda: _build(config, system, device), lambda m, o: _train_step(m, o, idx)
@@ -242,21 +244,25 @@ def _serve(
 
 def _build(
     config: BenchConfig, system: str, device: torch.device
-) -> tuple[nn.Module, torch.optim.Optimizer]:
+) -> tuple[nn.Module, list[torch.optim.Optimizer]]:
     torch.manual_seed(0)
     gpt = GPT(config.vocab, config.dim, config.heads, config.layers, config.seq_len)
-    model = _wrap(gpt.to(device), system, device)
+    whole = whole_params_for(config.optimizer, gpt, {GPTBlock})
+    model = _wrap(gpt.to(device), system, device, whole)
     if config.compile:
         for block in gpt.blocks:
             block.compile()
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return model, build_optimizers(model, {GPTBlock}, config.optimizer, 1e-4, 0.0)
 
 
-def _train_step(model: nn.Module, optim: torch.optim.Optimizer, idx: torch.Tensor) -> None:
+def _train_step(
+    model: nn.Module, optimizers: list[torch.optim.Optimizer], idx: torch.Tensor
+) -> None:
     loss = nn.functional.cross_entropy(model(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten())
     torch.autograd.backward(loss)
-    optim.step()
-    optim.zero_grad()
+    for optim in optimizers:
+        optim.step()
+        optim.zero_grad()
 
 
 def _synchronize(device: torch.device) -> None:
@@ -265,18 +271,20 @@ def _synchronize(device: torch.device) -> None:
         torch.accelerator.synchronize(device)
 
 
-def _wrap(model: GPT, system: str, device: torch.device) -> nn.Module:
+def _wrap(model: GPT, system: str, device: torch.device, whole: WholeParams) -> nn.Module:
+    """``model`` as ``system`` runs it; flatshard with ``whole_params`` for Muon/Adafactor."""
     if system == "flatshard":
-        return flatshard.fully_shard(model, auto_wrap_policy={GPTBlock})
+        return flatshard.fully_shard(model, auto_wrap_policy={GPTBlock}, whole_params=whole)
     if system == "flatshard-noprefetch":
         return flatshard.fully_shard(
             model,
             auto_wrap_policy={GPTBlock},
             prefetch=flatshard.Prefetch(backward=None, forward=False),
+            whole_params=whole,
         )
     if system == "flatshard-debug":
         flatshard.set_checks(flatshard.Checks(debug=True))  # this system's processes only
-        return flatshard.fully_shard(model, auto_wrap_policy={GPTBlock})
+        return flatshard.fully_shard(model, auto_wrap_policy={GPTBlock}, whole_params=whole)
     if system == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 

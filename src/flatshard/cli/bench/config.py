@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flatshard.cli.config import ConfigError
+from flatshard.cli.lm.optimizers import OPTIMIZERS, needs_whole_params
 
 SYSTEMS = ("flatshard", "fsdp2", "ddp", "floor")
 # Also available, not run by default: flatshard without any prefetch (what prefetch buys).
@@ -26,9 +27,13 @@ class BenchConfig:
     """ranks (local processes)"""
     device: str = "auto"
     """auto | cpu | cuda (auto: cuda with NCCL, one GPU per rank, when GPUs are visible)"""
-    systems: str = ",".join(SYSTEMS)
+    systems: str = ""
     """comma-separated subset of flatshard,fsdp2,ddp,floor,flatshard-noprefetch,
-    flatshard-debug (every collective checked across ranks first: Checks(debug=True))"""
+    flatshard-debug (every collective checked across ranks first: Checks(debug=True));
+    default: flatshard,fsdp2,ddp,floor (without fsdp2 for --optimizer muon or adafactor)"""
+    optimizer: str = "adamw"
+    """adamw | muon | adafactor, as in flatshard train: muon and adafactor shard whole
+    parameters under flatshard (fsdp2 would update slices of the matrices: not offered)"""
     vocab: int = 8192
     """vocabulary of the GPT (the default model has about 31M parameters)"""
     dim: int = 512
@@ -79,9 +84,21 @@ class BenchConfig:
                 f"got {self.systems!r}"
             )
 
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(
+                f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
+            )
+        if needs_whole_params(self.optimizer) and "fsdp2" in self.system_list:
+            raise ConfigError(
+                f"--optimizer {self.optimizer}: fsdp2 would update each rank's slice of a "
+                "matrix, not the unsharded update; leave it out of --systems"
+            )
         if self.preset and self.preset not in PRESETS:
             raise ConfigError(f"--preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
 
     @property
     def system_list(self) -> list[str]:
+        if not self.systems:
+            exact = not needs_whole_params(self.optimizer)
+            return [s for s in SYSTEMS if s != "fsdp2" or exact]
         return [s for s in self.systems.split(",") if s]

@@ -1,8 +1,11 @@
 """flatshard's bench figures by formula, for the scaling table (``flatshard bench --scaling``).
 
-Between steps a rank keeps its FlatParameter shards, Adam's two moments for its rows of
-each trainable parameter, and the buffers (Adam's step counters are made by
-``torch.tensor()``, outside the dispatcher the memory pass tracks: not counted either side).
+Between steps a rank keeps its FlatParameter shards, the optimizer's state for its rows of
+each trainable parameter (AdamW: two moments; Muon: one momentum buffer; Adafactor: the
+row and column statistics of each matrix, or one variance per element of a vector; with
+whole parameters a rank's rows are all or none of each), and the buffers (the optimizers'
+step counters are made by ``torch.tensor()``, outside the dispatcher the memory pass tracks:
+not counted either side).
 Per steady-state step (FULL_SHARD, default prefetch), with u the unsharded bytes of a
 FlatParameter: every one is gathered in forward; in backward all but the root's and the
 last block's (kept gathered from forward) again; each trainable one is reduced once (the
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 from typing import cast
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -24,7 +28,9 @@ from flatshard.comm import ReduceScatter, reduce_scatter_impl
 STEP_CHECK_BYTES = 8
 
 
-def flatshard_formulas(model: nn.Module, layers: int, world: int) -> dict[str, int]:
+def flatshard_formulas(
+    model: nn.Module, optimizers: list[torch.optim.Optimizer], layers: int, world: int
+) -> dict[str, int]:
     """Expected "at rest" bytes and collective output bytes per step for this rank."""
     summary = flatshard.sharding_summary(model)
     item = next(model.parameters()).element_size()
@@ -33,7 +39,8 @@ def flatshard_formulas(model: nn.Module, layers: int, world: int) -> dict[str, i
         b.untyped_storage().data_ptr(): b.untyped_storage().nbytes() for b in model.buffers()
     }
     rest = sum(buffers.values()) + item * sum(f.shard_numel for f in summary.flat_params)
-    rest += 2 * sum(p.numel() * p.element_size() for p in trainable)
+    kinds = {id(p): type(o) for o in optimizers for g in o.param_groups for p in g["params"]}
+    rest += sum(_state_numel(p, kinds[id(p)]) * p.element_size() for p in trainable)
     kept = ("<root>", f"blocks.{layers - 1}")
     gathered = 0
     reduced = 0
@@ -47,3 +54,15 @@ def flatshard_formulas(model: nn.Module, layers: int, world: int) -> dict[str, i
     if world == 1:  # one rank: nothing to send, no collective at all
         return {"rest": rest, "collective": 0}
     return {"rest": rest, "collective": gathered + reduced + STEP_CHECK_BYTES * world}
+
+
+def _state_numel(param: torch.Tensor, kind: type[torch.optim.Optimizer]) -> int:
+    """Elements of optimizer state ``kind`` keeps for this rank's rows of ``param``."""
+    if kind is torch.optim.Muon:
+        return param.numel()
+    if kind is torch.optim.Adafactor:
+        if param.dim() < 2 or param.numel() == 0:
+            return param.numel()
+        rows, cols = param.shape[-2], param.shape[-1]
+        return param.numel() // cols + param.numel() // rows
+    return 2 * param.numel()

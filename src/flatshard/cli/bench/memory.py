@@ -22,11 +22,12 @@ from torch import nn
 
 from flatshard.measure import PeakStorage
 
-Step = Callable[[nn.Module, torch.optim.Optimizer], None]
+Optimizers = list[torch.optim.Optimizer]
+Step = Callable[[nn.Module, Optimizers], None]
 
 
 def steady_state_peak(
-    build: Callable[[], tuple[nn.Module, torch.optim.Optimizer]], step: Step
+    build: Callable[[], tuple[nn.Module, Optimizers]], step: Step
 ) -> tuple[int, int]:
     """Bytes of tensor storage alive between two steps ("at rest": the state a rank keeps,
     which sharding divides by W) and at the peak of a steady-state step (see the note)."""

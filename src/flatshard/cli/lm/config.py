@@ -171,6 +171,9 @@ class TrainConfig:
             fail("keep_gathered", f"applies to FULL_SHARD and HYBRID_SHARD, not {self.strategy}")
         _one_of(self, "units", UNITS)
         _one_of(self, "optimizer", OPTIMIZERS)
+        if self.optimizer == "adafactor" and (self.predict or self.fit_memory):
+            name = "predict" if self.predict else "fit_memory"
+            fail(name, "cannot plan --optimizer adafactor (its step reads values a plan lacks)")
         units = self.layers * (3 if self.units == "sublayers" else 1)  # GPT: + attn, MLP
         if self.keep_gathered > units and self.model == "gpt":
             fail(

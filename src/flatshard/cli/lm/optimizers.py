@@ -1,16 +1,22 @@
 """--optimizer: AdamW, Muon (with AdamW for what is not a block's matrix) or Adafactor.
 
-Muon and Adafactor update each parameter as a whole matrix, so a run with either shards
-with ``whole_params=True`` (see ``shard_language_model``): each parameter lies whole on one
-rank, which steps it. Muon takes the blocks' 2-D weights; the embeddings, the output head,
-norms and biases go to AdamW, as Muon is used. Muon's learning rate is scaled to match
-AdamW's update size (``adjust_lr_fn="match_rms_adamw"``), so one --lr schedule drives both.
+Muon and Adafactor update each parameter as a whole matrix, so a run with either keeps the
+parameters they step whole (``fully_shard(whole_params=...)``, see
+``shard_language_model``): each lies whole on one rank, which steps it. Muon takes the
+blocks' 2-D weights, kept whole; the embeddings, the output head, norms and biases go to
+AdamW, as Muon is used, and stay row-sharded. Adafactor steps, and keeps whole, everything.
+Muon's learning rate is scaled to match AdamW's update size (``adjust_lr_fn=
+"match_rms_adamw"``), so one --lr schedule drives both.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
+
+from flatshard.runtime import muon_matrices
 
 OPTIMIZERS = ("adamw", "muon", "adafactor")
 
@@ -18,6 +24,16 @@ OPTIMIZERS = ("adamw", "muon", "adafactor")
 def needs_whole_params(kind: str) -> bool:
     """Whether ``kind`` updates whole matrices (and the run must shard whole parameters)."""
     return kind != "adamw"
+
+
+def whole_params_for(
+    kind: str, model: nn.Module, unit_classes: set[type[nn.Module]]
+) -> bool | Callable[[str, nn.Parameter], bool]:
+    """``fully_shard``'s ``whole_params`` for optimizer ``kind`` over ``model`` (unsharded)."""
+    if kind != "muon":
+        return needs_whole_params(kind)
+    matrices = muon_matrices(model, unit_classes)
+    return lambda name, param: id(param) in matrices
 
 
 def build_optimizers(
@@ -31,7 +47,7 @@ def build_optimizers(
     params = [p for p in model.parameters() if p.requires_grad]
     if kind == "adafactor":
         return [torch.optim.Adafactor(params, lr=lr, weight_decay=weight_decay)]
-    matrices = _block_matrices(model, unit_classes) if kind == "muon" else set()
+    matrices = muon_matrices(model, unit_classes) if kind == "muon" else set()
     rest = [p for p in params if id(p) not in matrices]
     adamw = torch.optim.AdamW(
         [
@@ -50,14 +66,3 @@ def build_optimizers(
         adjust_lr_fn="match_rms_adamw",
     )
     return [muon, adamw]
-
-
-def _block_matrices(model: nn.Module, unit_classes: set[type[nn.Module]]) -> set[int]:
-    """``id``s of the trainable 2-D parameters inside the blocks (Muon's share)."""
-    return {
-        id(p)
-        for module in model.modules()
-        if type(module) in unit_classes
-        for p in module.parameters()
-        if p.requires_grad and p.dim() == 2
-    }

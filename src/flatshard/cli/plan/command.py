@@ -79,7 +79,8 @@ class PlanConfig:
     """shards, gradients and optimizer state in host memory, the optimizer's step on the
     host CPUs: the device's peak, the host's, and the PCIe copies in the step"""
     optimizer: str = "adamw"
-    """adamw | adam | sgd-momentum | sgd (what its state costs)"""
+    """adamw | adam | sgd-momentum | sgd | muon (what its state costs; muon: the blocks'
+    matrices Muon steps kept whole on one rank each, as train --optimizer muon)"""
     cluster: str = "a100-80gb"
     """a100-80gb (the paper's: 2 Tb/s RoCE a host) | h100-80gb | h200 | cpu (this machine,
     measured in a few seconds, gloo) | cpu-dev (fixed figures of a 2-core machine)"""
@@ -109,7 +110,7 @@ class PlanConfig:
         for name, allowed in (
             ("mixed_precision", tuple(PRECISIONS)),
             ("strategy", tuple(s.name for s in flatshard.ShardingStrategy)),
-            ("optimizer", ("adamw", "adam", "sgd-momentum", "sgd")),
+            ("optimizer", ("adamw", "adam", "sgd-momentum", "sgd", "muon")),
             ("cluster", CLUSTERS),
             ("units", UNITS),
         ):

@@ -38,6 +38,7 @@ def fit_memory(
         auto_wrap_policy=unit_policy(model.unit_classes, config.units),
         param_dtype=PRECISIONS[config.mixed_precision],
         grad_accum=config.grad_accum,
+        optimizer="muon" if config.optimizer == "muon" else "adamw",
         clip=config.clip > 0,
         backend=cluster.backend,
         foreach=cluster.device != "cpu",
