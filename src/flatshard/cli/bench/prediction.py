@@ -37,6 +37,7 @@ def predict(config: BenchConfig) -> dict[str, float]:
         auto_wrap_policy={GPTBlock},
         cluster=cluster,
         ranks_per_host=config.nproc,
+        optimizer=config.optimizer,
         clip=False,  # the bench's step does not clip
     )
     predicted = {"tensor_peak_mib": plan.peak_memory_bytes / MiB}
