@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from flatshard.flat._layout import ViewPlan
 from flatshard.report import FlatLayout, plan_layout
+from flatshard.testing.internals import ViewPlan
 
 
 def check_invariants(layout: FlatLayout) -> None:

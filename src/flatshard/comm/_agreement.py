@@ -13,9 +13,15 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
-from flatshard.comm._collectives import all_gather_into, all_gather_object
+from flatshard.comm._collectives import all_gather_into, all_gather_object, on_device
 
 _SHOWN = 4  # differing lines quoted per rank
+
+
+def digest_of(lines: list[str]) -> int:
+    """8 bytes of the lines' SHA-256, as a signed 64-bit integer."""
+    digest = hashlib.sha256("\n".join(lines).encode()).digest()[:8]
+    return int.from_bytes(digest, "little", signed=True)
 
 
 def lines_if_different(
@@ -30,8 +36,7 @@ def lines_if_different(
     world = dist.get_world_size(group)
     if world == 1:
         return None
-    digest = hashlib.sha256("\n".join(lines).encode()).digest()[:8]
-    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], device=device)
+    mine = torch.tensor([digest_of(lines)], device=device)
     every_digest = mine.new_empty(world)
     all_gather_into(every_digest, mine, group)
     # On meta (the planner's simulated world, ``flatshard.plan``) nothing was sent.
@@ -41,7 +46,8 @@ def lines_if_different(
     every_digest.untyped_storage().resize_(0)
     if same:
         return None
-    gathered = all_gather_object(lines, group)
+    with on_device(device):  # the objects travel on the current device (NCCL)
+        gathered = all_gather_object(lines, group)
     return [cast(list[str], g) for g in gathered]
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from enum import Enum
 from functools import partial
 from typing import Any, NamedTuple
@@ -64,6 +64,9 @@ class PendingReduction(NamedTuple):
     output: torch.Tensor  # (C,) this rank's averaged shard once ``work`` is done
     finish: Callable[[], None] | None = None
     post_divide: int = 1  # the part of W divided after the sum (see split_division)
+    # Hybrid: the reduce-scatter the all-reduce was chained after, held (with what its
+    # side stream still reads) until this reduction is waited for.
+    after: PendingReduction | None = None
 
 
 def _issue(
@@ -131,6 +134,31 @@ def has_cpu_backend(group: dist.ProcessGroup) -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def chain_stream(device: torch.device) -> AbstractContextManager[Any]:
+    """Where a collective chained after another is issued: a side stream of ``device``'s
+    (fresh from torch's pool) on accelerators, so that the compute stream does not wait;
+    nothing on CPUs. See [Note: hybrid reduction off the compute stream]."""
+    if device.type in ("cpu", "meta"):
+        return nullcontext()
+    side = torch.Stream(device=device)
+    side.wait_stream(torch.accelerator.current_stream(device))  # after what issued it
+    return side  # entered: the current stream
+
+
+def on_device(device: torch.device | None) -> AbstractContextManager[Any]:
+    """Make ``device`` the current accelerator while inside.
+
+    torch puts some tensors on "the current device" rather than on one it is given: object
+    collectives and barriers on NCCL, and here a CPU tensor reduced over NCCL. A user who
+    passes ``device=f"cuda:{local_rank}"`` without ``torch.cuda.set_device`` would send
+    those to cuda:0 on every rank (NCCL: duplicate GPUs, or a hang), so every collective
+    call of flatshard runs on the model's own device. Nothing for CPUs and meta.
+    """
+    if device is None or device.type in ("cpu", "meta") or device.index is None:
+        return nullcontext()
+    return torch.accelerator.device_index(device.index)
 
 
 def _accelerator() -> torch.device:
@@ -255,11 +283,23 @@ def _start_sum(grad: torch.Tensor, groups: ShardGroups, tag: Tag | None) -> Pend
             work = _start_all_reduce(grad, groups.replicate, tag)
         return PendingReduction(work=work, input=grad, output=grad)
     output = grad.new_empty(grad.numel() // groups.factor)  # (C,)
-    if groups.replicate is not None:  # the all-reduce across replicas needs the chunk now
-        _scatter_sum(output, grad, groups, tag)
+    scattered = _start_scatter_sum(output, grad, groups, tag)
+    if groups.replicate is None:
+        return scattered
+    # [Note: hybrid reduction off the compute stream]
+    # The all-reduce across replicas needs the reduce-scatter's chunk. Waiting for it on
+    # the compute stream (as this did) would stop the next unit's backward until the
+    # reduce-scatter finished, on every unit. On an accelerator the wait and the all-reduce
+    # are issued from a side stream instead: it waits for the reduce-scatter, NCCL's stream
+    # waits for it, and the compute stream waits only when the reduction is waited for
+    # (``wait_reduction``). The tensors the side stream touches (``output``, the
+    # reduce-scatter's buffers) stay referenced here until then, and the compute stream
+    # is ordered after all of it by that wait, so their memory is safe to reuse after it.
+    # On gloo every wait blocks the host, here as before.
+    with chain_stream(grad.device):
+        wait_reduction(scattered)
         work = _start_all_reduce(output, groups.replicate, tag)
-        return PendingReduction(work=work, input=grad, output=output)
-    return _start_scatter_sum(output, grad, groups, tag)
+    return PendingReduction(work=work, input=grad, output=output, after=scattered)
 
 
 def _start_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, tag: Tag | None) -> dist.Work:

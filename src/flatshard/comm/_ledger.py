@@ -15,17 +15,33 @@ digests: every rank exchanges its list and raises the same ``CollectiveMismatchE
 naming the first call where the ranks differ, before ``optimizer.step()`` can apply
 anything. Counts that differ (one rank issues more) hang or mispair before this check
 can run; that is for a timeout to report.
+
+[Note: the digest without a host sync]
+Reading the gathered digests on the host (``bool(...)``) waits for everything the device
+was asked to do before them: the whole backward and every reduction. On gloo that costs
+nothing (the all-gather blocks the host anyway); on NCCL it would stop the host from
+running ahead into ``optimizer.step()`` and the next forward, every step. So on an
+accelerator the digests are copied into pinned host memory behind an event and compared
+before the next step issues anything (the root's next forward, or the next check), when the
+event has long completed while the host ran ``optimizer.step()`` (``query()``: no wait).
+A mismatch is then reported one step late, naming the step it happened in; the ranks all
+see the same digests, so they raise together. Collective calls between steps that must
+not act on a mismatched step (state dicts, checkpoints, summon) compare what is pending
+first (``settle``), waiting if need be. A mismatch in the very last step, with no check and
+no such call after it, goes unreported: save the final checkpoint through flatshard.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
 
-from flatshard.comm._agreement import lines_if_different
+from flatshard.comm._agreement import digest_of, lines_if_different
 from flatshard.comm._checks import Tag, tagged
+from flatshard.comm._collectives import all_gather_into, all_gather_object, on_device
 from flatshard.comm._errors import CollectiveMismatchError
 from flatshard.comm._ranks import global_rank
 
@@ -44,11 +60,32 @@ class Call:
         return f"{self.op} of unit '{self.unit}' ({self.numel:,} elements)"
 
 
+def defers_digest(device: torch.device) -> bool:
+    """Whether the digests on ``device`` are compared one check later ([Note: the digest
+    without a host sync]): on accelerators."""
+    return device.type not in ("cpu", "meta")
+
+
+@dataclass
+class _Pending:
+    """Digests gathered at a check, compared at the next one."""
+
+    lines: list[str]  # this rank's calls then
+    mine: int  # this rank's digest
+    every: torch.Tensor  # (W,) every rank's, in host memory once ``ready`` completed
+    ready: torch.Event | None  # None: ``every`` is there already
+    group: dist.ProcessGroup
+    device: torch.device
+    when: str
+    tag: Tag
+
+
 class StepLedger:
     """The collectives a root's units issued since the last check, in issue order."""
 
     def __init__(self) -> None:
         self.calls: list[Call] = []
+        self._pending: _Pending | None = None  # an accelerator's digests, not yet compared
 
     def record(self, op: str, unit: str, numel: int) -> None:
         self.calls.append(Call(op, unit, numel))
@@ -60,21 +97,63 @@ class StepLedger:
 
         A collective over ``group``: every rank calls it at the same point (the end of a
         backward pass, or of a forward without backward: ``when``). None: no group left
-        (interpreter exit), nothing to compare.
+        (interpreter exit), nothing to compare. On an accelerator this check's digests are
+        compared at the next one ([Note: the digest without a host sync]).
         """
         calls, self.calls = self.calls, []
         if group is None:
             return
+        self.settle()
+        lines = [str(c) for c in calls]
+        if not defers_digest(device) or dist.get_world_size(group) == 1:
+            with tagged(tag):
+                every = lines_if_different(lines, group, device)
+            if every is not None:
+                raise CollectiveMismatchError(_report(every, when))
+            return
         with tagged(tag):
-            every = lines_if_different([str(c) for c in calls], group, device)
-        if every is not None:
-            raise CollectiveMismatchError(_report(every, when))
+            self._pending = _gather_later(lines, group, device, when, tag)
+
+    def settle(self) -> None:
+        """Compare the digests still pending (waiting for them if they are not there yet);
+        the same error on every rank if they differ."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if pending.ready is not None and not pending.ready.query():
+            pending.ready.synchronize()
+        if bool((pending.every == pending.mine).all()):
+            return
+        with tagged(pending.tag), on_device(pending.device):
+            gathered = all_gather_object(pending.lines, pending.group)
+        every = [[str(line) for line in cast(list[str], g)] for g in gathered]
+        raise CollectiveMismatchError(_report(every, pending.when, late=True))
 
 
-def _report(per_rank: list[list[str]], when: str) -> str:
+def _gather_later(
+    lines: list[str], group: dist.ProcessGroup, device: torch.device, when: str, tag: Tag
+) -> _Pending:
+    """All-gather the digests on ``device`` and copy them to the host behind an event."""
+    mine = digest_of(lines)
+    world = dist.get_world_size(group)
+    sent = torch.tensor([mine], device=device)
+    gathered = sent.new_empty(world)
+    all_gather_into(gathered, sent, group)  # the stream waits, the host does not
+    if device.type == "cpu":  # (tests run this path on gloo: the digests are there)
+        return _Pending(lines, mine, gathered, None, group, device, when, tag)
+    every = torch.empty(world, dtype=gathered.dtype, pin_memory=True)
+    every.copy_(gathered, non_blocking=True)
+    ready = torch.Event(device=device)
+    ready.record()
+    return _Pending(lines, mine, every, ready, group, device, when, tag)
+
+
+def _report(per_rank: list[list[str]], when: str, late: bool = False) -> str:
     first = _first_difference(per_rank)
+    later = " (found at the next check: the step after it may have run on its results)"
     lines = [
-        f"flatshard: ranks issued different collectives in one {when} (seen on rank "
+        f"flatshard: ranks issued different collectives in one {when}{later if late else ''} "
+        f"(seen on rank "
         f"{global_rank()}); collectives pair by issue order, so the results would mix units "
         f"(see docs/design.md, 'collectives pair by issue order'). First difference at call "
         f"{first + 1}:"

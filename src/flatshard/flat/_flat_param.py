@@ -344,9 +344,13 @@ class FlatParamGroup:
         so optimizers skip it: a matrix optimizer must not step on an empty slice (Adafactor
         divides by its size) and holds no state for it ([Note: whole-parameter layout]).
         """
-        # The optimizer steps on the master shard: its dtype and device.
-        # Blocking: the optimizer may read it on the CPU right after (offload).
-        reduced = reduced.to(self.shard.device, self.shard.dtype, copy=self.offloaded)
+        # The optimizer steps on the master shard: its dtype and device. Offloaded from an
+        # accelerator the copy to the host runs behind the compute stream (into pinned
+        # memory); the end of backward waits for it before anything on the host reads the
+        # gradient ([Note: offload without a stall per unit] in runtime/_step.py).
+        reduced = reduced.to(
+            self.shard.device, self.shard.dtype, non_blocking=True, copy=self.offloaded
+        )
         views = self.views.shard_views(reduced)
         for orig, view, owned in zip(self.originals, views, self.owned, strict=True):
             if not owned:

@@ -3,17 +3,27 @@
 Prefetching issues a unit's all-gather before the unit runs. Nothing else stops the CPU
 from issuing many of them (each allocating a full unit) when it runs ahead of the device;
 the paper limits this to two in flight. Here a unit counts as "ahead" from its prefetch
-until its own hook waits for it or it is freed, and, on an accelerator, until the device
-has actually freed it (an event recorded when it is resharded in forward, as PyTorch FSDP
-does). Before a prefetch would exceed the limit, the oldest is waited for.
+until its own hook waits for it or it is freed. Before a prefetch would exceed the limit,
+the oldest is waited for: on NCCL ``wait()`` orders the compute stream after it and
+returns, so the host never blocks here.
+
+[Note: no host sync in the rate limiter]
+PyTorch FSDP1 also waits, on the host, for an event recorded where a unit was freed in
+forward: its all-gathers allocate on a stream of their own, and memory freed on the compute
+stream comes back to that stream only once the host knows the device got past the free.
+flatshard allocates the unsharded buffer on the compute stream (NCCL writes it from its
+own stream, and the buffer is waited for before it is freed: [Note: asynchronous
+all-gather]). The caching allocator hands a block freed on a stream to the next allocation
+on that same stream at once, and stream order makes the reuse safe. So the memory a rank
+uses is bounded by what the host keeps alive (at most ``limit`` units gathered ahead, plus
+the one running), however far the host runs ahead, and an event wait would add a host sync
+per unit and no bound. ``resharded`` only counts the frees.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from typing import Protocol
-
-import torch
 
 DEFAULT_LIMIT = 2
 
@@ -33,7 +43,6 @@ class RateLimiter:
     def __init__(self, limit: int | None = DEFAULT_LIMIT) -> None:
         self.limit = limit  # None: no limit
         self._ahead: deque[Gathering] = deque()
-        self._frees: deque[torch.Event] = deque()  # accelerators only
         # For tests and reports (flatshard.testing.internals.rate_limiter_of):
         self.max_ahead = 0  # the most units ever gathered ahead at once
         self.prefetches = 0  # calls of before_prefetch
@@ -47,22 +56,13 @@ class RateLimiter:
             return
         while len(self._ahead) >= self.limit:
             self._ahead.popleft().finish_unshard()
-        while len(self._frees) >= self.limit:
-            self._frees.popleft().synchronize()  # the device has freed that unit
 
     def prefetched(self, unit: Gathering) -> None:
         if unit.gather_in_flight:
             self._ahead.append(unit)
         self.max_ahead = max(self.max_ahead, len(self._ahead))
 
-    def resharded(self, device: torch.device) -> None:
-        """A unit was freed in forward: on an accelerator, note when the device gets there."""
+    def resharded(self) -> None:
+        """A unit was freed in forward (counted; see [Note: no host sync in the rate
+        limiter] for why the device is not waited for)."""
         self.frees += 1
-        if self.limit is not None and device.type not in ("cpu", "meta"):  # meta: a plan
-            event = torch.Event(device=device)
-            event.record()
-            self._frees.append(event)
-            # Events of one stream complete in order: the newest ``limit`` say it all (and
-            # without prefetches nothing else would ever drain the queue).
-            while len(self._frees) > self.limit:
-                self._frees.popleft()

@@ -22,6 +22,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from flatshard.comm._checks import Tag, tagged
+from flatshard.comm._collectives import on_device
 from flatshard.comm._ledger import StepLedger
 from flatshard.comm._mesh import ShardGroups
 from flatshard.comm._watchdog import watchdog
@@ -127,6 +128,11 @@ class StepContext:
         self.in_flight = flat.reduction
 
     def forward_started(self, unit: Unit) -> None:
+        if unit.is_root or not self.forward_depth:
+            # The last step's digests, before this one issues anything: a mismatch there
+            # would mispair this step's collectives too ([Note: the digest without a host
+            # sync]; its event completed while the host ran optimizer.step()).
+            self.ledger.settle()
         if unit.is_root:
             self.forward_depth = 0  # a new iteration: forget a forward that raised
             self._free_kept(but=unit)
@@ -144,7 +150,7 @@ class StepContext:
             return  # kept on purpose, for this forward
         for unit in self.units:
             if unit is not but and unit.kept_for_backward and unit.reshard():
-                self.rate_limiter.resharded(unit.compute_device)
+                self.rate_limiter.resharded()
 
     def forward_ended(self) -> None:
         """After the outermost forward: free what no backward will use.
@@ -158,7 +164,8 @@ class StepContext:
             return
         for unit in self.units:
             if not unit.pinned and unit.reshard():
-                self.rate_limiter.resharded(unit.compute_device)
+                self.rate_limiter.resharded()
+        self.wait_host_copies()
         tag = self.tag(phase="end-of-forward check")
         self.ledger.check(self.process_group, self._device, "forward without backward", tag)
 
@@ -183,6 +190,7 @@ class StepContext:
                             flat.reduction.start()
             for unit in self.units:
                 unit.end_backward()
+            self.wait_host_copies()
             self.in_flight = None
             self.callback_queued = False
             # Before optimizer.step() can apply what a mismatch produced.
@@ -192,6 +200,23 @@ class StepContext:
             self.phase = "between steps"
             if (dog := watchdog()) is not None:
                 dog.step_ended()  # how long steps take: when a wait is worth a warning
+
+    def wait_host_copies(self) -> None:
+        """[Note: offload without a stall per unit]
+        With CPUOffload on an accelerator, shards go to the device and reduced gradients
+        come back with asynchronous copies on the compute stream: the host issues them and
+        runs on (it used to wait for each gradient's copy, at every unit). Before the host
+        touches that memory itself (the optimizer reads the gradients and writes the shards
+        a copy to the device may still be reading; so may the user's code), it waits once,
+        here, at the end of a backward pass or of a forward without backward: one host sync
+        per step, for offload only."""
+        device = self._device
+        if device.type in ("cpu", "meta"):
+            return
+        if any(flat.offloaded for unit in self.units for flat in unit.flat_params):
+            copied = torch.Event(device=device)
+            copied.record()  # after every copy issued on the compute stream so far
+            copied.synchronize()
 
     @property
     def _device(self) -> torch.device:
@@ -230,6 +255,10 @@ def _release_at_exit(ref: weakref.ref[StepContext]) -> None:
 
 
 _IN_CALL: ContextVar[bool] = ContextVar("flatshard_in_call", default=False)
+# Calls made inside a training step, between backward and optimizer.step(): they leave the
+# step's digests pending ([Note: the digest without a host sync]); every other call,
+# between steps, compares them first.
+_IN_THE_STEP = frozenset({"clip_grad_norm_", "torch.nn.utils.clip_grad_norm_"})
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -256,7 +285,10 @@ def collective_call(model: nn.Module, caller: str) -> Iterator[None]:
             dog.entry(group, tag)
     token = _IN_CALL.set(True)
     try:
-        with tagged(tag):
+        with tagged(tag), on_device(units[0].compute_device):  # see on_device
+            if caller not in _IN_THE_STEP:  # digests still pending: compare them first
+                for context in contexts:
+                    context.ledger.settle()
             yield
     finally:
         _IN_CALL.reset(token)

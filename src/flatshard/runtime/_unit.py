@@ -324,7 +324,7 @@ class Unit:
             elif hidden_graph:
                 pass  # no pre-backward hook could gather again: stays as it is until backward
             elif self.reshard():
-                self.context.rate_limiter.resharded(self.compute_device)
+                self.context.rate_limiter.resharded()
             self.context.forward_ended()
         return output
 

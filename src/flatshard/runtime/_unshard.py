@@ -46,4 +46,4 @@ def reshard(module: nn.Module) -> None:
     unit.require_idle("reshard", "call it between steps, not inside forward or backward.")
     unit.pinned = False
     if unit.reshard():
-        unit.context.rate_limiter.resharded(unit.compute_device)
+        unit.context.rate_limiter.resharded()

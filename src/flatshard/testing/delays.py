@@ -59,3 +59,54 @@ def delayed_collectives(seconds: float = 0.01) -> Iterator[None]:
     finally:
         for name, real in saved.items():
             setattr(_collectives, name, real)
+
+
+class _LaggedWork:
+    """A collective's work whose ``wait`` queues a device sleep after it."""
+
+    def __init__(self, work: Any, lag: Callable[[], None]) -> None:
+        self.work, self.lag = work, lag
+
+    def wait(self, timeout: Any = None) -> bool:
+        done = bool(self.work.wait()) if timeout is None else bool(self.work.wait(timeout))
+        self.lag()
+        return done
+
+    def is_completed(self) -> bool:
+        return bool(self.work.is_completed())
+
+
+def _lagged(real: Callable[..., Any], lag: Callable[[], None]) -> Callable[..., Any]:
+    def lagged(*args: Any, **kwargs: Any) -> Any:
+        lag()  # the collective starts late on the device: its inputs are read late
+        work = real(*args, **kwargs)
+        return _LaggedWork(work, lag) if work is not None else None
+
+    return lagged
+
+
+@contextmanager
+def gpu_lag(cycles: int = 2_000_000) -> Iterator[None]:
+    """Inside: the device sleeps ``cycles`` before each collective flatshard launches and
+    after each wait (``torch.cuda._sleep`` on the current stream), while the host runs on.
+
+    A buffer freed, reused or overwritten before its collective was waited for is then
+    still in use on the device when the host moves on: results differ from a run without
+    the lag, where a fast GPU hides the race. For CUDA only; nothing on a CPU run.
+    """
+    if not torch.cuda.is_available():
+        yield
+        return
+
+    def lag() -> None:
+        torch.cuda._sleep(cycles)  # type: ignore[no-untyped-call]
+
+    names = ("_ALL_GATHER", "_REDUCE_SCATTER", "_ALL_REDUCE", "_ALL_TO_ALL")
+    saved = {name: getattr(_collectives, name) for name in names}
+    for name, real in saved.items():
+        setattr(_collectives, name, _lagged(real, lag))
+    try:
+        yield
+    finally:
+        for name, real in saved.items():
+            setattr(_collectives, name, real)

@@ -18,9 +18,12 @@ from torch import nn
 
 from flatshard.build._init import with_index as device_with_index
 from flatshard.comm import _collectives, _mesh
+from flatshard.comm import _collectives as comm_collectives
+from flatshard.comm import _ledger as comm_ledger
 from flatshard.comm._checks import Tag
 from flatshard.comm._collectives import ReduceScatter
 from flatshard.comm._mesh import ranks_per_host
+from flatshard.flat._layout import ViewPlan
 from flatshard.flat._partition import UnitPlan, partition
 from flatshard.flat._policy import select_unit_roots
 from flatshard.planner._calibrate import _achieved as fitted_achieved
@@ -38,12 +41,17 @@ from flatshard.state import _checkpoint
 
 __all__ = [
     "CalibratedSpeeds",
+    "RateLimiter",
     "RecordedOp",
     "ReduceScatter",
     "UnitPlan",
+    "ViewPlan",
     "calibrated_seconds",
     "checkpoint_save_fails",
     "collective_tag",
+    "comm_collectives",
+    "comm_ledger",
+    "context_of",
     "device_with_index",
     "fitted_achieved",
     "forced_reduce_scatter",
@@ -58,6 +66,7 @@ __all__ = [
     "ranks_per_host",
     "rate_limiter_of",
     "select_unit_roots",
+    "units_of",
 ]
 
 

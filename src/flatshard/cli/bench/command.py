@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         if not hasattr(args, name):  # the preset's shape, except what was given as a flag
             setattr(args, name, value)
     config = config_from_args(BenchConfig, args)
-    config = replace(config, device=resolve_device(config.device, config.nproc))
+    config = replace(config, device=resolve_device(config.device, config.nproc, config.share_gpus))
     worlds = range(1, config.nproc + 1) if config.scaling else [config.nproc]
     by_world = {w: _bench(replace(config, nproc=w)) for w in worlds}
     summary, collectives = by_world[config.nproc]
@@ -72,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
         print(scaling_table({w: s for w, (s, _) in by_world.items()}, config.system_list))
     else:
         print(table(summary, "RSS" if config.device == "cpu" else "alloc."))
-        if "flatshard" in summary and not config.compile:
+        plannable = config.optimizer != "adafactor"  # its step reads values a plan lacks
+        if "flatshard" in summary and not config.compile and plannable:
             predicted = predict(config)
             print(predicted_line(predicted, summary["flatshard"]))
     os.makedirs(config.out, exist_ok=True)
@@ -185,7 +186,8 @@ def _worker(
     """One rank of one system: build, then run a step per "step" order until "stop"."""
     torch.set_num_threads(1)
     try:
-        device = init_rank(config.device, f"file://{store}", rank, config.nproc, rank)
+        store_at = f"file://{store}"
+        device = init_rank(config.device, store_at, rank, config.nproc, rank, config.share_gpus)
         answers.put({"rank": rank, **_serve(config, system, rank, device, inbox, answers)})
     except Exception as error:  # reported by the parent, which then stops
         answers.put({"rank": rank, "error": f"rank {rank}: {error!r}"})

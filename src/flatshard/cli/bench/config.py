@@ -27,6 +27,9 @@ class BenchConfig:
     """ranks (local processes)"""
     device: str = "auto"
     """auto | cpu | cuda (auto: cuda with NCCL, one GPU per rank, when GPUs are visible)"""
+    share_gpus: bool = False
+    """for testing only: more local ranks than GPUs, sharing them over NCCL (each rank
+    poses as a host of its own, sockets over loopback): slow, for correctness checks"""
     systems: str = ""
     """comma-separated subset of flatshard,fsdp2,ddp,floor,flatshard-noprefetch,
     flatshard-debug (every collective checked across ranks first: Checks(debug=True));

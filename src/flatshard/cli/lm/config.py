@@ -59,6 +59,9 @@ class TrainConfig:
     device: str = "auto"
     """auto | cpu | cuda: where ranks compute (auto: one GPU per rank with NCCL when GPUs
     are visible, else CPUs with gloo)"""
+    share_gpus: bool = False
+    """for testing only: more local ranks than GPUs, sharing them over NCCL (each rank
+    poses as a host of its own, sockets over loopback): slow, for correctness checks"""
     steps: int = 300
     """optimizer steps"""
     batch: int = 16

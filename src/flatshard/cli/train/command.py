@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         world = int(os.environ["WORLD_SIZE"])
         config.check_world(world)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        config = replace(config, device=resolve_device(config.device, local))
+        config = replace(config, device=resolve_device(config.device, local, config.share_gpus))
         lead = os.environ["RANK"] == "0"
         config = _fitted(config, world, lead)
         _train(config, None, _predicted(config, world, local) if lead else None)
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     if config.max_restarts:
         resume = [] if config.resume else ["--resume", "auto"]
         return run_elastic(config.nproc, config.max_restarts, [*sys.argv[1:], *resume])
-    config = replace(config, device=resolve_device(config.device, config.nproc))
+    config = replace(config, device=resolve_device(config.device, config.nproc, config.share_gpus))
     config = _fitted(config, config.nproc, lead=True)
     prediction = _predicted(config, config.nproc, config.nproc)
     with tempfile.TemporaryDirectory(prefix="flatshard-train-") as tmp:
@@ -277,7 +277,7 @@ def _train(config: TrainConfig, store: str | None, prediction: Prediction | None
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
     init = f"file://{store}" if store else "env://"
-    device = init_rank(config.device, init, rank, world, local)
+    device = init_rank(config.device, init, rank, world, local, config.share_gpus)
     try:
         backend = backend_for(config.device)
         if backend == "gloo":
