@@ -7,6 +7,7 @@ non-sharded reference (fp32, rtol 1e-5); FULL_SHARD and SHARD_GRAD_OP also with 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -165,6 +166,8 @@ def strategy_counts_job(
     with CollectiveTracker() as tracker:
         for micro in range(micro_batches):
             part = slice_batch(local, micro, micro_batches)
+            if config.all_reduce_last:
+                flatshard.set_requires_all_reduce(model, micro == micro_batches - 1)
             if config.no_sync and micro < micro_batches - 1:
                 with flatshard.no_sync(model):
                     model.loss(part).backward()
@@ -290,8 +293,41 @@ def test_units_kept_gathered_after_backward_are_not_gathered_again(
             False,
         ),
         (ParityConfig(model="frozen", world_size=2, steps=3, reshard_after_backward=False), False),
+        (
+            ParityConfig(
+                model="gpt",
+                world_size=4,
+                micro_batches=3,
+                all_reduce_last=True,
+                strategy="HYBRID_SHARD",
+                sharding_factor=2,
+                clip=0.5,
+            ),
+            False,
+        ),
+        (
+            ParityConfig(
+                model="nested",
+                world_size=4,
+                micro_batches=2,
+                all_reduce_last=True,
+                reshard_after_backward=False,
+                strategy="HYBRID_SHARD_ZERO2",
+                sharding_factor=2,
+                optimizer="sgd",
+            ),
+            False,
+        ),
     ],
-    ids=["switch-fsdp2", "keep-gathered", "switch-keep-zero2-fsdp2", "keep-hybrid", "keep-frozen"],
+    ids=[
+        "switch-fsdp2",
+        "keep-gathered",
+        "switch-keep-zero2-fsdp2",
+        "keep-hybrid",
+        "keep-frozen",
+        "all-reduce-last-clip",
+        "all-reduce-last-keep-zero2",
+    ],
 )
 def test_fsdp2_named_switches_parity(
     pool: WorkerPool, config: ParityConfig, against_fsdp2: bool
@@ -300,6 +336,49 @@ def test_fsdp2_named_switches_parity(
     model and, where marked, FSDP2 with the same settings; over several steps, so a unit
     kept gathered across optimizer.step() would show (it is gathered again)."""
     pool.run(parity_job, config, against_fsdp2)
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2, 3])
+def test_requires_all_reduce_false_all_reduces_across_replicas_once_per_step(
+    pool: WorkerPool, micro_batches: int
+) -> None:
+    """HYBRID_SHARD 2 x 2, N micro-batches: every micro-batch reduce-scatters each unit in
+    its shard group (N x units all-to-alls, gloo's form); across the replicas, N x units
+    all-reduces by default, and units all-reduces once (of the sum) with
+    set_requires_all_reduce(False) for all micro-batches but the last."""
+    config = ParityConfig(model="gpt", world_size=4, strategy="HYBRID_SHARD", sharding_factor=2)
+    default = pool.run(strategy_counts_job, config, micro_batches)[0]
+    once = pool.run(strategy_counts_job, replace(config, all_reduce_last=True), micro_batches)[0]
+    units = len(once["flats"])
+    for counts in (default["counts"], once["counts"]):
+        assert counts.get(ALL_TO_ALL, 0) + counts.get(REDUCE_SCATTER, 0) == micro_batches * units
+    assert default["counts"][ALL_REDUCE] == micro_batches * units
+    assert once["counts"][ALL_REDUCE] == units
+
+
+def owed_step_job(ctx: WorkerContext) -> str | None:
+    group = ctx.group(4)
+    if group is None:
+        return None
+    model: Any = build("gpt")
+    config = ParityConfig(model="gpt", world_size=4, strategy="HYBRID_SHARD", sharding_factor=2)
+    shard_with_flatshard(model, config, group)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    flatshard.set_requires_all_reduce(model, False)
+    model.loss(slice_batch(next(batches(model, 1)), ctx.rank, 4)).backward()
+    try:
+        optim.step()
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        flatshard.set_requires_all_reduce(model, True)
+    return "no error"
+
+
+def test_a_step_while_the_all_reduce_is_owed_is_an_error(pool: WorkerPool) -> None:
+    for rank, message in enumerate(pool.run(owed_step_job)):
+        assert message.startswith(f"flatshard: optimizer.step() on rank {rank} while unit"), message
+        assert "flatshard.set_requires_all_reduce(model, True) before the last" in message
 
 
 def switch_misuse_job(ctx: WorkerContext) -> list[str] | None:

@@ -36,6 +36,7 @@ from flatshard.runtime import (
     register_matrix_optimizer,
     reshard,
     set_prefetch,
+    set_requires_all_reduce,
     set_requires_gradient_sync,
     set_reshard_after_backward,
     sharding_summary,
@@ -72,6 +73,7 @@ __all__ = [
     "init_weights",
     # during training
     "no_sync",
+    "set_requires_all_reduce",
     "set_requires_gradient_sync",
     "set_reshard_after_backward",
     "clip_grad_norm_",

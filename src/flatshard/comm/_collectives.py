@@ -262,17 +262,22 @@ def describe(group: dist.ProcessGroup) -> str:
     return f"{backend}: all-gather all_gather_into_tensor (async); gradient reduce {reduce}"
 
 
-def reduce_gradient(grad: torch.Tensor, groups: ShardGroups, tag: Tag | None) -> PendingReduction:
+def reduce_gradient(
+    grad: torch.Tensor, groups: ShardGroups, tag: Tag | None, across_replicas: bool = True
+) -> PendingReduction:
     """Average ``grad`` (C * F,) over all W ranks; this rank keeps its chunk (C,).
 
     Reduce-scatter inside the shard group, then all-reduce of the chunk inside the
     replicate group. Divides by part of W before the sum and the rest after
     (``split_division``), so that low-precision sums neither overflow nor underflow.
+    ``across_replicas=False``: the reduce-scatter alone, still divided by all of W, so that
+    a later sum across the replicas (``all_reduce``) of such chunks is the average.
     """
     pre, post = split_division(groups.world_size)
     if pre > 1:
         grad.div_(pre)
-    return _start_sum(grad, groups, tag)._replace(post_divide=post)
+    summed = groups if across_replicas else ShardGroups(groups.shard, None)
+    return _start_sum(grad, summed, tag)._replace(post_divide=post)
 
 
 def _start_sum(grad: torch.Tensor, groups: ShardGroups, tag: Tag | None) -> PendingReduction:

@@ -14,7 +14,12 @@ from typing import Protocol
 import torch
 
 from flatshard.comm._checks import Tag, current_tag, tagged
-from flatshard.comm._collectives import PendingReduction, reduce_gradient, wait_reduction
+from flatshard.comm._collectives import (
+    PendingReduction,
+    all_reduce,
+    reduce_gradient,
+    wait_reduction,
+)
 from flatshard.comm._mesh import ShardGroups
 
 CommHook = Callable[[torch.Tensor, ShardGroups], torch.Tensor]
@@ -49,9 +54,18 @@ class GradientReduction:
         # Whether this backward pass's gradient was dealt with (reduced, or kept for
         # later under no_sync); reset by the end of the pass.
         self.done_in_backward = False
+        # set_requires_all_reduce(False), hybrid: the sum of this rank's reduce-scattered
+        # chunks (C,), averaged over W but not yet summed across the replicas; it reaches
+        # ``.grad`` at the first reduction with the all-reduce on.
+        self.owed: torch.Tensor | None = None
+        self._across_now = True  # the pending reduction ends with the replicas' sum
 
-    def start(self) -> None:
-        """Reduce the accumulated flat gradient (zeros if none arrived), without waiting."""
+    def start(self, all_reduce: bool = True) -> None:
+        """Reduce the accumulated flat gradient (zeros if none arrived), without waiting.
+
+        ``all_reduce=False`` (``set_requires_all_reduce``; hybrid only): reduce-scatter
+        inside the shard group and keep the chunk, owed to the replicas' all-reduce.
+        """
         grad = self.flat.take_grad()
         if self.pending is not None:
             self.finish()
@@ -60,12 +74,23 @@ class GradientReduction:
         tag = None
         if groups.world_size > 1:
             tag = self.flat.on_collective("reduce", grad.numel())
+        hybrid = groups.replicate is not None
         if self.comm_hook is not None:
+            if hybrid and (not all_reduce or self.owed is not None):
+                raise RuntimeError(
+                    "flatshard.set_requires_all_reduce(False) does not apply to a unit with "
+                    "a communication hook (the hook does the whole reduction): set it True, "
+                    "or register no hook"
+                )
             with tagged(tag or current_tag()):
                 reduced = self.comm_hook(grad, groups)
             self.pending = PendingReduction(work=None, input=grad, output=reduced)
         else:
-            self.pending = reduce_gradient(grad, groups, tag)
+            # The replicas' sum of a chunk owed from earlier micro-batches comes at finish,
+            # over the total: this reduction scatters only.
+            across = not hybrid or (all_reduce and self.owed is None)
+            self.pending = reduce_gradient(grad, groups, tag, across_replicas=across)
+        self._across_now = all_reduce
         self.done_in_backward = True
 
     def keep_unreduced(self) -> None:
@@ -78,4 +103,13 @@ class GradientReduction:
             return
         reduced = wait_reduction(self.pending)  # (C,)
         self.pending = None
+        groups = self.flat.groups
+        owing = self.owed is not None or not self._across_now
+        if groups.replicate is not None and self.comm_hook is None and owing:
+            self.owed = reduced if self.owed is None else self.owed.add_(reduced)
+            if not self._across_now:
+                return  # owed to a later micro-batch's all-reduce
+            reduced, self.owed = self.owed, None
+            tag = self.flat.on_collective("all_reduce", reduced.numel())
+            all_reduce(reduced, groups.replicate, tag)
         self.flat.add_to_grads(reduced)

@@ -23,7 +23,11 @@ from flatshard.runtime._summary import (
     sharding_summary,
 )
 from flatshard.runtime._summon import summon_full_params
-from flatshard.runtime._switches import set_requires_gradient_sync, set_reshard_after_backward
+from flatshard.runtime._switches import (
+    set_requires_all_reduce,
+    set_requires_gradient_sync,
+    set_reshard_after_backward,
+)
 from flatshard.runtime._unit import units_of
 from flatshard.runtime._unshard import UnshardHandle, reshard, unshard
 
@@ -42,6 +46,7 @@ __all__ = [
     "register_matrix_optimizer",
     "reshard",
     "set_prefetch",
+    "set_requires_all_reduce",
     "set_requires_gradient_sync",
     "set_reshard_after_backward",
     "sharding_summary",

@@ -59,6 +59,9 @@ class StepContext:
         # False (set_reshard_after_backward): units stay gathered after backward for the
         # next micro-batch's forward; a shard written since is gathered again.
         self.reshard_after_backward = True
+        # False (set_requires_all_reduce), hybrid: reduce-scatter inside the shard group
+        # only; the replicas' all-reduce comes, over the sum, once it is True again.
+        self.all_reduce_replicas = True
         self.forward_depth = 0  # units whose forward runs now (nested calls)
         self.step = 0  # backward passes completed (the ledger's and the reports' step)
         self.phase = "forward"  # what the units do now, in the reports' words
@@ -124,7 +127,7 @@ class StepContext:
             return
         if self.in_flight is not None:
             self.in_flight.finish()
-        flat.reduction.start()
+        flat.reduction.start(self.all_reduce_replicas)
         self.in_flight = flat.reduction
 
     def forward_started(self, unit: Unit) -> None:
@@ -187,7 +190,7 @@ class StepContext:
                 if unit.expects_backward and self.sync_gradients:
                     for flat in unit.trainable:
                         if not flat.reduction.done_in_backward:
-                            flat.reduction.start()
+                            flat.reduction.start(self.all_reduce_replicas)
             for unit in self.units:
                 unit.end_backward()
             self.wait_host_copies()

@@ -51,6 +51,9 @@ class ParityConfig:
     # which FSDP2 has too).
     accumulate_with: str = "no_sync"
     reshard_after_backward: bool = True  # False: set_reshard_after_backward(model, False)
+    # Hybrid: set_requires_all_reduce(False) for all micro-batches but the last (flatshard
+    # and FSDP2 alike): reduce-scatters only, the replicas' all-reduce once per step.
+    all_reduce_last: bool = False
     clip: float | None = None  # clip_grad_norm_ to this each step
     norm_type: float = 2.0
     # How flatshard's runs clip: flatshard.clip_grad_norm_, torch.nn.utils.clip_grad_norm_
@@ -159,6 +162,12 @@ def train(
                 # keep units gathered for all micro-batches but the last.
                 last = micro == config.micro_batches - 1
                 cast(Any, model).set_reshard_after_backward(last)
+            if config.all_reduce_last and kind != "reference":
+                last = micro == config.micro_batches - 1
+                if kind == "flatshard":
+                    flatshard.set_requires_all_reduce(model, last)
+                else:
+                    cast(Any, model).set_requires_all_reduce(last)
             with _accumulation(model, kind, keep_local, config.accumulate_with):
                 loss = sum(loss_fn(chunk) for chunk in chunks) / (
                     config.forwards_per_backward * config.micro_batches
