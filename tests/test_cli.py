@@ -125,6 +125,22 @@ def test_train_with_muon_shards_whole_parameters_and_resumes_exactly(tmp_path: P
         assert loss == pytest.approx(losses[step], rel=1e-6), (step, losses, again)
 
 
+def test_hybrid_accumulation_reduces_across_hosts_once_per_step(tmp_path: Path) -> None:
+    """--no-accum-no-sync under HYBRID_SHARD (4 ranks, F = 2): each micro-batch
+    reduce-scatters inside its host, the all-reduce across hosts runs once per step; the
+    losses are no_sync's (the same gradients, summed in another order)."""
+    common = [*TINY, "--steps", "4", "--nproc", "4", "--strategy", "HYBRID_SHARD"]
+    common += ["--sharding-factor", "2", "--grad-accum", "2", "--sample-bytes", "0"]
+    quiet, each = tmp_path / "quiet", tmp_path / "each"
+    out = _train(*common, "--out-dir", str(quiet))
+    assert "micro-batch 1: no reduction (flatshard.no_sync" in out, out
+    out = _train(*common, "--no-accum-no-sync", "--out-dir", str(each))
+    assert "micro-batch 1: a reduce-scatter per unit inside each host, nothing across" in out
+    a, b = _losses(quiet), _losses(each)
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-5), (a, b)
+
+
 BAD_TOML = {"unknown": "stepz = 3", "type": 'steps = "many"', "syntax": "steps = = 3"}
 
 

@@ -162,6 +162,13 @@ class Trainer:
         )
         low = PRECISIONS[config.mixed_precision]
         self.scaler = flatshard.ShardedGradScaler(device.type, enabled=low is torch.float16)
+        # --no-accum-no-sync under a hybrid strategy: reduce-scatter every micro-batch, the
+        # all-reduce across replicas once per step (flatshard.set_requires_all_reduce).
+        self.all_reduce_last = (
+            config.grad_accum > 1
+            and not config.accum_no_sync
+            and config.sharding_strategy.is_hybrid
+        )
         self.step = 0
 
     def loss(self, idx: torch.Tensor) -> torch.Tensor:
@@ -181,7 +188,10 @@ class Trainer:
         for micro in range(config.grad_accum):
             first = (micro * self.world + self.rank) * config.batch
             local = batch[first : first + config.batch]
-            quiet = config.accum_no_sync and micro < config.grad_accum - 1
+            last = micro == config.grad_accum - 1
+            quiet = config.accum_no_sync and not last
+            if self.all_reduce_last:  # hybrid, reducing each micro-batch: replicas once
+                flatshard.set_requires_all_reduce(self.model, last)
             with flatshard.no_sync(self.model) if quiet else nullcontext():
                 loss = self.loss(local) / config.grad_accum
                 torch.autograd.backward(self.scaler.scale(loss))
@@ -338,6 +348,23 @@ def _loop(trainer: Trainer, backend: str) -> None:
     _finish(trainer, out)
 
 
+def _accumulation_line(config: TrainConfig) -> str:
+    """What each of --grad-accum's micro-batches communicates."""
+    n, strategy = config.grad_accum, config.sharding_strategy
+    if config.accum_no_sync:
+        early = "no reduction (flatshard.no_sync: unsharded gradients kept)"
+    elif strategy.is_hybrid:
+        early = "a reduce-scatter per unit inside each host, nothing across hosts"
+    else:
+        early = "a reduction per unit"
+    gathers = "the all-gathers of the strategy" if strategy.name != "NO_SHARD" else "no gather"
+    first = "micro-batch 1" if n == 2 else f"micro-batches 1-{n - 1}"
+    return (
+        f"accumulation: {n} micro-batches per step; {first}: {early}, {gathers}; "
+        f"micro-batch {n}: the reduction of the whole step's gradients"
+    )
+
+
 def _optimizer_phrase(kind: str) -> str:
     """How the banner names --optimizer (nothing for the default)."""
     names = {"adamw": "", "muon": "Muon + AdamW", "adafactor": "Adafactor"}
@@ -357,6 +384,8 @@ def _print_start(trainer: Trainer, backend: str) -> None:
         f"data: {trainer.corpus.name}, {len(trainer.corpus.train):,} training bytes; "
         f"unigram entropy {trainer.corpus.unigram_entropy:.3f} nats/byte (uniform 5.545)"
     )
+    if config.grad_accum > 1:
+        print(_accumulation_line(config))
     print(flatshard.sharding_summary(trainer.model))
     if config.mixed_precision != "none":
         print("dtype plan (master = optimizer state dtype):")
