@@ -126,8 +126,8 @@ def test_a_deferred_digest_reports_at_the_next_check(pool: WorkerPool, then: str
     for first, message in pool.run(deferred_mismatch_job, then)[:2]:
         assert first == "no error at the end of step 1"
         assert (
-            "ranks issued different collectives in one backward pass (found at the next "
-            "check" in message
+            "ranks issued different collectives in one backward pass (found before the next "
+            "step" in message
         ), message
         assert "all_gather of unit 'experts.0'" in message
 

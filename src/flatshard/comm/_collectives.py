@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from enum import Enum
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -156,9 +156,10 @@ def on_device(device: torch.device | None) -> AbstractContextManager[Any]:
     those to cuda:0 on every rank (NCCL: duplicate GPUs, or a hang), so every collective
     call of flatshard runs on the model's own device. Nothing for CPUs and meta.
     """
-    if device is None or device.type in ("cpu", "meta") or device.index is None:
+    index = getattr(torch.accelerator, "device_index", None)  # torch 2.8 and later
+    if device is None or device.type in ("cpu", "meta") or device.index is None or index is None:
         return nullcontext()
-    return torch.accelerator.device_index(device.index)
+    return cast(AbstractContextManager[Any], index(device.index))
 
 
 def _accelerator() -> torch.device:

@@ -24,8 +24,8 @@ running ahead into ``optimizer.step()`` and the next forward, every step. So on 
 accelerator the digests are copied into pinned host memory behind an event and compared
 before the next step issues anything (the root's next forward, or the next check), when the
 event has long completed while the host ran ``optimizer.step()`` (``query()``: no wait).
-A mismatch is then reported one step late, naming the step it happened in; the ranks all
-see the same digests, so they raise together. Collective calls between steps that must
+A mismatch is then reported one step late (``optimizer.step()`` may have applied it); the
+ranks all see the same digests, so they raise together. Collective calls between steps that must
 not act on a mismatched step (state dicts, checkpoints, summon) compare what is pending
 first (``settle``), waiting if need be. A mismatch in the very last step, with no check and
 no such call after it, goes unreported: save the final checkpoint through flatshard.
@@ -98,7 +98,7 @@ class StepLedger:
         A collective over ``group``: every rank calls it at the same point (the end of a
         backward pass, or of a forward without backward: ``when``). None: no group left
         (interpreter exit), nothing to compare. On an accelerator this check's digests are
-        compared at the next one ([Note: the digest without a host sync]).
+        compared before the next step ([Note: the digest without a host sync]).
         """
         calls, self.calls = self.calls, []
         if group is None:
@@ -150,7 +150,7 @@ def _gather_later(
 
 def _report(per_rank: list[list[str]], when: str, late: bool = False) -> str:
     first = _first_difference(per_rank)
-    later = " (found at the next check: the step after it may have run on its results)"
+    later = " (found before the next step: optimizer.step() may have applied its results)"
     lines = [
         f"flatshard: ranks issued different collectives in one {when}{later if late else ''} "
         f"(seen on rank "

@@ -60,21 +60,25 @@ def set_requires_all_reduce(model: nn.Module, requires_all_reduce: bool) -> None
 
 def _refuse_owed(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """No step on gradients that miss the replicas' sum (they would not even be in .grad)."""
+    owing = [
+        (unit, flat)
+        for context in sharded_contexts()
+        for unit in context.units
+        for flat in unit.trainable
+        if flat.reduction.owed is not None
+    ]
+    if not owing:  # the common case: one attribute read per flat group
+        return
     params = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for context in sharded_contexts():
-        for unit in context.units:
-            for flat in unit.trainable:
-                if flat.reduction.owed is not None and any(
-                    id(o.param) in params for o in flat.originals
-                ):
-                    raise RuntimeError(
-                        f"flatshard: optimizer.step() on rank {global_rank()} while unit "
-                        f"'{unit.label}' still owes its gradients' all-reduce across replicas "
-                        "(set_requires_all_reduce(model, False) was in force for every "
-                        "backward since the last step). Call "
-                        "flatshard.set_requires_all_reduce(model, True) before the last "
-                        "micro-batch's backward."
-                    )
+    for unit, flat in owing:
+        if any(id(o.param) in params for o in flat.originals):
+            raise RuntimeError(
+                f"flatshard: optimizer.step() on rank {global_rank()} while unit "
+                f"'{unit.label}' still owes its gradients' all-reduce across replicas "
+                "(set_requires_all_reduce(model, False) was in force for every backward "
+                "since the last step). Call flatshard.set_requires_all_reduce(model, True) "
+                "before the last micro-batch's backward."
+            )
 
 
 def _agreed(model: nn.Module, caller: str, value: bool) -> list[StepContext]:
