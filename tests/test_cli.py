@@ -306,6 +306,37 @@ def test_more_ranks_than_gpus_is_one_line(capsys: pytest.CaptureFixture[str], co
     assert err.startswith(f"flatshard {command}: error: {message}"), err
 
 
+def test_bench_accumulation_modes_move_the_bytes_they_should(tmp_path: Path) -> None:
+    """--grad-accum 2 with each --accum, every system with its own switches: flatshard's
+    bytes per step: keep (no second gather, no early reduction) < no_sync < reduce."""
+    argv = ["bench", "--dim", "16", "--layers", "2", "--heads", "2", "--vocab", "40"]
+    argv += ["--seq-len", "8", "--batch", "4", "--grad-accum", "2", "--steps", "1"]
+    argv += ["--warmup", "1", "--rounds", "1", "--systems", "flatshard,fsdp2,ddp"]
+    moved = {}
+    for accum in ("keep", "no_sync", "reduce"):
+        out = tmp_path / accum
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "flatshard.cli.main",
+                *argv,
+                "--accum",
+                accum,
+                "--out",
+                str(out),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+        )
+        systems = json.loads((out / "bench.json").read_text())["systems"]
+        assert all(row["median_step_s"] > 0 for row in systems.values()), systems
+        moved[accum] = systems["flatshard"]["collective_output_bytes"]
+    assert moved["keep"] < moved["no_sync"] < moved["reduce"], moved
+
+
 def test_bench_rejects_unknown_systems(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--systems", "flatshard,zero3"]) == 2
     assert "--systems must be a comma-separated subset" in capsys.readouterr().err

@@ -72,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
         print(scaling_table({w: s for w, (s, _) in by_world.items()}, config.system_list))
     else:
         print(table(summary, "RSS" if config.device == "cpu" else "alloc."))
-        plannable = config.optimizer != "adafactor"  # its step reads values a plan lacks
+        # Adafactor's step reads values a plan lacks; the plan accumulates with no_sync.
+        plannable = config.optimizer != "adafactor" and config.accum == "no_sync"
         if "flatshard" in summary and not config.compile and plannable:
             predicted = predict(config)
             print(predicted_line(predicted, summary["flatshard"]))
@@ -216,18 +217,18 @@ def _serve(
         dist.barrier()
         start, waited = time.perf_counter(), WaitClock.seconds
         with tracker if step == config.warmup else contextlib.nullcontext():
-            _train_step(model, optim, idx)
+            _train_step(model, optim, idx, config, system)
         _synchronize(device)
         dist.barrier()
         elapsed = time.perf_counter() - start
         answers.put({"rank": rank, "time": elapsed, "wait": WaitClock.seconds - waited})
         step += 1
     formulas = {"rest": -1, "collective": -1}  # -1: no formula for this system
-    if system.startswith("flatshard"):
+    if system.startswith("flatshard") and config.grad_accum == 1:  # formulas of one batch
         formulas = flatshard_formulas(model, optim, config.layers, config.nproc)
     del model, optim  # the memory pass builds its own
     tensor_rest, tensor_peak = steady_state_peak(
-        lambda: _build(config, system, device), lambda m, o: _train_step(m, o, idx)
+        lambda: _build(config, system, device), lambda m, o: _train_step(m, o, idx, config, system)
     )
     return {
         "tensor_rest_mib": tensor_rest / 2**20,
@@ -251,6 +252,8 @@ def _build(
     gpt = GPT(config.vocab, config.dim, config.heads, config.layers, config.seq_len)
     whole = whole_params_for(config.optimizer, gpt, {GPTBlock})
     model = _wrap(gpt.to(device), system, device, whole)
+    if config.accum == "keep" and system.startswith("flatshard"):
+        flatshard.set_reshard_after_backward(model, False)  # gathered again after a step
     if config.compile:
         for block in gpt.blocks:
             block.compile()
@@ -258,13 +261,43 @@ def _build(
 
 
 def _train_step(
-    model: nn.Module, optimizers: list[torch.optim.Optimizer], idx: torch.Tensor
+    model: nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    idx: torch.Tensor,
+    config: BenchConfig,
+    system: str,
 ) -> None:
-    loss = nn.functional.cross_entropy(model(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten())
-    torch.autograd.backward(loss)
+    """One optimizer step over --grad-accum micro-batches of ``idx``, accumulated as
+    --accum says, with each system's own switches."""
+    count = config.grad_accum
+    for micro, part in enumerate(idx.chunk(count)):
+        last = micro == count - 1
+        with _micro_batch(model, system, config.accum, last):
+            logits = model(part[:, :-1])
+            loss = nn.functional.cross_entropy(logits.flatten(0, 1), part[:, 1:].flatten())
+            torch.autograd.backward(loss / count)
     for optim in optimizers:
         optim.step()
         optim.zero_grad()
+
+
+def _micro_batch(
+    model: nn.Module, system: str, accum: str, last: bool
+) -> contextlib.AbstractContextManager[Any]:
+    """The context (or switches) of one micro-batch's backward: no reduction before the
+    last unless --accum reduce; FSDP2 keeps units gathered only while asked (keep)."""
+    quiet = accum != "reduce" and not last
+    if system.startswith("flatshard"):
+        return flatshard.no_sync(model) if quiet else contextlib.nullcontext()
+    if system == "fsdp2":
+        fsdp: Any = model
+        fsdp.set_requires_gradient_sync(not quiet)
+        if accum == "keep":
+            fsdp.set_reshard_after_backward(last)
+        return contextlib.nullcontext()
+    if system == "ddp" and quiet:
+        return cast(nn.parallel.DistributedDataParallel, model).no_sync()
+    return contextlib.nullcontext()
 
 
 def _synchronize(device: torch.device) -> None:

@@ -12,6 +12,8 @@ SYSTEMS = ("flatshard", "fsdp2", "ddp", "floor")
 EXTRA_SYSTEMS = ("flatshard-noprefetch", "flatshard-debug")
 
 
+ACCUMULATIONS = ("no_sync", "reduce", "keep")
+
 PRESETS: dict[str, dict[str, int]] = {
     "byte-gpt": {"vocab": 256, "dim": 512, "layers": 8, "heads": 8, "seq_len": 128, "batch": 4},
     "llm-32k": {"vocab": 32768, "dim": 384, "layers": 6, "heads": 6, "seq_len": 256, "batch": 4},
@@ -57,6 +59,13 @@ class BenchConfig:
     """rounds: fresh processes for every system, which then take their steps in turn"""
     compile: bool = False
     """torch.compile every system's transformer blocks alike (warm up with --warmup 2+)"""
+    grad_accum: int = 1
+    """micro-batches per step (--batch split into them), accumulated as --accum says"""
+    accum: str = "no_sync"
+    """no_sync | reduce | keep: how micro-batches but the last run, every system alike:
+    no_sync skips the reduction (flatshard.no_sync; FSDP2 set_requires_gradient_sync(False);
+    DDP no_sync()), reduce reduces every micro-batch, keep is no_sync with the units kept
+    gathered between micro-batches (set_reshard_after_backward(False); FSDP2 too)"""
     scaling: bool = False
     """run every world size from 1 to --nproc, each a bench of its own, and print per-rank
     memory and collective bytes (flatshard's against its formula) and step time by world
@@ -87,6 +96,14 @@ class BenchConfig:
                 f"got {self.systems!r}"
             )
 
+        if self.accum not in ACCUMULATIONS:
+            raise ConfigError(
+                f"--accum must be one of {', '.join(ACCUMULATIONS)}, got {self.accum!r}"
+            )
+        if self.grad_accum < 1 or self.batch % self.grad_accum:
+            raise ConfigError(
+                f"--grad-accum ({self.grad_accum}) must be >= 1 and divide --batch ({self.batch})"
+            )
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(
                 f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"

@@ -21,8 +21,9 @@ def predict(config: BenchConfig) -> dict[str, float]:
     def build() -> nn.Module:
         return GPT(config.vocab, config.dim, config.heads, config.layers, config.seq_len)
 
-    def inputs() -> tuple[torch.Tensor, ...]:
-        return (torch.randint(0, config.vocab, (config.batch, config.seq_len)),)
+    def inputs() -> tuple[torch.Tensor, ...]:  # one micro-batch
+        rows = config.batch // config.grad_accum
+        return (torch.randint(0, config.vocab, (rows, config.seq_len)),)
 
     def loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
         logits = model(batch[0])
@@ -38,6 +39,7 @@ def predict(config: BenchConfig) -> dict[str, float]:
         cluster=cluster,
         ranks_per_host=config.nproc,
         optimizer=config.optimizer,
+        grad_accum=config.grad_accum,
         clip=False,  # the bench's step does not clip
     )
     predicted = {"tensor_peak_mib": plan.peak_memory_bytes / MiB}
