@@ -273,9 +273,12 @@ def _train_step(
     for micro, part in enumerate(idx.chunk(count)):
         last = micro == count - 1
         with _micro_batch(model, system, config.accum, last):
-            logits = model(part[:, :-1])
-            loss = nn.functional.cross_entropy(logits.flatten(0, 1), part[:, 1:].flatten())
-            torch.autograd.backward(loss / count)
+            # The logits are not held by name: alive through backward, they would add
+            # their size to the peak the plan predicts (cross_entropy keeps its own).
+            loss = nn.functional.cross_entropy(
+                model(part[:, :-1]).flatten(0, 1), part[:, 1:].flatten()
+            )
+            torch.autograd.backward(loss / count if count > 1 else loss)
     for optim in optimizers:
         optim.step()
         optim.zero_grad()
