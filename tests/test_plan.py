@@ -118,6 +118,13 @@ CASES = [
     # Muon on the blocks' matrices, kept whole on one rank each (uneven, padded shards),
     # AdamW on the rest; at 3 ranks, where the blocks' shards are the most uneven.
     Case("muon-whole-matrices", gpt, ranks_per_host=3, options=(("optimizer", "muon"),)),
+    # 2 micro-batches, each reduced: hybrid reduce-scatters alone, across hosts once.
+    Case(
+        "hybrid-reduce-each-micro-batch",
+        gpt,
+        hosts=2,
+        options=(("strategy", S.HYBRID_SHARD), ("grad_accum", 2), ("accumulation", "reduce")),
+    ),
 ]
 
 
@@ -337,3 +344,33 @@ def test_plan_misuse_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
 def test_adafactor_is_refused_by_name_before_planning() -> None:
     with pytest.raises(ValueError, match=r"optimizer 'adafactor' cannot be planned"):
         flatshard.plan(gpt, tokens, loss=language_model_loss, optimizer="adafactor")
+
+
+def test_accumulation_modes_are_planned_apart(planner: ProcessPoolExecutor) -> None:
+    """HYBRID_SHARD 2 x 2, 2 micro-batches: "reduce" reduce-scatters each unit every
+    micro-batch (2 x units) where no_sync does once (units), all-reduces across hosts once
+    per step in both (units, plus the clip's norm), and holds sharded gradients instead of
+    unsharded ones: a lower peak."""
+    plans = {
+        mode: planner.submit(
+            flatshard.plan,
+            gpt,
+            tokens,
+            loss=language_model_loss,
+            auto_wrap_policy={GPTBlock},
+            hosts=2,
+            ranks_per_host=2,
+            strategy=S.HYBRID_SHARD,
+            grad_accum=2,
+            accumulation=mode,
+        ).result()
+        for mode in ("no_sync", "reduce")
+    }
+    counts = {m: {c.kind: c.count for c in p.collectives} for m, p in plans.items()}
+    units = plans["reduce"].units
+    assert counts["no_sync"]["reduce_scatter"] == units
+    assert counts["reduce"]["reduce_scatter"] == 2 * units
+    assert counts["reduce"]["all_reduce"] == counts["no_sync"]["all_reduce"] == units + 1
+    assert plans["reduce"].peak_memory_bytes < plans["no_sync"].peak_memory_bytes
+    with pytest.raises(ValueError, match="accumulation must be 'no_sync' or 'reduce'"):
+        flatshard.plan(gpt, tokens, accumulation="keep")

@@ -135,6 +135,7 @@ def plan(
     mixed_precision: torch.dtype | None = None,
     prefetch: Prefetch | None = None,
     grad_accum: int = 1,
+    accumulation: str = "no_sync",
     optimizer: str = "adamw",
     clip: bool = True,
     keep_gathered: int = 0,
@@ -158,6 +159,10 @@ def plan(
         sharding_factor: F for the hybrid strategies (default: ``ranks_per_host``, as
             ``fully_shard`` defaults to under torchrun).
         mixed_precision: the compute and all-gather dtype (gradients reduced in fp32).
+        accumulation: how ``grad_accum`` micro-batches but the last run: "no_sync" (no
+            reduction, the unsharded gradients kept) or "reduce" (a reduction each, sharded
+            gradients; hybrid: the reduce-scatter alone, the replicas' all-reduce once, as
+            ``flatshard.set_requires_all_reduce``).
         optimizer: "adamw", "adam", "sgd-momentum", "sgd" or "muon" (Muon on the blocks'
             2-D weights, kept whole with ``whole_params``, AdamW on the rest, as
             ``flatshard train --optimizer muon``). Adafactor cannot be planned: its step
@@ -179,6 +184,10 @@ def plan(
     """
     machines = _cluster(cluster, hosts, ranks_per_host)
     _check_optimizer(optimizer)
+    if accumulation not in ("no_sync", "reduce"):
+        raise ValueError(
+            f"flatshard.plan: accumulation must be 'no_sync' or 'reduce', got {accumulation!r}"
+        )
     _check_tensor_parallel(tensor_parallel, machines.world_size, strategy)
     if strategy.is_hybrid and sharding_factor is None:  # shard inside a host, as torchrun
         sharding_factor = machines.ranks_per_host  # would make fully_shard's default
@@ -190,6 +199,7 @@ def plan(
         param_dtype=mixed_precision,
         prefetch=prefetch,
         grad_accum=grad_accum,
+        accumulation=accumulation,
         optimizer=optimizer,
         clip=clip,
         backend=machines.backend,

@@ -37,6 +37,7 @@ from flatshard.runtime._matrix_optimizers import muon_matrices
 from flatshard.runtime._no_sync import no_sync
 from flatshard.runtime._prefetch import Prefetch
 from flatshard.runtime._summary import sharding_summary
+from flatshard.runtime._switches import set_requires_all_reduce
 
 Inputs = Callable[[], tuple[torch.Tensor, ...]]
 """Makes one micro-batch of one rank (called under the meta device)."""
@@ -57,6 +58,9 @@ class Setup:
     param_dtype: torch.dtype | None = None  # mixed precision: compute and all-gather dtype
     prefetch: Prefetch | None = None
     grad_accum: int = 1
+    # Micro-batches but the last: "no_sync" (no reduction, unsharded gradients kept) or
+    # "reduce" (a reduction each; hybrid: the reduce-scatter alone, set_requires_all_reduce).
+    accumulation: str = "no_sync"
     optimizer: str = "adamw"
     clip: bool = True
     backend: str = "nccl"  # whose reduce-scatter form: "nccl" or "gloo"
@@ -273,7 +277,10 @@ def training_step(
         say.phase, say.backward = tags.BATCH, False
         with device:
             batch = inputs()
-        quiet = micro < setup.grad_accum - 1
+        last = micro == setup.grad_accum - 1
+        quiet = setup.accumulation == "no_sync" and not last
+        if setup.accumulation == "reduce" and setup.grad_accum > 1:
+            set_requires_all_reduce(model, last)
         with no_sync(model) if quiet else nullcontext():
             say.phase = tags.ACTIVATIONS
             value = loss(model, batch) / setup.grad_accum

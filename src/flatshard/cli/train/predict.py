@@ -55,6 +55,7 @@ def predict_run(config: TrainConfig, world: int, local_ranks: int) -> Prediction
         sharding_factor=config.sharding_factor or None,
         mixed_precision=PRECISIONS[config.mixed_precision],
         grad_accum=config.grad_accum,
+        accumulation="no_sync" if config.accum_no_sync else "reduce",
         optimizer=config.optimizer,
         clip=config.clip > 0,
         keep_gathered=config.keep_gathered,
