@@ -27,6 +27,11 @@ def test_twice_on_one_module(local_group: dist.ProcessGroup) -> None:
         flatshard.fully_shard(model)
 
 
+def test_whole_params_must_be_a_bool_or_a_callable(local_group: dist.ProcessGroup) -> None:
+    with pytest.raises(TypeError, match=r"whole_params must be True, False or a callable"):
+        flatshard.fully_shard(nn.Linear(2, 2), whole_params="yes")  # type: ignore[arg-type]
+
+
 def test_inside_a_unit_of_an_earlier_call(local_group: dist.ProcessGroup) -> None:
     """Sharding a module after the module around it: its parameters are already views of
     the outer unit's shards (per rank, they would differ in size)."""

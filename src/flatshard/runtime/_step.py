@@ -258,10 +258,19 @@ def _release_at_exit(ref: weakref.ref[StepContext]) -> None:
 
 
 _IN_CALL: ContextVar[bool] = ContextVar("flatshard_in_call", default=False)
-# Calls made inside a training step, between backward and optimizer.step(): they leave the
-# step's digests pending ([Note: the digest without a host sync]); every other call,
-# between steps, compares them first.
-_IN_THE_STEP = frozenset({"clip_grad_norm_", "torch.nn.utils.clip_grad_norm_"})
+# Calls made inside a training step (between backward and optimizer.step(), or between
+# its micro-batches): they leave the last backward's digests pending, for the next forward
+# ([Note: the digest without a host sync]); comparing them there would wait for the device.
+# Every other call, between steps, compares them first.
+_IN_THE_STEP = frozenset(
+    {
+        "clip_grad_norm_",
+        "torch.nn.utils.clip_grad_norm_",
+        "set_requires_gradient_sync",
+        "set_reshard_after_backward",
+        "set_requires_all_reduce",
+    }
+)
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -289,7 +298,7 @@ def collective_call(model: nn.Module, caller: str) -> Iterator[None]:
     token = _IN_CALL.set(True)
     try:
         with tagged(tag), on_device(units[0].compute_device):  # see on_device
-            if caller not in _IN_THE_STEP:  # digests still pending: compare them first
+            if caller.split("(")[0] not in _IN_THE_STEP:  # pending digests: compare first
                 for context in contexts:
                     context.ledger.settle()
             yield
