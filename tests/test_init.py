@@ -11,7 +11,12 @@ import torch.distributed as dist
 from torch import nn
 
 import flatshard
-from flatshard.measure import PeakStorage, distinct_storage_bytes
+from flatshard.measure import (
+    ALL_GATHER,
+    CollectiveTracker,
+    PeakStorage,
+    distinct_storage_bytes,
+)
 from flatshard.testing.models import MLPBlock, TinyGPT, build, twins
 from flatshard.testing.parity import (
     ParityConfig,
@@ -287,6 +292,57 @@ def entry_point_job(ctx: WorkerContext) -> None:
 
 def test_registered_entry_point_gathers(pool: WorkerPool) -> None:
     pool.run(entry_point_job)
+
+
+class Stepper(Generator):
+    """Lightning's shape: a training step that calls the module itself."""
+
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        return self(x).pow(2).mean()
+
+
+def _train_steps(model: Stepper, reference: Stepper, step: str) -> dict[str, int]:
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x = torch.randn(2, 4)
+    with CollectiveTracker() as tracker:
+        for _ in range(3):
+            loss = model.step(x) if step == "step" else model(x).pow(2).mean()
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            expected = reference.step(x)
+            expected.backward()
+            reference_optim.step()
+            reference_optim.zero_grad()
+            torch.testing.assert_close(loss, expected)
+    with flatshard.summon_full_params(model):
+        for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(mine, theirs)
+    return dict(tracker.counts)
+
+
+def nested_entry_point_job(ctx: WorkerContext) -> list[dict[str, int]] | None:
+    group = ctx.group(2)
+    if group is None:
+        return None
+    counts = []
+    for step in ("forward", "step"):
+        model, reference = twins(Stepper)
+        # The root keeps head: only the entry point gathers it before step() runs.
+        flatshard.fully_shard(model, auto_wrap_policy={MLPBlock}, process_group=group)
+        if step == "step":
+            flatshard.register_entry_point(model, "step")
+        counts.append(_train_steps(model, reference, step))
+    return counts
+
+
+def test_an_entry_point_may_call_its_own_module(pool: WorkerPool) -> None:
+    through_forward, through_step = pool.run(nested_entry_point_job)[0]
+    # The step's own call of the module passes through: the same collectives as training
+    # through forward (a second pre-forward would gather and record the root again).
+    assert through_step == through_forward
+    assert through_step[ALL_GATHER] > 0
 
 
 def test_entry_point_needs_a_unit(local_group: dist.ProcessGroup) -> None:

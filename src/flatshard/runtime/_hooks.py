@@ -67,8 +67,17 @@ def register_entry_point(module: nn.Module, method_name: str) -> None:
     """Make ``module.<method_name>(...)`` gather and free the unit like ``module(...)`` does.
 
     For methods other than ``forward`` that use the unit's parameters (``generate``, a
-    decoding step, an auxiliary head). ``module`` must be a unit's module; the wrapper is
-    an attribute of this instance only.
+    decoding step, an auxiliary head, Lightning's ``training_step``). ``module`` must be a
+    unit's module; the wrapper is an attribute of this instance only. The method may call
+    the module itself (``self(x)``): that call finds the unit gathered and passes through.
+
+    [Note: a unit called inside its own entry point]
+    An entry point gathers the unit around the whole method. When the method calls the
+    module (Lightning's ``training_step`` calling ``self(batch)``), the module's hooks run a
+    second time inside the first; as a new forward they would record the unit twice in the
+    forward order and start a second step. So while an entry point of the unit runs and
+    the unit is in forward, its own module's hooks pass through: the outer entry point
+    already gathered the parameters and registers the pre-backward hook on the result.
     """
     unit = unit_or_error(module, "register_entry_point")
     method = getattr(module, method_name, None)
@@ -80,7 +89,14 @@ def register_entry_point(module: nn.Module, method_name: str) -> None:
     @wraps(method)
     def entry_point(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = unit.pre_forward(module, args, kwargs)
-        return unit.post_forward(module, args, method(*args, **kwargs))
+        unit.entry_depth += 1
+        try:
+            output = method(*args, **kwargs)
+        finally:
+            unit.entry_depth -= 1
+            if not unit.entry_depth:
+                unit.passed_through = 0  # a call that raised left its count
+        return unit.post_forward(module, args, output)
 
     module.__dict__[method_name] = entry_point
 

@@ -140,6 +140,10 @@ class Unit:
         self.pinned = False
         # True while flatshard itself calls state_dict() (see _hooks._refuse_partial_state_dict)
         self.own_state_dict_call = False
+        # Entry-point methods of this unit now running, and the calls of the module itself
+        # they made, passed through ([Note: a unit called inside its own entry point])
+        self.entry_depth = 0
+        self.passed_through = 0
         # Per step, changed by the hooks; reset by the end of each backward pass:
         self.state = TrainingState.IDLE
         self.expects_backward = False  # a forward with grad ran: every rank must reduce
@@ -273,6 +277,9 @@ class Unit:
         if self.params_are_full:  # inside summon_full_params: nothing to gather
             self._check_inference_only()
             return args, kwargs
+        if self.entry_depth and self.state is TrainingState.FORWARD:
+            self.passed_through += 1  # see [Note: a unit called inside its own entry point]
+            return args, kwargs
         with traced(f"pre_forward {self.label}"):
             if self.state is not TrainingState.BACKWARD:
                 if self.awaiting_load:
@@ -297,6 +304,9 @@ class Unit:
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self.params_are_full:
+            return output
+        if self.passed_through:
+            self.passed_through -= 1
             return output
         with traced(f"post_forward {self.label}"):
             needs_grad = [t for t in tensors_in(output) if t.requires_grad]
