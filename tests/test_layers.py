@@ -28,6 +28,7 @@ LAYERS = [
     "state",  # state dicts, optimizer state, checkpoints, safetensors
     "planner",  # flatshard.plan
     "facade",  # flatshard/__init__.py, report.py, comm_hooks.py
+    "integrations",  # Lightning's strategy, the Hugging Face Trainer: optional extras
     "cli",  # flatshard train | bench | plan | ckpt
     "testing",  # harness, reference models, parity runs
 ]
@@ -177,14 +178,14 @@ def test_nothing_outside_testing_imports_testing() -> None:
     assert not offenders, "\n".join(offenders)
 
 
-def test_the_cli_uses_public_modules_only() -> None:
-    """The CLI imports the facade, a subpackage's surface (its ``__init__``) or other CLI
-    modules; never another subpackage's private ``_module``."""
+def test_the_cli_and_integrations_use_public_modules_only() -> None:
+    """The CLI and the integrations import the facade, a subpackage's surface (its
+    ``__init__``) or their own modules; never another subpackage's private ``_module``."""
     private = [
         _where(i)
         for i in imports()
-        if layer(i.source) == "cli"
-        and layer(i.target) != "cli"
+        if layer(i.source) in ("cli", "integrations")
+        and layer(i.target) != layer(i.source)
         and any(part.startswith("_") for part in i.target.split("."))
     ]
     assert not private, "\n".join(private)

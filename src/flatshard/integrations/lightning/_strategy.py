@@ -1,0 +1,369 @@
+"""``FlatshardStrategy``: the Lightning ``Trainer`` trains a model sharded by flatshard.
+
+What each part of Lightning's loop becomes:
+- ``setup``: the ``LightningModule`` (after ``configure_model``, which may build on meta
+  under ``trainer.init_module(empty_init=True)``) is sharded in place with
+  ``flatshard.fully_shard`` and the strategy's options; then ``configure_optimizers``
+  runs, so the optimizers see the sharded parameters.
+- the steps: ``training_step`` and the other step methods the module defines are
+  registered as entry points (``flatshard.register_entry_point``), so the parameters the
+  ``LightningModule`` holds itself are gathered around the step as around ``forward``.
+- ``accumulate_grad_batches``: the micro-batches before the last run under
+  ``flatshard.no_sync`` (Lightning's ``block_backward_sync``).
+- ``gradient_clip_val``: the norm over every rank's rows (``FlatshardPrecision``).
+- checkpoints: ``_checkpoints.py``; sharded directories by default, one full file with
+  ``state_dict_type="full"``. ``trainer.fit(ckpt_path=...)`` resumes either, at any world
+  size.
+
+Lightning's own helpers for the process group and launcher are used as its strategies use
+them, so ``devices=N`` spawns the ranks and ``torchrun`` works as for ``strategy="ddp"``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Generator, Iterator
+from contextlib import contextmanager, nullcontext
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import (
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning_utilities.core.rank_zero import rank_zero_only as utilities_rank_zero_only
+from torch import nn
+from torch.utils.checkpoint import checkpoint as recompute
+
+import flatshard
+from flatshard.integrations.lightning import _checkpoints
+from flatshard.integrations.lightning._precision import FlatshardPrecision, from_lightning
+from flatshard.runtime import units_of
+
+STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+STATE_DICT_TYPES = ("sharded", "full")
+# fully_shard's keywords the strategy sets itself (the rest pass through **fully_shard_options)
+_OWN_KEYWORDS = {"auto_wrap_policy", "strategy", "mixed_precision", "cpu_offload", "device"}
+
+
+class FlatshardStrategy(ParallelStrategy):
+    """Shard the ``LightningModule`` with ``flatshard.fully_shard`` and train it.
+
+    Args:
+        auto_wrap_policy: which submodules become units (as for ``fully_shard``: a set of
+            classes such as ``{Block}``, a callable, ``flatshard.SizePolicy``, None).
+        sharding_strategy: ``flatshard.ShardingStrategy`` or its name (FULL_SHARD,
+            SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2).
+        mixed_precision: a ``flatshard.MixedPrecision``; by default what
+            ``Trainer(precision=...)`` says (``FlatshardPrecision``). Give one or the other.
+        cpu_offload: ``flatshard.CPUOffload(params=True)``: shards and optimizer on the CPU.
+        activation_checkpointing_policy: module classes whose forward is recomputed in
+            backward (non-reentrant ``torch.utils.checkpoint``).
+        state_dict_type: ``"sharded"`` (each rank writes its rows; the default) or
+            ``"full"`` (rank 0 writes one file with full tensors).
+        process_group_backend: "gloo", "nccl", ...; by default the device's.
+        fully_shard_options: the other ``flatshard.fully_shard`` keywords
+            (``sharding_factor``, ``param_init_fn``, ``prefetch``, ``init``, ``whole_params``).
+    """
+
+    strategy_name = "flatshard"
+
+    def __init__(
+        self,
+        auto_wrap_policy: Any = None,
+        sharding_strategy: flatshard.ShardingStrategy | str = "FULL_SHARD",
+        *,
+        mixed_precision: flatshard.MixedPrecision | None = None,
+        cpu_offload: flatshard.CPUOffload | None = None,
+        activation_checkpointing_policy: set[type[nn.Module]] | None = None,
+        state_dict_type: str = "sharded",
+        process_group_backend: str | None = None,
+        **fully_shard_options: Any,
+    ) -> None:
+        super().__init__()
+        if state_dict_type not in STATE_DICT_TYPES:
+            raise ValueError(
+                f"flatshard.integrations.lightning: state_dict_type={state_dict_type!r}; "
+                f"choose one of {STATE_DICT_TYPES}."
+            )
+        _check_options(fully_shard_options)
+        self.auto_wrap_policy = auto_wrap_policy
+        self.sharding_strategy = sharding_strategy
+        self.mixed_precision = mixed_precision
+        self.cpu_offload = cpu_offload
+        self.activation_checkpointing_policy = activation_checkpointing_policy
+        self.state_dict_type = state_dict_type
+        self.fully_shard_options = fully_shard_options
+        self._process_group_backend = process_group_backend
+        self.num_nodes = 1
+
+    # ---------------------------------------------------------------- Lightning's plumbing
+    @property
+    def precision_plugin(self) -> FlatshardPrecision:
+        plugin = self._precision_plugin
+        return plugin if isinstance(plugin, FlatshardPrecision) else FlatshardPrecision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Any) -> None:
+        # Lightning makes its own plugin from Trainer(precision=...): flatshard carries it out
+        self._precision_plugin = None if plugin is None else from_lightning(plugin)
+
+    @property
+    def _module(self) -> pl.LightningModule:
+        module = self.lightning_module
+        if module is None:
+            raise RuntimeError(
+                "flatshard.integrations.lightning: FlatshardStrategy has no LightningModule "
+                "yet; it gets one from Trainer.fit/validate/test/predict."
+            )
+        return module
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        device: torch.device = self.parallel_devices[self.local_rank]
+        return device
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        # Lightning gives each rank its own batches (a DistributedSampler) only where its
+        # strategy says so; without it every rank would train on the same data.
+        return True
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the model must be sharded and the optimizers built first
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint restores them
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self._set_world_ranks()
+        assert self.cluster_environment is not None
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        self._process_group_backend = backend
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(self.cluster_environment, backend, device_id=device_id)
+
+    def _set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(
+                self.node_rank * self.num_processes + self.local_rank
+            )
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        # Lightning's rank-zero-only logging reads the rank from both of its decorators
+        for decorator in (rank_zero_only, utilities_rank_zero_only):
+            decorator.rank = self.global_rank  # type: ignore[attr-defined]
+
+    def barrier(self, name: str | None = None) -> None:
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not (dist.is_available() and dist.is_initialized()):
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def model_to_device(self) -> None:
+        pass  # fully_shard places the shards (and materializes meta modules) on root_device
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        # empty_init: build on meta; fully_shard materializes one unit at a time in setup
+        where = torch.device("meta") if empty_init else nullcontext()
+        with where, self.precision_plugin.tensor_init_context():
+            yield
+
+    # ---------------------------------------------------------------- sharding
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self._module
+        if not units_of_or_empty(module):  # validate/test after fit: already sharded
+            self.model = self.precision_plugin.convert_module(module)
+            self._shard(module)
+        self.precision_plugin.model = module
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._reset_optimizers_and_schedulers()
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _shard(self, module: pl.LightningModule) -> None:
+        mixed = self._mixed_precision()
+        if self.activation_checkpointing_policy:
+            _checkpoint_forwards(module, tuple(self.activation_checkpointing_policy))
+        if not _on_meta(module):
+            module.to(self.root_device)  # the full module: build on meta to never hold it
+        flatshard.fully_shard(
+            module,
+            auto_wrap_policy=self.auto_wrap_policy,
+            strategy=self.sharding_strategy,
+            mixed_precision=mixed,
+            cpu_offload=self.cpu_offload,
+            device=self.root_device,
+            **self.fully_shard_options,
+        )
+        if any(u.module is module for u in units_of_or_empty(module)):
+            # The module holds parameters itself: gather them around each step it defines
+            for name in STEP_METHODS:
+                if is_overridden(name, module):
+                    flatshard.register_entry_point(module, name)
+
+    def _mixed_precision(self) -> flatshard.MixedPrecision | None:
+        from_trainer = self.precision_plugin.mixed_precision
+        if self.mixed_precision is not None and self.precision_plugin.precision != "32-true":
+            raise ValueError(
+                "flatshard.integrations.lightning: both FlatshardStrategy(mixed_precision="
+                f"...) and Trainer(precision={self.precision_plugin.precision!r}) were given; "
+                "give one (the Trainer's precision stands for a MixedPrecision policy)."
+            )
+        return self.mixed_precision if self.mixed_precision is not None else from_trainer
+
+    # ---------------------------------------------------------------- the step
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Lightning's accumulation: the micro-batches before the last keep their
+        gradients unreduced (``flatshard.no_sync``)."""
+        with flatshard.no_sync(self._module):
+            yield
+
+    # ---------------------------------------------------------------- checkpoints
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self.state_dict_type == "sharded":
+            return {}  # save_checkpoint writes each rank's rows itself
+        return flatshard.full_state_dict(self._module)
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if self.state_dict_type == "sharded":
+            return {}
+        return flatshard.full_optim_state_dict(self._module, _unwrapped(optimizer))
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                "flatshard.integrations.lightning: FlatshardStrategy.save_checkpoint takes no "
+                "storage_options (it writes through flatshard, not a CheckpointIO plugin)."
+            )
+        path = Path(self.broadcast(str(filepath)))  # rank 0's name for every rank
+        if self.state_dict_type == "sharded":
+            optimizers = [_unwrapped(o) for o in self.optimizers]
+            _checkpoints.save_sharded(checkpoint, path, self._module, optimizers)
+        elif self.is_global_zero:
+            if _checkpoints.is_sharded_checkpoint(path):
+                _checkpoints.remove(path)
+            self.checkpoint_io.save_checkpoint(checkpoint, path)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        return _checkpoints.load(
+            path,
+            self._module,
+            [_unwrapped(o) for o in self.optimizers],
+            strict=self._module.strict_loading,
+            weights_only=weights_only,
+        )
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # load_checkpoint loaded the model
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # load_checkpoint loaded the optimizers
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            _checkpoints.remove(Path(filepath))
+
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None
+        assert self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+
+def units_of_or_empty(module: nn.Module) -> list[Any]:
+    """The module's units; none before it is sharded."""
+    try:
+        return list(units_of(module, "integrations.lightning"))
+    except ValueError:
+        return []
+
+
+def _check_options(options: dict[str, Any]) -> None:
+    known = set(inspect.signature(flatshard.fully_shard).parameters) - {"module"}
+    own = sorted(set(options) & _OWN_KEYWORDS)
+    if own:
+        raise TypeError(
+            f"flatshard.integrations.lightning: FlatshardStrategy sets {own} itself; pass "
+            "auto_wrap_policy, sharding_strategy, mixed_precision and cpu_offload by name "
+            "(the device is Lightning's)."
+        )
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(
+            f"flatshard.integrations.lightning: FlatshardStrategy got {unknown}, which "
+            f"flatshard.fully_shard does not take (it takes {sorted(known - _OWN_KEYWORDS)})."
+        )
+
+
+def _checkpoint_forwards(module: nn.Module, classes: tuple[type[nn.Module], ...]) -> None:
+    """Recompute each ``classes`` module's forward in backward (non-reentrant); the unit's
+    hooks stay outside the recomputed region, so it reads the gathered parameters."""
+    for inner in module.modules():
+        if isinstance(inner, classes):
+            forward: Callable[..., Any] = inner.forward
+            inner.forward = partial(recompute, forward, use_reentrant=False)
+
+
+def _on_meta(module: nn.Module) -> bool:
+    tensors: Iterator[torch.Tensor] = iter([*module.parameters(), *module.buffers()])
+    return any(t.is_meta for t in tensors)
+
+
+def _unwrapped(optimizer: Any) -> Any:
+    """The torch optimizer inside Lightning's ``LightningOptimizer``."""
+    return getattr(optimizer, "_optimizer", optimizer)

@@ -1,0 +1,178 @@
+"""Lightning runs for test_lightning.py: ``python lightning_script.py OUT_DIR``.
+
+Run as a user runs Lightning: the Trainer (devices=2) launches the second rank itself,
+re-running this script. Every scenario trains the same small transformer from the same
+seed on each rank's own batches; each rank writes what it saw to OUT_DIR/rank<r>.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import flatshard
+from flatshard.integrations.lightning import FlatshardStrategy
+
+VOCAB, WIDTH, STEPS = 32, 16, 4
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.attn = nn.MultiheadAttention(WIDTH, 2, batch_first=True)
+        self.mlp = nn.Sequential(
+            nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(x)
+
+
+class TinyLM(L.LightningModule):
+    """The embedding and head sit on the LightningModule itself: the root unit."""
+
+    def __init__(self, on_meta: bool = False) -> None:
+        super().__init__()
+        self.on_meta = on_meta
+        if not on_meta:
+            self.configure_model()
+
+    def configure_model(self) -> None:
+        if hasattr(self, "head"):
+            return
+        with torch.device("meta") if self.on_meta else nullcontext():
+            self._build()
+
+    def _build(self) -> None:
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        logits: torch.Tensor = self.head(h)
+        return logits
+
+    def _loss(self, batch: list[torch.Tensor]) -> torch.Tensor:
+        tokens, targets = batch
+        return nn.functional.cross_entropy(self(tokens).flatten(0, 1), targets.flatten())
+
+    def training_step(self, batch: list[torch.Tensor], index: int) -> torch.Tensor:
+        return self._loss(batch)
+
+    def validation_step(self, batch: list[torch.Tensor], index: int) -> None:
+        self.log("val_loss", self._loss(batch), sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        optim = torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+        schedule = torch.optim.lr_scheduler.StepLR(optim, step_size=1, gamma=0.7)
+        return {"optimizer": optim, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def init_module(module: nn.Module) -> None:
+    """Meta modules' init: MultiheadAttention has no public reset_parameters."""
+    if isinstance(module, nn.MultiheadAttention):
+        module._reset_parameters()
+    elif hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+
+
+class Losses(L.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, *args: Any) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+def loader() -> DataLoader[Any]:
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (64, 8), generator=g)
+    return DataLoader(TensorDataset(tokens, tokens.roll(1, 1)), batch_size=4)
+
+
+def strategy(kind: str, **options: Any) -> Any:
+    if kind == "ddp":
+        return "ddp"
+    return FlatshardStrategy(auto_wrap_policy={Block}, sharding_strategy=kind, **options)
+
+
+def fit(kind: str, steps: int = STEPS, **options: Any) -> dict[str, Any]:
+    """Train; the per-step losses of this rank and the validation loss after."""
+    ckpt_path = options.pop("ckpt_path", None)
+    save_to = options.pop("save_to", None)
+    trainer_options = {
+        k: options.pop(k)
+        for k in ("gradient_clip_val", "accumulate_grad_batches", "precision")
+        if k in options
+    }
+    torch.manual_seed(0)
+    model = TinyLM(on_meta=options.pop("on_meta", False))
+    if options.pop("init_weights", False):  # the weights a meta build gets (ddp's reference)
+        flatshard.init_weights(model, init_module, 0)
+    losses = Losses()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy(kind, **options),
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[losses],
+        num_sanity_val_steps=0,
+        limit_val_batches=2,
+        limit_train_batches=2,  # epochs of 2 steps: a checkpoint after 2 resumes at an epoch
+        **trainer_options,
+    )
+    trainer.fit(model, loader(), ckpt_path=ckpt_path)
+    if save_to is not None:
+        trainer.save_checkpoint(save_to)
+    validated = trainer.validate(model, loader(), verbose=False)[0]["val_loss"]
+    meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    return {"losses": losses.losses, "val_loss": validated, "meta_left": meta}
+
+
+def main(out: Path) -> None:
+    results: dict[str, Any] = {}
+    for kind in ("ddp", "FULL_SHARD", "SHARD_GRAD_OP"):
+        results[kind] = fit(kind, gradient_clip_val=0.05)
+    results["ddp_unclipped"] = fit("ddp")
+    results["ddp_accumulate"] = fit("ddp", gradient_clip_val=0.05, accumulate_grad_batches=2)
+    results["flatshard_accumulate"] = fit(
+        "FULL_SHARD", gradient_clip_val=0.05, accumulate_grad_batches=2
+    )
+    saved = str(out / "half-ddp.ckpt")
+    fit("ddp", steps=2, save_to=saved, gradient_clip_val=0.05)
+    results["ddp_resumed"] = fit("ddp", ckpt_path=saved, gradient_clip_val=0.05)
+    for state_dict_type in ("sharded", "full"):
+        saved = str(out / f"half-{state_dict_type}.ckpt")
+        options = {"gradient_clip_val": 0.05, "state_dict_type": state_dict_type}
+        fit("FULL_SHARD", steps=2, save_to=saved, **options)
+        results[f"resumed_{state_dict_type}"] = fit("FULL_SHARD", ckpt_path=saved, **options)
+        results[f"kind_{state_dict_type}"] = "dir" if Path(saved).is_dir() else "file"
+    results["ddp_init"] = fit("ddp", init_weights=True)
+    init = flatshard.InitOptions(seed=0)
+    results["meta"] = fit("FULL_SHARD", on_meta=True, param_init_fn=init_module, init=init)
+    results["bf16"] = fit("FULL_SHARD", steps=2, precision="bf16-mixed")
+    rank = torch.distributed.get_rank()
+    (out / f"rank{rank}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -1,0 +1,135 @@
+"""FlatshardStrategy: Lightning's Trainer on a flatshard-sharded model, against strategy="ddp".
+
+The runs (``lightning_script.py``) are launched as a user launches Lightning: the script
+starts, and ``Trainer(devices=2)`` starts the second rank itself. One launch runs every
+scenario, since each launch costs Lightning's and torch's imports on both ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import flatshard
+
+L = pytest.importorskip("lightning")
+from flatshard.integrations.lightning import FlatshardPrecision, FlatshardStrategy  # noqa: E402
+
+SCRIPT = Path(__file__).with_name("lightning_script.py")
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("lightning")
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES}
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), str(out)],
+        env=env,
+        cwd=out,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+_LAUNCH_VARIABLES = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"}
+
+
+def _close(mine: list[float], theirs: list[float]) -> bool:
+    return len(mine) == len(theirs) and all(
+        abs(a - b) <= TOLERANCE for a, b in zip(mine, theirs, strict=True)
+    )
+
+
+@pytest.mark.parametrize("kind", ["FULL_SHARD", "SHARD_GRAD_OP"])
+def test_training_matches_ddp_with_clipping(runs: list[dict[str, Any]], kind: str) -> None:
+    for rank, run in enumerate(runs):
+        ddp, mine = run["ddp"], run[kind]
+        assert _close(mine["losses"], ddp["losses"]), (rank, mine["losses"], ddp["losses"])
+        assert abs(mine["val_loss"] - ddp["val_loss"]) <= TOLERANCE  # trainer.validate
+        # Each rank saw its own batches (a DistributedSampler), as under DDP.
+    assert runs[0]["ddp"]["losses"] != runs[1]["ddp"]["losses"]
+
+
+def test_clipping_acted(runs: list[dict[str, Any]]) -> None:
+    # Without it the losses part from the second step on: the parity above covers clipping.
+    for run in runs:
+        unclipped, clipped = run["ddp_unclipped"]["losses"], run["ddp"]["losses"]
+        assert abs(unclipped[1] - clipped[1]) > 100 * TOLERANCE
+
+
+def test_accumulation_matches_ddp(runs: list[dict[str, Any]]) -> None:
+    for run in runs:
+        mine, ddp = run["flatshard_accumulate"], run["ddp_accumulate"]
+        assert _close(mine["losses"], ddp["losses"])
+        assert abs(mine["val_loss"] - ddp["val_loss"]) <= TOLERANCE
+
+
+@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
+def test_resume_from_a_checkpoint_continues_as_ddp_does(
+    runs: list[dict[str, Any]], state_dict_type: str
+) -> None:
+    for run in runs:
+        resumed, ddp = run[f"resumed_{state_dict_type}"], run["ddp_resumed"]
+        assert _close(resumed["losses"], ddp["losses"]), (resumed["losses"], ddp["losses"])
+        assert abs(resumed["val_loss"] - ddp["val_loss"]) <= TOLERANCE
+        # The first resumed step is the uninterrupted run's third: weights and data restored
+        assert abs(resumed["losses"][0] - run["FULL_SHARD"]["losses"][2]) <= TOLERANCE
+    assert runs[0][f"kind_{state_dict_type}"] == ("dir" if state_dict_type == "sharded" else "file")
+
+
+def test_a_model_built_on_meta_in_configure_model(runs: list[dict[str, Any]]) -> None:
+    for run in runs:
+        meta, ddp = run["meta"], run["ddp_init"]  # ddp: the same init on a plain model
+        assert not meta["meta_left"]
+        assert _close(meta["losses"], ddp["losses"])
+
+
+def test_bf16_mixed_computes_in_bf16(runs: list[dict[str, Any]]) -> None:
+    for run in runs:
+        low, full = run["bf16"]["losses"], run["FULL_SHARD"]["losses"]
+        assert abs(low[0] - full[0]) < 0.05
+        assert all(float(torch.tensor(x).bfloat16()) == x for x in low)  # a bf16 loss
+
+
+# ---------------------------------------------------------------- options and misuse
+def test_precision_settings_map_to_flatshard() -> None:
+    policy = FlatshardPrecision("bf16-mixed").mixed_precision
+    assert policy == flatshard.MixedPrecision(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+    )
+    assert FlatshardPrecision("32-true").mixed_precision is None
+    assert isinstance(FlatshardPrecision("16-mixed").scaler, flatshard.ShardedGradScaler)
+    assert FlatshardPrecision("bf16-true").convert_module(torch.nn.Linear(2, 2)).weight.dtype == (
+        torch.bfloat16
+    )
+    strategy = FlatshardStrategy()
+    strategy.precision_plugin = L.pytorch.plugins.precision.MixedPrecision("bf16-mixed", "cpu")
+    assert isinstance(strategy.precision_plugin, FlatshardPrecision)
+    assert strategy.precision_plugin.precision == "bf16-mixed"
+
+
+def test_unsupported_settings_are_named_errors() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"DoublePrecision \(precision='64-true'\); pass Trainer\(precision=",
+    ):
+        FlatshardStrategy().precision_plugin = L.pytorch.plugins.precision.DoublePrecision()
+    with pytest.raises(ValueError, match=r"state_dict_type='local'"):
+        FlatshardStrategy(state_dict_type="local")
+    with pytest.raises(TypeError, match=r"sets \['device'\] itself"):
+        FlatshardStrategy(device="cpu")
+    with pytest.raises(TypeError, match=r"got \['sharding_factr'\], which"):
+        FlatshardStrategy(sharding_factr=2)
+    with pytest.raises(ValueError, match=r"takes no gradient scaler"):
+        FlatshardPrecision("bf16-mixed", scaler=flatshard.ShardedGradScaler())
