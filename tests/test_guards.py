@@ -62,6 +62,12 @@ def changed_model_job(ctx: WorkerContext, change: str) -> str | None:
         _replace_weight(model)
     elif change == "unrelated":
         nn.Linear(4, 4)  # registers parameters elsewhere in the process: nothing to report
+    elif change == "same device":
+        model.to("cpu")  # the parameters' own device: torch keeps them as they are
+    elif change in ("moved", "cast"):
+        # What the Hugging Face Trainer did: "cpu:0" compares unequal to "cpu", so torch
+        # copies every parameter, and the optimizer would step copies forward never reads
+        model.to("cpu:0") if change == "moved" else model.double()
     return _error_of(lambda: _forward(model))
 
 
@@ -83,6 +89,14 @@ def test_parameters_replaced_after_sharding_are_named(pool: WorkerPool) -> None:
         assert "parameters changed after fully_shard" in message, message
         assert "added or replaced: 'blocks.1.mlp.0.weight'" in message
         assert "no longer in the model: 'blocks.1.mlp.0.weight'" in message
+
+
+def test_a_model_moved_or_cast_after_sharding_is_named(pool: WorkerPool) -> None:
+    for change in ("moved", "cast"):
+        for message in pool.run(changed_model_job, change)[:2]:
+            assert "parameters were moved or cast after fully_shard" in message, message
+            assert "'tok.weight'" in message and "before flatshard.fully_shard" in message
+    assert pool.run(changed_model_job, "same device")[:2] == ["no error", "no error"]
 
 
 def test_unrelated_registrations_are_not_changes(pool: WorkerPool) -> None:

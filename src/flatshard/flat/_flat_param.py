@@ -298,6 +298,16 @@ class FlatParamGroup:
         for orig, view in zip(self.originals, self.views.shard_views(self.shard), strict=True):
             orig.param.data = view
 
+    def moved_originals(self) -> list[str]:
+        """Names of the original parameters whose data is no longer in the shard (the
+        model was moved or cast after sharding: ``param.data`` became a copy)."""
+        home = self.shard.untyped_storage().data_ptr()
+        return [
+            orig.fqn
+            for orig in self.originals
+            if orig.param.numel() and orig.param.untyped_storage().data_ptr() != home
+        ]
+
     def register_views(self, views: list[torch.Tensor] | None) -> None:
         """Put ``views`` (or, with None, the original parameters) in their modules.
 

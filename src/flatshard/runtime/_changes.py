@@ -5,7 +5,10 @@
 sharding, a new head) belongs to no group: it is never reduced, so ranks drift apart. A
 parameter frozen afterwards still sits in a trainable group and still gets gradients; one
 unfrozen afterwards never does. A parameter replaced (``module.weight = nn.Parameter(...)``)
-is both. None of this raises anywhere in torch.
+is both. A model moved or cast after sharding (``model.to(device)`` to a device that
+compares unequal, even ``cpu:0`` against ``cpu``; ``.half()``; ``.cuda()``) gets copies
+for its parameters: the optimizer then steps the copies while forward keeps gathering the
+untouched shards, and training silently stops. None of this raises anywhere in torch.
 
 [Note: cheap change detection]
 ``requires_grad`` has no hook, so every unit's pre-forward compares its originals' flags
@@ -80,6 +83,22 @@ def check_requires_grad(flat_params: list[FlatParamGroup]) -> None:
             f"flatshard: requires_grad changed after fully_shard (rank {global_rank()}): "
             f"{_listed(flipped)}. Their flat parameter groups were made for the old value, "
             f"so frozen parameters would still get gradients and unfrozen ones none. {_FIX}"
+        )
+
+
+def check_in_shards(flat_params: list[FlatParamGroup]) -> None:
+    """An error if an original parameter no longer views its group's shard (one storage
+    pointer per parameter: see [Note: cheap change detection])."""
+    moved = [f"'{name}'" for flat in flat_params for name in flat.moved_originals()]
+    if moved:
+        raise RuntimeError(
+            f"flatshard: parameters were moved or cast after fully_shard (rank "
+            f"{global_rank()}): {_listed(moved)} no longer hold their rows of the shard, "
+            "so the optimizer would update copies that forward never reads (model.to(...), "
+            ".cuda(), .half() or .float() on a sharded model replace each parameter's "
+            "data). Move or cast the model before flatshard.fully_shard, or pass it "
+            "device= and mixed_precision=; a trainer that moves the model itself must "
+            "skip that step for a sharded model."
         )
 
 

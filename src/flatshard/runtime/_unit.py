@@ -48,7 +48,7 @@ from flatshard.comm._ranks import global_rank, join_name
 from flatshard.flat._awaiting_load import check_loaded
 from flatshard.flat._flat_param import FlatParamGroup
 from flatshard.flat._mixed_precision import MixedPrecision
-from flatshard.runtime._changes import check_requires_grad
+from flatshard.runtime._changes import check_in_shards, check_requires_grad
 from flatshard.runtime._inputs import cast_floats, tensors_in, watch_input_grads
 from flatshard.runtime._prefetch import (
     BackwardPrefetch,
@@ -285,6 +285,7 @@ class Unit:
                 if self.awaiting_load:
                     check_loaded(self.label, self.awaiting_load)
                 check_requires_grad(self.flat_params)
+                check_in_shards(self.flat_params)
                 if self.is_root:
                     self.context.check_unchanged()
                 self.state = TrainingState.FORWARD

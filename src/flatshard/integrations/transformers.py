@@ -1,0 +1,195 @@
+"""The Hugging Face ``Trainer`` on a model sharded by flatshard (``pip install 'flatshard[hf]'``).
+
+model = flatshard.fully_shard(model, auto_wrap_policy={LlamaDecoderLayer})
+trainer = FlatshardTrainer(model=model, args=TrainingArguments(...), train_dataset=...)
+trainer.train(); trainer.save_model(out)   # out loads with from_pretrained
+
+docs/transformers.md shows a complete example and the limits.
+
+[Note: what the Trainer must not do to a sharded model]
+The ``Trainer`` trains through Accelerate, which would wrap the model in
+``DistributedDataParallel`` (a second, wrong gradient all-reduce over the shards) and
+whose checkpoints save one rank's optimizer state as if it were everyone's. So:
+- the model must be sharded before the ``Trainer`` is built (the optimizer it builds then
+  sees the sharded parameters); the ``Trainer`` does not move it (``model.to`` would copy
+  the parameters out of their shards), and Accelerate prepares it as for evaluation:
+  autocast only, no DDP;
+- the micro-batches of an accumulation window but the last run under
+  ``flatshard.no_sync`` (Accelerate's ``no_sync`` finds none on the model);
+- ``save_model`` is a collective: ``flatshard.export_safetensors`` writes the full model
+  with its config, so ``from_pretrained`` loads the result;
+- a checkpoint's optimizer (and the exact sharded weights) go to a flatshard checkpoint
+  directory ``flatshard/`` inside the Trainer's ``checkpoint-N``; resuming loads it, at
+  any world size. The scheduler, RNG and trainer state are the Trainer's own files.
+Gradient clipping (``max_grad_norm``) goes through ``torch.nn.utils.clip_grad_norm_``,
+which flatshard makes global over the shards ([Note: torch's clip_grad_norm_ on sharded
+gradients]). The hooks overridden are the ``Trainer``'s own (``_save``,
+``_save_optimizer_and_scheduler``, ``_load_from_checkpoint``,
+``_load_optimizer_and_scheduler``, ``_load_best_model``, ``_move_model_to_device``); the
+tests pin them to the installed transformers.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Trainer
+
+import flatshard
+from flatshard.runtime import units_of
+
+CHECKPOINT_DIR = "flatshard"  # inside each checkpoint-N: model and optimizer, sharded
+SCHEDULER_NAME = "scheduler.pt"  # the Trainer's name for it
+TRAINING_ARGS_NAME = "training_args.bin"
+
+
+class FlatshardTrainer(Trainer):
+    """``transformers.Trainer`` for a model already sharded with ``flatshard.fully_shard``.
+
+    Everything else is the ``Trainer``'s: arguments, datasets, collators, callbacks,
+    evaluation, logging. See the module's note for what changes and why.
+    """
+
+    def __init__(self, model: nn.Module | None = None, args: Any = None, **kwargs: Any) -> None:
+        _check_sharded(model)
+        _check_arguments(args)
+        super().__init__(model=model, args=args, **kwargs)
+        _leave_sharding_to_flatshard(self.accelerator, self._sharded)
+
+    @property
+    def _sharded(self) -> nn.Module:
+        assert self.model is not None  # checked in __init__
+        return self.model
+
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        # fully_shard placed the shards; the Trainer's model.to(args.device) would copy
+        # every parameter out of them (args.device is "cpu:0", unequal to "cpu")
+        pass
+
+    # ---------------------------------------------------------------- save_model
+    def _save(
+        self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None
+    ) -> None:
+        """Every rank: the full model as safetensors plus its config (``from_pretrained``)."""
+        if state_dict is not None:
+            raise ValueError(
+                "flatshard.integrations.transformers: save_model with a state_dict of "
+                "your own is not supported: flatshard gathers the sharded model itself."
+            )
+        out = str(output_dir if output_dir is not None else self.args.output_dir)
+        flatshard.export_safetensors(self._sharded, out)
+        if not self.args.should_save:
+            return
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(out)
+        torch.save(self.args, os.path.join(out, TRAINING_ARGS_NAME))
+
+    # ---------------------------------------------------------------- checkpoints
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        flatshard.save_checkpoint(
+            Path(output_dir) / CHECKPOINT_DIR, self._sharded, _unwrapped(self.optimizer)
+        )
+        if self.args.should_save and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        # Before the optimizer exists: the model's exact (sharded, full precision) weights
+        flatshard.load_checkpoint(_checkpoint_dir(resume_from_checkpoint), self._sharded)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        optimizer = _unwrapped(self.optimizer)
+        flatshard.load_checkpoint(_checkpoint_dir(checkpoint), self._sharded, optimizer)
+        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
+        if self.lr_scheduler is not None and os.path.isfile(scheduler):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+    def _load_best_model(self) -> None:
+        # load_best_model_at_end: the best checkpoint's exact weights, or its export
+        best = str(self.state.best_model_checkpoint)
+        if (Path(best) / CHECKPOINT_DIR).is_dir():
+            flatshard.load_checkpoint(Path(best) / CHECKPOINT_DIR, self._sharded)
+        else:
+            flatshard.load_safetensors(self._sharded, best)
+
+
+def _leave_sharding_to_flatshard(accelerator: Any, model: nn.Module) -> None:
+    """See [Note: what the Trainer must not do to a sharded model]: Accelerate prepares the
+    sharded model without DDP, and its ``no_sync`` is flatshard's."""
+    prepare_model, no_sync = accelerator.prepare_model, accelerator.no_sync
+
+    def prepare_sharded(
+        module: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
+    ) -> nn.Module:
+        if module is model:
+            prepared: nn.Module = prepare_model(
+                module, device_placement=False, evaluation_mode=True
+            )
+            return prepared
+        return prepare_model(module, device_placement, evaluation_mode)  # type: ignore[no-any-return]
+
+    def sharded_no_sync(model_: nn.Module) -> AbstractContextManager[None]:
+        if model_ is model:
+            return flatshard.no_sync(model)
+        return no_sync(model_)  # type: ignore[no-any-return]
+
+    accelerator.prepare_model = prepare_sharded
+    accelerator.no_sync = sharded_no_sync
+
+
+def _check_sharded(model: nn.Module | None) -> None:
+    try:
+        units_of(model, "integrations.transformers.FlatshardTrainer") if model is not None else []
+    except ValueError:
+        model = None
+    if model is None:
+        raise ValueError(
+            "flatshard.integrations.transformers: FlatshardTrainer takes a model sharded "
+            "by flatshard; call flatshard.fully_shard(model, auto_wrap_policy={<decoder "
+            "layer class>}) before building the Trainer, so that its optimizer sees the "
+            "sharded parameters."
+        )
+
+
+def _check_arguments(args: Any) -> None:
+    if args is None:
+        return
+    for name in ("fsdp", "deepspeed"):
+        if getattr(args, name, None):
+            raise ValueError(
+                f"flatshard.integrations.transformers: TrainingArguments({name}=...) asks "
+                "the Trainer to shard the model too; flatshard shards it: drop that option."
+            )
+    if getattr(args, "save_safetensors", True) is False:
+        raise ValueError(
+            "flatshard.integrations.transformers: save_model writes safetensors only; "
+            "drop save_safetensors=False."
+        )
+
+
+def _checkpoint_dir(checkpoint: str) -> Path:
+    path = Path(checkpoint) / CHECKPOINT_DIR
+    if not path.is_dir():
+        raise flatshard.CheckpointError(
+            f"flatshard.integrations.transformers: {checkpoint} has no {CHECKPOINT_DIR}/ "
+            "directory: it was not saved by FlatshardTrainer (or with save_only_model=True, "
+            "which cannot resume). Resume from a checkpoint FlatshardTrainer wrote."
+        )
+    return path
+
+
+def _unwrapped(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside Accelerate's ``AcceleratedOptimizer``."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(
+            f"flatshard.integrations.transformers: the Trainer's optimizer is a "
+            f"{type(inner).__name__}, not a torch.optim.Optimizer flatshard can checkpoint."
+        )
+    return inner

@@ -1,0 +1,98 @@
+"""FlatshardTrainer: the Hugging Face Trainer on a sharded tiny Llama at 2 ranks, against
+the unsharded Trainer on the same global batch (``transformers_script.py``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from safetensors.torch import load_file
+
+SCRIPT = Path(__file__).with_name("transformers_script.py")
+TOLERANCE = 1e-5
+_LAUNCH_VARIABLES = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"}
+
+
+def _run(command: list[str], cwd: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES}
+    done = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("trainer")
+    _run([sys.executable, str(SCRIPT), "reference", str(out)], out)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    _run([*torchrun, "--nproc-per-node", "2", str(SCRIPT), "sharded", str(out)], out)
+    return out
+
+
+def _results(out: Path) -> dict[str, Any]:
+    return {
+        "reference": json.loads((out / "reference.json").read_text()),
+        "sharded": json.loads((out / "sharded.json").read_text()),
+    }
+
+
+def _assert_same_weights(mine: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> None:
+    assert mine.keys() == theirs.keys()
+    for name, value in mine.items():
+        torch.testing.assert_close(value, theirs[name], atol=TOLERANCE, rtol=0, msg=name)
+
+
+def test_trainer_matches_the_unsharded_run(out: Path) -> None:
+    results = _results(out)
+    mine, theirs = results["sharded"]["losses"], results["reference"]["losses"]
+    assert len(mine) == len(theirs) == 4
+    assert all(abs(a - b) <= TOLERANCE for a, b in zip(mine, theirs, strict=True)), (mine, theirs)
+    # The saved model holds the unsharded run's final weights (clipping included).
+    _assert_same_weights(
+        load_file(str(out / "saved" / "model.safetensors")),
+        load_file(str(out / "reference.safetensors")),
+    )
+
+
+def test_save_model_loads_with_from_pretrained(out: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(out / "saved"))
+    with torch.no_grad():
+        logits = model(torch.arange(12).reshape(2, 6)).logits
+    torch.testing.assert_close(logits, torch.load(out / "live_logits.pt"), atol=TOLERANCE, rtol=0)
+
+
+def test_resume_from_a_trainer_checkpoint_continues_identically(out: Path) -> None:
+    results = _results(out)["sharded"]
+    assert results["resumed_losses"] == pytest.approx(results["losses"], abs=1e-6)
+    assert (out / "run" / "checkpoint-2" / "flatshard" / "flatshard.json").is_file()
+    _assert_same_weights(
+        load_file(str(out / "resumed" / "model.safetensors")),
+        load_file(str(out / "saved" / "model.safetensors")),
+    )
+
+
+def test_an_unsharded_model_is_a_named_error() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from flatshard.integrations.transformers import FlatshardTrainer
+
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=8,
+            hidden_size=8,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=8,
+        )
+    )
+    with pytest.raises(ValueError, match=r"takes a model sharded by flatshard; call flatshard"):
+        FlatshardTrainer(model=model)
