@@ -61,6 +61,19 @@ def test_trainer_matches_the_unsharded_run(out: Path) -> None:
     )
 
 
+def test_accumulation_and_evaluation_match_the_unsharded_run(out: Path) -> None:
+    results = _results(out)
+    mine, theirs = results["sharded"]["accumulated_losses"], results["reference"]["losses"]
+    assert mine == pytest.approx(theirs, abs=TOLERANCE)
+    _assert_same_weights(
+        load_file(str(out / "accumulated" / "model.safetensors")),
+        load_file(str(out / "reference.safetensors")),
+    )
+    assert results["sharded"]["eval_loss"] == pytest.approx(
+        results["reference"]["eval_loss"], abs=TOLERANCE
+    )
+
+
 def test_save_model_loads_with_from_pretrained(out: Path) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -78,6 +91,18 @@ def test_resume_from_a_trainer_checkpoint_continues_identically(out: Path) -> No
         load_file(str(out / "resumed" / "model.safetensors")),
         load_file(str(out / "saved" / "model.safetensors")),
     )
+
+
+def test_lora_adapters_train_and_save_as_peft_does(out: Path) -> None:
+    # save_model of a peft model writes the adapters only, under peft's names
+    mine = out / "lora-adapter"
+    assert (mine / "adapter_config.json").is_file()
+    adapters = load_file(str(mine / "adapter_model.safetensors"))
+    _assert_same_weights(
+        adapters, load_file(str(out / "reference-lora" / "adapter_model.safetensors"))
+    )
+    assert all(v.abs().sum() > 0 for k, v in adapters.items() if "lora_B" in k)  # trained
+    assert not any("base_layer" in k for k in adapters)
 
 
 def test_an_unsharded_model_is_a_named_error() -> None:

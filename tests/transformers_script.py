@@ -2,20 +2,21 @@
 
 ``python transformers_script.py reference OUT``: the unsharded Trainer, one process, the
 global batch. ``torchrun --nproc-per-node 2 transformers_script.py sharded OUT``: the same
-training with ``FlatshardTrainer`` (half the batch on each rank), its ``save_model``, and
-a second run resumed from the first's step-2 checkpoint. Results go to OUT as JSON and
-safetensors.
+training with ``FlatshardTrainer`` (half the batch on each rank), its ``save_model``, a
+second run resumed from the first's step-2 checkpoint, and a third that accumulates the
+same global batch over 2 micro-batches, then evaluates; and both train peft's LoRA.
+Results go to OUT as JSON and safetensors.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
@@ -46,29 +47,36 @@ class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def arguments(out: Path, ranks: int) -> TrainingArguments:
+def arguments(out: Path, ranks: int, accumulate: int = 1) -> TrainingArguments:
     return TrainingArguments(
         output_dir=str(out),
-        per_device_train_batch_size=GLOBAL_BATCH // ranks,
+        per_device_train_batch_size=GLOBAL_BATCH // ranks // accumulate,
+        gradient_accumulation_steps=accumulate,
+        per_device_eval_batch_size=GLOBAL_BATCH // ranks,
         max_steps=STEPS,
         learning_rate=1e-2,
         warmup_steps=1,
         max_grad_norm=0.5,
         logging_steps=1,
-        save_strategy=os.environ.get("SAVE", "steps"),
+        save_strategy="steps",
         save_steps=2,
         train_sampling_strategy="sequential",
         report_to=[],
         use_cpu=True,
         disable_tqdm=True,
         seed=0,
-        optim=os.environ.get("OPTIM", "adamw_torch_fused"),
     )
 
 
 def model() -> LlamaForCausalLM:
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(**LLAMA))
+
+
+def lora_model() -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
 
 
 def losses(trainer: Trainer) -> list[float]:
@@ -80,12 +88,19 @@ def reference(out: Path) -> None:
     trainer.train()
     weights = {k: v.contiguous() for k, v in trainer.model.state_dict().items()}
     save_file(weights, str(out / "reference.safetensors"))
-    (out / "reference.json").write_text(json.dumps({"losses": losses(trainer)}))
+    evaluated = trainer.evaluate(Tokens())["eval_loss"]
+    lora = Trainer(model=lora_model(), args=arguments(out / "lora", 1), train_dataset=Tokens())
+    lora.train()
+    lora.save_model(str(out / "reference-lora"))
+    (out / "reference.json").write_text(
+        json.dumps({"losses": losses(trainer), "eval_loss": evaluated})
+    )
 
 
-def sharded_trainer(out: Path) -> FlatshardTrainer:
-    args = arguments(out, 2)  # first: under torchrun, TrainingArguments starts the group
-    sharded = flatshard.fully_shard(model(), auto_wrap_policy={LlamaDecoderLayer})
+def sharded_trainer(out: Path, accumulate: int = 1, lora: bool = False) -> FlatshardTrainer:
+    args = arguments(out, 2, accumulate)  # first: under torchrun it starts the group
+    plain = lora_model() if lora else model()
+    sharded = flatshard.fully_shard(plain, auto_wrap_policy={LlamaDecoderLayer})
     return FlatshardTrainer(model=sharded, args=args, train_dataset=Tokens())
 
 
@@ -99,11 +114,19 @@ def sharded(out: Path) -> None:
     resumed = sharded_trainer(out / "run")  # the same output_dir: checkpoint-2 is there
     resumed.train(resume_from_checkpoint=str(out / "run" / "checkpoint-2"))
     resumed.save_model(str(out / "resumed"))
+    # The same global batch as 2 micro-batches of 1 per rank: flatshard.no_sync for the first
+    accumulating = sharded_trainer(out / "accumulate", accumulate=2)
+    accumulating.train()
+    accumulating.save_model(str(out / "accumulated"))
+    evaluated = accumulating.evaluate(Tokens())["eval_loss"]
+    lora = sharded_trainer(out / "lora", lora=True)  # peft's LoRA, sharded after get_peft_model
+    lora.train()
+    lora.save_model(str(out / "lora-adapter"))
     if torch.distributed.get_rank() == 0:
         torch.save(live, out / "live_logits.pt")
-        (out / "sharded.json").write_text(
-            json.dumps({"losses": losses(trainer), "resumed_losses": losses(resumed)})
-        )
+        results = {"losses": losses(trainer), "resumed_losses": losses(resumed)}
+        results |= {"accumulated_losses": losses(accumulating), "eval_loss": evaluated}
+        (out / "sharded.json").write_text(json.dumps(results))
 
 
 if __name__ == "__main__":

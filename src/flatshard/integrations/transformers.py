@@ -17,7 +17,8 @@ whose checkpoints save one rank's optimizer state as if it were everyone's. So:
 - the micro-batches of an accumulation window but the last run under
   ``flatshard.no_sync`` (Accelerate's ``no_sync`` finds none on the model);
 - ``save_model`` is a collective: ``flatshard.export_safetensors`` writes the full model
-  with its config, so ``from_pretrained`` loads the result;
+  with its config, so ``from_pretrained`` loads the result (of a peft model, the LoRA
+  adapters as peft writes them: ``PeftModel.from_pretrained`` loads those);
 - a checkpoint's optimizer (and the exact sharded weights) go to a flatshard checkpoint
   directory ``flatshard/`` inside the Trainer's ``checkpoint-N``; resuming loads it, at
   any world size. The scheduler, RNG and trainer state are the Trainer's own files.
@@ -82,7 +83,10 @@ class FlatshardTrainer(Trainer):
                 "your own is not supported: flatshard gathers the sharded model itself."
             )
         out = str(output_dir if output_dir is not None else self.args.output_dir)
-        flatshard.export_safetensors(self._sharded, out)
+        if hasattr(self._sharded, "peft_config"):
+            _export_adapter(self._sharded, out)
+        else:
+            flatshard.export_safetensors(self._sharded, out)
         if not self.args.should_save:
             return
         if self.processing_class is not None:
@@ -119,7 +123,31 @@ class FlatshardTrainer(Trainer):
             flatshard.load_safetensors(self._sharded, best)
 
 
-def _leave_sharding_to_flatshard(accelerator: Any, model: nn.Module) -> None:
+def _export_adapter(model: Any, out: str) -> None:
+    """Every rank: a peft model's LoRA adapters as peft's ``save_pretrained`` writes them
+    (``adapter_model.safetensors`` under peft's names, ``adapter_config.json``), so
+    ``PeftModel.from_pretrained(base, out)`` loads them; the frozen base is not written."""
+    adapter = model.active_adapter
+    marker = f".{adapter}."
+
+    def saved_name(key: str) -> str | None:
+        return key.replace(marker, ".") if "lora_" in key and marker in key else None
+
+    if not any(saved_name(name) for name, _ in model.named_parameters()):
+        raise ValueError(
+            "flatshard.integrations.transformers: save_model writes LoRA adapters (lora_A, "
+            f"lora_B, ...) of a peft model; adapter '{adapter}' has none. Merge it, or "
+            "export the whole model with flatshard.export_safetensors(model, out)."
+        )
+    files = flatshard.export_safetensors(model, out, names=saved_name)
+    if files:  # rank 0 wrote them
+        written = Path(out) / "model.safetensors"
+        if written.is_file():
+            written.replace(Path(out) / "adapter_model.safetensors")
+        model.peft_config[adapter].save_pretrained(out)
+
+
+def _leave_sharding_to_flatshard(accelerator: Any, sharded: nn.Module) -> None:
     """See [Note: what the Trainer must not do to a sharded model]: Accelerate prepares the
     sharded model without DDP, and its ``no_sync`` is flatshard's."""
     prepare_model, no_sync = accelerator.prepare_model, accelerator.no_sync
@@ -127,17 +155,17 @@ def _leave_sharding_to_flatshard(accelerator: Any, model: nn.Module) -> None:
     def prepare_sharded(
         module: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
     ) -> nn.Module:
-        if module is model:
+        if module is sharded:
             prepared: nn.Module = prepare_model(
                 module, device_placement=False, evaluation_mode=True
             )
             return prepared
         return prepare_model(module, device_placement, evaluation_mode)  # type: ignore[no-any-return]
 
-    def sharded_no_sync(model_: nn.Module) -> AbstractContextManager[None]:
-        if model_ is model:
-            return flatshard.no_sync(model)
-        return no_sync(model_)  # type: ignore[no-any-return]
+    def sharded_no_sync(model: nn.Module) -> AbstractContextManager[None]:  # Accelerate's name
+        if model is sharded:
+            return flatshard.no_sync(sharded)
+        return no_sync(model)  # type: ignore[no-any-return]
 
     accelerator.prepare_model = prepare_sharded
     accelerator.no_sync = sharded_no_sync
