@@ -11,7 +11,7 @@ import json
 import sys
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import lightning as L
 import torch
@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import flatshard
-from flatshard.integrations.lightning import FlatshardStrategy
+from flatshard.integrations.lightning import FlatshardPrecision, FlatshardStrategy
 
 VOCAB, WIDTH, STEPS = 32, 16, 4
 
@@ -117,7 +117,7 @@ def fit(kind: str, steps: int = STEPS, **options: Any) -> dict[str, Any]:
     save_to = options.pop("save_to", None)
     trainer_options = {
         k: options.pop(k)
-        for k in ("gradient_clip_val", "accumulate_grad_batches", "precision")
+        for k in ("gradient_clip_val", "accumulate_grad_batches", "precision", "plugins")
         if k in options
     }
     torch.manual_seed(0)
@@ -152,6 +152,10 @@ def main(out: Path) -> None:
     results: dict[str, Any] = {}
     for kind in ("ddp", "FULL_SHARD", "SHARD_GRAD_OP"):
         results[kind] = fit(kind, gradient_clip_val=0.05)
+    # 2 replicas of 1 rank each: the all-reduce across replicas is the whole reduction
+    results["HYBRID_SHARD"] = fit("HYBRID_SHARD", gradient_clip_val=0.05, sharding_factor=1)
+    offload = flatshard.CPUOffload(params=True)
+    results["offload"] = fit("FULL_SHARD", gradient_clip_val=0.05, cpu_offload=offload)
     results["ddp_unclipped"] = fit("ddp")
     results["ddp_accumulate"] = fit("ddp", gradient_clip_val=0.05, accumulate_grad_batches=2)
     results["flatshard_accumulate"] = fit(
@@ -170,6 +174,11 @@ def main(out: Path) -> None:
     init = flatshard.InitOptions(seed=0)
     results["meta"] = fit("FULL_SHARD", on_meta=True, param_init_fn=init_module, init=init)
     results["bf16"] = fit("FULL_SHARD", steps=2, precision="bf16-mixed")
+    # Lightning turns 16-mixed into bf16 on CPU; the plugin given directly keeps fp16 and
+    # its ShardedGradScaler (scale, unscale before clipping, step, update)
+    fp16 = FlatshardPrecision("16-mixed")
+    results["fp16"] = fit("FULL_SHARD", steps=2, gradient_clip_val=0.05, plugins=[fp16])
+    results["fp16_scale"] = float(cast(Any, fp16.scaler).get_scale())
     rank = torch.distributed.get_rank()
     (out / f"rank{rank}.json").write_text(json.dumps(results))
 

@@ -13,6 +13,7 @@ from torch import nn
 
 import flatshard
 from flatshard.cli.main import main
+from flatshard.testing.models import TINY_LLAMA
 from flatshard.testing.workers import WorkerContext, WorkerPool
 
 transformers = pytest.importorskip("transformers")
@@ -20,15 +21,7 @@ transformers = pytest.importorskip("transformers")
 SEED = 3
 
 
-LLAMA = {
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-}
+LLAMA = TINY_LLAMA
 
 
 def llama_job(ctx: WorkerContext, world: int, directory: str) -> dict[str, Any] | None:

@@ -51,7 +51,7 @@ def _close(mine: list[float], theirs: list[float]) -> bool:
     )
 
 
-@pytest.mark.parametrize("kind", ["FULL_SHARD", "SHARD_GRAD_OP"])
+@pytest.mark.parametrize("kind", ["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "offload"])
 def test_training_matches_ddp_with_clipping(runs: list[dict[str, Any]], kind: str) -> None:
     for rank, run in enumerate(runs):
         ddp, mine = run["ddp"], run[kind]
@@ -100,6 +100,16 @@ def test_bf16_mixed_computes_in_bf16(runs: list[dict[str, Any]]) -> None:
         low, full = run["bf16"]["losses"], run["FULL_SHARD"]["losses"]
         assert abs(low[0] - full[0]) < 0.05
         assert all(float(torch.tensor(x).bfloat16()) == x for x in low)  # a bf16 loss
+
+
+def test_fp16_mixed_scales_the_loss(runs: list[dict[str, Any]]) -> None:
+    for run in runs:
+        low, full = run["fp16"]["losses"], run["FULL_SHARD"]["losses"]
+        assert abs(low[0] - full[0]) < 0.05
+        assert all(float(torch.tensor(x).half()) == x for x in low)  # an fp16 loss
+        # The first backward overflowed fp16 at the initial scale 2**16: every rank skipped
+        # that step and the scaler halved the scale (agreed across ranks); the next did not
+        assert run["fp16_scale"] == 2.0**15
 
 
 # ---------------------------------------------------------------- options and misuse

@@ -22,16 +22,9 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import flatshard
 from flatshard.integrations.transformers import FlatshardTrainer
+from flatshard.testing.models import TINY_LLAMA
 
-LLAMA = {
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-}
+LLAMA = TINY_LLAMA
 GLOBAL_BATCH, STEPS = 4, 4
 
 

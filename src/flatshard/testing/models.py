@@ -220,6 +220,17 @@ MODELS: dict[str, type[nn.Module]] = {
 }
 
 
+# A transformers LlamaConfig small enough for 2 CPU ranks in seconds (the Hugging Face tests)
+TINY_LLAMA = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
+
 M = TypeVar("M", bound=nn.Module)
 
 
