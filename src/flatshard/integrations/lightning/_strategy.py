@@ -21,10 +21,8 @@ them, so ``devices=N`` spawns the ranks and ``torchrun`` works as for ``strategy
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -45,17 +43,17 @@ from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_utilities.core.rank_zero import rank_zero_only as utilities_rank_zero_only
 from torch import nn
-from torch.utils.checkpoint import checkpoint as recompute
 
 import flatshard
 from flatshard.integrations.lightning import _checkpoints
 from flatshard.integrations.lightning._precision import FlatshardPrecision, from_lightning
-from flatshard.runtime import units_of
+from flatshard.integrations.lightning._sharding import (
+    ShardOptions,
+    holds_parameters_itself,
+    is_sharded,
+)
 
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
-STATE_DICT_TYPES = ("sharded", "full")
-# fully_shard's keywords the strategy sets itself (the rest pass through **fully_shard_options)
-_OWN_KEYWORDS = {"auto_wrap_policy", "strategy", "mixed_precision", "cpu_offload", "device"}
 
 
 class FlatshardStrategy(ParallelStrategy):
@@ -93,19 +91,15 @@ class FlatshardStrategy(ParallelStrategy):
         **fully_shard_options: Any,
     ) -> None:
         super().__init__()
-        if state_dict_type not in STATE_DICT_TYPES:
-            raise ValueError(
-                f"flatshard.integrations.lightning: state_dict_type={state_dict_type!r}; "
-                f"choose one of {STATE_DICT_TYPES}."
-            )
-        _check_options(fully_shard_options)
-        self.auto_wrap_policy = auto_wrap_policy
-        self.sharding_strategy = sharding_strategy
-        self.mixed_precision = mixed_precision
-        self.cpu_offload = cpu_offload
-        self.activation_checkpointing_policy = activation_checkpointing_policy
-        self.state_dict_type = state_dict_type
-        self.fully_shard_options = fully_shard_options
+        self.options = ShardOptions(
+            auto_wrap_policy,
+            sharding_strategy,
+            mixed_precision,
+            cpu_offload,
+            activation_checkpointing_policy,
+            state_dict_type,
+            fully_shard_options,
+        )
         self._process_group_backend = process_group_backend
         self.num_nodes = 1
 
@@ -218,9 +212,16 @@ class FlatshardStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self._module
-        if not units_of_or_empty(module):  # validate/test after fit: already sharded
+        if not is_sharded(module):  # validate/test after fit: already sharded
             self.model = self.precision_plugin.convert_module(module)
-            self._shard(module)
+            plugin = self.precision_plugin
+            mixed = self.options.policy(plugin.precision, plugin.mixed_precision)
+            self.options.shard(module, self.root_device, mixed)
+            if holds_parameters_itself(module):
+                # Gather what the module holds itself around each step it defines
+                for name in STEP_METHODS:
+                    if is_overridden(name, module):
+                        flatshard.register_entry_point(module, name)
         self.precision_plugin.model = module
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -229,37 +230,6 @@ class FlatshardStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-
-    def _shard(self, module: pl.LightningModule) -> None:
-        mixed = self._mixed_precision()
-        if self.activation_checkpointing_policy:
-            _checkpoint_forwards(module, tuple(self.activation_checkpointing_policy))
-        if not _on_meta(module):
-            module.to(self.root_device)  # the full module: build on meta to never hold it
-        flatshard.fully_shard(
-            module,
-            auto_wrap_policy=self.auto_wrap_policy,
-            strategy=self.sharding_strategy,
-            mixed_precision=mixed,
-            cpu_offload=self.cpu_offload,
-            device=self.root_device,
-            **self.fully_shard_options,
-        )
-        if any(u.module is module for u in units_of_or_empty(module)):
-            # The module holds parameters itself: gather them around each step it defines
-            for name in STEP_METHODS:
-                if is_overridden(name, module):
-                    flatshard.register_entry_point(module, name)
-
-    def _mixed_precision(self) -> flatshard.MixedPrecision | None:
-        from_trainer = self.precision_plugin.mixed_precision
-        if self.mixed_precision is not None and self.precision_plugin.precision != "32-true":
-            raise ValueError(
-                "flatshard.integrations.lightning: both FlatshardStrategy(mixed_precision="
-                f"...) and Trainer(precision={self.precision_plugin.precision!r}) were given; "
-                "give one (the Trainer's precision stands for a MixedPrecision policy)."
-            )
-        return self.mixed_precision if self.mixed_precision is not None else from_trainer
 
     # ---------------------------------------------------------------- the step
     @contextmanager
@@ -271,12 +241,12 @@ class FlatshardStrategy(ParallelStrategy):
 
     # ---------------------------------------------------------------- checkpoints
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self.state_dict_type == "sharded":
+        if self.options.state_dict_type == "sharded":
             return {}  # save_checkpoint writes each rank's rows itself
         return flatshard.full_state_dict(self._module)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        if self.state_dict_type == "sharded":
+        if self.options.state_dict_type == "sharded":
             return {}
         return flatshard.full_optim_state_dict(self._module, _unwrapped(optimizer))
 
@@ -289,7 +259,7 @@ class FlatshardStrategy(ParallelStrategy):
                 "storage_options (it writes through flatshard, not a CheckpointIO plugin)."
             )
         path = Path(self.broadcast(str(filepath)))  # rank 0's name for every rank
-        if self.state_dict_type == "sharded":
+        if self.options.state_dict_type == "sharded":
             optimizers = [_unwrapped(o) for o in self.optimizers]
             _checkpoints.save_sharded(checkpoint, path, self._module, optimizers)
         elif self.is_global_zero:
@@ -323,45 +293,6 @@ class FlatshardStrategy(ParallelStrategy):
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
-
-
-def units_of_or_empty(module: nn.Module) -> list[Any]:
-    """The module's units; none before it is sharded."""
-    try:
-        return list(units_of(module, "integrations.lightning"))
-    except ValueError:
-        return []
-
-
-def _check_options(options: dict[str, Any]) -> None:
-    known = set(inspect.signature(flatshard.fully_shard).parameters) - {"module"}
-    own = sorted(set(options) & _OWN_KEYWORDS)
-    if own:
-        raise TypeError(
-            f"flatshard.integrations.lightning: FlatshardStrategy sets {own} itself; pass "
-            "auto_wrap_policy, sharding_strategy, mixed_precision and cpu_offload by name "
-            "(the device is Lightning's)."
-        )
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise TypeError(
-            f"flatshard.integrations.lightning: FlatshardStrategy got {unknown}, which "
-            f"flatshard.fully_shard does not take (it takes {sorted(known - _OWN_KEYWORDS)})."
-        )
-
-
-def _checkpoint_forwards(module: nn.Module, classes: tuple[type[nn.Module], ...]) -> None:
-    """Recompute each ``classes`` module's forward in backward (non-reentrant); the unit's
-    hooks stay outside the recomputed region, so it reads the gathered parameters."""
-    for inner in module.modules():
-        if isinstance(inner, classes):
-            forward: Callable[..., Any] = inner.forward
-            inner.forward = partial(recompute, forward, use_reentrant=False)
-
-
-def _on_meta(module: nn.Module) -> bool:
-    tensors: Iterator[torch.Tensor] = iter([*module.parameters(), *module.buffers()])
-    return any(t.is_meta for t in tensors)
 
 
 def _unwrapped(optimizer: Any) -> Any:
