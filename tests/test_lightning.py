@@ -1,8 +1,10 @@
-"""FlatshardStrategy: Lightning's Trainer on a flatshard-sharded model, against strategy="ddp".
+"""Lightning's Trainer (``FlatshardStrategy``) and Fabric (``FlatshardFabricStrategy``) on
+a flatshard-sharded model, against strategy="ddp".
 
-The runs (``lightning_script.py``) are launched as a user launches Lightning: the script
-starts, and ``Trainer(devices=2)`` starts the second rank itself. One launch runs every
-scenario, since each launch costs Lightning's and torch's imports on both ranks.
+The runs (``lightning_script.py``, ``fabric_script.py``) are launched as a user launches
+Lightning: the script starts, and ``devices=2`` starts the second rank itself. One launch
+per script runs every scenario, since each launch costs Lightning's and torch's imports
+on both ranks.
 """
 
 from __future__ import annotations
@@ -20,18 +22,21 @@ import torch
 import flatshard
 
 L = pytest.importorskip("lightning")
-from flatshard.integrations.lightning import FlatshardPrecision, FlatshardStrategy  # noqa: E402
+from flatshard.integrations.lightning import (  # noqa: E402
+    FlatshardFabricStrategy,
+    FlatshardPrecision,
+    FlatshardStrategy,
+)
 
 SCRIPT = Path(__file__).with_name("lightning_script.py")
+FABRIC_SCRIPT = Path(__file__).with_name("fabric_script.py")
 TOLERANCE = 1e-5
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out = tmp_path_factory.mktemp("lightning")
+def _launch(script: Path, out: Path, name: str) -> list[dict[str, Any]]:
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES}
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), str(out)],
+        [sys.executable, str(script), str(out)],
         env=env,
         cwd=out,
         capture_output=True,
@@ -39,7 +44,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
         timeout=600,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return [json.loads((out / f"{name}{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _launch(SCRIPT, tmp_path_factory.mktemp("lightning"), "rank")
+
+
+@pytest.fixture(scope="module")
+def fabric_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _launch(FABRIC_SCRIPT, tmp_path_factory.mktemp("fabric"), "fabric")
 
 
 _LAUNCH_VARIABLES = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"}
@@ -112,6 +127,20 @@ def test_fp16_mixed_scales_the_loss(runs: list[dict[str, Any]]) -> None:
         assert run["fp16_scale"] == 2.0**15
 
 
+def test_fabric_matches_ddp_with_accumulation_and_clipping(
+    fabric_runs: list[dict[str, Any]],
+) -> None:
+    for run in fabric_runs:
+        assert _close(run["flatshard"], run["ddp"]), (run["flatshard"], run["ddp"])
+    assert fabric_runs[0]["ddp"] != fabric_runs[1]["ddp"]  # each rank its own batches
+
+
+def test_fabric_save_and_load_resume_exactly(fabric_runs: list[dict[str, Any]]) -> None:
+    for run in fabric_runs:
+        assert _close(run["resumed"], run["flatshard"][4:])  # optimizer steps 3 and 4
+    assert fabric_runs[0]["kind"] == "dir"
+
+
 # ---------------------------------------------------------------- options and misuse
 def test_precision_settings_map_to_flatshard() -> None:
     policy = FlatshardPrecision("bf16-mixed").mixed_precision
@@ -129,10 +158,17 @@ def test_precision_settings_map_to_flatshard() -> None:
     assert strategy.precision_plugin.precision == "bf16-mixed"
 
 
+def test_fabric_needs_the_model_set_up_before_its_optimizer() -> None:
+    model = torch.nn.Linear(2, 2)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match=r"set the model up before building its optimizer"):
+        FlatshardFabricStrategy().setup_module_and_optimizers(model, [optim])
+
+
 def test_unsupported_settings_are_named_errors() -> None:
     with pytest.raises(
         ValueError,
-        match=r"DoublePrecision \(precision='64-true'\); pass Trainer\(precision=",
+        match=r"plugin DoublePrecision \(precision='64-true'\); pass precision= one of 32-true",
     ):
         FlatshardStrategy().precision_plugin = L.pytorch.plugins.precision.DoublePrecision()
     with pytest.raises(ValueError, match=r"state_dict_type='local'"):

@@ -1,11 +1,21 @@
 """flatshard as a PyTorch Lightning strategy (``pip install 'flatshard[lightning]'``).
 
 trainer = lightning.Trainer(strategy=FlatshardStrategy(auto_wrap_policy={Block}), ...)
+fabric = lightning.Fabric(strategy=FlatshardFabricStrategy(auto_wrap_policy={Block}), ...)
 
 docs/lightning.md shows a complete example and what each Lightning feature does here.
 """
 
+from flatshard.integrations.lightning._fabric import (
+    FlatshardFabricPrecision,
+    FlatshardFabricStrategy,
+)
 from flatshard.integrations.lightning._precision import FlatshardPrecision
 from flatshard.integrations.lightning._strategy import FlatshardStrategy
 
-__all__ = ["FlatshardPrecision", "FlatshardStrategy"]
+__all__ = [
+    "FlatshardFabricPrecision",
+    "FlatshardFabricStrategy",
+    "FlatshardPrecision",
+    "FlatshardStrategy",
+]

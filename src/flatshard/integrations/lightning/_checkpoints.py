@@ -36,18 +36,48 @@ def is_sharded_checkpoint(path: Path) -> bool:
 def save_sharded(
     checkpoint: dict[str, Any], path: Path, model: nn.Module, optimizers: list[Any]
 ) -> None:
-    """Every rank: write ``checkpoint`` as a flatshard checkpoint directory at ``path``."""
+    """Every rank: write a Trainer ``checkpoint`` as a flatshard checkpoint directory."""
+    rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    saved = optimizers if "optimizer_states" in checkpoint else []  # weights_only saves
+    write(path, model, saved, rest)
+
+
+def write(path: Path, model: nn.Module, optimizers: list[Any], rest: dict[str, Any]) -> None:
+    """Every rank: model and optimizers through flatshard, ``rest`` (Lightning's own
+    state) as ``torch.save`` bytes in the checkpoint's extra."""
     if path.is_file():
         raise FileExistsError(
             f"flatshard.integrations.lightning: {path} is a file (a full checkpoint); a "
             "sharded checkpoint is a directory. Remove it or save under another name."
         )
-    rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
     buffer = io.BytesIO()
     torch.save(rest, buffer)
     blob = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-    saved = optimizers if "optimizer_states" in checkpoint else None  # weights_only saves
-    flatshard.save_checkpoint(path, model, saved, extra={LIGHTNING_KEY: blob})
+    flatshard.save_checkpoint(path, model, optimizers or None, extra={LIGHTNING_KEY: blob})
+
+
+def read(
+    path: Path,
+    model: nn.Module,
+    optimizers: list[Any],
+    *,
+    strict: bool,
+    weights_only: bool | None,
+) -> dict[str, Any]:
+    """Every rank: load a directory ``write`` wrote; return its ``rest``."""
+    extra = flatshard.load_checkpoint(path, model, optimizers or None, strict=strict)
+    if LIGHTNING_KEY not in extra:
+        raise flatshard.CheckpointError(
+            f"flatshard.integrations.lightning: {path} is a flatshard checkpoint without "
+            "Lightning's state (saved by flatshard.save_checkpoint, not by Lightning); "
+            "load its weights with flatshard.load_checkpoint instead."
+        )
+    rest: dict[str, Any] = torch.load(
+        io.BytesIO(extra[LIGHTNING_KEY].numpy().tobytes()),
+        map_location="cpu",
+        weights_only=weights_only,
+    )
+    return rest
 
 
 def load(
@@ -61,18 +91,7 @@ def load(
     """Every rank: load ``path`` (sharded or full) into ``model`` and ``optimizers`` (none
     outside fitting); return Lightning's part of the checkpoint."""
     if is_sharded_checkpoint(path):
-        extra = flatshard.load_checkpoint(path, model, optimizers or None, strict=strict)
-        if LIGHTNING_KEY not in extra:
-            raise flatshard.CheckpointError(
-                f"flatshard.integrations.lightning: {path} is a flatshard checkpoint without "
-                "Lightning's state (saved by flatshard.save_checkpoint, not by the Trainer); "
-                "load its weights with flatshard.load_checkpoint in configure_model instead."
-            )
-        blob = extra[LIGHTNING_KEY]
-        loaded: dict[str, Any] = torch.load(
-            io.BytesIO(blob.numpy().tobytes()), map_location="cpu", weights_only=weights_only
-        )
-        return loaded
+        return read(path, model, optimizers, strict=strict, weights_only=weights_only)
     if path.is_dir():
         raise flatshard.CheckpointError(
             f"flatshard.integrations.lightning: {path} is a directory but not a flatshard "

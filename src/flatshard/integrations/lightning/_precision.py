@@ -31,7 +31,7 @@ from torch import nn
 import flatshard
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
-_TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
+TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
 _MIXED_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
@@ -45,11 +45,7 @@ class FlatshardPrecision(Precision):
     def __init__(
         self, precision: str = "32-true", scaler: flatshard.ShardedGradScaler | None = None
     ) -> None:
-        if precision not in PRECISIONS:
-            raise ValueError(
-                f"flatshard.integrations.lightning: precision={precision!r} is not supported "
-                f"under FlatshardStrategy; choose one of {', '.join(PRECISIONS)}."
-            )
+        check_precision(precision)
         if scaler is not None and precision != "16-mixed":
             raise ValueError(
                 f"flatshard.integrations.lightning: precision={precision!r} takes no gradient "
@@ -65,28 +61,25 @@ class FlatshardPrecision(Precision):
     @property
     def mixed_precision(self) -> flatshard.MixedPrecision | None:
         """The ``fully_shard`` policy this precision stands for (None: none)."""
-        low = _MIXED_DTYPES.get(self.precision)
-        if low is None:
-            return None
-        return flatshard.MixedPrecision(param_dtype=low, reduce_dtype=torch.float32)
+        return mixed_policy(self.precision)
 
     # ---------------------------------------------------------------- the "true" dtypes
     def convert_module(self, module: nn.Module) -> nn.Module:
-        dtype = _TRUE_DTYPES.get(self.precision)
+        dtype = TRUE_DTYPES.get(self.precision)
         return module.to(dtype=dtype) if dtype is not None else module
 
     def tensor_init_context(self) -> AbstractContextManager[None]:
-        return _default_dtype(_TRUE_DTYPES.get(self.precision))
+        return default_dtype(TRUE_DTYPES.get(self.precision))
 
     def module_init_context(self) -> AbstractContextManager[None]:
-        return _default_dtype(_TRUE_DTYPES.get(self.precision))
+        return default_dtype(TRUE_DTYPES.get(self.precision))
 
     def forward_context(self) -> AbstractContextManager[None]:
-        return _default_dtype(_TRUE_DTYPES.get(self.precision))
+        return default_dtype(TRUE_DTYPES.get(self.precision))
 
     def convert_input(self, data: Any) -> Any:
-        dtype = _TRUE_DTYPES.get(self.precision)
-        return data if dtype is None else _cast_floats(data, dtype)
+        dtype = TRUE_DTYPES.get(self.precision)
+        return data if dtype is None else cast_floats(data, dtype)
 
     # ---------------------------------------------------------------- clipping
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
@@ -140,24 +133,46 @@ class FlatshardPrecision(Precision):
             self.scaler.load_state_dict(state_dict)
 
 
-def from_lightning(plugin: Any) -> FlatshardPrecision:
-    """The flatshard plugin for a precision plugin Lightning chose from ``precision=``."""
-    if isinstance(plugin, FlatshardPrecision):
-        return plugin
+def mixed_policy(precision: str) -> flatshard.MixedPrecision | None:
+    """The ``fully_shard`` policy a Lightning precision setting stands for (see the table)."""
+    low = _MIXED_DTYPES.get(precision)
+    if low is None:
+        return None
+    return flatshard.MixedPrecision(param_dtype=low, reduce_dtype=torch.float32)
+
+
+def check_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(
+            f"flatshard.integrations.lightning: precision={precision!r} is not supported "
+            f"under flatshard; choose one of {', '.join(PRECISIONS)}."
+        )
+
+
+def supported_name(plugin: Any) -> str:
+    """The setting of a precision plugin Lightning made from ``precision=``; an error for
+    plugins flatshard cannot carry out (double, bitsandbytes, transformer-engine, ...)."""
     name = getattr(plugin, "precision", None)
     if type(plugin).__name__ not in ("Precision", "MixedPrecision", "HalfPrecision") or (
         name not in PRECISIONS
     ):
         raise ValueError(
-            f"flatshard.integrations.lightning: FlatshardStrategy cannot run the precision "
-            f"plugin {type(plugin).__name__} (precision={name!r}); pass Trainer(precision=...) "
-            f"one of {', '.join(PRECISIONS)}, or a FlatshardPrecision."
+            f"flatshard.integrations.lightning: flatshard cannot run the precision "
+            f"plugin {type(plugin).__name__} (precision={name!r}); pass precision= "
+            f"one of {', '.join(PRECISIONS)}, or flatshard's own plugin."
         )
-    return FlatshardPrecision(name)
+    return str(name)
+
+
+def from_lightning(plugin: Any) -> FlatshardPrecision:
+    """The flatshard plugin for a precision plugin Lightning chose from ``precision=``."""
+    if isinstance(plugin, FlatshardPrecision):
+        return plugin
+    return FlatshardPrecision(supported_name(plugin))
 
 
 @contextmanager
-def _default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
+def default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
     if dtype is None:
         yield
         return
@@ -169,13 +184,13 @@ def _default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
         torch.set_default_dtype(before)
 
 
-def _cast_floats(data: Any, dtype: torch.dtype) -> Any:
+def cast_floats(data: Any, dtype: torch.dtype) -> Any:
     if isinstance(data, torch.Tensor):
         return data.to(dtype) if data.is_floating_point() else data
     if isinstance(data, dict):
-        return {k: _cast_floats(v, dtype) for k, v in data.items()}
+        return {k: cast_floats(v, dtype) for k, v in data.items()}
     if isinstance(data, tuple) and hasattr(data, "_fields"):  # a namedtuple
-        return type(data)(*(_cast_floats(v, dtype) for v in data))
+        return type(data)(*(cast_floats(v, dtype) for v in data))
     if isinstance(data, list | tuple):
-        return type(data)(_cast_floats(v, dtype) for v in data)
+        return type(data)(cast_floats(v, dtype) for v in data)
     return data

@@ -1,0 +1,307 @@
+"""``FlatshardFabricStrategy``: Lightning Fabric with a model sharded by flatshard.
+
+fabric = Fabric(strategy=FlatshardFabricStrategy(auto_wrap_policy={Block}), devices=2)
+fabric.launch()
+model = fabric.setup_module(model)            # shards it
+optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))
+
+Fabric's calls become flatshard's: ``setup_module`` shards in place (after
+``fabric.init_module(empty_init=True)`` the model may be on meta), ``clip_gradients``
+takes the norm over every rank's rows, ``no_backward_sync`` is ``flatshard.no_sync``, and
+``fabric.save/load`` write and read flatshard checkpoint directories with Fabric's other
+state inside ([Note: Lightning's part of a sharded checkpoint]). The model must be set up
+before its optimizer is built, as for Fabric's FSDP: the optimizer must hold the sharded
+parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.fabric.strategies.parallel import ParallelStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.utilities.distributed import (
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from torch import nn
+
+import flatshard
+from flatshard.integrations.lightning import _checkpoints
+from flatshard.integrations.lightning._precision import (
+    TRUE_DTYPES,
+    cast_floats,
+    check_precision,
+    default_dtype,
+    mixed_policy,
+    supported_name,
+)
+from flatshard.integrations.lightning._sharding import ShardOptions
+
+
+class FlatshardFabricPrecision(Precision):
+    """Fabric's ``precision=`` under ``FlatshardFabricStrategy`` (the same table as
+    ``FlatshardPrecision``'s: mixed settings are flatshard ``MixedPrecision`` policies)."""
+
+    def __init__(self, precision: str = "32-true") -> None:
+        check_precision(precision)
+        self.precision = cast(Any, precision)  # one of Lightning's literals, checked above
+        self.scaler = flatshard.ShardedGradScaler() if precision == "16-mixed" else None
+
+    @property
+    def mixed_precision(self) -> flatshard.MixedPrecision | None:
+        return mixed_policy(self.precision)
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        dtype = TRUE_DTYPES.get(self.precision)
+        return module.to(dtype=dtype) if dtype is not None else module
+
+    def tensor_init_context(self) -> AbstractContextManager[None]:
+        return default_dtype(TRUE_DTYPES.get(self.precision))
+
+    def module_init_context(self) -> AbstractContextManager[None]:
+        return default_dtype(TRUE_DTYPES.get(self.precision))
+
+    def forward_context(self) -> AbstractContextManager[None]:
+        return default_dtype(TRUE_DTYPES.get(self.precision))
+
+    def convert_input(self, data: Any) -> Any:
+        dtype = TRUE_DTYPES.get(self.precision)
+        return data if dtype is None else cast_floats(data, dtype)
+
+    def backward(
+        self, tensor: torch.Tensor, model: nn.Module | None, *args: Any, **kwargs: Any
+    ) -> None:
+        if self.scaler is not None:
+            tensor = self.scaler.scale(tensor)
+        tensor.backward(*args, **kwargs)  # type: ignore[no-untyped-call]
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        if self.scaler is None:
+            return optimizer.step(**kwargs)
+        result = self.scaler.step(optimizer, **kwargs)
+        self.scaler.update()
+        return result
+
+    def unscale_gradients(self, optimizer: Any) -> None:
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None and state_dict:
+            self.scaler.load_state_dict(state_dict)
+
+
+class _NoSync(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model)``: ``flatshard.no_sync``."""
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager[Any]:
+        return flatshard.no_sync(module) if enabled else nullcontext()
+
+
+class FlatshardFabricStrategy(ParallelStrategy):
+    """Shard the module Fabric sets up with ``flatshard.fully_shard``.
+
+    The options are ``FlatshardStrategy``'s (``flatshard.integrations.lightning``);
+    checkpoints are always sharded directories.
+    """
+
+    def __init__(
+        self,
+        auto_wrap_policy: Any = None,
+        sharding_strategy: flatshard.ShardingStrategy | str = "FULL_SHARD",
+        *,
+        mixed_precision: flatshard.MixedPrecision | None = None,
+        cpu_offload: flatshard.CPUOffload | None = None,
+        activation_checkpointing_policy: set[type[nn.Module]] | None = None,
+        process_group_backend: str | None = None,
+        **fully_shard_options: Any,
+    ) -> None:
+        super().__init__()
+        self.options = ShardOptions(
+            auto_wrap_policy,
+            sharding_strategy,
+            mixed_precision,
+            cpu_offload,
+            activation_checkpointing_policy,
+            "sharded",
+            fully_shard_options,
+        )
+        self._process_group_backend = process_group_backend
+        self._backward_sync_control = _NoSync()
+        self.num_nodes = 1
+
+    # ---------------------------------------------------------------- Fabric's plumbing
+    @property
+    def precision(self) -> FlatshardFabricPrecision:
+        plugin = self._precision
+        return (
+            plugin if isinstance(plugin, FlatshardFabricPrecision) else FlatshardFabricPrecision()
+        )
+
+    @precision.setter
+    def precision(self, plugin: Any) -> None:
+        if plugin is not None and not isinstance(plugin, FlatshardFabricPrecision):
+            plugin = FlatshardFabricPrecision(supported_name(plugin))
+        self._precision = plugin
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        device: torch.device = self.parallel_devices[self.local_rank]
+        return device
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        assert self.cluster_environment is not None
+        self.cluster_environment.set_global_rank(
+            self.node_rank * self.num_processes + self.local_rank
+        )
+        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(self.cluster_environment, backend, device_id=device_id)
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not (dist.is_available() and dist.is_initialized()):
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def all_reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def module_to_device(self, module: nn.Module) -> None:
+        pass  # fully_shard places the shards on root_device
+
+    @contextmanager
+    def module_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        where = torch.device("meta") if empty_init else nullcontext()
+        with where, self.precision.module_init_context():
+            yield
+
+    # ---------------------------------------------------------------- sharding
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[Any], scheduler: Any = None
+    ) -> tuple[nn.Module, list[Any], Any]:
+        if optimizers:
+            raise RuntimeError(
+                "flatshard.integrations.lightning: set the model up before building its "
+                "optimizer: model = fabric.setup_module(model), then "
+                "optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters())); "
+                "the optimizer must hold the sharded parameters."
+            )
+        return self.setup_module(module), [], scheduler
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        module = self.precision.convert_module(module)
+        mixed = self.options.policy(self.precision.precision, self.precision.mixed_precision)
+        self.options.shard(module, self.root_device, mixed)
+        return module
+
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Any,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor:
+        self.precision.unscale_gradients(optimizer)
+        return flatshard.clip_grad_norm_(module, float(max_norm), float(norm_type))
+
+    # ---------------------------------------------------------------- checkpoints
+    def save_checkpoint(
+        self,
+        path: Any,
+        state: dict[str, Any],
+        storage_options: Any = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        if storage_options is not None or filter:
+            raise TypeError(
+                "flatshard.integrations.lightning: fabric.save(...) under flatshard takes no "
+                "storage_options or filter (it writes every rank's rows through flatshard)."
+            )
+        module, optimizers, rest = _split(state)
+        path = Path(self.broadcast(str(path)))
+        _checkpoints.write(path, module, optimizers, _stateful_rest(rest))
+
+    def load_checkpoint(
+        self,
+        path: Any,
+        state: Any = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        if not isinstance(state, dict) or not state:
+            raise TypeError(
+                "flatshard.integrations.lightning: fabric.load(path, state) under flatshard "
+                "needs the state dict holding the set-up model (and optimizers) to load into."
+            )
+        module, optimizers, _ = _split(state)
+        path = Path(self.broadcast(str(path)))
+        rest = _checkpoints.read(path, module, optimizers, strict=strict, weights_only=weights_only)
+        for name, value in list(rest.items()):
+            if name in state:
+                target = state[name]
+                if hasattr(target, "load_state_dict") and isinstance(value, dict):
+                    target.load_state_dict(value)
+                else:
+                    state[name] = value
+                del rest[name]
+        return rest
+
+
+def _split(state: dict[str, Any]) -> tuple[nn.Module, list[Any], dict[str, Any]]:
+    modules = [v for v in state.values() if isinstance(v, nn.Module)]
+    if len(modules) != 1:
+        raise TypeError(
+            "flatshard.integrations.lightning: the checkpoint state must hold exactly one "
+            f"model (the one fabric.setup_module sharded); found {len(modules)}."
+        )
+    optimizers = [v for v in state.values() if isinstance(v, torch.optim.Optimizer)]
+    rest = {k: v for k, v in state.items() if not isinstance(v, nn.Module | torch.optim.Optimizer)}
+    return modules[0], optimizers, rest
+
+
+def _stateful_rest(rest: dict[str, Any]) -> dict[str, Any]:
+    """Other objects with state (a scheduler, a sampler) saved as their state dicts."""
+    return {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in rest.items()}

@@ -1,0 +1,90 @@
+"""Lightning Fabric runs for test_lightning.py: ``python fabric_script.py OUT_DIR``.
+
+Fabric (devices=2) launches the second rank itself. The same model and batches under
+``strategy="ddp"`` and ``FlatshardFabricStrategy``, with accumulation over 2 micro-batches
+(``fabric.no_backward_sync``) and clipping (``fabric.clip_gradients``); then a run saved
+after 2 steps (``fabric.save``) and resumed (``fabric.load``). Each rank writes its losses
+to OUT_DIR/fabric<r>.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric import Fabric
+from torch import nn
+
+from flatshard.integrations.lightning import FlatshardFabricStrategy
+from lightning_script import VOCAB, WIDTH, Block, loader
+
+STEPS = 4
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        logits: torch.Tensor = self.head(h)
+        return logits
+
+
+def train(
+    kind: str, first: int = 0, last: int = STEPS, load: Path | None = None, save: Path | None = None
+) -> list[float]:
+    """Optimizer steps ``first`` to ``last`` (2 micro-batches each); this rank's losses."""
+    strategy: Any = "ddp" if kind == "ddp" else FlatshardFabricStrategy(auto_wrap_policy={Block})
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(0)
+    model = Net()
+    if kind == "ddp":
+        optim = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+        model, optim = fabric.setup(model, optim)
+    else:
+        model = fabric.setup_module(model)
+        optim = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
+    state: dict[str, Any] = {"model": model, "optimizer": optim, "step": 0}
+    if load is not None:
+        fabric.load(load, state)
+        assert state["step"] == first, state["step"]
+    batches = list(fabric.setup_dataloaders(loader()))
+    losses = []
+    for step in range(first, last):
+        for micro in range(2):
+            tokens, targets = batches[2 * step + micro]
+            with fabric.no_backward_sync(model, enabled=micro == 0):
+                loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+                fabric.backward(loss / 2)
+            losses.append(float(loss))
+        fabric.clip_gradients(model, optim, max_norm=0.05)
+        optim.step()
+        optim.zero_grad()
+        state["step"] = step + 1
+    if save is not None:
+        fabric.save(save, state)
+    return losses
+
+
+def main(out: Path) -> None:
+    results = {kind: train(kind) for kind in ("ddp", "flatshard")}
+    saved = out / "fabric.ckpt"
+    train("flatshard", last=2, save=saved)
+    results["resumed"] = train("flatshard", first=2, load=saved)
+    results["kind"] = "dir" if saved.is_dir() else "file"  # type: ignore[assignment]
+    rank = torch.distributed.get_rank()
+    (out / f"fabric{rank}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
