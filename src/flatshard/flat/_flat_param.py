@@ -51,7 +51,9 @@ ran, or kept a unit gathered for a backward that never came; an EMA swap; any in
 edit), that copy is stale, and on NCCL the gather may even have read the shard while the
 step wrote it. So each gather records a fingerprint of the shard's writes: the version
 counters of the shard and of every original parameter (``param.data = view`` gives a
-parameter its own counter, which the optimizer's in-place updates bump). ``unshard`` finds
+parameter its own counter, which the optimizer's in-place updates bump), and the count of
+optimizer steps in the process: fused optimizers (``AdamW(fused=True)``, the Hugging Face
+Trainer's default) write the parameters in one kernel that bumps no counter. ``unshard`` finds
 a gathered or gathering buffer whose fingerprint moved, waits for it, frees it and gathers
 again. Every rank runs the same optimizer steps and edits, so every rank decides alike.
 """
@@ -65,6 +67,7 @@ from typing import cast
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from flatshard.comm._checks import Tag
 from flatshard.comm._collectives import start_all_gather, wait_work
@@ -269,8 +272,10 @@ class FlatParamGroup:
         )
 
     def _shard_version(self) -> int:
-        """How often the shard and its original parameters were written (in place)."""
-        return self.shard._version + sum(orig.param._version for orig in self.originals)
+        """How often the shard and its original parameters were written (in place), plus
+        the optimizer steps taken in the process (see [Note: stale gathers])."""
+        versions = self.shard._version + sum(orig.param._version for orig in self.originals)
+        return versions + optimizer_steps()
 
     @property
     def unshard_allocates(self) -> bool:
@@ -379,6 +384,25 @@ class FlatParamGroup:
             self.unsharded.register_post_accumulate_grad_hook,
         )
         register(hook)
+
+
+_OPTIMIZER_STEPS = [0]  # optimizer.step() calls in this process, once counting starts
+
+
+def optimizer_steps() -> int:
+    """How many optimizer steps this process took since flatshard started counting them
+    (at its first use); every rank runs the same steps, so every rank counts alike."""
+    if not _COUNTING:
+        register_optimizer_step_post_hook(_count_step)
+        _COUNTING.append(True)
+    return _OPTIMIZER_STEPS[0]
+
+
+_COUNTING: list[bool] = []
+
+
+def _count_step(*unused: object) -> None:
+    _OPTIMIZER_STEPS[0] += 1
 
 
 def _ignore(kind: str, numel: int) -> Tag | None:
