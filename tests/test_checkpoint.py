@@ -106,6 +106,9 @@ RESHARD = [
     ("gpt", "adamw", (4, "FULL_SHARD"), (0, "")),
     ("gpt", "sgd", (4, "HYBRID_SHARD"), (3, "FULL_SHARD")),
     ("gpt", "adamw", (4, "HYBRID_SHARD"), (2, "FULL_SHARD")),
+    # Optimizer state cut across the replicas (2 x 2), resharded to 2 ranks, both ways
+    ("gpt", "adamw", (4, "HYBRID_SHARD_OPTIM"), (2, "FULL_SHARD")),
+    ("gpt", "adamw", (2, "FULL_SHARD"), (4, "HYBRID_SHARD_OPTIM")),
     ("mlp", "adamw", (3, "FULL_SHARD"), (2, "NO_SHARD")),
     ("mlp", "sgd", (0, ""), (4, "FULL_SHARD")),
 ]

@@ -155,7 +155,7 @@ BAD_TOML = {"unknown": "stepz = 3", "type": 'steps = "many"', "syntax": "steps =
         (
             ["--strategy", "full_shrd"],
             "--strategy must be one of FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, "
-            "HYBRID_SHARD_ZERO2, got 'full_shrd' (did you mean FULL_SHARD?)",
+            "HYBRID_SHARD_ZERO2, HYBRID_SHARD_OPTIM, got 'full_shrd' (did you mean FULL_SHARD?)",
         ),
         (["--model", "hf:./no/such/dir"], "--model hf:./no/such/dir: no such directory: "),
         (["--strategy", "HYBRID_SHARD", "--sharding-factor", "3"], "--sharding-factor (3) must"),

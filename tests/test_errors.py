@@ -104,7 +104,7 @@ def test_sharding_factor_must_divide_the_world(local_group: dist.ProcessGroup, f
 
 
 def test_sharding_factor_needs_a_hybrid_strategy(local_group: dist.ProcessGroup) -> None:
-    with pytest.raises(ValueError, match=r"sharding_factor only applies to HYBRID_SHARD"):
+    with pytest.raises(ValueError, match=r"sharding_factor only applies to the hybrid strategies"):
         flatshard.fully_shard(build("mlp"), sharding_factor=1)
 
 

@@ -53,6 +53,9 @@ STRATEGIES = [
     ("HYBRID_SHARD", 4, 1),
     ("HYBRID_SHARD_ZERO2", 4, 2),
     ("HYBRID_SHARD_ZERO2", 4, 1),
+    # Gradients and optimizer state over all W: 2x2, and 4x1 (ZeRO-2 over 4 replicas)
+    ("HYBRID_SHARD_OPTIM", 4, 2),
+    ("HYBRID_SHARD_OPTIM", 4, 1),
 ]
 
 
@@ -190,16 +193,18 @@ def test_collectives_per_step_by_strategy(
     if strategy == "NO_SHARD":
         F = 1
     replicas = world // F
-    gathers = 0 if F == 1 else units + (blocks if strategy in ("FULL_SHARD", "HYBRID_SHARD") else 0)
+    regathering = ("FULL_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_OPTIM")
+    gathers = 0 if F == 1 else units + (blocks if strategy in regathering else 0)
+    split = strategy == "HYBRID_SHARD_OPTIM" and replicas > 1
     expected = {
         # F = 1: nothing to gather. FULL_SHARD / HYBRID_SHARD gather each block again in
         # backward; SHARD_GRAD_OP / ZERO2 and the root keep parameters until backward.
         ALL_GATHER: gathers + STEP_CHECK,
         # One reduce-scatter per unit inside the shard group (on gloo an all-to-all:
         # flatshard.report.describe_collectives), then one all-reduce per unit
-        # across the replicas.
-        ALL_TO_ALL: units if F > 1 else 0,
-        ALL_REDUCE: units if replicas > 1 else 0,
+        # across the replicas (HYBRID_SHARD_OPTIM: a reduce-scatter there too).
+        ALL_TO_ALL: (units if F > 1 else 0) + (units if split else 0),
+        ALL_REDUCE: units if replicas > 1 and not split else 0,
     }
     assert result["counts"] == {k: v for k, v in expected.items() if v}
 
@@ -519,13 +524,15 @@ def strategy_memory_job(ctx: WorkerContext, config: ParityConfig) -> dict[str, i
     params = list(model.parameters())
     grads = [p.grad for p in params if p.grad is not None]
     F = {"NO_SHARD": 1}.get(config.strategy, config.sharding_factor or config.world_size)
+    # HYBRID_SHARD_OPTIM: the gradient is this rank's part of its shard, 1 / R of it
+    R = config.world_size // F if config.strategy == "HYBRID_SHARD_OPTIM" else 1
     expected = 0
     for flat in flatshard.sharding_summary(model).flat_params:
         numel = sum(sizes[n] for n in flat.param_names)
         # ceil-padded to F, plus the reported alignment padding, split over F ranks;
         # a parameter and (if trainable) a gradient element each.
         shard = (math.ceil(numel / F) * F + flat.alignment_padding_numel) // F
-        expected += shard * (2 if flat.requires_grad else 1)
+        expected += shard + (shard // R if flat.requires_grad else 0)
     return {
         "bytes": distinct_storage_bytes(params) + distinct_storage_bytes(grads),
         "expected": 4 * expected,

@@ -79,7 +79,9 @@ def fully_shard(
             (``module`` is the only unit).
         strategy: FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2: no second all-gather in
             backward), NO_SHARD (DDP), HYBRID_SHARD / HYBRID_SHARD_ZERO2 (shard inside
-            groups of F ranks, replicate across the W / F groups).
+            groups of F ranks, replicate across the W / F groups), HYBRID_SHARD_OPTIM
+            (HYBRID_SHARD's parameters, the gradients and optimizer state cut across all
+            W ranks: hybrid's traffic with full sharding's optimizer memory).
         process_group: where to shard: the W ranks that train together as a process group
             or a 1-D ``DeviceMesh`` (default: the world), or, for the hybrid strategies, a
             2-D ``DeviceMesh`` of (replicate, shard) dims over the world.
@@ -132,6 +134,7 @@ def fully_shard(
                 "Build the same model (same code, config and dtypes) and pass the same "
                 "fully_shard options on every rank.",
             )
+        _check_split_options(strategy, cpu_offload, whole, rank)
         build = _UnitBuild(
             groups=resolve_groups(strategy, process_group, sharding_factor),
             process_group=group,
@@ -158,6 +161,27 @@ def fully_shard(
         # running forwards, and the units' all-gathers stay paired.
         module.__dict__["_is_fsdp_managed_module"] = True
         return module
+
+
+def _check_split_options(
+    strategy: ShardingStrategy, offload: CPUOffload | None, whole: frozenset[str], rank: int
+) -> None:
+    """HYBRID_SHARD_OPTIM gathers the replicas' rows into the shard after each step: not
+    with offloaded shards (host memory, the optimizer steps there) or whole parameters."""
+    if not strategy.shards_optimizer_across_replicas:
+        return
+    if offload is not None and offload.params:
+        raise ValueError(
+            f"flatshard.fully_shard: HYBRID_SHARD_OPTIM does not combine with CPUOffload "
+            f"(rank {rank}): its shards are refreshed across the replicas on the device. "
+            "Use HYBRID_SHARD with CPUOffload, or HYBRID_SHARD_OPTIM without it."
+        )
+    if whole:
+        raise ValueError(
+            f"flatshard.fully_shard: HYBRID_SHARD_OPTIM does not combine with whole_params "
+            f"(rank {rank}): it cuts every parameter's rows across all ranks. Use "
+            "HYBRID_SHARD or FULL_SHARD with whole_params."
+        )
 
 
 @dataclass(frozen=True)

@@ -269,7 +269,8 @@ def reduce_gradient(
     """Average ``grad`` (C * F,) over all W ranks; this rank keeps its chunk (C,).
 
     Reduce-scatter inside the shard group, then all-reduce of the chunk inside the
-    replicate group. Divides by part of W before the sum and the rest after
+    replicate group (HYBRID_SHARD_OPTIM: a reduce-scatter there too, and this rank keeps
+    its part of the chunk, C / R). Divides by part of W before the sum and the rest after
     (``split_division``), so that low-precision sums neither overflow nor underflow.
     ``across_replicas=False``: the reduce-scatter alone, still divided by all of W, so that
     a later sum across the replicas (``all_reduce``) of such chunks is the average.
@@ -283,6 +284,11 @@ def reduce_gradient(
 
 def _start_sum(grad: torch.Tensor, groups: ShardGroups, tag: Tag | None) -> PendingReduction:
     """Start summing ``grad`` (C * F,) over all W ranks into this rank's chunk (C,)."""
+    if groups.shard is None and groups.split_across_replicas:  # F = 1: ZeRO-2 over replicas
+        assert groups.replicate is not None
+        across = ShardGroups(groups.replicate, None)
+        part = grad.new_empty(grad.numel() // groups.replicate_size)
+        return _start_scatter_sum(part, grad, across, tag)
     if groups.shard is None:
         work = None
         if groups.replicate is not None:
@@ -304,6 +310,11 @@ def _start_sum(grad: torch.Tensor, groups: ShardGroups, tag: Tag | None) -> Pend
     # On gloo every wait blocks the host, here as before.
     with chain_stream(grad.device):
         wait_reduction(scattered)
+        if groups.split_across_replicas:  # HYBRID_SHARD_OPTIM: this rank keeps its part
+            across = ShardGroups(groups.replicate, None)
+            part = output.new_empty(output.numel() // groups.replicate_size)
+            inner = _start_scatter_sum(part, output, across, tag)
+            return inner._replace(input=grad, after=scattered)
         work = _start_all_reduce(output, groups.replicate, tag)
     return PendingReduction(work=work, input=grad, output=output, after=scattered)
 

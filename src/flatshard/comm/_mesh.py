@@ -7,13 +7,17 @@ group, then an all-reduce of the shard inside the replicate group.
 - NO_SHARD: F = 1 (no shard group; gradients all-reduced like DDP).
 - HYBRID_SHARD / HYBRID_SHARD_ZERO2: 1 <= F <= W, by default the ranks of one host; or
   given as ``sharding_factor=F`` or a 2-D (replicate, shard) ``DeviceMesh``.
+- HYBRID_SHARD_OPTIM: the parameters as HYBRID_SHARD's, the gradients and the optimizer
+  state sharded across all W ranks: the reduction is a reduce-scatter in both groups, and
+  the replicas all-gather their updated rows before the next gather (see [Note: optimizer
+  state sharded across the replicas] in flat/_flat_param.py).
 """
 
 from __future__ import annotations
 
 import atexit
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 import torch.distributed as dist
@@ -28,14 +32,27 @@ class ShardingStrategy(Enum):
     NO_SHARD = "no_shard"  # F = 1; replicate, gradients all-reduced (DDP)
     HYBRID_SHARD = "hybrid_shard"  # shard in groups of F, replicate across W / F groups
     HYBRID_SHARD_ZERO2 = "hybrid_shard_zero2"  # hybrid, kept unsharded until backward
+    HYBRID_SHARD_OPTIM = "hybrid_shard_optim"  # hybrid; gradients and optimizer over all W
 
     @property
     def reshard_after_forward(self) -> bool:
-        return self in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+        return self in (
+            ShardingStrategy.FULL_SHARD,
+            ShardingStrategy.HYBRID_SHARD,
+            ShardingStrategy.HYBRID_SHARD_OPTIM,
+        )
 
     @property
     def is_hybrid(self) -> bool:
-        return self in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.HYBRID_SHARD_ZERO2)
+        return self in (
+            ShardingStrategy.HYBRID_SHARD,
+            ShardingStrategy.HYBRID_SHARD_ZERO2,
+            ShardingStrategy.HYBRID_SHARD_OPTIM,
+        )
+
+    @property
+    def shards_optimizer_across_replicas(self) -> bool:
+        return self is ShardingStrategy.HYBRID_SHARD_OPTIM
 
     @classmethod
     def parse(cls, value: object, caller: str = "fully_shard") -> ShardingStrategy:
@@ -78,6 +95,8 @@ class ShardGroups:
 
     shard: dist.ProcessGroup | None
     replicate: dist.ProcessGroup | None
+    # HYBRID_SHARD_OPTIM: gradients and optimizer state are cut across the replicas too
+    split_across_replicas: bool = False
 
     @property
     def factor(self) -> int:
@@ -96,6 +115,22 @@ class ShardGroups:
     def world_size(self) -> int:
         """W = F * replicas: the ranks a gradient is averaged over."""
         return self.factor * self.replicate_size
+
+    @property
+    def replicate_rank(self) -> int:
+        return 0 if self.replicate is None else dist.get_rank(self.replicate)
+
+    @property
+    def splits(self) -> int:
+        """How many parts of its shard each rank's optimizer steps (R where the optimizer
+        is sharded across the replicas, else 1)."""
+        return self.replicate_size if self.split_across_replicas else 1
+
+    @property
+    def grad_groups(self) -> tuple[dist.ProcessGroup, ...]:
+        """The groups over which ranks hold disjoint gradient rows (a norm adds up there)."""
+        groups = (self.shard, self.replicate if self.split_across_replicas else None)
+        return tuple(g for g in groups if g is not None)
 
 
 def model_group(where: dist.ProcessGroup | DeviceMesh | None) -> dist.ProcessGroup:
@@ -144,9 +179,9 @@ def resolve_groups(
     if not strategy.is_hybrid:
         if given:
             raise ValueError(
-                f"flatshard.fully_shard: {given[0]} only applies to HYBRID_SHARD "
-                f"and HYBRID_SHARD_ZERO2, not {strategy.name}; drop it or choose a hybrid "
-                "strategy."
+                f"flatshard.fully_shard: {given[0]} only applies to the hybrid strategies "
+                f"(HYBRID_SHARD, HYBRID_SHARD_ZERO2, HYBRID_SHARD_OPTIM), not "
+                f"{strategy.name}; drop it or choose a hybrid strategy."
             )
         if strategy is ShardingStrategy.NO_SHARD:
             return _groups(None, group)
@@ -157,10 +192,14 @@ def resolve_groups(
             "mesh in process_group, not both."
         )
     if mesh_2d is not None:
-        return _explicit_groups(group, mesh_2d.get_group(1), mesh_2d.get_group(0))
-    world = dist.get_world_size(group)
-    factor = sharding_factor if sharding_factor is not None else ranks_per_host(world)
-    return _factor_groups(group, factor)
+        groups = _explicit_groups(group, mesh_2d.get_group(1), mesh_2d.get_group(0))
+    else:
+        world = dist.get_world_size(group)
+        factor = sharding_factor if sharding_factor is not None else ranks_per_host(world)
+        groups = _factor_groups(group, factor)
+    if strategy.shards_optimizer_across_replicas and groups.replicate is not None:
+        groups = replace(groups, split_across_replicas=True)
+    return groups
 
 
 def ranks_per_host(world: int) -> int:

@@ -56,12 +56,28 @@ optimizer steps in the process: fused optimizers (``AdamW(fused=True)``, the Hug
 Trainer's default) write the parameters in one kernel that bumps no counter. ``unshard`` finds
 a gathered or gathering buffer whose fingerprint moved, waits for it, frees it and gathers
 again. Every rank runs the same optimizer steps and edits, so every rank decides alike.
+
+[Note: optimizer state sharded across the replicas]
+HYBRID_SHARD_OPTIM keeps HYBRID_SHARD's parameters (each rank holds 1/F, gathered inside
+its shard group of F ranks) but cuts the gradients and the optimizer state across all W =
+F x R ranks. The layout is row-aligned at W chunks; a rank's shard is its F-chunk, made of
+R consecutive W-chunks (so the shard group's all-gather still yields the unsharded buffer),
+and its original parameters are views of its own W-chunk only, the ``param_region``
+(W-chunk s * R + r for shard rank s and replica r). The optimizer, its state, ``.grad``,
+sharded state dicts and checkpoints therefore see 1/W, as under FULL_SHARD over W. A
+gradient is reduce-scattered inside the shard group (the F-chunk), then across the
+replicas (the own W-chunk). After the optimizer wrote its region, the other R - 1 W-chunks
+of the shard are old: the next gather first all-gathers the regions across the replicas
+into the shard (``refresh``), decided by the shard's fingerprint ([Note: stale gathers]:
+its write counters, the optimizer-step count, the loads), which every rank sees alike.
+Anything gathered from the originals' layout (state dicts, optimizer state) goes through
+the same two steps (``gather_region``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import cast
 
 import torch
@@ -130,15 +146,28 @@ class FlatParamGroup:
         self.rank = groups.shard_rank
         self.factor = groups.factor  # F: ranks the buffer is cut across
         self.requires_grad = first.requires_grad
-        self.layout: FlatLayout = plan_layout(
-            [o.param.shape for o in originals], self.factor, whole=placement.whole_params
+        # R where the optimizer state is cut across the replicas too, else 1 (see the note)
+        self.splits = groups.splits
+        self.param_layout: FlatLayout = plan_layout(
+            [o.param.shape for o in originals],
+            self.factor * self.splits,
+            whole=placement.whole_params,
         )
-        self.views = ViewPlan(self.layout, self.rank)
+        # Gathering: F chunks, each of ``splits`` consecutive chunks of the parameters' layout
+        self.layout = replace(
+            self.param_layout,
+            factor=self.factor,
+            shard_numel=self.param_layout.shard_numel * self.splits,
+        )
+        self.views = ViewPlan(self.layout, self.rank)  # the shard's rows (F-chunk)
+        self.split_rank = groups.replicate_rank if self.splits > 1 else 0
+        # The original parameters' rows: the own W-chunk (the whole shard unless split)
+        self.param_views = ViewPlan(self.param_layout, self.rank * self.splits + self.split_rank)
         self.full_shapes = [slot.shape for slot in self.layout.slots]  # per original
         # Per original: False where a whole-parameter layout puts it in another rank's shard.
         self.owned = [
             not (self.layout.whole and held.numel == 0 and slot.numel > 0)
-            for slot, held in zip(self.layout.slots, self.views.held, strict=True)
+            for slot, held in zip(self.layout.slots, self.param_views.held, strict=True)
         ]
         self.compute_dtype = placement.compute_dtype or first.dtype
         self.compute_device = placement.compute_device
@@ -161,6 +190,8 @@ class FlatParamGroup:
         # Told of every collective issued for the group: (kind, elements sent); gives the
         # tag to issue it with. The unit records it in its root's ledger (see comm/_ledger.py).
         self.on_collective: Callable[[str, int], Tag | None] = _ignore
+        self._loads = 0  # loads into the originals (mark_loaded)
+        self._refreshed_version = -1  # region writes the shard was last refreshed after
         self._allocate_unsharded()
         self.reduction = GradientReduction(self)
 
@@ -173,6 +204,35 @@ class FlatParamGroup:
             source = orig.param.detach().reshape(-1)[start : start + held.numel]
             self.shard[held.local_offset : held.local_offset + held.numel].copy_(source)
         self.use_sharded_data()
+        self._refreshed_version = self._shard_version()  # every replica copied the same rows
+
+    @property
+    def param_region(self) -> torch.Tensor:
+        """The part of the shard the original parameters view (all of it unless split)."""
+        size = self.param_layout.shard_numel
+        return self.shard[self.split_rank * size : (self.split_rank + 1) * size]
+
+    def refresh(self) -> None:
+        """Split across the replicas: all-gather every replica's region into the shard, if
+        any region was written since the last refresh (see the note)."""
+        if self.splits == 1 or self._shard_version() == self._refreshed_version:
+            return
+        region = self.param_region.clone()  # an input that is not part of the output
+        tag = self.on_collective("all_gather", region.numel())
+        assert self.groups.replicate is not None
+        wait_work(start_all_gather(self.shard, region, self.groups.replicate, tag))
+        self._refreshed_version = self._shard_version()
+
+    def gather_region(self, region: torch.Tensor) -> torch.Tensor:
+        """A tensor laid out like ``param_region`` -> laid out like the shard (the other
+        replicas' regions gathered in; itself unless split)."""
+        if self.splits == 1:
+            return region
+        out = region.new_empty(self.layout.shard_numel)
+        assert self.groups.replicate is not None
+        tag = self.on_collective("all_gather", region.numel())
+        wait_work(start_all_gather(out, region.contiguous(), self.groups.replicate, tag))
+        return out
 
     @property
     def needs_all_gather(self) -> bool:
@@ -227,6 +287,7 @@ class FlatParamGroup:
 
         Nothing if unsharded or already gathering. See [Note: asynchronous all-gather].
         """
+        self.refresh()  # first: with F = 1 the shard is the unsharded buffer itself
         if self.is_unsharded or self._gather is not None:
             return
         allocate_storage(self._unsharded_data, self._unsharded_nbytes)
@@ -273,9 +334,14 @@ class FlatParamGroup:
 
     def _shard_version(self) -> int:
         """How often the shard and its original parameters were written (in place), plus
-        the optimizer steps taken in the process (see [Note: stale gathers])."""
+        the optimizer steps taken in the process and the loads (see [Note: stale gathers])."""
         versions = self.shard._version + sum(orig.param._version for orig in self.originals)
-        return versions + optimizer_steps()
+        return versions + optimizer_steps() + self._loads
+
+    def mark_loaded(self) -> None:
+        """A load is about to write the originals: count it as a write, on every rank alike
+        (a rank whose rows are empty sees no version counter move)."""
+        self._loads += 1
 
     @property
     def unshard_allocates(self) -> bool:
@@ -300,7 +366,8 @@ class FlatParamGroup:
     # ------------------------------------------------------------------ views
     def use_sharded_data(self) -> None:
         """Point every original parameter's ``.data`` at its rows of the shard."""
-        for orig, view in zip(self.originals, self.views.shard_views(self.shard), strict=True):
+        region = self.param_region
+        for orig, view in zip(self.originals, self.param_views.shard_views(region), strict=True):
             orig.param.data = view
 
     def moved_originals(self) -> list[str]:
@@ -353,7 +420,7 @@ class FlatParamGroup:
         return grad
 
     def add_to_grads(self, reduced: torch.Tensor) -> None:
-        """Add this rank's reduced chunk (C,) to the originals' ``.grad`` (views of its rows).
+        """Add this rank's reduced chunk (C,: its region) to the originals' ``.grad``.
 
         In a whole-parameter layout a parameter another rank owns keeps ``.grad`` None here,
         so optimizers skip it: a matrix optimizer must not step on an empty slice (Adafactor
@@ -366,7 +433,7 @@ class FlatParamGroup:
         reduced = reduced.to(
             self.shard.device, self.shard.dtype, non_blocking=True, copy=self.offloaded
         )
-        views = self.views.shard_views(reduced)
+        views = self.param_views.shard_views(reduced)
         for orig, view, owned in zip(self.originals, views, self.owned, strict=True):
             if not owned:
                 continue

@@ -18,13 +18,16 @@ from flatshard.flat._tensor_parallel import TensorParallel
 
 
 def gather_full(
-    flat: FlatParamGroup, flat_shard: torch.Tensor
+    flat: FlatParamGroup, region: torch.Tensor
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """All-gather a (C,) tensor laid out like ``flat.shard``; return it and full-shape views.
+    """All-gather a tensor laid out like ``flat.param_region``; return it and full-shape views.
 
-    A collective over the shard group. Used for parameters (the shard itself) and for
-    anything shaped like them, such as optimizer moments packed by ``pack_rows``.
+    A collective over the shard group (and first across the replicas under
+    HYBRID_SHARD_OPTIM: [Note: optimizer state sharded across the replicas]). Used for
+    parameters (the region itself) and for anything shaped like them, such as optimizer
+    moments packed by ``pack_rows``.
     """
+    flat_shard = flat.gather_region(region)  # laid out like the shard (C,)
     full = torch.empty(
         flat.layout.unsharded_numel, dtype=flat_shard.dtype, device=flat.compute_device
     )  # (C * F,)
@@ -37,14 +40,14 @@ def gather_full(
 
 
 def gather_copies(
-    flat: FlatParamGroup, flat_shard: torch.Tensor, keep: bool, cpu_offload: bool
+    flat: FlatParamGroup, region: torch.Tensor, keep: bool, cpu_offload: bool
 ) -> list[torch.Tensor]:
-    """Gather ``flat_shard`` (laid out like the shard) and copy out each original's part.
+    """Gather ``region`` (laid out like ``param_region``); copy out each original's part.
 
     Returns nothing when not ``keep``. A function of its own so that the gathered buffer
     (which every view keeps alive) is freed on return, before the next gather.
     """
-    views = gather_full(flat, flat_shard)[1]
+    views = gather_full(flat, region)[1]
     if not keep:
         return []
     copies = [copy_out(view, cpu_offload) for view in views]
@@ -70,11 +73,11 @@ def copy_out(tensor: torch.Tensor, cpu_offload: bool) -> torch.Tensor:
 
 
 def pack_rows(flat: FlatParamGroup, local_rows: list[torch.Tensor]) -> torch.Tensor:
-    """Lay tensors shaped like each original's held rows out like ``flat.shard`` (C,)."""
+    """Lay tensors shaped like each original's held rows out like ``flat.param_region``."""
     packed = torch.zeros(
-        flat.layout.shard_numel, dtype=local_rows[0].dtype, device=flat.shard.device
+        flat.param_layout.shard_numel, dtype=local_rows[0].dtype, device=flat.shard.device
     )
-    for view, rows in zip(flat.views.shard_views(packed), local_rows, strict=True):
+    for view, rows in zip(flat.param_views.shard_views(packed), local_rows, strict=True):
         view.copy_(rows)
     return packed
 
@@ -82,7 +85,7 @@ def pack_rows(flat: FlatParamGroup, local_rows: list[torch.Tensor]) -> torch.Ten
 @contextmanager
 def full_params(flat: FlatParamGroup, writeback: bool) -> Iterator[None]:
     """Give every original parameter of ``flat`` its full shape and value (master dtype)."""
-    full, views = gather_full(flat, flat.shard)
+    full, views = gather_full(flat, flat.param_region)
     for orig, view in zip(flat.originals, views, strict=True):
         orig.param.data = view
     try:

@@ -18,6 +18,7 @@ from flatshard.comm._collectives import (
     PendingReduction,
     all_reduce,
     reduce_gradient,
+    sum_reduce,
     wait_reduction,
 )
 from flatshard.comm._mesh import ShardGroups
@@ -76,6 +77,12 @@ class GradientReduction:
             tag = self.flat.on_collective("reduce", grad.numel())
         hybrid = groups.replicate is not None
         if self.comm_hook is not None:
+            if groups.split_across_replicas:
+                raise RuntimeError(
+                    "flatshard: a communication hook does the whole reduction, which under "
+                    "HYBRID_SHARD_OPTIM must also cut the gradient across the replicas; "
+                    "use HYBRID_SHARD with the hook, or register no hook"
+                )
             if hybrid and (not all_reduce or self.owed is not None):
                 raise RuntimeError(
                     "flatshard.set_requires_all_reduce(False) does not apply to a unit with "
@@ -110,6 +117,10 @@ class GradientReduction:
             if not self._across_now:
                 return  # owed to a later micro-batch's all-reduce
             reduced, self.owed = self.owed, None
-            tag = self.flat.on_collective("all_reduce", reduced.numel())
-            all_reduce(reduced, groups.replicate, tag)
+            if groups.split_across_replicas:  # the total, cut across the replicas
+                tag = self.flat.on_collective("reduce", reduced.numel())
+                reduced = sum_reduce(reduced, ShardGroups(groups.replicate, None), tag)
+            else:
+                tag = self.flat.on_collective("all_reduce", reduced.numel())
+                all_reduce(reduced, groups.replicate, tag)
         self.flat.add_to_grads(reduced)

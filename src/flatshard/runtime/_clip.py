@@ -53,19 +53,21 @@ def sharded_norm(
     ``local`` tensors, each element counted once. A collective over the units' groups.
 
     A shard group's ranks hold disjoint rows, so their partial sums (or maxima) add up over
-    that group; replicas hold the same rows, so nothing is reduced across them. Parameters
+    that group; replicas hold the same rows, so nothing is reduced across them (except
+    under HYBRID_SHARD_OPTIM, where they hold disjoint parts of them: ``grad_groups``). Parameters
     split by tensor parallelism add up over their TP group too (replicated ones do not).
     ``local`` tensors (parameters flatshard does not manage) are replicated: counted here.
     Every rank makes the same buckets in the same order, with or without gradients.
     """
     inf = math.isinf(norm_type)
-    buckets: dict[tuple[int, int], tuple[list[dist.ProcessGroup], list[torch.Tensor]]] = {}
+    buckets: dict[tuple[int, ...], tuple[list[dist.ProcessGroup], list[torch.Tensor]]] = {}
     for unit in units:
         for flat in unit.trainable:
             for orig in flat.originals:
                 tp = orig.tp.group if orig.tp is not None and orig.tp.sharded else None
-                groups = [g for g in (flat.groups.shard, tp) if g is not None]
-                _, grads = buckets.setdefault((id(flat.groups.shard), id(tp)), (groups, []))
+                groups = [*flat.groups.grad_groups, *([tp] if tp is not None else [])]
+                key = (*(id(g) for g in flat.groups.grad_groups), id(tp))
+                _, grads = buckets.setdefault(key, (groups, []))
                 grad = orig.param.grad
                 if grad is not None and (only is None or id(grad) in only):
                     grads.append(grad)

@@ -96,7 +96,8 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
         for unit in context.units
         for flat in unit.flat_params
         for orig, full in zip(flat.originals, flat.full_shapes, strict=True)
-        if (flat.factor > 1 and not flat.layout.whole) or (orig.tp is not None and orig.tp.sharded)
+        if (flat.factor * flat.splits > 1 and not flat.layout.whole)
+        or (orig.tp is not None and orig.tp.sharded)
     }
     first = next((split[id(p)] for p in params if id(p) in split), None)
     if first is not None:  # the first in the optimizer's own order, the same on every rank

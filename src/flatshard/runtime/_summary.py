@@ -72,7 +72,7 @@ def sharding_summary(model: nn.Module) -> ShardingSummary:
                 FlatParamSummary(
                     unit=unit.label,
                     param_names=tuple(o.fqn for o in flat.originals),
-                    held_rows=tuple((held.first_row, held.rows) for held in flat.views.held),
+                    held_rows=tuple((h.first_row, h.rows) for h in flat.param_views.held),
                     requires_grad=flat.requires_grad,
                     dtype=str(flat.shard.dtype).removeprefix("torch."),
                     param_numel=layout.param_numel,

@@ -76,7 +76,7 @@ def export_safetensors(
     writer = StreamWriter(Path(out_dir), entries, max_shard_bytes) if write else None
     written: set[str] = set()
     for flat in flat_params(model):
-        copies = gather_copies(flat, flat.shard, keep, cpu_offload=True)
+        copies = gather_copies(flat, flat.param_region, keep, cpu_offload=True)
         for orig, copy in zip(flat.originals, copies, strict=keep):
             for key in keys_of.get(id(orig.param), []):
                 _write(writer, key, copy, dtype)

@@ -104,7 +104,8 @@ def param_places(model: nn.Module) -> dict[int, Place]:
     """``id(parameter) -> Place`` for every parameter of ``model`` (sharded or not)."""
     places: dict[int, Place] = {}
     for flat in flat_params(model):
-        for index, (orig, held) in enumerate(zip(flat.originals, flat.views.held, strict=True)):
+        held_rows = flat.param_views.held
+        for index, (orig, held) in enumerate(zip(flat.originals, held_rows, strict=True)):
             full_shape = flat.full_shapes[index]
             place = Place(full_shape, held.first_row, held.rows, flat, index, orig.tp)
             places[id(orig.param)] = place
@@ -135,6 +136,8 @@ def reshard_for_load(model: nn.Module, caller: str) -> None:
             continue
         unit.require_idle(caller, "load between steps, not inside forward or backward.")
         unit.reshard()
+        for flat in unit.flat_params:
+            flat.mark_loaded()  # gathers after the load see it (and replicas refresh)
 
 
 def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -220,7 +223,7 @@ def full_state_dict(
     keep = not rank0_only or rank_in(model_group(model)) == 0
     gathered: dict[int, torch.Tensor] = {}
     for flat in flat_params(model):
-        copies = gather_copies(flat, flat.shard, keep, cpu_offload)
+        copies = gather_copies(flat, flat.param_region, keep, cpu_offload)
         gathered.update({id(o.param): c for o, c in zip(flat.originals, copies, strict=keep)})
     if not keep:
         return {}
