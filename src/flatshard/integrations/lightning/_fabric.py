@@ -38,17 +38,14 @@ from torch import nn
 import flatshard
 from flatshard.integrations.lightning import _checkpoints
 from flatshard.integrations.lightning._precision import (
-    TRUE_DTYPES,
-    cast_floats,
+    TrueDtypes,
     check_precision,
-    default_dtype,
-    mixed_policy,
     supported_name,
 )
 from flatshard.integrations.lightning._sharding import ShardOptions
 
 
-class FlatshardFabricPrecision(Precision):
+class FlatshardFabricPrecision(TrueDtypes, Precision):
     """Fabric's ``precision=`` under ``FlatshardFabricStrategy`` (the same table as
     ``FlatshardPrecision``'s: mixed settings are flatshard ``MixedPrecision`` policies)."""
 
@@ -56,27 +53,6 @@ class FlatshardFabricPrecision(Precision):
         check_precision(precision)
         self.precision = cast(Any, precision)  # one of Lightning's literals, checked above
         self.scaler = flatshard.ShardedGradScaler() if precision == "16-mixed" else None
-
-    @property
-    def mixed_precision(self) -> flatshard.MixedPrecision | None:
-        return mixed_policy(self.precision)
-
-    def convert_module(self, module: nn.Module) -> nn.Module:
-        dtype = TRUE_DTYPES.get(self.precision)
-        return module.to(dtype=dtype) if dtype is not None else module
-
-    def tensor_init_context(self) -> AbstractContextManager[None]:
-        return default_dtype(TRUE_DTYPES.get(self.precision))
-
-    def module_init_context(self) -> AbstractContextManager[None]:
-        return default_dtype(TRUE_DTYPES.get(self.precision))
-
-    def forward_context(self) -> AbstractContextManager[None]:
-        return default_dtype(TRUE_DTYPES.get(self.precision))
-
-    def convert_input(self, data: Any) -> Any:
-        dtype = TRUE_DTYPES.get(self.precision)
-        return data if dtype is None else cast_floats(data, dtype)
 
     def backward(
         self, tensor: torch.Tensor, model: nn.Module | None, *args: Any, **kwargs: Any

@@ -35,7 +35,36 @@ TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
 _MIXED_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
-class FlatshardPrecision(Precision):
+class TrueDtypes:
+    """The "true" settings (bf16-true, 16-true) for both Lightning plugins: the module
+    converted, tensors created and inputs cast in that dtype; nothing for the others."""
+
+    precision: Any
+
+    @property
+    def mixed_precision(self) -> flatshard.MixedPrecision | None:
+        """The ``fully_shard`` policy this precision stands for (None: none)."""
+        return mixed_policy(self.precision)
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        dtype = TRUE_DTYPES.get(self.precision)
+        return module.to(dtype=dtype) if dtype is not None else module
+
+    def tensor_init_context(self) -> AbstractContextManager[None]:
+        return default_dtype(TRUE_DTYPES.get(self.precision))
+
+    def module_init_context(self) -> AbstractContextManager[None]:
+        return default_dtype(TRUE_DTYPES.get(self.precision))
+
+    def forward_context(self) -> AbstractContextManager[None]:
+        return default_dtype(TRUE_DTYPES.get(self.precision))
+
+    def convert_input(self, data: Any) -> Any:
+        dtype = TRUE_DTYPES.get(self.precision)
+        return data if dtype is None else cast_floats(data, dtype)
+
+
+class FlatshardPrecision(TrueDtypes, Precision):
     """``Trainer(precision=...)`` under ``FlatshardStrategy``; see the module's table.
 
     The strategy makes this plugin from whatever precision the ``Trainer`` was given;
@@ -57,29 +86,6 @@ class FlatshardPrecision(Precision):
             self.scaler = flatshard.ShardedGradScaler()
         # The sharded model, set by the strategy once it is sharded: clipping needs it.
         self.model: nn.Module | None = None
-
-    @property
-    def mixed_precision(self) -> flatshard.MixedPrecision | None:
-        """The ``fully_shard`` policy this precision stands for (None: none)."""
-        return mixed_policy(self.precision)
-
-    # ---------------------------------------------------------------- the "true" dtypes
-    def convert_module(self, module: nn.Module) -> nn.Module:
-        dtype = TRUE_DTYPES.get(self.precision)
-        return module.to(dtype=dtype) if dtype is not None else module
-
-    def tensor_init_context(self) -> AbstractContextManager[None]:
-        return default_dtype(TRUE_DTYPES.get(self.precision))
-
-    def module_init_context(self) -> AbstractContextManager[None]:
-        return default_dtype(TRUE_DTYPES.get(self.precision))
-
-    def forward_context(self) -> AbstractContextManager[None]:
-        return default_dtype(TRUE_DTYPES.get(self.precision))
-
-    def convert_input(self, data: Any) -> Any:
-        dtype = TRUE_DTYPES.get(self.precision)
-        return data if dtype is None else cast_floats(data, dtype)
 
     # ---------------------------------------------------------------- clipping
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
