@@ -28,9 +28,11 @@ from flatshard.runtime import (
     BackwardPrefetch,
     Prefetch,
     ShardedGradScaler,
+    TableTraffic,
     UnshardHandle,
     clip_grad_norm_,
     dtype_plan,
+    embedding_traffic,
     no_sync,
     register_entry_point,
     register_matrix_optimizer,
@@ -81,6 +83,7 @@ __all__ = [
     "summon_full_params",
     "unshard",
     "reshard",
+    "TableTraffic",
     "UnshardHandle",
     "register_entry_point",
     "register_matrix_optimizer",
@@ -117,4 +120,5 @@ __all__ = [
     # reports (their types: flatshard.report)
     "sharding_summary",
     "dtype_plan",
+    "embedding_traffic",
 ]

@@ -31,6 +31,7 @@ from flatshard.flat._flat_param import FlatParamGroup, OriginalParam, Placement
 from flatshard.flat._mixed_precision import OFFLOAD_DEVICE, CPUOffload, MixedPrecision
 from flatshard.flat._partition import UnitPlan, partition
 from flatshard.flat._policy import AutoWrapPolicy, is_within, select_unit_roots
+from flatshard.flat._row_sparse import RowSparseTable, max_norm_message
 from flatshard.flat._tensor_parallel import global_shapes, localize
 from flatshard.runtime._hooks import install
 from flatshard.runtime._prefetch import Prefetch
@@ -59,6 +60,7 @@ def fully_shard(
     init: InitOptions | None = None,
     prefetch: Prefetch | None = None,
     whole_params: WholeParams = False,
+    sparse_embeddings: bool = False,
 ) -> M:
     """Shard ``module``'s parameters over ``process_group`` in place and return it.
 
@@ -107,6 +109,14 @@ def fully_shard(
             and traffic. A callable ``(name, parameter) -> bool`` keeps only the parameters
             it picks whole (e.g. Muon's matrices), in flat groups of their own beside the
             row-sharded rest; ``name`` is relative to ``module``.
+        sparse_embeddings: True: each ``nn.Embedding`` weight of a sharded unit gets a flat
+            group of its own and is looked up row-sparse: a forward fetches only the rows
+            of its rank's token ids from the ranks that hold them, and the lookup's
+            gradient goes back to them as rows, instead of all-gathering and
+            reduce-scattering the whole table (per forward, whichever moves fewer bytes;
+            docs/design.md, "Row-sparse embedding tables"). A table tied to the LM head is
+            gathered behind the blocks and waited for at the head. Not with ``max_norm``,
+            tensor-parallel tables, HYBRID_SHARD_OPTIM or a communication hook.
     """
     _check_distributed()
     strategy = ShardingStrategy.parse(strategy)
@@ -127,7 +137,11 @@ def fully_shard(
         whole = _whole_names(plans, whole_params)
         if init.check_consistency:
             check_same_on_all_ranks(
-                structure_lines(plans, _strategy_line(strategy, group, sharding_factor), whole),
+                structure_lines(
+                    plans,
+                    _strategy_line(strategy, group, sharding_factor, sparse_embeddings),
+                    whole,
+                ),
                 group,
                 target or _CPU,
                 "built different models or sharding options",
@@ -135,6 +149,7 @@ def fully_shard(
                 "fully_shard options on every rank.",
             )
         _check_split_options(strategy, cpu_offload, whole, rank)
+        tables = _table_names(plans, sparse_embeddings, strategy, whole, rank)
         build = _UnitBuild(
             groups=resolve_groups(strategy, process_group, sharding_factor),
             process_group=group,
@@ -144,6 +159,7 @@ def fully_shard(
             whole_params=whole,
             param_init_fn=param_init_fn,
             init=init,
+            tables=tables,
         )
         limiter = RateLimiter(DEFAULT_LIMIT if prefetch.limit_all_gathers else None)
         context = StepContext(module, group, limiter)
@@ -196,6 +212,7 @@ class _UnitBuild:
     whole_params: frozenset[str]  # never cut into rows ([Note: whole-parameter layout])
     param_init_fn: ParamInitFn | None
     init: InitOptions
+    tables: frozenset[str] = frozenset()  # embedding weights looked up row-sparse
 
     @property
     def compute_device(self) -> torch.device:
@@ -224,7 +241,8 @@ def _build_unit(plan: UnitPlan, build: _UnitBuild, rank: int) -> Unit | None:
             ),
         )
         for params, dtype in _split_by_compute_dtype(plan.groups, policy)
-        for whole, params in _split_whole(params, build.whole_params)
+        for whole, split in _split_whole(params, build.whole_params)
+        for params in _split_tables(split, build.tables)
     ]
     _prepare(plan, build, rank)
     _cast_buffers(plan, policy.buffer_dtype)
@@ -240,6 +258,8 @@ def _build_unit(plan: UnitPlan, build: _UnitBuild, rank: int) -> Unit | None:
         )
     for flat in flat_params:
         flat.load_shard()
+        if flat.originals[0].fqn in build.tables and flat.needs_all_gather:
+            flat.table = RowSparseTable(flat)
     if not flat_params:
         return None
     unit = Unit(plan.module, plan.fqn, flat_params, plan.modules, build.config)
@@ -342,11 +362,16 @@ def _check_backend_reaches(
 
 
 def _strategy_line(
-    strategy: ShardingStrategy, group: dist.ProcessGroup, sharding_factor: int | None
+    strategy: ShardingStrategy,
+    group: dist.ProcessGroup,
+    sharding_factor: int | None,
+    sparse_embeddings: bool,
 ) -> str:
     line = f"strategy {strategy.name} over {dist.get_world_size(group)} ranks"
     if sharding_factor is not None:
         line += f", sharding_factor {sharding_factor}"
+    if sparse_embeddings:
+        line += ", sparse_embeddings"
     return line
 
 
@@ -366,6 +391,51 @@ def _whole_names(plans: list[UnitPlan], whole_params: WholeParams) -> frozenset[
     return frozenset(
         o.fqn for plan in plans for o in plan.originals if whole_params(o.fqn, o.param)
     )
+
+
+def _table_names(
+    plans: list[UnitPlan],
+    sparse: bool,
+    strategy: ShardingStrategy,
+    whole: frozenset[str],
+    rank: int,
+) -> frozenset[str]:
+    """The embedding weights looked up row-sparse (``sparse_embeddings``); an error for a
+    table the row-sparse path cannot serve."""
+    if not sparse:
+        return frozenset()
+    names = set()
+    for plan in plans:
+        for orig in plan.originals:
+            lookups = [m for m, _ in orig.usages if isinstance(m, nn.Embedding)]
+            if not lookups or orig.param.dim() != 2:
+                continue
+            if any(m.max_norm is not None for m in lookups):
+                raise ValueError(max_norm_message(orig.fqn) + f" (rank {rank})")
+            refused = (
+                "HYBRID_SHARD_OPTIM (its parameters view part of the shard)"
+                if strategy.shards_optimizer_across_replicas
+                else "whole_params (the table lies whole on one rank)"
+                if orig.fqn in whole
+                else "a tensor-parallel (DTensor) weight"
+                if orig.tp is not None
+                else None
+            )
+            if refused:
+                raise ValueError(
+                    f"flatshard.fully_shard: sparse_embeddings=True cannot serve embedding "
+                    f"'{orig.fqn}' with {refused} (rank {rank}); pass sparse_embeddings="
+                    "False, or shard the table another way."
+                )
+            names.add(orig.fqn)
+    return frozenset(names)
+
+
+def _split_tables(params: list[OriginalParam], tables: frozenset[str]) -> list[list[OriginalParam]]:
+    """Each row-sparse table in a group of its own, then the rest (if any)."""
+    alone = [[o] for o in params if o.fqn in tables]
+    rest = [o for o in params if o.fqn not in tables]
+    return alone + ([rest] if rest else [])
 
 
 def _split_whole(

@@ -105,6 +105,29 @@ def start_all_gather(
     return _issue(group, "all_gather", shard, tag, launch)
 
 
+def exchange_rows(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_splits: list[int],
+    input_splits: list[int],
+    group: dist.ProcessGroup,
+    tag: Tag | None = None,
+) -> None:
+    """All-to-all of uneven row blocks along dim 0; blocking: this rank sends
+    ``input_splits[r]`` rows to rank r and receives ``output_splits[r]`` rows from it, in
+    rank order (row-sparse embedding lookups and their gradients)."""
+    launch = partial(
+        _ALL_TO_ALL,
+        output,
+        input,
+        output_split_sizes=output_splits,
+        input_split_sizes=input_splits,
+        group=group,
+        async_op=True,
+    )
+    wait_work(_issue(group, "all_to_all", input, tag, launch))
+
+
 def all_reduce(
     tensor: torch.Tensor,
     group: dist.ProcessGroup,

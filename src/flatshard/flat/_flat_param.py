@@ -90,6 +90,7 @@ from flatshard.comm._collectives import start_all_gather, wait_work
 from flatshard.comm._mesh import ShardGroups
 from flatshard.flat._layout import FlatLayout, ViewPlan, plan_layout
 from flatshard.flat._reduction import GradientReduction
+from flatshard.flat._row_sparse import RowSparseTable
 from flatshard.flat._tensor_parallel import TensorParallel, tensor_parallel
 
 
@@ -192,6 +193,9 @@ class FlatParamGroup:
         self.on_collective: Callable[[str, int], Tag | None] = _ignore
         self._loads = 0  # loads into the originals (mark_loaded)
         self._refreshed_version = -1  # region writes the shard was last refreshed after
+        # An embedding table alone in the group, looked up row-sparse (set by fully_shard;
+        # see [Note: row-sparse embedding tables] in _row_sparse.py)
+        self.table: RowSparseTable | None = None
         self._allocate_unsharded()
         self.reduction = GradientReduction(self)
 
@@ -396,6 +400,8 @@ class FlatParamGroup:
         for i, registry, name in self._registrations:
             registry[name] = values[i]
         self.views_registered = views is not None
+        if self.table is not None:
+            self.table.proxied = False
 
     def _as_used(self, views: list[torch.Tensor]) -> list[torch.Tensor]:
         """DTensor parameters' views wrapped back into DTensors for their TP layers."""

@@ -18,6 +18,7 @@ from flatshard.comm._collectives import (
     PendingReduction,
     all_reduce,
     reduce_gradient,
+    split_division,
     sum_reduce,
     wait_reduction,
 )
@@ -60,6 +61,10 @@ class GradientReduction:
         # ``.grad`` at the first reduction with the all-reduce on.
         self.owed: torch.Tensor | None = None
         self._across_now = True  # the pending reduction ends with the replicas' sum
+        # A row-sparse table's exchanged lookup gradient (C,), divided by the first part
+        # of W, not yet summed across the replicas ([Note: row-sparse embedding tables])
+        self.sparse_sum: torch.Tensor | None = None
+        self._sparse_across = True
 
     def start(self, all_reduce: bool = True) -> None:
         """Reduce the accumulated flat gradient (zeros if none arrived), without waiting.
@@ -100,12 +105,48 @@ class GradientReduction:
         self._across_now = all_reduce
         self.done_in_backward = True
 
+    def add_sparse(self, shard_sum: torch.Tensor, all_reduce: bool = True) -> None:
+        """A row-sparse table's exchanged gradient (C,): it joins the originals' ``.grad``
+        at ``finish``, summed across the replicas (unless owed, as ``start`` says)."""
+        if self.comm_hook is not None:
+            raise RuntimeError(
+                "flatshard: a communication hook does the whole reduction, but a row-sparse "
+                "embedding table's lookup gradient is exchanged as rows; register no hook "
+                "on its unit, or pass sparse_embeddings=False"
+            )
+        self.sparse_sum = shard_sum
+        self._sparse_across = all_reduce
+        self.done_in_backward = True
+
     def keep_unreduced(self) -> None:
         """no_sync: leave the flat gradient to accumulate until a synchronized backward."""
         self.done_in_backward = True
 
     def finish(self) -> None:
         """Wait for the reduction and add the result to the originals' ``.grad``."""
+        self._finish_dense()
+        self._finish_sparse()
+
+    def _finish_sparse(self) -> None:
+        part = self.sparse_sum
+        if part is None:
+            return
+        self.sparse_sum = None
+        groups = self.flat.groups
+        _, post = split_division(groups.world_size)
+        if post > 1:
+            part.div_(post)
+        if groups.replicate is not None:
+            if self.owed is not None or not self._sparse_across:
+                self.owed = part if self.owed is None else self.owed.add_(part)
+                if not self._sparse_across:
+                    return  # owed to a later micro-batch's all-reduce
+                part, self.owed = self.owed, None
+            tag = self.flat.on_collective("all_reduce", part.numel())
+            all_reduce(part, groups.replicate, tag)
+        self.flat.add_to_grads(part)
+
+    def _finish_dense(self) -> None:
         if self.pending is None:
             return
         reduced = wait_reduction(self.pending)  # (C,)

@@ -1,5 +1,5 @@
 """A GPT in one sitting (nanoGPT's shape): causal attention blocks, LM head tied to the
-token embedding. Used by ``flatshard train`` and by the tests.
+token embedding (or untied). Used by ``flatshard train`` and by the tests.
 """
 
 from __future__ import annotations
@@ -50,9 +50,12 @@ class GPTBlock(nn.Module):
 
 
 class GPT(nn.Module):
-    """Token + position embeddings, ``layers`` blocks, final norm, head tied to the embedding."""
+    """Token + position embeddings, ``layers`` blocks, final norm, head tied to the embedding
+    (``tied=False``: a head of its own)."""
 
-    def __init__(self, vocab: int, dim: int, heads: int, layers: int, seq_len: int) -> None:
+    def __init__(
+        self, vocab: int, dim: int, heads: int, layers: int, seq_len: int, tied: bool = True
+    ) -> None:
         super().__init__()
         self.seq_len = seq_len
         self.vocab = vocab
@@ -61,7 +64,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(GPTBlock(dim, heads, seq_len) for _ in range(layers))
         self.ln_f = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
-        self.head.weight = self.tok.weight  # tied
+        if tied:
+            self.head.weight = self.tok.weight
         self.checkpoint_blocks = False  # recompute each block (hooks included) in backward
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ steps: ``no_sync``, ``clip_grad_norm_``, ``summon_full_params``, ``ShardedGradSc
 Layer 3: imports ``flatshard.flat`` and below.
 """
 
+from flatshard.flat._row_sparse import TableTraffic
 from flatshard.runtime._clip import clip_grad_norm_
 from flatshard.runtime._grad_scaler import ShardedGradScaler
 from flatshard.runtime._hooks import register_entry_point, set_prefetch
@@ -20,6 +21,7 @@ from flatshard.runtime._summary import (
     FlatParamSummary,
     ShardingSummary,
     dtype_plan,
+    embedding_traffic,
     sharding_summary,
 )
 from flatshard.runtime._summon import summon_full_params
@@ -37,9 +39,11 @@ __all__ = [
     "Prefetch",
     "ShardedGradScaler",
     "ShardingSummary",
+    "TableTraffic",
     "UnshardHandle",
     "clip_grad_norm_",
     "dtype_plan",
+    "embedding_traffic",
     "muon_matrices",
     "no_sync",
     "register_entry_point",

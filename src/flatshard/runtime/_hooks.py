@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from flatshard.comm._ranks import global_rank
+from flatshard.flat._row_sparse import RowSparseTable
 from flatshard.runtime._inputs import cast_floats
 from flatshard.runtime._unit import OWNER_ATTR, UNIT_ATTR, Unit, unit_or_error
 
@@ -34,6 +35,9 @@ def install(unit: Unit) -> None:
         flat.register_post_accumulate_hook(partial(unit.post_backward, flat))
     for name, inner in unit.inner_modules:
         inner.register_forward_pre_hook(partial(_check_gathered, unit, name))
+    for table in [f.table for f in unit.flat_params if f.table is not None]:
+        for user, _ in table.dense_usages:  # a tied table's head waits for its gather
+            user.register_forward_pre_hook(partial(_before_dense_use, table))
     if any(m is module for f in unit.flat_params for o in f.originals for m, _ in o.usages):
         _guard_direct_forward(unit)  # no inner module would notice a bypass
     # torch's stubs leave these two unannotated; the casts state their real signatures.
@@ -161,6 +165,10 @@ def _check_gathered(unit: Unit, name: str, module: nn.Module, args: Any) -> None
         "flatshard.summon_full_params(model), or register the method that calls it with "
         "flatshard.register_entry_point(unit_module, 'method')."
     )
+
+
+def _before_dense_use(table: RowSparseTable, module: nn.Module, args: Any) -> None:
+    table.before_dense_use()
 
 
 def _refuse_partial_state_dict(unit: Unit, module: nn.Module, *unused: Any) -> None:

@@ -189,8 +189,7 @@ class StepContext:
             for unit in self.units:
                 if unit.expects_backward and self.sync_gradients:
                     for flat in unit.trainable:
-                        if not flat.reduction.done_in_backward:
-                            flat.reduction.start(self.all_reduce_replicas)
+                        self._finish_reduction(flat)
             for unit in self.units:
                 unit.end_backward()
             self.wait_host_copies()
@@ -203,6 +202,19 @@ class StepContext:
             self.phase = "between steps"
             if (dog := watchdog()) is not None:
                 dog.step_ended()  # how long steps take: when a wait is worth a warning
+
+    def _finish_reduction(self, flat: FlatParamGroup) -> None:
+        """Reduce a group whose gradient did not reach its hook (zeros), and exchange a
+        row-sparse table's lookup rows ([Note: row-sparse embedding tables]): the same
+        calls on every rank, decided by what every rank's forward decided alike."""
+        table = flat.table
+        dense = table is None or table.tied or table.dense_due
+        if dense and not flat.reduction.done_in_backward:
+            flat.reduction.start(self.all_reduce_replicas)
+        if table is not None:
+            if table.exchange_due:
+                flat.reduction.add_sparse(table.exchange_gradient(), self.all_reduce_replicas)
+            table.gradient_synced()
 
     def wait_host_copies(self) -> None:
         """[Note: offload without a stall per unit]

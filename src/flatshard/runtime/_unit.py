@@ -228,13 +228,19 @@ class Unit:
     def unshard(self) -> None:
         """All-gather every group; the modules then hold views of the buffers."""
         self.start_unshard()  # every gather in flight before the first wait
+        backward = self.state is TrainingState.BACKWARD
         for flat in self.flat_params:
-            flat.unshard()
+            if flat.table is not None:  # gathered by its lookups or its head, if at all
+                flat.table.unshard(backward)
+            else:
+                flat.unshard()
 
     def start_unshard(self) -> None:
-        """Start every group's all-gather (prefetch); the unit's hook waits."""
+        """Start every group's all-gather (prefetch); the unit's hook waits. Row-sparse
+        tables are left to their lookups ([Note: row-sparse embedding tables])."""
         for flat in self.flat_params:
-            flat.start_unshard()
+            if flat.table is None:
+                flat.start_unshard()
 
     def finish_unshard(self) -> None:
         """Wait for the all-gathers a prefetch started (views come with ``unshard``)."""

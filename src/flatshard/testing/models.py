@@ -77,6 +77,40 @@ class TinyGPT(GPT):
         return out
 
 
+class VocabGPT(TinyGPT):
+    """A TinyGPT whose vocabulary is large next to its batch, for row-sparse embedding
+    tables: tokens drawn unevenly (many repeated, some never drawn), and each half of the
+    batch from its own half of the vocabulary, so that with 2 ranks no token is shared."""
+
+    def __init__(self, tied: bool = True, padding_idx: int | None = None) -> None:
+        nn.Module.__init__(self)
+        GPT.__init__(self, vocab=512, dim=16, heads=2, layers=2, seq_len=9, tied=tied)
+        if padding_idx is not None:
+            self.tok.padding_idx = padding_idx
+            with torch.no_grad():
+                self.tok.weight[padding_idx].zero_()
+
+    def make_batch(self, gen: torch.Generator, batch_size: int) -> Batch:
+        half = self.vocab // 2
+        # Squared uniforms: low ids of each half far more often than high ones.
+        draws = torch.rand(batch_size, self.seq_len + 1, generator=gen) ** 2
+        idx = (draws * half).long()
+        idx[batch_size // 2 :] += half
+        if self.tok.padding_idx is not None:
+            idx[::3, -3:] = self.tok.padding_idx  # padded tails
+        return idx[:, :-1], idx[:, 1:]
+
+
+class UntiedVocabGPT(VocabGPT):
+    def __init__(self) -> None:
+        super().__init__(tied=False)
+
+
+class PaddedVocabGPT(VocabGPT):
+    def __init__(self) -> None:
+        super().__init__(padding_idx=0)
+
+
 class LoRALinear(nn.Module):
     """A frozen base weight plus a trainable low-rank update: one unit, both kinds."""
 
@@ -215,6 +249,9 @@ MODELS: dict[str, type[nn.Module]] = {
     "reuse": Reuse,
     "mlp": MLPStack,
     "gpt": TinyGPT,
+    "vocab_gpt": VocabGPT,
+    "untied_vocab_gpt": UntiedVocabGPT,
+    "padded_vocab_gpt": PaddedVocabGPT,
     "frozen": FrozenParts,
     "nested": Nested,
 }

@@ -67,6 +67,7 @@ class ParityConfig:
     forward_prefetch: bool = False
     limit_all_gathers: bool = True  # the rate limiter
     device: str = "cpu"  # where models and batches live ("cuda": tests/test_gpu.py)
+    sparse_embeddings: bool = False  # fully_shard(sparse_embeddings=True)
 
     def __post_init__(self) -> None:
         if self.accumulate_with not in ("no_sync", "switch"):
@@ -247,6 +248,8 @@ def shard_with_flatshard(model: nn.Module, config: ParityConfig, group: dist.Pro
         options["mixed_precision"] = flatshard.MixedPrecision(param_dtype, reduce_dtype)
     if config.offload:
         options["cpu_offload"] = flatshard.CPUOffload()
+    if config.sparse_embeddings:
+        options["sparse_embeddings"] = True
     backward = config.backward_prefetch
     options["prefetch"] = flatshard.Prefetch(
         backward=None if backward is None else flatshard.BackwardPrefetch[backward],

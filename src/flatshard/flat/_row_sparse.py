@@ -1,0 +1,372 @@
+"""Row-sparse embedding tables: lookups fetch only their rows, gradients go back as rows.
+
+[Note: row-sparse embedding tables]
+With ``fully_shard(..., sparse_embeddings=True)`` every ``nn.Embedding`` of a sharded unit
+gets its weight in a flat group of its own, so the row-aligned layout gives each rank of the
+shard group a contiguous block of whole rows. In forward the embedding module holds a
+``TableProxy`` instead of a view of the gathered table; ``F.embedding`` on it runs
+``RowSparseTable.lookup``:
+1. this rank's token ids, made unique (sorted), are counted per owning rank, and the shard
+   group all-gathers the counts (F + 1 integers per rank; the last counts ids out of range,
+   so that every rank raises the same error);
+2. the rule below picks dense or sparse, alike on every rank since all see all the counts;
+3. sparse: an all-to-all sends each owner the ids it holds, another returns their rows (in
+   the compute dtype); the lookup is ``F.embedding`` of the ids' positions among the unique
+   ids into those rows, a leaf of its own. Its backward is then the same kernel on the same
+   order of tokens as the unsharded lookup's, and gives the same row sums bit for bit;
+   ``padding_idx`` and ``scale_grad_by_freq`` carry over (the padding id's position; the
+   counts are this rank's, as under DDP).
+The leaf's gradient (the unique ids' summed rows) is kept; the end of a synchronized
+backward merges what this rank's lookups left since the last exchange, divides it as the
+dense reduction divides (``split_division``), and sends each owner its rows plus their ids
+(all-gather of counts, two all-to-alls); the owner adds them, in source-rank order, into a
+zero shard-sized gradient, which then takes the dense gradient's way: all-reduce across the
+replicas (hybrid), the rest of the division, ``.grad``.
+
+Tied tables (the weight also registered in a module that is not an ``nn.Embedding``: the
+LM head): the head needs the whole table, so the lookup starts the table's all-gather right
+after its own rows arrived, and a pre-forward hook on the head waits for it there: the
+blocks' compute runs while it travels. The head's gradient reaches the group's flat leaf
+and is reduce-scattered when the head's backward produced it (the group's post-backward
+hook), overlapping the blocks' backward; only the lookup's rows are exchanged at the end.
+
+The rule, per forward: with R the ids the ranks ask of other ranks (the off-diagonal sum of
+the count matrix), sparse moves R ids and R rows each way (forward and backward), dense the
+table's all-gather and reduce-scatter, F (F - 1) C elements each; sparse wins when
+``R (2 * 8 + row bytes in compute + row bytes in reduce) < F (F - 1) C (compute + reduce
+element bytes)``. Dense (the union of the batches near the vocabulary, or the table already
+gathered: pinned, kept, prefetched) looks up the gathered table and reduces it as any group.
+
+The ledger ([Note: collectives pair by issue order]) records each all-to-all with F (its
+number of splits, the same on every rank), not the elements this rank sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flatshard.comm._collectives import all_gather_into, exchange_rows, split_division
+from flatshard.comm._ranks import global_rank
+
+if TYPE_CHECKING:
+    from flatshard.flat._flat_param import FlatParamGroup
+
+_ID_BYTES = 8  # int64 token ids
+
+
+@dataclass
+class TableTraffic:
+    """Elements this rank sent to other ranks for one table (ids and rows), since created."""
+
+    lookups: int = 0  # sparse forwards
+    dense_lookups: int = 0  # forwards that looked up the gathered table
+    lookup_ids: int = 0
+    lookup_rows: int = 0  # row elements (rows x dim)
+    grad_ids: int = 0
+    grad_rows: int = 0
+
+
+class TableProxy(torch.Tensor):
+    """What an embedding module holds as its weight in forward: the table's shape, dtype and
+    device, no data; ``F.embedding`` on it is the table's row-sparse lookup."""
+
+    table: RowSparseTable
+    _METADATA: ClassVar[frozenset[str]] = frozenset({"__get__", "size", "dim", "numel", "stride"})
+
+    @staticmethod
+    def __new__(cls, table: RowSparseTable) -> TableProxy:
+        flat = table.flat
+        proxy = torch.Tensor._make_wrapper_subclass(
+            cls,
+            flat.full_shapes[0],
+            dtype=flat.compute_dtype,
+            device=flat.compute_device,
+            requires_grad=flat.requires_grad,
+        )
+        proxy.table = table
+        return proxy
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Any, types: Any, args: Any = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is F.embedding:
+            return _table_of(args, kwargs).lookup(*args, **kwargs)
+        if getattr(func, "__name__", "") in cls._METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        table = _table_of(args, kwargs)
+        raise RuntimeError(
+            f"flatshard: '{table.name}' is a row-sparse embedding table in forward "
+            f"(fully_shard(..., sparse_embeddings=True)) and was used by "
+            f"{getattr(func, '__name__', func)} (rank {global_rank()}); in forward only "
+            f"nn.Embedding's lookup (F.embedding) reads it. Read the weight through a module "
+            "that is not an nn.Embedding (it then gets the gathered table), or pass "
+            "sparse_embeddings=False."
+        )
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: Any = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        raise RuntimeError(
+            f"flatshard: {func} on a row-sparse embedding table (rank {global_rank()}); in "
+            "forward only nn.Embedding's lookup reads it (sparse_embeddings=False to gather it)."
+        )
+
+
+def _registry(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's parameter dict, written directly (as ``register_views`` does)."""
+    return cast(dict[str, torch.Tensor], module._parameters)
+
+
+def _table_of(args: Any, kwargs: dict[str, Any]) -> RowSparseTable:
+    for value in [*args, *kwargs.values()]:
+        if isinstance(value, TableProxy):
+            return value.table
+    raise AssertionError("a TableProxy call without a TableProxy")
+
+
+class RowSparseTable:
+    """The row-sparse path of one embedding weight alone in its flat group (see the note)."""
+
+    def __init__(self, flat: FlatParamGroup) -> None:
+        self.flat = flat
+        orig = flat.originals[0]
+        self.name = orig.fqn
+        self.lookup_usages = [(m, n) for m, n in orig.usages if isinstance(m, nn.Embedding)]
+        self.dense_usages = [(m, n) for m, n in orig.usages if not isinstance(m, nn.Embedding)]
+        self.tied = bool(self.dense_usages)
+        layout, slot = flat.layout, flat.layout.slots[0]
+        self.dim = slot.row_numel
+        self.vocab = slot.rows
+        held = [layout.shard_range(slot, r) for r in range(flat.factor)]
+        self.first_rows = [h.first_row if h.rows else slot.rows for h in held]
+        self.ends = [h.first_row + h.rows if h.rows else slot.rows for h in held]
+        self.held = held[flat.rank]
+        self.proxied = False  # the lookup modules hold the proxy (between unshard and reshard)
+        # Since the last gradient exchange (every rank alike, decided in forward):
+        self.exchange_due = False  # a sparse lookup with grad ran
+        self.dense_due = False  # a dense lookup with grad ran (its gradient is in the flat leaf)
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (unique ids, row grads)
+        self.traffic = TableTraffic()
+
+    # ------------------------------------------------------------------ views
+    def unshard(self, backward: bool) -> None:
+        """The unit unshards: the lookup modules get the proxy. A tied table's head keeps
+        its original until its pre-forward hook (``before_dense_use``); in backward the
+        head's backward needs the table at once."""
+        flat = self.flat
+        if flat.holds_stale_gather:
+            flat.reshard()
+        gathered = flat.is_unsharded or flat.gather_in_flight
+        if gathered or (backward and self.tied):
+            flat.unshard()  # full views everywhere (the head's backward reads its own)
+        proxy = TableProxy(self)
+        for module, name in self.lookup_usages:
+            _registry(module)[name] = proxy
+        flat.views_registered = True
+        self.proxied = True
+
+    def before_dense_use(self) -> None:
+        """A tied table's other module (the head) is about to run: wait for the table."""
+        if not self.proxied:
+            return  # outside the unit's forward (summon_full_params): the unit's own views
+        flat = self.flat
+        flat.start_unshard()
+        flat.finish_unshard()
+        view = flat.views.full_views(flat.unsharded)[0]
+        for module, name in self.dense_usages:
+            _registry(module)[name] = view
+
+    # ------------------------------------------------------------------ forward
+    def lookup(
+        self,
+        input: torch.Tensor,
+        weight: torch.Tensor,
+        padding_idx: int | None = None,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        sparse: bool = False,
+    ) -> torch.Tensor:
+        """``F.embedding(input, table, ...)``: the rows of ``input`` (see the note)."""
+        if max_norm is not None:
+            raise ValueError(max_norm_message(self.name))
+        flat = self.flat
+        if flat.is_unsharded or flat.gather_in_flight:
+            return self._dense(input, padding_idx, scale_grad_by_freq)
+        unique, inverse = torch.unique(input.reshape(-1), sorted=True, return_inverse=True)
+        matrix = self._count_matrix(unique, "lookup")
+        if not self.sparse_pays(matrix):
+            return self._dense(input, padding_idx, scale_grad_by_freq)
+        rows = self._fetch(unique, matrix)
+        if self.tied:
+            flat.start_unshard()  # the head's table travels while the blocks compute
+        grad = torch.is_grad_enabled() and flat.requires_grad
+        leaf = rows.detach().requires_grad_(grad)
+        if grad:
+            self.exchange_due = True
+            register = cast(
+                Callable[[Callable[[torch.Tensor], None]], object],
+                leaf.register_post_accumulate_grad_hook,
+            )
+            register(lambda t: self._keep_grad(unique, t))
+        local_pad = None
+        if padding_idx is not None:
+            at = int(torch.searchsorted(unique, padding_idx))
+            present = at < unique.numel() and int(unique[at]) == padding_idx
+            local_pad = at if present else None
+        index = inverse.view(input.shape)
+        return F.embedding(index, leaf, local_pad, None, norm_type, scale_grad_by_freq, False)
+
+    def _dense(
+        self, input: torch.Tensor, padding_idx: int | None, scale_grad_by_freq: bool
+    ) -> torch.Tensor:
+        """Look up the gathered table (gathering it first if need be)."""
+        flat = self.flat
+        flat.start_unshard()
+        flat.finish_unshard()
+        self.traffic.dense_lookups += 1
+        if torch.is_grad_enabled() and flat.requires_grad:
+            self.dense_due = True
+        table = flat.views.full_views(flat.unsharded)[0]
+        return F.embedding(input, table, padding_idx, None, 2.0, scale_grad_by_freq, False)
+
+    def sparse_pays(self, matrix: list[list[int]]) -> bool:
+        """The rule of the note: sparse when its ids and rows are fewer bytes than the
+        table's all-gather and reduce-scatter."""
+        f = self.flat.factor
+        asked = sum(matrix[s][d] for s in range(f) for d in range(f) if s != d)
+        compute = torch.finfo(self.flat.compute_dtype).bits // 8
+        reduce = torch.finfo(self.flat.reduce_dtype).bits // 8
+        sparse = asked * (2 * _ID_BYTES + self.dim * (compute + reduce))
+        dense = f * (f - 1) * self.flat.layout.shard_numel * (compute + reduce)
+        return sparse < dense
+
+    def _fetch(self, unique: torch.Tensor, matrix: list[list[int]]) -> torch.Tensor:
+        """The rows of ``unique`` (sorted), from their owners, in the compute dtype."""
+        flat, me = self.flat, self.flat.rank
+        send = matrix[me][:-1]
+        recv = [row[me] for row in matrix]
+        group = self._group
+        tag = flat.on_collective("all_to_all", flat.factor)
+        requests = unique.new_empty(sum(recv))
+        exchange_rows(requests, unique, recv, send, group, tag)
+        answers = self._shard_rows().index_select(0, requests - self.first_rows[me])
+        answers = answers.to(flat.compute_device, flat.compute_dtype)
+        rows = answers.new_empty(unique.numel(), self.dim)
+        tag = flat.on_collective("all_to_all", flat.factor)
+        exchange_rows(rows, answers, send, recv, group, tag)
+        self.traffic.lookups += 1
+        self.traffic.lookup_ids += sum(send) - send[me]
+        self.traffic.lookup_rows += (sum(recv) - recv[me]) * self.dim
+        return rows
+
+    # ------------------------------------------------------------------ backward
+    def _keep_grad(self, unique: torch.Tensor, leaf: torch.Tensor) -> None:
+        assert leaf.grad is not None
+        grad = leaf.grad
+        leaf.grad = None
+        self._pending.append((unique, grad.to_dense() if grad.is_sparse else grad))
+
+    def exchange_gradient(self) -> torch.Tensor:
+        """This rank's shard-sized gradient (C,): every rank's lookup rows of the rows it
+        holds, summed in source-rank order, divided by the first part of W
+        (``split_division``); blocking. Clears what the lookups left."""
+        flat, me = self.flat, self.flat.rank
+        ids, rows = self._merged()
+        rows = rows.to(flat.reduce_dtype)
+        pre, _ = split_division(flat.groups.world_size)
+        if pre > 1:
+            rows.div_(pre)
+        matrix = self._count_matrix(ids, "gradient")
+        send = matrix[me][:-1]
+        recv = [row[me] for row in matrix]
+        tag = flat.on_collective("all_to_all", flat.factor)
+        requests = ids.new_empty(sum(recv))
+        exchange_rows(requests, ids, recv, send, self._group, tag)
+        got = rows.new_empty(sum(recv), self.dim)
+        tag = flat.on_collective("all_to_all", flat.factor)
+        exchange_rows(got, rows, recv, send, self._group, tag)
+        out = torch.zeros(flat.layout.shard_numel, dtype=rows.dtype, device=rows.device)
+        held = self.held
+        mine = out[held.local_offset : held.local_offset + held.numel].view(held.rows, self.dim)
+        mine.index_add_(0, requests - self.first_rows[me], got)
+        self.traffic.grad_ids += sum(send) - send[me]
+        self.traffic.grad_rows += (sum(send) - send[me]) * self.dim
+        self.exchange_due = False
+        return out
+
+    def gradient_synced(self) -> None:
+        """A synchronized backward reduced what the flat leaf held."""
+        self.dense_due = False
+
+    def _merged(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pending row gradients as (sorted unique ids, summed rows), in the order the
+        lookups ran (as autograd would have summed one dense gradient)."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            device = self.flat.compute_device
+            ids = torch.empty(0, dtype=torch.long, device=device)
+            return ids, torch.empty(0, self.dim, dtype=self.flat.compute_dtype, device=device)
+        if len(pending) == 1:
+            return pending[0]
+        ids = torch.cat([i for i, _ in pending])
+        rows = torch.cat([g for _, g in pending])
+        unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+        merged = rows.new_zeros(unique.numel(), self.dim).index_add_(0, inverse, rows)
+        return unique, merged
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def _group(self) -> torch.distributed.ProcessGroup:
+        group = self.flat.groups.shard
+        assert group is not None  # a table exists only where F > 1
+        return group
+
+    def _shard_rows(self) -> torch.Tensor:
+        """This rank's rows of the table, (rows, dim), in the master dtype."""
+        held = self.held
+        shard = self.flat.shard
+        return shard[held.local_offset : held.local_offset + held.numel].view(held.rows, self.dim)
+
+    def _count_matrix(self, unique: torch.Tensor, what: str) -> list[list[int]]:
+        """Every rank's ids per owner (F + 1 columns: the last is out of range)."""
+        f = self.flat.factor
+        ends = torch.tensor(self.ends, dtype=unique.dtype, device=unique.device)
+        below = torch.searchsorted(unique, ends)  # ids < each owner's end
+        negative = torch.searchsorted(
+            unique, torch.zeros(1, dtype=unique.dtype, device=unique.device)
+        )
+        starts = torch.cat([negative, below[:-1]])
+        counts = torch.cat([below - starts, (negative + unique.numel() - below[-1:])])
+        gathered = counts.new_empty(f * (f + 1))
+        tag = self.flat.on_collective("all_gather", f + 1)
+        all_gather_into(gathered, counts, self._group, tag)
+        matrix: list[list[int]] = gathered.view(f, f + 1).tolist()
+        bad = [r for r, row in enumerate(matrix) if row[-1]]
+        if bad:
+            raise IndexError(
+                f"flatshard: embedding '{self.name}' was asked for token ids outside [0, "
+                f"{self.vocab}) ({what}) on shard rank(s) {bad} (this is rank "
+                f"{global_rank()}); check the tokenizer's vocabulary against the table."
+            )
+        return matrix
+
+
+def max_norm_message(name: str) -> str:
+    return (
+        f"flatshard: embedding '{name}' has max_norm, which renormalizes the looked-up rows "
+        "of the weight in place during forward; a sharded table's rows live on their "
+        "owners, so the renormalization would be lost. Renormalize in your own code "
+        "(e.g. after optimizer.step()), or keep the embedding in a NO_SHARD unit; "
+        "sparse_embeddings=True does not support max_norm."
+    )
