@@ -266,6 +266,28 @@ def test_bench_compares_all_systems(tmp_path: Path) -> None:
     assert "vs fsdp2" in result.stdout and "flatshard" in result.stdout
 
 
+def test_bench_reports_row_sparse_tables(tmp_path: Path) -> None:
+    """--preset llm-128k: untied, row-sparse tables for flatshard; flatshard-dense beside
+    it gathers them whole; the bytes the tables sent per step are reported."""
+    argv = ["bench", "--preset", "llm-128k", "--vocab", "512", "--dim", "16", "--heads", "2"]
+    argv += ["--layers", "1", "--seq-len", "8", "--batch", "2", "--steps", "1", "--rounds", "1"]
+    argv += ["--systems", "flatshard,flatshard-dense"]
+    result = subprocess.run(
+        [sys.executable, "-m", "flatshard.cli.main", *argv, "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert (report["config"]["tied"], report["config"]["sparse_embeddings"]) == (False, True)
+    sparse, dense = report["systems"]["flatshard"], report["systems"]["flatshard-dense"]
+    assert sparse["embedding_sparse_lookups"] >= 2 and sparse["embedding_bytes_per_step"] > 0
+    assert "embedding_bytes_per_step" not in dense
+    assert sparse["collective_output_bytes"] < dense["collective_output_bytes"]
+    assert "flatshard row-sparse tables:" in result.stdout
+
+
 @pytest.mark.parametrize("optimizer", ["adamw", "muon", "adafactor"])
 def test_bench_scaling_matches_the_formulas(tmp_path: Path, optimizer: str) -> None:
     """``--scaling``: at W = 1 and 2, flatshard's "at rest" tensor bytes and collective

@@ -125,6 +125,12 @@ class StepContext:
         if not self.sync_gradients:
             flat.reduction.keep_unreduced()
             return
+        if flat.table is not None:
+            # A tied table's head part, reduced first in backward and the largest: waited
+            # for at the end of backward, not by the next unit's reduction, whose backward
+            # is too short to hide it ([Note: row-sparse embedding tables]).
+            flat.reduction.start(self.all_reduce_replicas)
+            return
         if self.in_flight is not None:
             self.in_flight.finish()
         flat.reduction.start(self.all_reduce_replicas)

@@ -75,8 +75,18 @@ def run(args: argparse.Namespace) -> int:
         # Adafactor's step reads values a plan lacks; the plan accumulates with no_sync.
         plannable = config.optimizer != "adafactor" and config.accum == "no_sync"
         if "flatshard" in summary and not config.compile and plannable:
-            predicted = predict(config)
-            print(predicted_line(predicted, summary["flatshard"]))
+            if config.sparse_embeddings:  # the planner's meta world has no token ids
+                print("flatshard plan: not predicted (it does not simulate row-sparse tables)")
+            else:
+                predicted = predict(config)
+                print(predicted_line(predicted, summary["flatshard"]))
+        if "embedding_bytes_per_step" in summary.get("flatshard", {}):
+            row = summary["flatshard"]
+            print(
+                f"flatshard row-sparse tables: {row['embedding_bytes_per_step'] / 1e6:.3f} MB "
+                f"sent per step by rank 0 (ids and rows); {row['embedding_sparse_lookups']:.0f} "
+                f"sparse and {row['embedding_dense_lookups']:.0f} dense lookups"
+            )
     os.makedirs(config.out, exist_ok=True)
     with open(os.path.join(config.out, "bench.json"), "w") as f:
         report = {"config": asdict(config), "collectives": collectives, "systems": summary}
@@ -226,6 +236,8 @@ def _serve(
     formulas = {"rest": -1, "collective": -1}  # -1: no formula for this system
     if system.startswith("flatshard") and config.grad_accum == 1:  # formulas of one batch
         formulas = flatshard_formulas(model, optim, config.layers, config.nproc)
+    tables = flatshard.embedding_traffic(model) if system.startswith("flatshard") else {}
+    embedding = _embedding_report(tables, step, next(model.parameters()).element_size())
     del model, optim  # the memory pass builds its own
     tensor_rest, tensor_peak = steady_state_peak(
         lambda: _build(config, system, device), lambda m, o: _train_step(m, o, idx, config, system)
@@ -242,6 +254,25 @@ def _serve(
         else "",
         "collective_output_bytes": int(sum(tracker.bytes.values())),
         "peak_mem_mib": peak_memory_mib(device),
+        **embedding,
+    }
+
+
+def _embedding_report(
+    tables: dict[str, flatshard.TableTraffic], steps: int, row_item: int
+) -> dict[str, Any]:
+    """Row-sparse tables: bytes this rank sent for them per step (ids and rows, both ways)
+    and their sparse/dense lookups, over every step taken (warm-up included)."""
+    if not tables or not steps:
+        return {}
+    sent = sum(
+        (t.lookup_ids + t.grad_ids) * 8 + (t.lookup_rows + t.grad_rows) * row_item
+        for t in tables.values()
+    )
+    return {
+        "embedding_bytes_per_step": sent / steps,
+        "embedding_sparse_lookups": sum(t.lookups for t in tables.values()),
+        "embedding_dense_lookups": sum(t.dense_lookups for t in tables.values()),
     }
 
 
@@ -249,9 +280,9 @@ def _build(
     config: BenchConfig, system: str, device: torch.device
 ) -> tuple[nn.Module, list[torch.optim.Optimizer]]:
     torch.manual_seed(0)
-    gpt = GPT(config.vocab, config.dim, config.heads, config.layers, config.seq_len)
+    gpt = GPT(config.vocab, config.dim, config.heads, config.layers, config.seq_len, config.tied)
     whole = whole_params_for(config.optimizer, gpt, {GPTBlock})
-    model = _wrap(gpt.to(device), system, device, whole)
+    model = _wrap(gpt.to(device), system, device, whole, config.sparse_embeddings)
     if config.accum == "keep" and system.startswith("flatshard"):
         flatshard.set_reshard_after_backward(model, False)  # gathered again after a step
     if config.compile:
@@ -309,20 +340,27 @@ def _synchronize(device: torch.device) -> None:
         torch.accelerator.synchronize(device)
 
 
-def _wrap(model: GPT, system: str, device: torch.device, whole: WholeParams) -> nn.Module:
-    """``model`` as ``system`` runs it; flatshard with ``whole_params`` for Muon/Adafactor."""
+def _wrap(
+    model: GPT, system: str, device: torch.device, whole: WholeParams, sparse: bool
+) -> nn.Module:
+    """``model`` as ``system`` runs it; flatshard with ``whole_params`` for Muon/Adafactor
+    and ``sparse_embeddings`` as --sparse-embeddings says."""
+    options: dict[str, Any] = {"whole_params": whole, "sparse_embeddings": sparse}
     if system == "flatshard":
-        return flatshard.fully_shard(model, auto_wrap_policy={GPTBlock}, whole_params=whole)
+        return flatshard.fully_shard(model, auto_wrap_policy={GPTBlock}, **options)
     if system == "flatshard-noprefetch":
         return flatshard.fully_shard(
             model,
             auto_wrap_policy={GPTBlock},
             prefetch=flatshard.Prefetch(backward=None, forward=False),
-            whole_params=whole,
+            **options,
         )
     if system == "flatshard-debug":
         flatshard.set_checks(flatshard.Checks(debug=True))  # this system's processes only
-        return flatshard.fully_shard(model, auto_wrap_policy={GPTBlock}, whole_params=whole)
+        return flatshard.fully_shard(model, auto_wrap_policy={GPTBlock}, **options)
+    if system == "flatshard-dense":
+        options["sparse_embeddings"] = False
+        return flatshard.fully_shard(model, auto_wrap_policy={GPTBlock}, **options)
     if system == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 

@@ -9,14 +9,24 @@ from flatshard.cli.lm.optimizers import OPTIMIZERS, needs_whole_params
 
 SYSTEMS = ("flatshard", "fsdp2", "ddp", "floor")
 # Also available, not run by default: flatshard without any prefetch (what prefetch buys).
-EXTRA_SYSTEMS = ("flatshard-noprefetch", "flatshard-debug")
+# flatshard-dense: flatshard with its embedding tables gathered whole, whatever
+# --sparse-embeddings says (what row-sparse tables buy, side by side).
+EXTRA_SYSTEMS = ("flatshard-noprefetch", "flatshard-debug", "flatshard-dense")
 
 
 ACCUMULATIONS = ("no_sync", "reduce", "keep")
 
+# bool values are flags too (``tied``, ``sparse_embeddings``)
 PRESETS: dict[str, dict[str, int]] = {
     "byte-gpt": {"vocab": 256, "dim": 512, "layers": 8, "heads": 8, "seq_len": 128, "batch": 4},
-    "llm-32k": {"vocab": 32768, "dim": 384, "layers": 6, "heads": 6, "seq_len": 256, "batch": 4},
+    "llm-32k": {
+        **{"vocab": 32768, "dim": 384, "layers": 6, "heads": 6, "seq_len": 256, "batch": 4},
+        "sparse_embeddings": True,
+    },
+    "llm-128k": {
+        **{"vocab": 131072, "dim": 256, "layers": 4, "heads": 4, "seq_len": 128, "batch": 1},
+        **{"tied": False, "sparse_embeddings": True},
+    },
     "overhead": {"vocab": 16, "dim": 16, "layers": 16, "heads": 2, "seq_len": 4, "batch": 1},
 }
 
@@ -34,7 +44,8 @@ class BenchConfig:
     poses as a host of its own, sockets over loopback): slow, for correctness checks"""
     systems: str = ""
     """comma-separated subset of flatshard,fsdp2,ddp,floor,flatshard-noprefetch,
-    flatshard-debug (every collective checked across ranks first: Checks(debug=True));
+    flatshard-debug (every collective checked across ranks first: Checks(debug=True)),
+    flatshard-dense (embedding tables gathered whole: --sparse-embeddings off for it);
     default: flatshard,fsdp2,ddp,floor (without fsdp2 for --optimizer muon or adafactor)"""
     optimizer: str = "adamw"
     """adamw | muon | adafactor, as in flatshard train: muon and adafactor shard whole
@@ -47,6 +58,12 @@ class BenchConfig:
     """transformer blocks"""
     heads: int = 8
     """attention heads"""
+    tied: bool = True
+    """the LM head shares the token embedding's weight (--no-tied: a head of its own)"""
+    sparse_embeddings: bool = False
+    """flatshard looks its embedding tables up row-sparse (fully_shard(...,
+    sparse_embeddings=True)): each rank fetches its tokens' rows, their gradients go back
+    as rows; the llm presets turn it on"""
     seq_len: int = 256
     """tokens per sequence"""
     batch: int = 4
@@ -71,9 +88,12 @@ class BenchConfig:
     memory and collective bytes (flatshard's against its formula) and step time by world
     size (more ranks than cores oversubscribe the machine: step times then say little)"""
     preset: str = ""
-    """byte-gpt | llm-32k: a model and batch shape (flags given with it win): byte-gpt is
-    the 25M GPT of vocabulary 256 (dim 512, 8 blocks, 4 x 128 tokens per rank); llm-32k a
-    32,768-token vocabulary tied to the head (dim 384, 6 blocks, 4 x 256 tokens per rank);
+    """byte-gpt | llm-32k | llm-128k | overhead: a model and batch shape (flags given with
+    it win): byte-gpt is the 25M GPT of vocabulary 256 (dim 512, 8 blocks, 4 x 128 tokens
+    per rank); llm-32k a 32,768-token vocabulary tied to the head (dim 384, 6 blocks, 4 x
+    256 tokens per rank), llm-128k an untied 131,072 x 256 table and head (4 blocks, 1 x
+    128 tokens per rank: the head's matmul would otherwise hide all communication on a
+    CPU), both with --sparse-embeddings;
     overhead a model with negligible compute (16 blocks of width 16, 4 tokens): the
     "ms/unit" column (time over the floor per unit) is then host overhead, best measured
     with --nproc 1 --systems flatshard,fsdp2,floor (and --compile)"""

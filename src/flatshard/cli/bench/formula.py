@@ -53,6 +53,8 @@ def flatshard_formulas(
             reduced += unsharded if full_output else item * flat.shard_numel
     if world == 1:  # one rank: nothing to send, no collective at all
         return {"rest": rest, "collective": 0}
+    if flatshard.embedding_traffic(model):  # row-sparse tables: bytes depend on the tokens
+        return {"rest": rest, "collective": -1}
     return {"rest": rest, "collective": gathered + reduced + STEP_CHECK_BYTES * world}
 
 

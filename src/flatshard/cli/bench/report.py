@@ -23,6 +23,14 @@ def summarize(
             "formula_collective_bytes": system_runs[0]["formula_collective_bytes"],
             "collective_output_bytes": system_runs[0]["collective_output_bytes"],
         }
+        embedding = (
+            "embedding_bytes_per_step",
+            "embedding_sparse_lookups",
+            "embedding_dense_lookups",
+        )
+        for key in embedding:
+            if key in system_runs[0]:
+                summary[system][key] = system_runs[0][key]
         waits = [w for r in system_runs for w in r["comm_waits"]]
         if waits:
             summary[system]["exposed_comm_s"] = statistics.median(waits)
