@@ -286,6 +286,8 @@ def test_bench_reports_row_sparse_tables(tmp_path: Path) -> None:
     assert "embedding_bytes_per_step" not in dense
     assert sparse["collective_output_bytes"] < dense["collective_output_bytes"]
     assert "flatshard row-sparse tables:" in result.stdout
+    assert sparse["wait_s <root>"] > 0  # gloo blocks the caller: the root's waits counted
+    assert "flatshard exposed wait per unit" in result.stdout
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon", "adafactor"])

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from enum import Enum
 from functools import partial
-from typing import Any, NamedTuple, cast
+from typing import Any, ClassVar, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -37,9 +37,11 @@ class WaitClock:
     On CPU backends (gloo) this is communication the compute waited for: the exposed
     communication time. On CUDA, ``Work.wait()`` only makes the compute stream wait and
     returns at once, so there it measures nothing; use a profiler trace instead.
+    ``by_unit`` splits it by the unit each waited collective was for ("" for none).
     """
 
     seconds = 0.0
+    by_unit: ClassVar[dict[str, float]] = {}
 
     @classmethod
     @contextmanager
@@ -69,6 +71,9 @@ class PendingReduction(NamedTuple):
     after: PendingReduction | None = None
 
 
+_UNIT_OF_WORK: dict[int, str] = {}  # id(work) -> its tag's unit, until waited (WaitClock)
+
+
 def _issue(
     group: dist.ProcessGroup,
     op: str,
@@ -77,13 +82,15 @@ def _issue(
     launch: Callable[[], Any],
 ) -> dist.Work:
     """Record a collective with the watchdog, issue it (``launch``), and track its work."""
+    tag = tag or current_tag()
     dog = watchdog()
     if dog is None:
         work: dist.Work = launch()
-        return work
-    record = dog.issue(group, op, tensor.numel(), str(tensor.dtype)[6:], tag or current_tag())
-    work = launch()
-    dog.track(work, record, group)
+    else:
+        record = dog.issue(group, op, tensor.numel(), str(tensor.dtype)[6:], tag)
+        work = launch()
+        dog.track(work, record, group)
+    _UNIT_OF_WORK[id(work)] = tag.unit
     return work
 
 
@@ -238,12 +245,15 @@ def wait_work(work: dist.Work | None) -> None:
     """Block until ``work`` is done (on CUDA: make the current stream wait for it)."""
     if work is None:
         return
+    unit = _UNIT_OF_WORK.pop(id(work), "")
+    before = WaitClock.seconds
     with WaitClock.measure():
         dog = watchdog()
         if dog is None:
             work.wait()
         else:
             dog.wait(work)
+    WaitClock.by_unit[unit] = WaitClock.by_unit.get(unit, 0.0) + WaitClock.seconds - before
 
 
 class ReduceScatter(Enum):

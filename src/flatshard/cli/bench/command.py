@@ -12,7 +12,9 @@ at the dispatcher in a pass of its own after the timed steps (see [Note: honest 
 ``cli/bench/memory.py``): what sharding saves. "peak RSS" (CPU) or
 ``max_memory_allocated`` (GPUs) is the process's peak, model building included;
 "comm wait" (flatshard's time blocked on its collectives: exposed communication) is
-measured on CPU only, since on GPUs waiting is the device's, not the CPU's.
+measured on CPU only, since on GPUs waiting is the device's, not the CPU's; a line after
+the table splits it by unit. With row-sparse embedding tables (``--sparse-embeddings``,
+on in the llm presets) another line gives the bytes they sent per step.
 """
 
 from __future__ import annotations
@@ -80,6 +82,15 @@ def run(args: argparse.Namespace) -> int:
             else:
                 predicted = predict(config)
                 print(predicted_line(predicted, summary["flatshard"]))
+        waits = {
+            k[len("wait_s ") :]: v
+            for k, v in summary.get("flatshard", {}).items()
+            if k.startswith("wait_s ") and v >= 0.0005
+        }
+        if waits and config.device == "cpu":
+            top = sorted(waits.items(), key=lambda kv: -kv[1])[:6]
+            shown = ", ".join(f"{unit} {s:.3f}" for unit, s in top)
+            print(f"flatshard exposed wait per unit (rank 0, s per step, largest first): {shown}")
         if "embedding_bytes_per_step" in summary.get("flatshard", {}):
             row = summary["flatshard"]
             print(
@@ -220,7 +231,10 @@ def _serve(
     tracker = CollectiveTracker()
     answers.put({"rank": rank, "ready": True})
     step = 0
+    by_unit: dict[str, float] = {}  # WaitClock.by_unit when the timed steps began
     while inbox.get() == "step":
+        if step == config.warmup:
+            by_unit = dict(WaitClock.by_unit)
         idx = torch.randint(0, config.vocab, (config.batch, config.seq_len + 1), generator=gen)
         idx = idx.to(device)
         _synchronize(device)
@@ -255,6 +269,16 @@ def _serve(
         "collective_output_bytes": int(sum(tracker.bytes.values())),
         "peak_mem_mib": peak_memory_mib(device),
         **embedding,
+        **_unit_waits(by_unit, max(1, step - config.warmup)),
+    }
+
+
+def _unit_waits(before: dict[str, float], steps: int) -> dict[str, float]:
+    """Seconds per timed step this rank waited on each unit's collectives ("wait_s <unit>";
+    "" is the step's own checks), from WaitClock.by_unit (CPU: the exposed communication)."""
+    return {
+        f"wait_s {unit or '<checks>'}": (seconds - before.get(unit, 0.0)) / steps
+        for unit, seconds in WaitClock.by_unit.items()
     }
 
 

@@ -31,6 +31,8 @@ def summarize(
         for key in embedding:
             if key in system_runs[0]:
                 summary[system][key] = system_runs[0][key]
+        for key in {k for r in system_runs for k in r if k.startswith("wait_s ")}:
+            summary[system][key] = statistics.median(r.get(key, 0.0) for r in system_runs)
         waits = [w for r in system_runs for w in r["comm_waits"]]
         if waits:
             summary[system]["exposed_comm_s"] = statistics.median(waits)
