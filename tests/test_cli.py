@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -232,17 +233,22 @@ def test_choices_take_any_case() -> None:
     )
 
 
-def test_bench_compares_all_systems(tmp_path: Path) -> None:
-    argv = ["bench", "--preset", "byte-gpt", "--dim", "16", "--layers", "1", "--seq-len", "8"]
-    argv += ["--batch", "2", "--steps", "2", "--warmup", "1", "--rounds", "1"]
+def _bench(argv: list[str], out: Path) -> tuple[dict[str, Any], str]:
+    """``flatshard bench`` in a process of its own: its bench.json and its stdout."""
     result = subprocess.run(
-        [sys.executable, "-m", "flatshard.cli.main", *argv, "--out", str(tmp_path)],
+        [sys.executable, "-m", "flatshard.cli.main", "bench", *argv, "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=300,
         check=True,
     )
-    report = json.loads((tmp_path / "bench.json").read_text())
+    return json.loads((out / "bench.json").read_text()), result.stdout
+
+
+def test_bench_compares_all_systems(tmp_path: Path) -> None:
+    argv = ["--preset", "byte-gpt", "--dim", "16", "--layers", "1", "--seq-len", "8"]
+    argv += ["--batch", "2", "--steps", "2", "--warmup", "1", "--rounds", "1"]
+    report, stdout = _bench(argv, tmp_path)
     assert list(report["systems"]) == ["flatshard", "fsdp2", "ddp", "floor"]
     for system, row in report["systems"].items():
         assert row["median_step_s"] > 0 and row["peak_mem_mib"] > 0, system
@@ -263,31 +269,24 @@ def test_bench_compares_all_systems(tmp_path: Path) -> None:
     predicted = report["plan"]["tensor_peak_mib"]
     assert predicted == pytest.approx(systems["flatshard"]["tensor_peak_mib"], rel=1e-3)
     assert report["plan"]["median_step_s"] > 0
-    assert "vs fsdp2" in result.stdout and "flatshard" in result.stdout
+    assert "vs fsdp2" in stdout and "flatshard" in stdout
 
 
 def test_bench_reports_row_sparse_tables(tmp_path: Path) -> None:
     """--preset llm-128k: untied, row-sparse tables for flatshard; flatshard-dense beside
     it gathers them whole; the bytes the tables sent per step are reported."""
-    argv = ["bench", "--preset", "llm-128k", "--vocab", "512", "--dim", "16", "--heads", "2"]
+    argv = ["--preset", "llm-128k", "--vocab", "512", "--dim", "16", "--heads", "2"]
     argv += ["--layers", "1", "--seq-len", "8", "--batch", "2", "--steps", "1", "--rounds", "1"]
     argv += ["--systems", "flatshard,flatshard-dense"]
-    result = subprocess.run(
-        [sys.executable, "-m", "flatshard.cli.main", *argv, "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    report = json.loads((tmp_path / "bench.json").read_text())
+    report, stdout = _bench(argv, tmp_path)
     assert (report["config"]["tied"], report["config"]["sparse_embeddings"]) == (False, True)
     sparse, dense = report["systems"]["flatshard"], report["systems"]["flatshard-dense"]
     assert sparse["embedding_sparse_lookups"] >= 2 and sparse["embedding_bytes_per_step"] > 0
     assert "embedding_bytes_per_step" not in dense
     assert sparse["collective_output_bytes"] < dense["collective_output_bytes"]
-    assert "flatshard row-sparse tables:" in result.stdout
+    assert "flatshard row-sparse tables:" in stdout
     assert sparse["wait_s <root>"] > 0  # gloo blocks the caller: the root's waits counted
-    assert "flatshard exposed wait per unit" in result.stdout
+    assert "flatshard exposed wait per unit" in stdout
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon", "adafactor"])

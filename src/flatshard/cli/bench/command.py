@@ -252,6 +252,7 @@ def _serve(
         formulas = flatshard_formulas(model, optim, config.layers, config.nproc)
     tables = flatshard.embedding_traffic(model) if system.startswith("flatshard") else {}
     embedding = _embedding_report(tables, step, next(model.parameters()).element_size())
+    waits = _unit_waits(by_unit, max(1, step - config.warmup))  # before the memory pass
     del model, optim  # the memory pass builds its own
     tensor_rest, tensor_peak = steady_state_peak(
         lambda: _build(config, system, device), lambda m, o: _train_step(m, o, idx, config, system)
@@ -269,7 +270,7 @@ def _serve(
         "collective_output_bytes": int(sum(tracker.bytes.values())),
         "peak_mem_mib": peak_memory_mib(device),
         **embedding,
-        **_unit_waits(by_unit, max(1, step - config.warmup)),
+        **waits,
     }
 
 
