@@ -307,3 +307,29 @@ def test_two_lookups_per_forward_with_scale_grad_by_freq(pool: WorkerPool) -> No
     for name, expected in results[0][1].items():
         actual = torch.cat([results[0][0][name], results[1][0][name]])  # rows in rank order
         torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-8, msg=name)
+
+
+def _int32_and_pinned_job(ctx: WorkerContext) -> None:
+    """int32 token ids on one rank, int64 on the other (and one rank with none to look up
+    for its gradient): the exchanges still pair. A unit pinned by ``flatshard.unshard``
+    holds the whole table, readable as any weight, until ``reshard``."""
+    group = ctx.group(2)
+    if group is None:
+        return None
+    me = dist.get_rank(group)
+    model = VocabGPT(tied=False)
+    flatshard.fully_shard(model, process_group=group, sparse_embeddings=True)
+    ids = torch.arange(8).view(1, 8) + (1 - me) * 300  # rows the other rank holds
+    model(ids.int() if me == 0 else ids).sum().backward()
+    assert flatshard.embedding_traffic(model)["tok.weight"].lookups == 1
+    flatshard.unshard(model)
+    assert model.tok.weight.shape == (512, 16) and torch.isfinite(model.tok.weight.sum())
+    model(ids)  # the module holds the gathered table: a plain lookup, no exchange
+    flatshard.reshard(model)
+    traffic = flatshard.embedding_traffic(model)["tok.weight"]
+    assert (traffic.lookups, traffic.dense_lookups) == (1, 0), traffic
+    return None
+
+
+def test_int32_ids_and_a_pinned_unit(pool: WorkerPool) -> None:
+    pool.run(_int32_and_pinned_job)

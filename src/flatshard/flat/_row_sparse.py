@@ -203,7 +203,9 @@ class RowSparseTable:
         flat = self.flat
         if flat.is_unsharded or flat.gather_in_flight:
             return self._dense(input, padding_idx, scale_grad_by_freq)
-        unique, inverse = torch.unique(input.reshape(-1), sorted=True, return_inverse=True)
+        # int64 on every rank (ids may come as int32): the exchanges pair by dtype too
+        ids = input.reshape(-1).long()
+        unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
         matrix = self._count_matrix(unique, "lookup")
         if not self.sparse_pays(matrix):
             return self._dense(input, padding_idx, scale_grad_by_freq)
@@ -260,7 +262,9 @@ class RowSparseTable:
         tag = flat.on_collective("all_to_all", flat.factor)
         requests = unique.new_empty(sum(recv))
         exchange_rows(requests, unique, recv, send, group, tag)
-        answers = self._shard_rows().index_select(0, requests - self.first_rows[me])
+        shard_rows = self._shard_rows()  # on the host where offloaded
+        local = (requests - self.first_rows[me]).to(shard_rows.device)
+        answers = shard_rows.index_select(0, local)
         answers = answers.to(flat.compute_device, flat.compute_dtype)
         rows = answers.new_empty(unique.numel(), self.dim)
         tag = flat.on_collective("all_to_all", flat.factor)

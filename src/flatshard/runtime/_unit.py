@@ -230,8 +230,8 @@ class Unit:
         self.start_unshard()  # every gather in flight before the first wait
         backward = self.state is TrainingState.BACKWARD
         for flat in self.flat_params:
-            if flat.table is not None:  # gathered by its lookups or its head, if at all
-                flat.table.unshard(backward)
+            if flat.table is not None and not self.pinned:  # gathered by its lookups or
+                flat.table.unshard(backward)  # its head, if at all
             else:
                 flat.unshard()
 
@@ -239,7 +239,7 @@ class Unit:
         """Start every group's all-gather (prefetch); the unit's hook waits. Row-sparse
         tables are left to their lookups ([Note: row-sparse embedding tables])."""
         for flat in self.flat_params:
-            if flat.table is None:
+            if flat.table is None or self.pinned:
                 flat.start_unshard()
 
     def finish_unshard(self) -> None:
