@@ -333,3 +333,45 @@ def _int32_and_pinned_job(ctx: WorkerContext) -> None:
 
 def test_int32_ids_and_a_pinned_unit(pool: WorkerPool) -> None:
     pool.run(_int32_and_pinned_job)
+
+
+def _checkpoint_job(ctx: WorkerContext, path: str) -> None:
+    """A checkpoint of a model with row-sparse tables is the dense model's: saved by one,
+    it loads into the other (weights and AdamW state), which then trains on alike."""
+    group = ctx.group(2)
+    if group is None:
+        return None
+    models, optims = [], []
+    for sparse in (True, False):
+        model = build("untied_vocab_gpt")
+        flatshard.fully_shard(
+            model,
+            auto_wrap_policy=set(cast(Any, model).UNIT_CLASSES),
+            process_group=group,
+            sparse_embeddings=sparse,
+        )
+        models.append(model)
+        optims.append(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    steps = batches(models[0], 3)
+    sparse_model, dense_model = models
+    batch = slice_batch(next(steps), dist.get_rank(group), 2)
+    cast(Any, sparse_model).loss(batch).backward()
+    optims[0].step()
+    optims[0].zero_grad()
+    flatshard.save_checkpoint(path, sparse_model, optims[0])
+    flatshard.load_checkpoint(path, dense_model, optims[1])
+    for _ in range(2):
+        batch = slice_batch(next(steps), dist.get_rank(group), 2)
+        for model, optim in zip(models, optims, strict=True):
+            cast(Any, model).loss(batch).backward()
+            optim.step()
+            optim.zero_grad()
+    full = [flatshard.full_state_dict(m) for m in models]
+    if ctx.rank == 0:
+        for name, value in full[1].items():
+            torch.testing.assert_close(full[0][name], value, rtol=1e-5, atol=1e-7, msg=name)
+    return None
+
+
+def test_checkpoints_are_the_dense_models(pool: WorkerPool, tmp_path: Any) -> None:
+    pool.run(_checkpoint_job, str(tmp_path / "ckpt"))
