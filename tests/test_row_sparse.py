@@ -38,6 +38,16 @@ from flatshard.testing.workers import WorkerContext, WorkerPool
 SPARSE: dict[str, Any] = {"sparse_embeddings": True, "optimizer": "sgd", "steps": 3}
 
 
+def _shard(model: nn.Module, group: dist.ProcessGroup, sparse: bool = True) -> None:
+    """The model's blocks and root as units, tables row-sparse unless told."""
+    flatshard.fully_shard(
+        model,
+        auto_wrap_policy=set(cast(Any, model).UNIT_CLASSES),
+        process_group=group,
+        sparse_embeddings=sparse,
+    )
+
+
 @pytest.mark.parametrize("model", ["vocab_gpt", "untied_vocab_gpt", "padded_vocab_gpt"])
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_parity_tied_untied_and_padded(pool: WorkerPool, model: str, world_size: int) -> None:
@@ -74,12 +84,7 @@ def _grads_job(ctx: WorkerContext, model_name: str, sparse: bool) -> dict[str, t
     if group is None:
         return None
     model = build(model_name)
-    flatshard.fully_shard(
-        model,
-        auto_wrap_policy=set(cast(Any, model).UNIT_CLASSES),
-        process_group=group,
-        sparse_embeddings=sparse,
-    )
+    _shard(model, group, sparse)
     batch = slice_batch(next(batches(model, 1)), dist.get_rank(group), 2)
     cast(Any, model).loss(batch).backward()
     grads = {n: cast(torch.Tensor, p.grad).clone() for n, p in model.named_parameters()}
@@ -158,10 +163,7 @@ def _traffic_job(ctx: WorkerContext, world_size: int, model_name: str) -> None:
     if group is None:
         return None
     model = build(model_name)
-    classes = set(cast(Any, model).UNIT_CLASSES)
-    flatshard.fully_shard(
-        model, auto_wrap_policy=classes, process_group=group, sparse_embeddings=True
-    )
+    _shard(model, group)
     me, dim = dist.get_rank(group), 16
     batch = next(batches(model, 1))
     tokens = [torch.unique(slice_batch(batch, r, world_size)[0]) for r in range(world_size)]
@@ -203,12 +205,7 @@ def _rule_job(ctx: WorkerContext) -> None:
     if group is None:
         return None
     model = build("gpt")
-    flatshard.fully_shard(
-        model,
-        auto_wrap_policy=set(cast(Any, model).UNIT_CLASSES),
-        process_group=group,
-        sparse_embeddings=True,
-    )
+    _shard(model, group)
     batch = next(batches(model, 1))
     uniques = [torch.unique(slice_batch(batch, r, 2)[0]) for r in range(2)]
     rows, dim = 19, 16  # ceil(37 / 2) rows per rank
@@ -344,12 +341,7 @@ def _checkpoint_job(ctx: WorkerContext, path: str) -> None:
     models, optims = [], []
     for sparse in (True, False):
         model = build("untied_vocab_gpt")
-        flatshard.fully_shard(
-            model,
-            auto_wrap_policy=set(cast(Any, model).UNIT_CLASSES),
-            process_group=group,
-            sparse_embeddings=sparse,
-        )
+        _shard(model, group, sparse)
         models.append(model)
         optims.append(torch.optim.AdamW(model.parameters(), lr=1e-2))
     steps = batches(models[0], 3)
