@@ -301,9 +301,7 @@ class RowSparseTable:
         tag = flat.on_collective("all_to_all", flat.factor)
         exchange_rows(got, rows, recv, send, self._group, tag)
         out = torch.zeros(flat.layout.shard_numel, dtype=rows.dtype, device=rows.device)
-        held = self.held
-        mine = out[held.local_offset : held.local_offset + held.numel].view(held.rows, self.dim)
-        mine.index_add_(0, requests - self.first_rows[me], got)
+        self._held_rows(out).index_add_(0, requests - self.first_rows[me], got)
         self.traffic.grad_ids += sum(send) - send[me]
         self.traffic.grad_rows += (sum(send) - send[me]) * self.dim
         self.exchange_due = False
@@ -338,9 +336,14 @@ class RowSparseTable:
 
     def _shard_rows(self) -> torch.Tensor:
         """This rank's rows of the table, (rows, dim), in the master dtype."""
+        return self._held_rows(self.flat.shard)
+
+    def _held_rows(self, flat_shard: torch.Tensor) -> torch.Tensor:
+        """The table's rows in a (C,) tensor laid out like the shard, as (rows, dim)."""
         held = self.held
-        shard = self.flat.shard
-        return shard[held.local_offset : held.local_offset + held.numel].view(held.rows, self.dim)
+        return flat_shard[held.local_offset : held.local_offset + held.numel].view(
+            held.rows, self.dim
+        )
 
     def _count_matrix(self, unique: torch.Tensor, what: str) -> list[list[int]]:
         """Every rank's ids per owner (F + 1 columns: the last is out of range)."""
