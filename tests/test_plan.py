@@ -82,6 +82,11 @@ def tokens() -> tuple[torch.Tensor, ...]:
     return (torch.randint(0, VOCAB, (BATCH, SEQ)),)
 
 
+def many_tokens() -> tuple[torch.Tensor, ...]:
+    """16 x 32 tokens: as many as the 256-token vocabulary twice over."""
+    return (torch.randint(0, VOCAB, (16, SEQ)),)
+
+
 @dataclass(frozen=True)
 class Case:
     name: str
@@ -374,3 +379,41 @@ def test_accumulation_modes_are_planned_apart(planner: ProcessPoolExecutor) -> N
     assert plans["reduce"].peak_memory_bytes < plans["no_sync"].peak_memory_bytes
     with pytest.raises(ValueError, match="accumulation must be 'no_sync' or 'reduce'"):
         flatshard.plan(gpt, tokens, accumulation="keep")
+
+
+def test_row_sparse_tables_are_planned_with_every_token_distinct(
+    planner: ProcessPoolExecutor,
+) -> None:
+    """A plan's lookups take every token id distinct (the most a batch can move): the
+    token table's four all-to-alls (ids and rows, forward and backward) are that many ids
+    and rows (planned on NCCL: gloo reduce-scatters by all-to-all); a batch that holds the
+    whole vocabulary is planned dense (no all-to-all)."""
+    dense, sparse = (
+        planner.submit(
+            flatshard.plan,
+            gpt,
+            tokens,
+            loss=language_model_loss,
+            auto_wrap_policy={GPTBlock},
+            cluster="a100-80gb",  # NCCL: its reduce-scatters are no all-to-alls
+            ranks_per_host=2,
+            sparse_embeddings=on,
+        ).result()
+        for on in (False, True)
+    )
+    assert sparse.setup.sparse_embeddings and not dense.setup.sparse_embeddings
+    assert "all_to_all" not in {c.kind for c in dense.collectives}
+    rows = [op for op in sparse.ops if op.collective == "all_to_all"]
+    n = BATCH * SEQ  # 128 distinct ids of 256, fp32 rows of width 64
+    assert sorted(op.io_bytes for op in rows) == sorted([n * 8, n * 64 * 4] * 2)
+    whole = planner.submit(
+        flatshard.plan,
+        gpt,
+        many_tokens,
+        loss=language_model_loss,
+        auto_wrap_policy={GPTBlock},
+        cluster="a100-80gb",  # NCCL: its reduce-scatters are no all-to-alls
+        ranks_per_host=2,
+        sparse_embeddings=True,
+    ).result()
+    assert not [op for op in whole.ops if op.collective == "all_to_all"]

@@ -39,12 +39,23 @@ gathered: pinned, kept, prefetched) looks up the gathered table and reduces it a
 
 The ledger ([Note: collectives pair by issue order]) records each all-to-all with F (its
 number of splits, the same on every rank), not the elements this rank sent.
+
+[Note: row-sparse tables in a plan]
+``flatshard.plan`` runs the step on the meta device, where token ids have no values: a plan
+then takes every id of a lookup distinct, ``min(n, V)`` ids for n tokens of a V-row table,
+spread over the owners as their rows are, on every rank alike (``_expected_matrix``). That
+is the most any batch can hold, so the plan prices the most traffic and the largest fetched
+rows the run can meet: positions (``arange``) are met exactly, uniformly random ids nearly
+(``V (1 - (1 - 1/V)^n)`` distinct), real text, whose frequent tokens repeat, moves less.
+The gradient exchange after several lookups (micro-batches under ``no_sync``) takes the
+union of all their tokens alike. The rule and every collective then run as on real ids.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
@@ -155,7 +166,8 @@ class RowSparseTable:
         # Since the last gradient exchange (every rank alike, decided in forward):
         self.exchange_due = False  # a sparse lookup with grad ran
         self.dense_due = False  # a dense lookup with grad ran (its gradient is in the flat leaf)
-        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (unique ids, row grads)
+        # (unique ids, their row gradients, the lookup's tokens)
+        self._pending: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         self.traffic = TableTraffic()
 
     # ------------------------------------------------------------------ views
@@ -205,7 +217,7 @@ class RowSparseTable:
             return self._dense(input, padding_idx, scale_grad_by_freq)
         # int64 on every rank (ids may come as int32): the exchanges pair by dtype too
         ids = input.reshape(-1).long()
-        unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+        unique, inverse = self._unique(ids)
         matrix = self._count_matrix(unique, "lookup")
         if not self.sparse_pays(matrix):
             return self._dense(input, padding_idx, scale_grad_by_freq)
@@ -220,9 +232,9 @@ class RowSparseTable:
                 Callable[[Callable[[torch.Tensor], None]], object],
                 leaf.register_post_accumulate_grad_hook,
             )
-            register(lambda t: self._keep_grad(unique, t))
+            register(lambda t: self._keep_grad(unique, t, ids.numel()))
         local_pad = None
-        if padding_idx is not None:
+        if padding_idx is not None and not ids.is_meta:  # (meta: no values, same shapes)
             at = int(torch.searchsorted(unique, padding_idx))
             present = at < unique.numel() and int(unique[at]) == padding_idx
             local_pad = at if present else None
@@ -275,11 +287,11 @@ class RowSparseTable:
         return rows
 
     # ------------------------------------------------------------------ backward
-    def _keep_grad(self, unique: torch.Tensor, leaf: torch.Tensor) -> None:
+    def _keep_grad(self, unique: torch.Tensor, leaf: torch.Tensor, tokens: int) -> None:
         assert leaf.grad is not None
         grad = leaf.grad
         leaf.grad = None
-        self._pending.append((unique, grad.to_dense() if grad.is_sparse else grad))
+        self._pending.append((unique, grad.to_dense() if grad.is_sparse else grad, tokens))
 
     def exchange_gradient(self) -> torch.Tensor:
         """This rank's shard-sized gradient (C,): every rank's lookup rows of the rows it
@@ -320,10 +332,10 @@ class RowSparseTable:
             ids = torch.empty(0, dtype=torch.long, device=device)
             return ids, torch.empty(0, self.dim, dtype=self.flat.compute_dtype, device=device)
         if len(pending) == 1:
-            return pending[0]
-        ids = torch.cat([i for i, _ in pending])
-        rows = torch.cat([g for _, g in pending])
-        unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+            return pending[0][:2]
+        ids = torch.cat([i for i, _, _ in pending])
+        rows = torch.cat([g for _, g, _ in pending])
+        unique, inverse = self._unique(ids, sum(t for _, _, t in pending))
         merged = rows.new_zeros(unique.numel(), self.dim).index_add_(0, inverse, rows)
         return unique, merged
 
@@ -345,6 +357,25 @@ class RowSparseTable:
             held.rows, self.dim
         )
 
+    def _unique(
+        self, ids: torch.Tensor, tokens: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``ids`` made unique (sorted) and each id's position among them; on the meta
+        device (a plan) as many as ``tokens`` (default: the ids) can hold ([Note: row-sparse
+        tables in a plan])."""
+        if not ids.is_meta:
+            found, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+            return found, inverse
+        unique = min(ids.numel() if tokens is None else tokens, self.vocab)
+        return ids.new_empty(unique), torch.zeros_like(ids)
+
+    def _expected_matrix(self, unique: int) -> list[list[int]]:
+        """A plan's count matrix: every rank's ``unique`` ids spread over the owners as
+        their rows are (rounded at the owners' bounds, so the counts sum to ``unique``)."""
+        at = [round(unique * end / self.vocab) for end in [0, *self.ends]]
+        row = [b - a for a, b in pairwise(at)]
+        return [[*row, 0] for _ in range(self.flat.factor)]
+
     def _count_matrix(self, unique: torch.Tensor, what: str) -> list[list[int]]:
         """Every rank's ids per owner (F + 1 columns: the last is out of range)."""
         f = self.flat.factor
@@ -358,6 +389,8 @@ class RowSparseTable:
         gathered = counts.new_empty(f * (f + 1))
         tag = self.flat.on_collective("all_gather", f + 1)
         all_gather_into(gathered, counts, self._group, tag)
+        if unique.is_meta:  # a plan: no values to count
+            return self._expected_matrix(unique.numel())
         matrix: list[list[int]] = gathered.view(f, f + 1).tolist()
         bad = [r for r, row in enumerate(matrix) if row[-1]]
         if bad:

@@ -117,6 +117,7 @@ class Plan:
             "strategy": self.setup.strategy.name,
             "kept_gathered": self.setup.kept_gathered,
             "cpu_offload": self.setup.cpu_offload,
+            "sparse_embeddings": self.setup.sparse_embeddings,
             "cluster": self.cluster.name,
         }
 
@@ -141,6 +142,7 @@ def plan(
     keep_gathered: int = 0,
     cpu_offload: bool = False,
     tensor_parallel: int = 1,
+    sparse_embeddings: bool = False,
 ) -> Plan:
     """Predict one rank's memory and step time for a training run, without running it.
 
@@ -177,6 +179,11 @@ def plan(
         cpu_offload: ``CPUOffload()``: shards, gradients and the optimizer on the host.
             The peak is then the device's, ``host_memory_bytes`` the host's; the step
             adds the copies over PCIe and the optimizer's step at the host's speed.
+        sparse_embeddings: ``fully_shard(..., sparse_embeddings=True)``: each lookup
+            fetches its tokens' rows and sends their gradients back as rows. A simulated
+            batch has no token values, so the plan takes every token id distinct (at most
+            the vocabulary): the most bytes a batch of that many tokens can move; real
+            text, whose frequent tokens repeat, moves fewer.
 
     The peak is the steady-state step's most live tensor bytes on the rank, the
     quantity ``flatshard bench`` and the tests measure at the dispatcher; on the rank the
@@ -207,6 +214,7 @@ def plan(
         kept_gathered=keep_gathered,
         cpu_offload=cpu_offload,
         tensor_parallel=tensor_parallel,
+        sparse_embeddings=sparse_embeddings,
     )
     return plan_setup(build, inputs, loss or _default_loss, setup, machines)
 

@@ -240,9 +240,13 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def _collective(self, kind: str, args: tuple[Any, ...], inputs: list[torch.Tensor]) -> None:
         if kind == "all_gather" and self.phase == ACTIVATIONS:
             self.retag(_tensors(args[0]), UNSHARDED)
-        if kind in ("reduce_scatter", "all_to_all") and self.phase == ACTIVATIONS:
+        # (output, input, group, output splits, ...): split sizes are a row-sparse table's
+        # ids or rows (gloo's reduce-scatter form splits evenly: none given)
+        rows = kind == "all_to_all" and bool(args[3])
+        if kind in ("reduce_scatter", "all_to_all") and self.phase == ACTIVATIONS and not rows:
             # (output, input): the input is the unit's unsharded gradient; what the
-            # all-to-all receives is a buffer (gloo's form, ``_collectives``).
+            # all-to-all receives is a buffer (gloo's form, ``_collectives``). A row-sparse
+            # table's ids and rows keep the tags of the phase that made them.
             self.retag(_tensors(args[1]), UNSHARDED_GRADIENTS)
             if kind == "all_to_all":
                 self.retag(_tensors(args[0]), BUFFERS)

@@ -75,6 +75,9 @@ class Setup:
     # Tensor parallel degree T: the world is a (W / T, T) mesh ("dp", "tp"), the model is
     # built by ``build(mesh["tp"])`` and sharded over "dp".
     tensor_parallel: int = 1
+    # Row-sparse embedding tables (fully_shard's sparse_embeddings): lookups and their
+    # gradients priced for distinct token ids ([Note: row-sparse tables in a plan]).
+    sparse_embeddings: bool = False
 
 
 @dataclass
@@ -251,6 +254,7 @@ def shard_options(setup: Setup) -> dict[str, Any]:
         "auto_wrap_policy": setup.auto_wrap_policy,
         "strategy": setup.strategy,
         "prefetch": setup.prefetch,
+        "sparse_embeddings": setup.sparse_embeddings,
     }
     if setup.sharding_factor:
         options["sharding_factor"] = setup.sharding_factor

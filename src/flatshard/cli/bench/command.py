@@ -78,7 +78,9 @@ def run(args: argparse.Namespace) -> int:
         plannable = config.optimizer != "adafactor" and config.accum == "no_sync"
         if "flatshard" in summary and not config.compile and plannable:
             if config.sparse_embeddings:  # the planner's meta world has no token ids
-                print("flatshard plan: not predicted (it does not simulate row-sparse tables)")
+                print(  # the plan's bound, not this batch (see flatshard.plan)
+                    "flatshard plan: not predicted (a plan takes every token id distinct)"
+                )
             else:
                 predicted = predict(config)
                 print(predicted_line(predicted, summary["flatshard"]))

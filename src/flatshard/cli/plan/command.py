@@ -78,6 +78,9 @@ class PlanConfig:
     cpu_offload: bool = False
     """shards, gradients and optimizer state in host memory, the optimizer's step on the
     host CPUs: the device's peak, the host's, and the PCIe copies in the step"""
+    sparse_embeddings: bool = False
+    """row-sparse embedding tables (fully_shard(..., sparse_embeddings=True)), priced with
+    every token id of a batch distinct: the most its lookups can move"""
     optimizer: str = "adamw"
     """adamw | adam | sgd-momentum | sgd | muon (what its state costs; muon: the blocks'
     matrices Muon steps kept whole on one rank each, as train --optimizer muon)"""
@@ -177,6 +180,7 @@ def _plan(config: PlanConfig, model: PlannedModel, checkpointing: bool) -> flats
         optimizer=config.optimizer,
         keep_gathered=config.keep_gathered,
         cpu_offload=config.cpu_offload,
+        sparse_embeddings=config.sparse_embeddings,
     )
 
 
