@@ -381,39 +381,32 @@ def test_accumulation_modes_are_planned_apart(planner: ProcessPoolExecutor) -> N
         flatshard.plan(gpt, tokens, accumulation="keep")
 
 
+def _nccl_plan(planner: ProcessPoolExecutor, inputs: Any, sparse: bool) -> flatshard.Plan:
+    """The GPT planned at 2 ranks on NCCL (gloo reduce-scatters by all-to-all)."""
+    planned: flatshard.Plan = planner.submit(
+        flatshard.plan,
+        gpt,
+        inputs,
+        loss=language_model_loss,
+        auto_wrap_policy={GPTBlock},
+        cluster="a100-80gb",
+        ranks_per_host=2,
+        sparse_embeddings=sparse,
+    ).result()
+    return planned
+
+
 def test_row_sparse_tables_are_planned_with_every_token_distinct(
     planner: ProcessPoolExecutor,
 ) -> None:
     """A plan's lookups take every token id distinct (the most a batch can move): the
     token table's four all-to-alls (ids and rows, forward and backward) are that many ids
-    and rows (planned on NCCL: gloo reduce-scatters by all-to-all); a batch that holds the
-    whole vocabulary is planned dense (no all-to-all)."""
-    dense, sparse = (
-        planner.submit(
-            flatshard.plan,
-            gpt,
-            tokens,
-            loss=language_model_loss,
-            auto_wrap_policy={GPTBlock},
-            cluster="a100-80gb",  # NCCL: its reduce-scatters are no all-to-alls
-            ranks_per_host=2,
-            sparse_embeddings=on,
-        ).result()
-        for on in (False, True)
-    )
+    and rows; a batch that holds the whole vocabulary is planned dense (no all-to-all)."""
+    dense, sparse = (_nccl_plan(planner, tokens, on) for on in (False, True))
     assert sparse.setup.sparse_embeddings and not dense.setup.sparse_embeddings
     assert "all_to_all" not in {c.kind for c in dense.collectives}
     rows = [op for op in sparse.ops if op.collective == "all_to_all"]
     n = BATCH * SEQ  # 128 distinct ids of 256, fp32 rows of width 64
     assert sorted(op.io_bytes for op in rows) == sorted([n * 8, n * 64 * 4] * 2)
-    whole = planner.submit(
-        flatshard.plan,
-        gpt,
-        many_tokens,
-        loss=language_model_loss,
-        auto_wrap_policy={GPTBlock},
-        cluster="a100-80gb",  # NCCL: its reduce-scatters are no all-to-alls
-        ranks_per_host=2,
-        sparse_embeddings=True,
-    ).result()
+    whole = _nccl_plan(planner, many_tokens, True)
     assert not [op for op in whole.ops if op.collective == "all_to_all"]
