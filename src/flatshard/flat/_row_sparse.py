@@ -232,7 +232,8 @@ class RowSparseTable:
                 Callable[[Callable[[torch.Tensor], None]], object],
                 leaf.register_post_accumulate_grad_hook,
             )
-            register(lambda t: self._keep_grad(unique, t, ids.numel()))
+            tokens = ids.numel()  # (an int: the hook keeps no copy of the ids alive)
+            register(lambda t: self._keep_grad(unique, t, tokens))
         local_pad = None
         if padding_idx is not None and not ids.is_meta:  # (meta: no values, same shapes)
             at = int(torch.searchsorted(unique, padding_idx))
