@@ -43,7 +43,7 @@ number of splits, the same on every rank), not the elements this rank sent.
 [Note: row-sparse tables in a plan]
 ``flatshard.plan`` runs the step on the meta device, where token ids have no values: a plan
 then takes every id of a lookup distinct, ``min(n, V)`` ids for n tokens of a V-row table,
-spread over the owners as their rows are, on every rank alike (``_expected_matrix``). That
+spread over the owners as their rows are, on every rank alike (``_planned_matrix``). That
 is the most any batch can hold, so the plan prices the most traffic and the largest fetched
 rows the run can meet: positions (``arange``) are met exactly, uniformly random ids nearly
 (``V (1 - (1 - 1/V)^n)`` distinct), real text, whose frequent tokens repeat, moves less.
@@ -370,7 +370,7 @@ class RowSparseTable:
         unique = min(ids.numel() if tokens is None else tokens, self.vocab)
         return ids.new_empty(unique), torch.zeros_like(ids)
 
-    def _expected_matrix(self, unique: int) -> list[list[int]]:
+    def _planned_matrix(self, unique: int) -> list[list[int]]:
         """A plan's count matrix: every rank's ``unique`` ids spread over the owners as
         their rows are (rounded at the owners' bounds, so the counts sum to ``unique``)."""
         at = [round(unique * end / self.vocab) for end in [0, *self.ends]]
@@ -391,7 +391,7 @@ class RowSparseTable:
         tag = self.flat.on_collective("all_gather", f + 1)
         all_gather_into(gathered, counts, self._group, tag)
         if unique.is_meta:  # a plan: no values to count
-            return self._expected_matrix(unique.numel())
+            return self._planned_matrix(unique.numel())
         matrix: list[list[int]] = gathered.view(f, f + 1).tolist()
         bad = [r for r, row in enumerate(matrix) if row[-1]]
         if bad:
