@@ -31,10 +31,12 @@ def _losses(out_dir: Path) -> dict[int, float]:
 def test_train_end_to_end_then_resume_exactly(tmp_path: Path) -> None:
     """16 steps with checkpoints at 8 and 16; a second run resumed from step 8 logs the
     same losses for steps 9-16 as the first (same data, optimizer moments, RNG). With
-    CPU offload (on a CPU it copies as on a GPU: the optimizer's state is the host's).
+    CPU offload (on a CPU it copies as on a GPU: the optimizer's state is the host's) and
+    row-sparse embedding tables (resumed exactly too: the checkpoint holds dense rows).
     The first run is planned first (--predict): the plan's peak is the run's."""
     common = [*TINY, "--steps", "16", "--lr", "1e-2", "--warmup-steps", "2"]
     common += ["--grad-accum", "2", "--keep-ckpts", "5", "--keep-gathered", "1", "--cpu-offload"]
+    common += ["--sparse-embeddings"]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     out = _train(
         *common, "--ckpt-every", "8", "--sample-bytes", "40", "--out-dir", str(whole), "--predict"
@@ -46,7 +48,10 @@ def test_train_end_to_end_then_resume_exactly(tmp_path: Path) -> None:
     losses = _losses(whole)
     assert sorted(losses) == list(range(1, 17))
     assert losses[16] < losses[1] - 1.0, losses  # from ~ln(256) = 5.5 towards the text
-    assert "2 ranks (gloo, FULL_SHARD, last 1 unit kept gathered, CPU offload)" in out
+    assert (
+        "2 ranks (gloo, FULL_SHARD, last 1 unit kept gathered, CPU offload, row-sparse embeddings)"
+        in out
+    )
     assert "unigram entropy 3.016" in out
     assert re.search(r"step 16/16 \[=+\] loss \d+\.\d+ \| [\d,]+ tok/s", out), out
     assert "sample:\nAnd God said" in out

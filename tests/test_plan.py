@@ -263,6 +263,9 @@ def test_cpu_offload_is_recommended_where_nothing_else_fits(planner: ProcessPool
     assert "host memory (CPU offload), peak" in out
     code, out, _ = planner.submit(run_cli, [*args[:-1], "1030MiB"]).result()
     assert code == 1 and "nothing fits" in out  # not even offloaded
+    # Planned with row-sparse tables: the train line it recommends has them too.
+    code, out, _ = planner.submit(run_cli, [*args, "--sparse-embeddings"]).result()
+    assert code == 0 and "--cpu-offload --sparse-embeddings)" in out, out
 
 
 def test_sublayer_units_are_recommended_where_they_make_a_faster_setup_fit(

@@ -113,6 +113,10 @@ class TrainConfig:
     cpu_offload: bool = False
     """keep the sharded parameters, their gradients and the optimizer state in CPU memory
     (the optimizer steps on the CPU): less device memory, slower steps"""
+    sparse_embeddings: bool = False
+    """row-sparse embedding tables (fully_shard(..., sparse_embeddings=True)): each lookup
+    fetches only its tokens' rows and sends back only their gradients, where that moves
+    fewer bytes than the whole table"""
     fit_memory: str = ""
     """e.g. '20GiB': plan every strategy with and without activation checkpointing first
     (flatshard plan) and train with the fastest whose predicted memory per rank fits,

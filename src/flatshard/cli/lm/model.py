@@ -154,6 +154,8 @@ def shard_language_model(lm: LanguageModel, config: TrainConfig, device: torch.d
         options["mixed_precision"] = flatshard.MixedPrecision(low, reduce_dtype=torch.float32)
     if config.cpu_offload:
         options["cpu_offload"] = flatshard.CPUOffload()
+    if config.sparse_embeddings:
+        options["sparse_embeddings"] = True
     options["whole_params"] = whole_params_for(config.optimizer, lm.module, lm.unit_classes)
     options["auto_wrap_policy"] = unit_policy(lm.unit_classes, config.units)
     if lm.weights is None:

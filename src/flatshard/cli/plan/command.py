@@ -226,6 +226,8 @@ def _recommend(config: PlanConfig, model: PlannedModel, first: flatshard.Plan) -
         flags += " --checkpoint-activations"
     if best.plan.setup.cpu_offload:
         flags += " --cpu-offload"
+    if best.plan.setup.sparse_embeddings:
+        flags += " --sparse-embeddings"
     print(f"recommended: {best.label} (flatshard train {flags})")
     print(table(best.plan))
     return 0

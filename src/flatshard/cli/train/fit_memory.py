@@ -42,6 +42,7 @@ def fit_memory(
         clip=config.clip > 0,
         backend=cluster.backend,
         foreach=cluster.device != "cpu",
+        sparse_embeddings=config.sparse_embeddings,
     )
 
     def inputs() -> tuple[torch.Tensor, ...]:
