@@ -37,6 +37,10 @@ table's all-gather and reduce-scatter, F (F - 1) C elements each; sparse wins wh
 element bytes)``. Dense (the union of the batches near the vocabulary, or the table already
 gathered: pinned, kept, prefetched) looks up the gathered table and reduces it as any group.
 
+Under torch.compile the lookup runs eagerly (``_row_sparse_lookup``): ``torch.unique`` and the
+count matrix are sized by the ids' values, which no graph can hold. Compiled blocks are
+untouched; a compiled whole model splits at the lookup.
+
 The ledger ([Note: collectives pair by issue order]) records each all-to-all with F (its
 number of splits, the same on every rank), not the elements this rank sent.
 
@@ -109,7 +113,7 @@ class TableProxy(torch.Tensor):
     ) -> Any:
         kwargs = kwargs or {}
         if func is F.embedding:
-            return _table_of(args, kwargs).lookup(*args, **kwargs)
+            return _eager_lookup(_table_of(args, kwargs), *args, **kwargs)
         if getattr(func, "__name__", "") in cls._METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
@@ -131,6 +135,19 @@ class TableProxy(torch.Tensor):
             f"flatshard: {func} on a row-sparse embedding table (rank {global_rank()}); in "
             "forward only nn.Embedding's lookup reads it (sparse_embeddings=False to gather it)."
         )
+
+
+def _row_sparse_lookup(table: RowSparseTable, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return table.lookup(*args, **kwargs)
+
+
+# ``table.lookup``, never traced by torch.compile: its ids' values decide the collectives'
+# sizes (``torch.unique``, the count matrix), which a graph cannot hold; the blocks' graphs
+# around it stay whole ([Note: hooks and torch.compile]).
+_eager_lookup = cast(
+    Callable[..., torch.Tensor],
+    torch.compiler.disable(_row_sparse_lookup, recursive=True),  # type: ignore[no-untyped-call]
+)
 
 
 def _registry(module: nn.Module) -> dict[str, torch.Tensor]:

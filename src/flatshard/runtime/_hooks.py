@@ -37,7 +37,7 @@ def install(unit: Unit) -> None:
         inner.register_forward_pre_hook(partial(_check_gathered, unit, name))
     for table in [f.table for f in unit.flat_params if f.table is not None]:
         for user, _ in table.dense_usages:  # a tied table's head waits for its gather
-            user.register_forward_pre_hook(partial(_before_dense_use, table))
+            user.register_forward_pre_hook(_eager(partial(_before_dense_use, table)))
     if any(m is module for f in unit.flat_params for o in f.originals for m, _ in o.usages):
         _guard_direct_forward(unit)  # no inner module would notice a bypass
     # torch's stubs leave these two unannotated; the casts state their real signatures.
