@@ -1,6 +1,7 @@
 """Hugging Face models end to end: a Llama saved with ``save_pretrained`` loads into a
 meta-built sharded model (``load_safetensors``), exports back for ``from_pretrained``
-(``export_safetensors``), and ``generate`` works when ranks stop at different lengths."""
+(``export_safetensors``), and ``generate`` works when ranks stop at different lengths;
+LoRA through peft, and row-sparse tables on GPT-2 and on a LoRA-adapted table."""
 
 from __future__ import annotations
 
@@ -319,3 +320,73 @@ def test_generate_inside_summon_gathers_nothing(pool: WorkerPool, tmp_path: Path
         assert result["tokens"] == [int(t) for t in expected[0]]
         assert result["bytes"] == 0  # no collective at all while decoding
         assert "ran forward with gradients inside summon_full_params" in result["refused"]
+
+
+def _vocab_model(kind: str) -> tuple[nn.Module, type[nn.Module]]:
+    """A 1,000-token transformers model: GPT-2 (its token table tied to the head, and a
+    position table), or a Llama with peft's LoRA on its token table (the base table frozen)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    torch.manual_seed(SEED)
+    if kind == "gpt2":
+        no_dropout = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+        config = transformers.GPT2Config(
+            vocab_size=1000, n_positions=16, n_embd=32, n_layer=2, n_head=2, **no_dropout
+        )
+        return transformers.GPT2LMHeadModel(config), GPT2Block
+    base = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**LLAMA, "vocab_size": 1000}))
+    lora = LoraConfig(r=4, target_modules=["q_proj", "embed_tokens"], init_lora_weights=False)
+    return get_peft_model(base, lora), LlamaDecoderLayer
+
+
+def vocab_job(ctx: WorkerContext, kind: str) -> dict[str, Any]:
+    """3 SGD steps with row-sparse tables against the unsharded model on the global batch."""
+    group = ctx.group(2)
+    (reference, _), (model, block) = _vocab_model(kind), _vocab_model(kind)
+    if group is None:
+        return {}
+    flatshard.fully_shard(
+        model, auto_wrap_policy={block}, process_group=group, sparse_embeddings=True
+    )
+    optims = [
+        torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5)
+        for m in (reference, model)
+    ]
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        ids = torch.randint(0, 1000, (4, 16), generator=gen)
+        mine = ids[2 * ctx.rank : 2 * ctx.rank + 2]
+        for net, batch, optim in zip((reference, model), (ids, mine), optims, strict=True):
+            _lm_loss(net, batch).backward()
+            optim.step()
+            optim.zero_grad()
+    traffic = flatshard.embedding_traffic(model)
+    return {
+        "lookups": {name: (t.lookups, t.dense_lookups) for name, t in traffic.items()},
+        "full": flatshard.full_state_dict(model),
+        "expected": reference.state_dict(),
+    }
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "lora_on_the_table"])
+def test_row_sparse_tables_of_transformers_models_match_unsharded(
+    pool: WorkerPool, kind: str
+) -> None:
+    """GPT-2's tied token table and its position table, and a frozen Llama table under
+    peft's LoRA, with sparse_embeddings=True: the result the unsharded model's."""
+    pytest.importorskip("peft")
+    results = pool.run(vocab_job, kind)[:2]
+    # (sparse, dense) lookups per table. GPT-2's 16 positions are all looked up by every
+    # rank: the rows asked (8 each way) outweigh the table, so the rule keeps it dense.
+    lookups = {
+        "gpt2": {"transformer.wte.weight": (3, 0), "transformer.wpe.weight": (0, 3)},
+        "lora_on_the_table": {"base_model.model.model.embed_tokens.base_layer.weight": (3, 0)},
+    }[kind]
+    for result in results:
+        assert result["lookups"] == lookups, result["lookups"]
+    expected = results[0]["expected"]
+    assert sorted(results[0]["full"]) == sorted(expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(results[0]["full"][key], value, rtol=1e-5, atol=1e-6)
