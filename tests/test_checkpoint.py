@@ -237,6 +237,17 @@ def export_job(ctx: WorkerContext, out_dir: str, ckpt_dir: str) -> dict[str, Any
     optim = make_optimizer(model, 1e-2, "adamw")
     train_steps(model, optim, range(2), group)
     files = flatshard.export_safetensors(model, out_dir, max_shard_bytes=20_000)
+    # Returned on every rank once rank 0 wrote it all: the index names only files there.
+    index = json.loads((Path(out_dir) / "model.safetensors.index.json").read_text())
+    assert all((Path(out_dir) / f).is_file() for f in index["weight_map"].values())
+    # Rank 0 cannot write (the directory is a file): every rank raises, none is left waiting.
+    blocked = Path(out_dir).with_name("a-file")
+    blocked.touch()
+    expected = FileExistsError if ctx.rank == 0 else RuntimeError
+    with pytest.raises(expected) as raised:
+        flatshard.export_safetensors(model, blocked)
+    if ctx.rank == 1:
+        assert f"rank 0 of the model's group could not write '{blocked}'" in str(raised.value)
     flatshard.save_checkpoint(ckpt_dir, model, optim)
     full = flatshard.full_state_dict(model)
     return {"files": files, "full": full} if ctx.rank == 0 else None

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from flatshard.comm._ranks import rank_in
+from flatshard.comm._collectives import all_gather_object
+from flatshard.comm._ranks import global_rank, rank_in
 from flatshard.flat._full_params import gather_copies
 from flatshard.runtime._step import every_rank_calls
 from flatshard.state._checkpoint import (
@@ -29,6 +30,7 @@ from flatshard.state._safetensors import Entry, StreamWriter
 from flatshard.state._state_dict import (
     Names,
     Place,
+    checkpoint_group,
     flat_params,
     model_group,
     param_places,
@@ -57,7 +59,8 @@ def export_safetensors(
     ``from_pretrained(out_dir)`` loads the result: this is ``save_pretrained`` for a sharded
     model. ``names``: each entry's name in the files (a ``state_dict()`` key -> the name to
     write, or None to leave it out), e.g. a peft model's merged base under its own names.
-    Returns the files written (on rank 0; ``[]`` elsewhere).
+    Returns the files written (on rank 0; ``[]`` elsewhere), on every rank only once they
+    are all written; if rank 0 cannot write them, every rank raises.
     """
     keep = rank_in(model_group(model)) == 0
     # With tensor parallelism each TP peer of rank 0 gathers too (the TP collectives need
@@ -73,20 +76,79 @@ def export_safetensors(
         Entry(key, _out_dtype(state[key].dtype, dtype), tuple(_full_shape(state[key], places)))
         for key in order
     ]
-    writer = StreamWriter(Path(out_dir), entries, max_shard_bytes) if write else None
+    writer = _Writer(Path(out_dir), entries, max_shard_bytes, dtype) if write else None
     written: set[str] = set()
     for flat in flat_params(model):
         copies = gather_copies(flat, flat.param_region, keep, cpu_offload=True)
         for orig, copy in zip(flat.originals, copies, strict=keep):
             for key in keys_of.get(id(orig.param), []):
-                _write(writer, key, copy, dtype)
+                if writer is not None:
+                    writer.write(key, copy)
                 written.add(key)
-    for key in order:
-        if key not in written:
-            _write(writer, key, state[key].detach(), dtype)
-    if writer is None:
-        return []
-    return writer.finish() + _write_hugging_face_configs(model, Path(out_dir))
+    if writer is not None:
+        for key in order:
+            if key not in written:
+                writer.write(key, state[key].detach())
+    files = writer.finish(model) if writer is not None else []
+    _agree_written(model, Path(out_dir), writer.failure if writer is not None else None)
+    return files
+
+
+class _Writer:
+    """The writing rank's ``StreamWriter``, which keeps its first failure rather than raise
+    it: the rank still joins every gather that follows, and ``_agree_written`` then raises
+    the failure on every rank (not only here, leaving the others in the next gather)."""
+
+    def __init__(
+        self, out_dir: Path, entries: list[Entry], max_shard_bytes: int, dtype: torch.dtype | None
+    ) -> None:
+        self.out_dir, self.dtype = out_dir, dtype
+        self.failure: Exception | None = None
+        self.stream: StreamWriter | None = None
+        try:
+            self.stream = StreamWriter(out_dir, entries, max_shard_bytes)
+        except Exception as error:
+            self.failure = error
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        if self.stream is None:
+            return
+        try:
+            self.stream.write(key, tensor.to(_out_dtype(tensor.dtype, self.dtype)))
+        except Exception as error:
+            self.stream, self.failure = None, error
+
+    def finish(self, model: nn.Module) -> list[str]:
+        """The files written (``[]`` after a failure)."""
+        if self.stream is None:
+            return []
+        try:
+            return self.stream.finish() + _write_hugging_face_configs(model, self.out_dir)
+        except Exception as error:
+            self.stream, self.failure = None, error
+            return []
+
+
+def _agree_written(model: nn.Module, out_dir: Path, failure: Exception | None) -> None:
+    """Return on every rank only once the files are written: a rank that reads ``out_dir``
+    right after (``from_pretrained`` on every rank) must not find it half written, or an
+    older export's files. A failed write is raised on every rank."""
+    group = checkpoint_group(model)
+    if group is None:
+        if failure is not None:
+            raise failure
+        return
+    outcome = None if failure is None else f"{type(failure).__name__}: {failure}"
+    outcomes = all_gather_object(outcome, group)
+    if failure is not None:
+        raise failure
+    for rank, text in enumerate(outcomes):
+        if text is not None:
+            raise RuntimeError(
+                f"flatshard.export_safetensors: rank {rank} of the model's group could not "
+                f"write '{out_dir}' ({text}); this is rank {global_rank()}. Nothing there is a "
+                "complete export: fix that rank's problem and export again."
+            )
 
 
 def _write_hugging_face_configs(model: nn.Module, out_dir: Path) -> list[str]:
@@ -121,13 +183,6 @@ def _full_shape(value: torch.Tensor, places: dict[int, Place]) -> torch.Size:
 
 def _out_dtype(stored: torch.dtype, wanted: torch.dtype | None) -> torch.dtype:
     return wanted if wanted is not None and stored.is_floating_point else stored
-
-
-def _write(
-    writer: StreamWriter | None, key: str, tensor: torch.Tensor, dtype: torch.dtype | None
-) -> None:
-    if writer is not None:
-        writer.write(key, tensor.to(_out_dtype(tensor.dtype, dtype)))
 
 
 def export_checkpoint(
