@@ -87,6 +87,14 @@ def many_tokens() -> tuple[torch.Tensor, ...]:
     return (torch.randint(0, VOCAB, (16, SEQ)),)
 
 
+def distinct_tokens() -> tuple[torch.Tensor, ...]:
+    """4 x 32 distinct token ids, half in each rank's rows of the table: what a plan of
+    row-sparse tables takes a batch to be (every id distinct, spread as the rows are)."""
+    half = VOCAB // 2
+    ids = torch.cat([torch.randperm(half)[: BATCH * SEQ // 2] + h for h in (0, half)])
+    return (ids[torch.randperm(ids.numel())].view(BATCH, SEQ),)
+
+
 @dataclass(frozen=True)
 class Case:
     name: str
@@ -94,6 +102,7 @@ class Case:
     hosts: int = 1
     ranks_per_host: int = 2
     options: tuple[tuple[str, Any], ...] = ()
+    inputs: Any = tokens
 
 
 def _llama_units() -> set[type[nn.Module]]:
@@ -130,6 +139,9 @@ CASES = [
         hosts=2,
         options=(("strategy", S.HYBRID_SHARD), ("grad_accum", 2), ("accumulation", "reduce")),
     ),
+    # The tied table row-sparse: its lookup's fetched rows, its gradient's rows and the
+    # table's gather behind the blocks (the position table stays dense: 32 rows, all used).
+    Case("row-sparse-tables", gpt, options=(("sparse_embeddings", True),), inputs=distinct_tokens),
 ]
 
 
@@ -139,7 +151,7 @@ def measure_job(ctx: WorkerContext, world: int, case_index: int, setup: Any) -> 
         return None
     case = CASES[case_index]
     torch.manual_seed(0)
-    return measured_step_peak(case.build, tokens, language_model_loss, setup, group)
+    return measured_step_peak(case.build, case.inputs, language_model_loss, setup, group)
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +183,7 @@ def test_predicted_peak_is_the_measured_peak(
     predicted = planner.submit(
         flatshard.plan,
         case.build,
-        tokens,
+        case.inputs,
         loss=language_model_loss,
         auto_wrap_policy=units,
         cluster=CPU,
@@ -191,6 +203,8 @@ def test_predicted_peak_is_the_measured_peak(
         predicted.total_peak_bytes,
         measured,
     )
+    if options.get("sparse_embeddings"):  # exactly: every id distinct, as the plan takes them
+        assert predicted.total_peak_bytes == measured[0], (predicted.total_peak_bytes, measured)
     assert sum(predicted.memory.values()) == predicted.peak_memory_bytes
     if not options.get("cpu_offload"):
         assert predicted.peak_memory_bytes == predicted.total_peak_bytes
