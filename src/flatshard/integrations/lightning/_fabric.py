@@ -22,21 +22,16 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
-from lightning.fabric.utilities.distributed import (
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import nn
 
 import flatshard
 from flatshard.integrations.lightning import _checkpoints
+from flatshard.integrations.lightning import _process_group as process_group
 from flatshard.integrations.lightning._precision import (
     TrueDtypes,
     check_precision,
@@ -157,32 +152,26 @@ class FlatshardFabricStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         assert self.cluster_environment is not None
-        self.cluster_environment.set_global_rank(
-            self.node_rank * self.num_processes + self.local_rank
+        process_group.set_world_ranks(
+            self.cluster_environment,
+            self.num_nodes,
+            self.num_processes,
+            self.node_rank,
+            self.local_rank,
         )
-        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
+        process_group.connect(
+            self.cluster_environment, self._process_group_backend, self.root_device
         )
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(self.cluster_environment, backend, device_id=device_id)
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()
+        process_group.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not (dist.is_available() and dist.is_initialized()):
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
+        return process_group.broadcast(obj, src)
 
     def all_reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        if isinstance(tensor, torch.Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        return process_group.reduce(tensor, group, reduce_op)
 
     def module_to_device(self, module: nn.Module) -> None:
         pass  # fully_shard places the shards on root_device

@@ -28,12 +28,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
-from lightning.fabric.utilities.distributed import (
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ParallelStrategy
@@ -46,6 +40,7 @@ from torch import nn
 
 import flatshard
 from flatshard.integrations.lightning import _checkpoints
+from flatshard.integrations.lightning import _process_group as process_group
 from flatshard.integrations.lightning._precision import FlatshardPrecision, from_lightning
 from flatshard.integrations.lightning._sharding import (
     ShardOptions,
@@ -164,38 +159,30 @@ class FlatshardStrategy(ParallelStrategy):
         reset_seed()
         self._set_world_ranks()
         assert self.cluster_environment is not None
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
+        self._process_group_backend = process_group.connect(
+            self.cluster_environment, self._process_group_backend, self.root_device
         )
-        self._process_group_backend = backend
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(self.cluster_environment, backend, device_id=device_id)
 
     def _set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(
-                self.node_rank * self.num_processes + self.local_rank
-            )
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        process_group.set_world_ranks(
+            self.cluster_environment,
+            self.num_nodes,
+            self.num_processes,
+            self.node_rank,
+            self.local_rank,
+        )
         # Lightning's rank-zero-only logging reads the rank from both of its decorators
         for decorator in (rank_zero_only, utilities_rank_zero_only):
             decorator.rank = self.global_rank  # type: ignore[attr-defined]
 
     def barrier(self, name: str | None = None) -> None:
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()
+        process_group.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not (dist.is_available() and dist.is_initialized()):
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
+        return process_group.broadcast(obj, src)
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        if isinstance(tensor, torch.Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        return process_group.reduce(tensor, group, reduce_op)
 
     def model_to_device(self) -> None:
         pass  # fully_shard places the shards (and materializes meta modules) on root_device

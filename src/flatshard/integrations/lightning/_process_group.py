@@ -1,0 +1,63 @@
+"""The process group under both Lightning strategies (the ``Trainer``'s and Fabric's).
+
+Connected and used with Lightning's own helpers, as its ``strategy="ddp"`` does, so that
+``devices=N`` (Lightning spawns the ranks) and ``torchrun`` work as they do there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.environments.cluster_environment import ClusterEnvironment
+from lightning.fabric.utilities.distributed import (
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+
+
+def set_world_ranks(
+    environment: ClusterEnvironment | None,
+    nodes: int,
+    processes: int,
+    node_rank: int,
+    local_rank: int,
+) -> None:
+    """Tell the cluster environment this process's global rank and the world size
+    (``processes`` per node)."""
+    if environment is not None:
+        environment.set_global_rank(node_rank * processes + local_rank)
+        environment.set_world_size(nodes * processes)
+
+
+def connect(environment: ClusterEnvironment, backend: str | None, device: torch.device) -> str:
+    """Join the default process group (``backend``: the device's default when None, e.g.
+    gloo on CPU, NCCL on CUDA); returns the backend."""
+    backend = backend or _get_default_process_group_backend_for_device(device)
+    device_id = device if device.type != "cpu" else None
+    _init_dist_connection(environment, backend, device_id=device_id)
+    return backend
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def broadcast(obj: Any, src: int) -> Any:
+    """``obj`` as rank ``src`` has it (pickled), or as it is without a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src)
+    return box[0]
+
+
+def reduce(tensor: Any, group: Any, reduce_op: Any) -> Any:
+    """A tensor reduced over ``group`` (Lightning's ``"mean"``/``"sum"`` or a ReduceOp);
+    anything else as it is."""
+    if isinstance(tensor, torch.Tensor):
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+    return tensor
