@@ -75,27 +75,37 @@ def test_a_hugging_face_llama_loads_from_save_pretrained(
     assert torch.equal(results[0]["reloaded"].logits, expected)
 
 
-def generate_job(ctx: WorkerContext, directory: str) -> list[int]:
+def generate_job(ctx: WorkerContext, directory: str, sparse: bool) -> list[int]:
     from transformers import LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     group = ctx.group(ctx.world_size)  # transformers syncs over the default group: the world
     assert group is not None
     model = LlamaForCausalLM.from_pretrained(directory)
-    flatshard.fully_shard(model, auto_wrap_policy={LlamaDecoderLayer}, process_group=group)
+    flatshard.fully_shard(
+        model,
+        auto_wrap_policy={LlamaDecoderLayer},
+        process_group=group,
+        sparse_embeddings=sparse,
+    )
     prompt = torch.arange(4).reshape(1, 4) + 3 * ctx.rank
     # Rank 0 stops after 2 new tokens, rank 1 after 4, ...: transformers keeps the ranks
     # that are done running forwards (synced_gpus) until the last is, since fully_shard
     # marks the model.
     out = model.generate(prompt, max_new_tokens=2 + 2 * ctx.rank, do_sample=False)
+    lookups = sum(t.lookups for t in flatshard.embedding_traffic(model).values())
+    assert (lookups > 0) == sparse, lookups  # each decoding step's token fetched as a row
     return [int(t) for t in out[0]]
 
 
-def test_generate_with_different_stop_lengths_per_rank(pool: WorkerPool, tmp_path: Path) -> None:
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse_embeddings"])
+def test_generate_with_different_stop_lengths_per_rank(
+    pool: WorkerPool, tmp_path: Path, sparse: bool
+) -> None:
     torch.manual_seed(SEED)
     reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
     reference.save_pretrained(tmp_path)
-    for rank, tokens in enumerate(pool.run(generate_job, str(tmp_path))):
+    for rank, tokens in enumerate(pool.run(generate_job, str(tmp_path), sparse)):
         prompt = torch.arange(4).reshape(1, 4) + 3 * rank
         expected = reference.generate(prompt, max_new_tokens=2 + 2 * rank, do_sample=False)
         assert tokens == [int(t) for t in expected[0]], rank
@@ -282,7 +292,9 @@ def test_lora_with_peft_then_fully_shard_matches_unsharded(
     torch.testing.assert_close(results[0]["exported"], results[0]["live"], rtol=1e-5, atol=1e-5)
 
 
-def gathered_generate_job(ctx: WorkerContext, directory: str) -> dict[str, Any] | None:
+def gathered_generate_job(
+    ctx: WorkerContext, directory: str, sparse: bool
+) -> dict[str, Any] | None:
     """generate inside summon_full_params: every unit stays gathered, no all-gather."""
     from transformers import LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
@@ -293,7 +305,12 @@ def gathered_generate_job(ctx: WorkerContext, directory: str) -> dict[str, Any] 
     if group is None:
         return None
     model = LlamaForCausalLM.from_pretrained(directory)
-    flatshard.fully_shard(model, auto_wrap_policy={LlamaDecoderLayer}, process_group=group)
+    flatshard.fully_shard(
+        model,
+        auto_wrap_policy={LlamaDecoderLayer},
+        process_group=group,
+        sparse_embeddings=sparse,
+    )
     prompt = torch.arange(4).reshape(1, 4)
     summoned = flatshard.summon_full_params(model, writeback=False)
     with summoned, torch.no_grad(), CollectiveTracker() as tracker:
@@ -304,6 +321,7 @@ def gathered_generate_job(ctx: WorkerContext, directory: str) -> dict[str, Any] 
         refused = ""
     except RuntimeError as error:
         refused = str(error)
+    assert not any(t.lookups for t in flatshard.embedding_traffic(model).values())
     return {
         "tokens": [int(t) for t in out[0]],
         "bytes": sum(tracker.bytes.values()),
@@ -311,12 +329,15 @@ def gathered_generate_job(ctx: WorkerContext, directory: str) -> dict[str, Any] 
     }
 
 
-def test_generate_inside_summon_gathers_nothing(pool: WorkerPool, tmp_path: Path) -> None:
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse_embeddings"])
+def test_generate_inside_summon_gathers_nothing(
+    pool: WorkerPool, tmp_path: Path, sparse: bool
+) -> None:
     torch.manual_seed(SEED)
     reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
     reference.save_pretrained(tmp_path)
     expected = reference.generate(torch.arange(4).reshape(1, 4), max_new_tokens=5, do_sample=False)
-    for result in pool.run(gathered_generate_job, str(tmp_path))[:2]:
+    for result in pool.run(gathered_generate_job, str(tmp_path), sparse)[:2]:
         assert result["tokens"] == [int(t) for t in expected[0]]
         assert result["bytes"] == 0  # no collective at all while decoding
         assert "ran forward with gradients inside summon_full_params" in result["refused"]
