@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import flatshard
+from flatshard import comm_hooks
 from flatshard.measure import ALL_TO_ALL, CollectiveTracker
 from flatshard.testing.models import VocabGPT, build
 from flatshard.testing.parity import (
@@ -246,6 +247,16 @@ def _errors_job(ctx: WorkerContext) -> None:
     flatshard.fully_shard(reader, **options)
     with pytest.raises(RuntimeError, match=r"'tok\.weight' is a row-sparse embedding table"):
         reader(torch.zeros(1, 4, dtype=torch.long))
+    hooked = VocabGPT(tied=False)
+    _shard(hooked, group)
+    hook = comm_hooks.LowPrecisionHook()
+    with pytest.raises(ValueError, match=r"row-sparse embedding tables \('tok\.weight', 'pos"):
+        comm_hooks.register_comm_hook(hooked, hook)
+    for block in cast(Any, hooked).blocks:  # units without tables take it
+        comm_hooks.register_comm_hook(block, hook)
+    batch = slice_batch(next(batches(hooked, 1)), dist.get_rank(group), 2)
+    cast(Any, hooked).loss(batch).backward()  # the blocks through the hook, tables as rows
+    assert flatshard.embedding_traffic(hooked)["tok.weight"].lookups == 1
     model = VocabGPT(tied=False)
     flatshard.fully_shard(model, **options)
     ids = torch.full((1, 4), 600 if dist.get_rank(group) == 1 else 3)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from flatshard.comm import ShardGroups, split_division, sum_reduce
+from flatshard.comm._ranks import global_rank
 from flatshard.flat import CommHook
 from flatshard.runtime import units_of
 
@@ -27,7 +28,18 @@ def register_comm_hook(model: nn.Module, hook: CommHook | None) -> None:
         raise TypeError(
             f"flatshard.comm_hooks.register_comm_hook: hook must be callable, got {hook!r}"
         )
-    for unit in units_of(model, "register_comm_hook"):
+    units = units_of(model, "register_comm_hook")
+    tables = [f.table.name for u in units for f in u.trainable if f.table is not None]
+    if hook is not None and tables:
+        raise ValueError(
+            f"flatshard.comm_hooks.register_comm_hook: the units inside this module hold "
+            f"row-sparse embedding tables ({', '.join(repr(t) for t in tables)}; "
+            f"fully_shard(..., sparse_embeddings=True)), whose lookup gradients are sent as "
+            f"rows, not through a hook (rank {global_rank()}). Register the hook on the units "
+            "without tables (for block in model.blocks: register_comm_hook(block, hook)), "
+            "or pass sparse_embeddings=False."
+        )
+    for unit in units:
         for flat in unit.trainable:
             flat.reduction.comm_hook = hook
 
