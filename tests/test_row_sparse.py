@@ -3,8 +3,9 @@ row-sparse embedding tables]).
 
 Parity with the unsharded reference (DDP's semantics: each rank its slice of the global
 batch, gradients averaged) at 2, 3 and 4 ranks, tied and untied tables, repeated and absent
-tokens, ranks whose batches share no token, padding_idx, FULL_SHARD, SHARD_GRAD_OP and
-HYBRID_SHARD, accumulation with and without no_sync, clip, offload and bf16; the lookup's
+tokens, ranks whose batches share no token, padding_idx, FULL_SHARD, SHARD_GRAD_OP,
+HYBRID_SHARD and its ZeRO-2 form, other unit policies, activation checkpointing, the
+prefetch switches, accumulation with and without no_sync, clip, offload and bf16; the lookup's
 gradient equal bit for bit to the dense path's at 2 ranks; the bytes a table moves per step
 against a formula in the unique tokens per rank; the dense-or-sparse rule; errors for what
 the path cannot serve.
@@ -72,6 +73,19 @@ def test_parity_tied_untied_and_padded(pool: WorkerPool, model: str, world_size:
         {"offload": True},
         {"reshard_after_backward": False, "micro_batches": 2},
         {"forwards_per_backward": 2},
+        {"strategy": "HYBRID_SHARD_ZERO2", "sharding_factor": 2, "world_size": 4},
+        {"strategy": "HYBRID_SHARD", "hybrid_from": "mesh", "sharding_factor": 2, "world_size": 4},
+        {"root_strategy": "SHARD_GRAD_OP"},
+        {"keep_gathered": 1},
+        {"policy": "size"},  # the tables' unit chosen by size
+        {"policy": "none"},  # the root alone: tables and blocks in one unit
+        {"checkpoint": "around"},
+        {"clip": 0.5, "clip_with": "torch"},
+        {"clip": 0.5, "norm_type": float("inf")},
+        {"forward_prefetch": True, "backward_prefetch": "BACKWARD_POST"},
+        {"backward_prefetch": None, "limit_all_gathers": False},
+        {"micro_batches": 2, "no_sync": True, "accumulate_with": "switch"},
+        {"world_size": 3, "micro_batches": 2, "no_sync": True, "offload": True},
     ],
 )
 @pytest.mark.parametrize("model", ["vocab_gpt", "untied_vocab_gpt"])
