@@ -257,6 +257,10 @@ def _errors_job(ctx: WorkerContext) -> None:
         flatshard.fully_shard(
             VocabGPT(), strategy="HYBRID_SHARD_OPTIM", sharding_factor=1, **options
         )
+    sparse_grads = VocabGPT(tied=False)
+    sparse_grads.tok.sparse = True  # torch's sparse gradients: served by the row-sparse path only
+    with pytest.raises(ValueError, match=r"embedding 'tok\.weight' has sparse=True"):
+        flatshard.fully_shard(sparse_grads, process_group=group)
     reader = _ReadsTable(tied=False)
     flatshard.fully_shard(reader, **options)
     with pytest.raises(RuntimeError, match=r"'tok\.weight' is a row-sparse embedding table"):
@@ -281,6 +285,30 @@ def _errors_job(ctx: WorkerContext) -> None:
 
 def test_errors_name_the_table(pool: WorkerPool) -> None:
     pool.run(_errors_job)
+
+
+def _sparse_gradient_job(ctx: WorkerContext) -> None:
+    """``nn.Embedding(..., sparse=True)`` under sparse_embeddings: the rows' gradients are
+    the same as with sparse=False, dense in the shard."""
+    group = ctx.group(2)
+    if group is None:
+        return None
+    grads = []
+    for sparse in (False, True):
+        torch.manual_seed(0)
+        model = VocabGPT(tied=False)
+        model.tok.sparse = sparse
+        _shard(model, group)
+        batch = slice_batch(next(batches(model, 1)), dist.get_rank(group), 2)
+        cast(Any, model).loss(batch).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert all(torch.equal(grads[0][n], g) for n, g in grads[1].items())
+    assert not grads[1]["tok.weight"].is_sparse
+    return None
+
+
+def test_sparse_gradient_embeddings_are_served(pool: WorkerPool) -> None:
+    pool.run(_sparse_gradient_job)
 
 
 class _Scaled(nn.Module):

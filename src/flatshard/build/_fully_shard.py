@@ -260,6 +260,20 @@ def _build_unit(plan: UnitPlan, build: _UnitBuild, rank: int) -> Unit | None:
         flat.load_shard()
         if flat.originals[0].fqn in build.tables and flat.needs_all_gather:
             flat.table = RowSparseTable(flat)
+        elif bad := _sparse_gradient_lookups(flat.originals):
+            # (asked for already where a shard group of 1 left no rows to fetch)
+            other = (
+                ""
+                if bad in build.tables
+                else ", or pass sparse_embeddings=True: only the looked-up rows are then "
+                "fetched and their gradients sent"
+            )
+            raise ValueError(
+                f"flatshard.fully_shard: embedding '{bad}' has sparse=True (sparse "
+                f"gradients, rank {rank}); flatshard reduces a gradient as dense shards of "
+                "its flat group, which a sparse gradient cannot flow into. Build it with "
+                f"sparse=False (the same gradient, dense){other}."
+            )
     if not flat_params:
         return None
     unit = Unit(plan.module, plan.fqn, flat_params, plan.modules, build.config)
@@ -429,6 +443,14 @@ def _table_names(
                 )
             names.add(orig.fqn)
     return frozenset(names)
+
+
+def _sparse_gradient_lookups(originals: list[OriginalParam]) -> str | None:
+    """The first parameter an ``nn.Embedding(..., sparse=True)`` looks up (by its name)."""
+    for orig in originals:
+        if any(isinstance(m, nn.Embedding) and m.sparse for m, _ in orig.usages):
+            return orig.fqn
+    return None
 
 
 def _split_tables(params: list[OriginalParam], tables: frozenset[str]) -> list[list[OriginalParam]]:
