@@ -345,7 +345,9 @@ def test_generate_inside_summon_gathers_nothing(
 
 def _vocab_model(kind: str) -> tuple[nn.Module, type[nn.Module]]:
     """A 1,000-token transformers model: GPT-2 (its token table tied to the head, and a
-    position table), or a Llama with peft's LoRA on its token table (the base table frozen)."""
+    position table), T5 (one table looked up by the encoder and the decoder and tied to the
+    head; relative position tables inside the blocks), or a Llama with peft's LoRA on its
+    token table (the base table frozen)."""
     from peft import LoraConfig, get_peft_model
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
@@ -357,6 +359,12 @@ def _vocab_model(kind: str) -> tuple[nn.Module, type[nn.Module]]:
             vocab_size=1000, n_positions=16, n_embd=32, n_layer=2, n_head=2, **no_dropout
         )
         return transformers.GPT2LMHeadModel(config), GPT2Block
+    if kind == "t5":
+        from transformers.models.t5.modeling_t5 import T5Block
+
+        t5 = transformers.T5Config(**{**T5, "vocab_size": 1000}, dropout_rate=0.0)
+        t5.decoder_start_token_id = 0
+        return transformers.T5ForConditionalGeneration(t5), T5Block
     base = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**LLAMA, "vocab_size": 1000}))
     lora = LoraConfig(r=4, target_modules=["q_proj", "embed_tokens"], init_lora_weights=False)
     return get_peft_model(base, lora), LlamaDecoderLayer
@@ -391,18 +399,24 @@ def vocab_job(ctx: WorkerContext, kind: str) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "lora_on_the_table"])
+@pytest.mark.parametrize("kind", ["gpt2", "t5", "lora_on_the_table"])
 def test_row_sparse_tables_of_transformers_models_match_unsharded(
     pool: WorkerPool, kind: str
 ) -> None:
-    """GPT-2's tied token table and its position table, and a frozen Llama table under
-    peft's LoRA, with sparse_embeddings=True: the result the unsharded model's."""
+    """GPT-2's and T5's tables, and a frozen Llama table under peft's LoRA, with
+    sparse_embeddings=True: the result the unsharded model's."""
     pytest.importorskip("peft")
     results = pool.run(vocab_job, kind)[:2]
     # (sparse, dense) lookups per table. GPT-2's 16 positions are all looked up by every
     # rank: the rows asked (8 each way) outweigh the table, so the rule keeps it dense.
     lookups = {
         "gpt2": {"transformer.wte.weight": (3, 0), "transformer.wpe.weight": (0, 3)},
+        # T5's decoder looks the table up while its gather for the head is in flight: dense.
+        "t5": {
+            "shared.weight": (3, 3),
+            "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight": (3, 0),
+            "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight": (3, 0),
+        },
         "lora_on_the_table": {"base_model.model.model.embed_tokens.base_layer.weight": (3, 0)},
     }[kind]
     for result in results:
