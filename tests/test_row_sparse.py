@@ -261,6 +261,10 @@ def _errors_job(ctx: WorkerContext) -> None:
     sparse_grads.tok.sparse = True  # torch's sparse gradients: served by the row-sparse path only
     with pytest.raises(ValueError, match=r"embedding 'tok\.weight' has sparse=True"):
         flatshard.fully_shard(sparse_grads, process_group=group)
+    frozen = VocabGPT(tied=False)
+    frozen.tok.sparse = True
+    frozen.tok.requires_grad_(False)  # no gradient at all: nothing to refuse
+    flatshard.fully_shard(frozen, process_group=group)
     reader = _ReadsTable(tied=False)
     flatshard.fully_shard(reader, **options)
     with pytest.raises(RuntimeError, match=r"'tok\.weight' is a row-sparse embedding table"):

@@ -260,7 +260,7 @@ def _build_unit(plan: UnitPlan, build: _UnitBuild, rank: int) -> Unit | None:
         flat.load_shard()
         if flat.originals[0].fqn in build.tables and flat.needs_all_gather:
             flat.table = RowSparseTable(flat)
-        elif bad := _sparse_gradient_lookups(flat.originals):
+        elif flat.requires_grad and (bad := _sparse_gradient_lookups(flat.originals)):
             # (asked for already where a shard group of 1 left no rows to fetch)
             other = (
                 ""
