@@ -152,13 +152,7 @@ class FlatshardFabricStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         assert self.cluster_environment is not None
-        process_group.set_world_ranks(
-            self.cluster_environment,
-            self.num_nodes,
-            self.num_processes,
-            self.node_rank,
-            self.local_rank,
-        )
+        process_group.set_world_ranks(self)
         rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
         process_group.connect(
             self.cluster_environment, self._process_group_backend, self.root_device

@@ -6,7 +6,7 @@ Connected and used with Lightning's own helpers, as its ``strategy="ddp"`` does,
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -18,18 +18,29 @@ from lightning.fabric.utilities.distributed import (
 )
 
 
-def set_world_ranks(
-    environment: ClusterEnvironment | None,
-    nodes: int,
-    processes: int,
-    node_rank: int,
-    local_rank: int,
-) -> None:
-    """Tell the cluster environment this process's global rank and the world size
-    (``processes`` per node)."""
+class Placed(Protocol):
+    """Where a strategy's process is: what both Lightning strategies know of it."""
+
+    @property
+    def cluster_environment(self) -> ClusterEnvironment | None: ...
+    @property
+    def num_nodes(self) -> int: ...
+    @property
+    def num_processes(self) -> int: ...
+    @property
+    def node_rank(self) -> int: ...
+    @property
+    def local_rank(self) -> int: ...
+
+
+def set_world_ranks(strategy: Placed) -> None:
+    """Tell the strategy's cluster environment this process's global rank and the world
+    size (``num_processes`` per node)."""
+    environment = strategy.cluster_environment
     if environment is not None:
-        environment.set_global_rank(node_rank * processes + local_rank)
-        environment.set_world_size(nodes * processes)
+        processes = strategy.num_processes
+        environment.set_global_rank(strategy.node_rank * processes + strategy.local_rank)
+        environment.set_world_size(strategy.num_nodes * processes)
 
 
 def connect(environment: ClusterEnvironment, backend: str | None, device: torch.device) -> str:

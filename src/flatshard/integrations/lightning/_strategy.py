@@ -164,13 +164,7 @@ class FlatshardStrategy(ParallelStrategy):
         )
 
     def _set_world_ranks(self) -> None:
-        process_group.set_world_ranks(
-            self.cluster_environment,
-            self.num_nodes,
-            self.num_processes,
-            self.node_rank,
-            self.local_rank,
-        )
+        process_group.set_world_ranks(self)
         # Lightning's rank-zero-only logging reads the rank from both of its decorators
         for decorator in (rank_zero_only, utilities_rank_zero_only):
             decorator.rank = self.global_rank  # type: ignore[attr-defined]
