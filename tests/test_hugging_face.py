@@ -1,5 +1,6 @@
 """Hugging Face models end to end: a Llama saved with ``save_pretrained`` loads into a
-meta-built sharded model (``load_safetensors``), exports back for ``from_pretrained``
+meta-built sharded model (``load_safetensors``; row-sparse tables too), exports back for
+``from_pretrained``
 (``export_safetensors``), and ``generate`` works when ranks stop at different lengths;
 LoRA through peft, and row-sparse tables on GPT-2 and on a LoRA-adapted table."""
 
@@ -25,7 +26,9 @@ SEED = 3
 LLAMA = TINY_LLAMA
 
 
-def llama_job(ctx: WorkerContext, world: int, directory: str) -> dict[str, Any] | None:
+def llama_job(
+    ctx: WorkerContext, world: int, directory: str, sparse: bool
+) -> dict[str, Any] | None:
     """docs/guide.md's recipe: build on meta, shard with skip_init (which builds the rotary
     embedding again from its config: its buffers are in no checkpoint), load."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -37,12 +40,15 @@ def llama_job(ctx: WorkerContext, world: int, directory: str) -> dict[str, Any] 
     config = LlamaConfig(**LLAMA)
     options: dict[str, Any] = {"auto_wrap_policy": {LlamaDecoderLayer}, "process_group": group}
     options |= {"param_init_fn": flatshard.skip_init, "device": "cpu"}
+    options |= {"sparse_embeddings": sparse}
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     flatshard.fully_shard(model, **options)
     flatshard.load_safetensors(model, directory)
     with torch.no_grad():
         logits = model(torch.arange(12).reshape(2, 6)).logits
+    lookups = sum(t.lookups for t in flatshard.embedding_traffic(model).values())
+    assert lookups == (1 if sparse else 0), lookups
     try:
         model.save_pretrained(f"{directory}/plain-{world}")
         plain = "no error"
@@ -57,9 +63,11 @@ def llama_job(ctx: WorkerContext, world: int, directory: str) -> dict[str, Any] 
     return {"logits": logits, "plain": plain, "reloaded": reloaded}
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize(
+    ("world", "sparse"), [(2, False), (3, False), (2, True)], ids=["2", "3", "2-sparse"]
+)
 def test_a_hugging_face_llama_loads_from_save_pretrained(
-    pool: WorkerPool, tmp_path: Path, world: int
+    pool: WorkerPool, tmp_path: Path, world: int, sparse: bool
 ) -> None:
     torch.manual_seed(SEED)
     reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
@@ -67,7 +75,7 @@ def test_a_hugging_face_llama_loads_from_save_pretrained(
     assert len(list(tmp_path.glob("*.safetensors"))) > 2
     with torch.no_grad():
         expected = reference(torch.arange(12).reshape(2, 6)).logits
-    results = pool.run(llama_job, world, str(tmp_path))[:world]
+    results = pool.run(llama_job, world, str(tmp_path), sparse)[:world]
     for result in results:
         torch.testing.assert_close(result["logits"], expected, rtol=1e-6, atol=0)
         assert "For save_pretrained use flatshard.export_safetensors" in result["plain"]
