@@ -1,8 +1,8 @@
 """Hugging Face models end to end: a Llama saved with ``save_pretrained`` loads into a
 meta-built sharded model (``load_safetensors``; row-sparse tables too), exports back for
-``from_pretrained``
-(``export_safetensors``), and ``generate`` works when ranks stop at different lengths;
-LoRA through peft, and row-sparse tables on GPT-2 and on a LoRA-adapted table."""
+``from_pretrained`` (``export_safetensors``), and ``generate`` works when ranks stop at
+different lengths; LoRA through peft; row-sparse tables on GPT-2, T5 and a LoRA-adapted
+table."""
 
 from __future__ import annotations
 
