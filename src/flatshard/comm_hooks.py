@@ -12,8 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from flatshard.comm import ShardGroups, split_division, sum_reduce
-from flatshard.comm._ranks import global_rank
+from flatshard.comm import ShardGroups, global_rank, split_division, sum_reduce
 from flatshard.flat import CommHook
 from flatshard.runtime import units_of
 

@@ -30,6 +30,7 @@ from flatshard.comm._errors import (
 )
 from flatshard.comm._mesh import ShardGroups, ShardingStrategy
 from flatshard.comm._processes import exit_without_teardown, fast_context
+from flatshard.comm._ranks import global_rank
 
 __all__ = [
     "Checks",
@@ -45,6 +46,7 @@ __all__ = [
     "describe",
     "exit_without_teardown",
     "fast_context",
+    "global_rank",
     "reduce_scatter_impl",
     "set_checks",
     "split_division",

@@ -76,35 +76,41 @@ def export_safetensors(
         Entry(key, _out_dtype(state[key].dtype, dtype), tuple(_full_shape(state[key], places)))
         for key in order
     ]
-    writer = _Writer(Path(out_dir), entries, max_shard_bytes, dtype) if write else None
+    writer = _Writer(Path(out_dir), entries, max_shard_bytes, dtype, write)
     written: set[str] = set()
     for flat in flat_params(model):
         copies = gather_copies(flat, flat.param_region, keep, cpu_offload=True)
         for orig, copy in zip(flat.originals, copies, strict=keep):
             for key in keys_of.get(id(orig.param), []):
-                if writer is not None:
-                    writer.write(key, copy)
+                writer.write(key, copy)
                 written.add(key)
-    if writer is not None:
-        for key in order:
-            if key not in written:
-                writer.write(key, state[key].detach())
-    files = writer.finish(model) if writer is not None else []
-    _agree_written(model, Path(out_dir), writer.failure if writer is not None else None)
+    for key in order:
+        if key not in written:
+            writer.write(key, state[key].detach())
+    files = writer.finish(model)
+    _agree_written(model, Path(out_dir), writer.failure)
     return files
 
 
 class _Writer:
-    """The writing rank's ``StreamWriter``, which keeps its first failure rather than raise
-    it: the rank still joins every gather that follows, and ``_agree_written`` then raises
-    the failure on every rank (not only here, leaving the others in the next gather)."""
+    """The writing rank's ``StreamWriter`` (nothing to write elsewhere: ``active`` False),
+    which keeps its first failure rather than raise it: the rank still joins every gather
+    that follows, and ``_agree_written`` then raises the failure on every rank (not only
+    here, leaving the others in the next gather)."""
 
     def __init__(
-        self, out_dir: Path, entries: list[Entry], max_shard_bytes: int, dtype: torch.dtype | None
+        self,
+        out_dir: Path,
+        entries: list[Entry],
+        max_shard_bytes: int,
+        dtype: torch.dtype | None,
+        active: bool,
     ) -> None:
         self.out_dir, self.dtype = out_dir, dtype
         self.failure: Exception | None = None
         self.stream: StreamWriter | None = None
+        if not active:
+            return
         try:
             self.stream = StreamWriter(out_dir, entries, max_shard_bytes)
         except Exception as error:
