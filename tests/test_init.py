@@ -169,6 +169,14 @@ def mismatch_job(ctx: WorkerContext, case: str) -> str:
         options["auto_wrap_policy"] = {type(model.blocks[0])}
         if odd:
             model.blocks[1].attn.causal_mask[0, 0] = False  # type: ignore[index]
+    if case in ("padding_idx", "sparse"):
+        model = TinyGPT()
+        options["auto_wrap_policy"] = {type(model.blocks[0])}
+        options["sparse_embeddings"] = True
+        if odd and case == "padding_idx":
+            model.tok.padding_idx = 0  # type: ignore[union-attr]
+        if odd and case == "sparse":  # served row-sparse here, but still another model
+            model.tok.sparse = True  # type: ignore[union-attr]
     if case == "weights" and odd:
         with torch.no_grad():
             model.head.weight.add_(1e-3)  # type: ignore[union-attr, operator]
@@ -193,6 +201,8 @@ def mismatch_job(ctx: WorkerContext, case: str) -> str:
         ("strategy", "strategy SHARD_GRAD_OP over 2 ranks"),
         ("buffer", "buffer 'blocks.1.attn.causal_mask' checksum"),
         ("weights", "parameter 'head.weight' checksum"),
+        ("padding_idx", "'tok.weight' looked up by nn.Embedding(padding_idx=0,"),
+        ("sparse", "scale_grad_by_freq=False, sparse=True)"),
     ],
 )
 def test_mismatched_ranks_fail_on_every_rank(pool: WorkerPool, case: str, expected: str) -> None:

@@ -249,10 +249,11 @@ def _errors_job(ctx: WorkerContext) -> None:
     if group is None:
         return None
     options: dict[str, Any] = {"process_group": group, "sparse_embeddings": True}
-    capped = VocabGPT()
-    capped.tok.max_norm = 1.0
-    with pytest.raises(ValueError, match=r"'tok\.weight' has max_norm"):
-        flatshard.fully_shard(capped, **options)
+    for sparse in (True, False):  # refused on the dense path too: renormalized rows are lost
+        capped = VocabGPT()
+        capped.tok.max_norm = 1.0
+        with pytest.raises(ValueError, match=r"'tok\.weight' has max_norm=1\.0 \(rank \d\)"):
+            flatshard.fully_shard(capped, process_group=group, sparse_embeddings=sparse)
     with pytest.raises(ValueError, match="HYBRID_SHARD_OPTIM"):
         flatshard.fully_shard(
             VocabGPT(), strategy="HYBRID_SHARD_OPTIM", sharding_factor=1, **options
@@ -265,6 +266,19 @@ def _errors_job(ctx: WorkerContext) -> None:
     frozen.tok.sparse = True
     frozen.tok.requires_grad_(False)  # no gradient at all: nothing to refuse
     flatshard.fully_shard(frozen, process_group=group)
+    for sparse in (True, False):  # options set after fully_shard: refused at the lookup
+        later = VocabGPT(tied=False)
+        _shard(later, group, sparse)
+        later.tok.max_norm = 2.0
+        with pytest.raises(ValueError, match=r"'tok\.weight' has max_norm=2\.0"):
+            later(torch.zeros(1, 4, dtype=torch.long))
+        later.tok.max_norm = None
+        later.tok.sparse = True
+        if sparse:
+            later(torch.zeros(1, 4, dtype=torch.long))  # served by the row-sparse path
+        else:
+            with pytest.raises(ValueError, match=r"'tok\.weight' has sparse=True"):
+                later(torch.zeros(1, 4, dtype=torch.long))
     reader = _ReadsTable(tied=False)
     flatshard.fully_shard(reader, **options)
     with pytest.raises(RuntimeError, match=r"'tok\.weight' is a row-sparse embedding table"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 import torch
+from torch import nn
 
 from flatshard.comm._ranks import join_name
 from flatshard.flat._partition import UnitPlan
@@ -29,12 +30,23 @@ def structure_lines(plans: list[UnitPlan], strategy: str, whole: Collection[str]
                 f"  parameter '{orig.fqn}' shape {tuple(p.shape)} {str(p.dtype)[6:]} "
                 f"requires_grad={p.requires_grad}{' whole' if orig.fqn in whole else ''}"
             )
+            lookups = [m for m, _ in orig.usages if isinstance(m, nn.Embedding)]
+            lines += [f"  '{orig.fqn}' looked up by {_lookup_line(m)}" for m in lookups]
         for mname, module in plan.modules:
             for bname, buf in module._buffers.items():
                 if buf is not None:
                     name = join_name(mname, bname)
                     lines.append(f"  buffer '{name}' shape {tuple(buf.shape)} {str(buf.dtype)[6:]}")
     return lines
+
+
+def _lookup_line(e: nn.Embedding) -> str:
+    """An embedding's options: each changes the result, or the path that serves it."""
+    return (
+        f"nn.Embedding(padding_idx={e.padding_idx}, max_norm={e.max_norm}, "
+        f"norm_type={e.norm_type}, scale_grad_by_freq={e.scale_grad_by_freq}, "
+        f"sparse={e.sparse})"
+    )
 
 
 def value_lines(plan: UnitPlan, with_params: bool) -> list[str]:

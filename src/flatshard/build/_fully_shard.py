@@ -28,10 +28,11 @@ from flatshard.comm._mesh import ShardGroups, ShardingStrategy, model_group, res
 from flatshard.comm._ranks import join_name
 from flatshard.flat._awaiting_load import awaits_load, mark_awaiting
 from flatshard.flat._flat_param import FlatParamGroup, OriginalParam, Placement
+from flatshard.flat._lookup_options import refuse_lookup_options
 from flatshard.flat._mixed_precision import OFFLOAD_DEVICE, CPUOffload, MixedPrecision
 from flatshard.flat._partition import UnitPlan, partition
 from flatshard.flat._policy import AutoWrapPolicy, is_within, select_unit_roots
-from flatshard.flat._row_sparse import RowSparseTable, max_norm_message
+from flatshard.flat._row_sparse import RowSparseTable
 from flatshard.flat._tensor_parallel import global_shapes, localize
 from flatshard.runtime._hooks import install
 from flatshard.runtime._prefetch import Prefetch
@@ -161,6 +162,7 @@ def fully_shard(
             init=init,
             tables=tables,
         )
+        _refuse_lookup_options(plans, tables if build.groups.shard is not None else frozenset())
         limiter = RateLimiter(DEFAULT_LIMIT if prefetch.limit_all_gathers else None)
         context = StepContext(module, group, limiter)
         watch_torch_utilities(context)
@@ -260,20 +262,6 @@ def _build_unit(plan: UnitPlan, build: _UnitBuild, rank: int) -> Unit | None:
         flat.load_shard()
         if flat.originals[0].fqn in build.tables and flat.needs_all_gather:
             flat.table = RowSparseTable(flat)
-        elif flat.requires_grad and (bad := _sparse_gradient_lookups(flat.originals)):
-            # (asked for already where a shard group of 1 left no rows to fetch)
-            other = (
-                ""
-                if bad in build.tables
-                else ", or pass sparse_embeddings=True: only the looked-up rows are then "
-                "fetched and their gradients sent"
-            )
-            raise ValueError(
-                f"flatshard.fully_shard: embedding '{bad}' has sparse=True (sparse "
-                f"gradients, rank {rank}); flatshard reduces a gradient as dense shards of "
-                "its flat group, which a sparse gradient cannot flow into. Build it with "
-                f"sparse=False (the same gradient, dense){other}."
-            )
     if not flat_params:
         return None
     unit = Unit(plan.module, plan.fqn, flat_params, plan.modules, build.config)
@@ -424,8 +412,6 @@ def _table_names(
             lookups = [m for m, _ in orig.usages if isinstance(m, nn.Embedding)]
             if not lookups or orig.param.dim() != 2:
                 continue
-            if any(m.max_norm is not None for m in lookups):
-                raise ValueError(max_norm_message(orig.fqn) + f" (rank {rank})")
             refused = (
                 "HYBRID_SHARD_OPTIM (its parameters view part of the shard)"
                 if strategy.shards_optimizer_across_replicas
@@ -445,12 +431,14 @@ def _table_names(
     return frozenset(names)
 
 
-def _sparse_gradient_lookups(originals: list[OriginalParam]) -> str | None:
-    """The first parameter an ``nn.Embedding(..., sparse=True)`` looks up (by its name)."""
-    for orig in originals:
-        if any(isinstance(m, nn.Embedding) and m.sparse for m, _ in orig.usages):
-            return orig.fqn
-    return None
+def _refuse_lookup_options(plans: list[UnitPlan], row_sparse: frozenset[str]) -> None:
+    """Every embedding's options, before any unit is built (flat/_lookup_options.py)."""
+    for plan in plans:
+        for orig in plan.originals:
+            for module, _ in orig.usages:
+                if isinstance(module, nn.Embedding):
+                    trainable = orig.param.requires_grad
+                    refuse_lookup_options(orig.fqn, module, trainable, orig.fqn in row_sparse)
 
 
 def _split_tables(params: list[OriginalParam], tables: frozenset[str]) -> list[list[OriginalParam]]:

@@ -68,6 +68,7 @@ from torch import nn
 
 from flatshard.comm._collectives import all_gather_into, exchange_rows, split_division
 from flatshard.comm._ranks import global_rank
+from flatshard.flat._lookup_options import max_norm_message
 
 if TYPE_CHECKING:
     from flatshard.flat._flat_param import FlatParamGroup
@@ -228,7 +229,7 @@ class RowSparseTable:
     ) -> torch.Tensor:
         """``F.embedding(input, table, ...)``: the rows of ``input`` (see the note)."""
         if max_norm is not None:
-            raise ValueError(max_norm_message(self.name))
+            raise ValueError(max_norm_message(self.name, max_norm))
         flat = self.flat
         if flat.is_unsharded or flat.gather_in_flight:
             return self._dense(input, padding_idx, scale_grad_by_freq)
@@ -418,13 +419,3 @@ class RowSparseTable:
                 f"{global_rank()}); check the tokenizer's vocabulary against the table."
             )
         return matrix
-
-
-def max_norm_message(name: str) -> str:
-    return (
-        f"flatshard: embedding '{name}' has max_norm, which renormalizes the looked-up rows "
-        "of the weight in place during forward; a sharded table's rows live on their "
-        "owners, so the renormalization would be lost. Renormalize in your own code "
-        "(e.g. after optimizer.step()), or keep the embedding in a NO_SHARD unit; "
-        "sparse_embeddings=True does not support max_norm."
-    )

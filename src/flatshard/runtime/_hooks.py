@@ -15,6 +15,8 @@ import torch
 from torch import nn
 
 from flatshard.comm._ranks import global_rank
+from flatshard.flat._flat_param import FlatParamGroup
+from flatshard.flat._lookup_options import refuse_lookup_options
 from flatshard.flat._row_sparse import RowSparseTable
 from flatshard.runtime._inputs import cast_floats
 from flatshard.runtime._unit import OWNER_ATTR, UNIT_ATTR, Unit, unit_or_error
@@ -35,6 +37,11 @@ def install(unit: Unit) -> None:
         flat.register_post_accumulate_hook(partial(unit.post_backward, flat))
     for name, inner in unit.inner_modules:
         inner.register_forward_pre_hook(partial(_check_gathered, unit, name))
+    for flat in unit.flat_params:
+        for orig in flat.originals:
+            for lookup in [m for m, _ in orig.usages if isinstance(m, nn.Embedding)]:
+                check = partial(_refuse_lookup_options, orig.fqn, flat)
+                lookup.register_forward_pre_hook(check)
     for table in [f.table for f in unit.flat_params if f.table is not None]:
         for user, _ in table.dense_usages:  # a tied table's head waits for its gather
             user.register_forward_pre_hook(_eager(partial(_before_dense_use, table)))
@@ -165,6 +172,13 @@ def _check_gathered(unit: Unit, name: str, module: nn.Module, args: Any) -> None
         "flatshard.summon_full_params(model), or register the method that calls it with "
         "flatshard.register_entry_point(unit_module, 'method')."
     )
+
+
+def _refuse_lookup_options(
+    name: str, flat: FlatParamGroup, embedding: nn.Embedding, args: Any
+) -> None:
+    """An option set after fully_shard (``model.tok.sparse = True``) is refused as at build."""
+    refuse_lookup_options(name, embedding, flat.requires_grad, flat.table is not None)
 
 
 def _before_dense_use(table: RowSparseTable, module: nn.Module, args: Any) -> None:

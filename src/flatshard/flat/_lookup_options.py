@@ -1,0 +1,42 @@
+"""``nn.Embedding`` options a flat group cannot serve, refused by name.
+
+Checked when ``fully_shard`` builds a unit and again before each lookup module's forward
+(the options are plain attributes a user may set afterwards: ``model.tok.sparse = True``).
+Unrefused, each would end in torch's autograd error about views in a later backward, or,
+where none is raised, in weights that are no longer DDP's.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from flatshard.comm._ranks import global_rank
+
+
+def refuse_lookup_options(
+    name: str, embedding: nn.Embedding, trainable: bool, row_sparse: bool
+) -> None:
+    """Raise for an option of ``embedding`` (looking up parameter ``name``) that its flat
+    group cannot serve; ``row_sparse``: the table takes the row-sparse path."""
+    if embedding.max_norm is not None:
+        raise ValueError(max_norm_message(name, embedding.max_norm))
+    if embedding.sparse and trainable and not row_sparse:
+        raise ValueError(
+            f"flatshard: embedding '{name}' has sparse=True (sparse gradients, rank "
+            f"{global_rank()}); flatshard reduces a gradient as dense shards of its flat "
+            "group, which a sparse gradient cannot flow into. Set sparse=False (the same "
+            "gradient, dense), or pass sparse_embeddings=True to fully_shard (with a shard "
+            "group above one rank): only the looked-up rows are then fetched and their "
+            "gradients sent."
+        )
+
+
+def max_norm_message(name: str, max_norm: float) -> str:
+    return (
+        f"flatshard: embedding '{name}' has max_norm={max_norm} (rank {global_rank()}), "
+        "which renormalizes the looked-up rows of the weight in place during forward. "
+        "flatshard's forward reads a gathered copy (or rows) of the sharded weight, so the "
+        "renormalization would not reach the weights the optimizer steps. Set max_norm=None "
+        "and renormalize in your own code, e.g. after optimizer.step() inside "
+        "flatshard.summon_full_params(model) (written back to the shards)."
+    )
