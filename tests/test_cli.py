@@ -238,22 +238,21 @@ def test_choices_take_any_case() -> None:
     )
 
 
-def _bench(argv: list[str], out: Path) -> tuple[dict[str, Any], str]:
-    """``flatshard bench`` in a process of its own: its bench.json and its stdout."""
-    result = subprocess.run(
-        [sys.executable, "-m", "flatshard.cli.main", "bench", *argv, "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    return json.loads((out / "bench.json").read_text()), result.stdout
+def _bench(
+    argv: list[str], out: Path, capsys: pytest.CaptureFixture[str] | None = None
+) -> tuple[dict[str, Any], str]:
+    """``flatshard bench``, its bench.json and its stdout. In this process: its ranks are
+    processes of their own anyway, forked from the suite's server that imported torch
+    ([Note: fast ranks]), so a process for the command itself would only add its imports."""
+    assert main(["bench", *argv, "--out", str(out)]) == 0
+    stdout = capsys.readouterr().out if capsys is not None else ""
+    return json.loads((out / "bench.json").read_text()), stdout
 
 
-def test_bench_compares_all_systems(tmp_path: Path) -> None:
+def test_bench_compares_all_systems(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--preset", "byte-gpt", "--dim", "16", "--layers", "1", "--seq-len", "8"]
     argv += ["--batch", "2", "--steps", "2", "--warmup", "1", "--rounds", "1"]
-    report, stdout = _bench(argv, tmp_path)
+    report, stdout = _bench(argv, tmp_path, capsys)
     assert list(report["systems"]) == ["flatshard", "fsdp2", "ddp", "floor"]
     for system, row in report["systems"].items():
         assert row["median_step_s"] > 0 and row["peak_mem_mib"] > 0, system
@@ -277,13 +276,15 @@ def test_bench_compares_all_systems(tmp_path: Path) -> None:
     assert "vs fsdp2" in stdout and "flatshard" in stdout
 
 
-def test_bench_reports_row_sparse_tables(tmp_path: Path) -> None:
+def test_bench_reports_row_sparse_tables(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """--preset llm-128k: untied, row-sparse tables for flatshard; flatshard-dense beside
     it gathers them whole; the bytes the tables sent per step are reported."""
     argv = ["--preset", "llm-128k", "--vocab", "512", "--dim", "16", "--heads", "2"]
     argv += ["--layers", "1", "--seq-len", "8", "--batch", "2", "--steps", "1", "--rounds", "1"]
     argv += ["--systems", "flatshard,flatshard-dense"]
-    report, stdout = _bench(argv, tmp_path)
+    report, stdout = _bench(argv, tmp_path, capsys)
     assert (report["config"]["tied"], report["config"]["sparse_embeddings"]) == (False, True)
     sparse, dense = report["systems"]["flatshard"], report["systems"]["flatshard-dense"]
     assert sparse["embedding_sparse_lookups"] >= 2 and sparse["embedding_bytes_per_step"] > 0
@@ -299,17 +300,10 @@ def test_bench_scaling_matches_the_formulas(tmp_path: Path, optimizer: str) -> N
     """``--scaling``: at W = 1 and 2, flatshard's "at rest" tensor bytes and collective
     output bytes per step equal their formulas (``cli/bench/formula.py``) exactly, for each
     optimizer (Muon and Adafactor with whole parameters: uneven, padded shards)."""
-    argv = ["bench", "--scaling", "--systems", "flatshard", "--dim", "16", "--layers", "2"]
+    argv = ["--scaling", "--systems", "flatshard", "--dim", "16", "--layers", "2"]
     argv += ["--optimizer", optimizer]
     argv += ["--vocab", "40", "--seq-len", "8", "--batch", "2", "--steps", "1", "--rounds", "1"]
-    subprocess.run(
-        [sys.executable, "-m", "flatshard.cli.main", *argv, "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    scaling = json.loads((tmp_path / "bench.json").read_text())["scaling"]
+    scaling = _bench(argv, tmp_path)[0]["scaling"]
     assert list(scaling) == ["1", "2"]
     for world, systems in scaling.items():
         row = systems["flatshard"]
@@ -337,29 +331,12 @@ def test_more_ranks_than_gpus_is_one_line(capsys: pytest.CaptureFixture[str], co
 def test_bench_accumulation_modes_move_the_bytes_they_should(tmp_path: Path) -> None:
     """--grad-accum 2 with each --accum, every system with its own switches: flatshard's
     bytes per step: keep (no second gather, no early reduction) < no_sync < reduce."""
-    argv = ["bench", "--dim", "16", "--layers", "2", "--heads", "2", "--vocab", "40"]
+    argv = ["--dim", "16", "--layers", "2", "--heads", "2", "--vocab", "40"]
     argv += ["--seq-len", "8", "--batch", "4", "--grad-accum", "2", "--steps", "1"]
     argv += ["--warmup", "1", "--rounds", "1", "--systems", "flatshard,fsdp2,ddp"]
     moved = {}
     for accum in ("keep", "no_sync", "reduce"):
-        out = tmp_path / accum
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "flatshard.cli.main",
-                *argv,
-                "--accum",
-                accum,
-                "--out",
-                str(out),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=True,
-        )
-        systems = json.loads((out / "bench.json").read_text())["systems"]
+        systems = _bench([*argv, "--accum", accum], tmp_path / accum)[0]["systems"]
         assert all(row["median_step_s"] > 0 for row in systems.values()), systems
         moved[accum] = systems["flatshard"]["collective_output_bytes"]
     assert moved["keep"] < moved["no_sync"] < moved["reduce"], moved

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
@@ -114,7 +115,8 @@ class TableProxy(torch.Tensor):
     ) -> Any:
         kwargs = kwargs or {}
         if func is F.embedding:
-            return _eager_lookup(_table_of(args, kwargs), *args, **kwargs)
+            table = _table_of(args, kwargs)
+            return table.eager_lookup(table, *args, **kwargs)
         if getattr(func, "__name__", "") in cls._METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
@@ -142,13 +144,17 @@ def _row_sparse_lookup(table: RowSparseTable, *args: Any, **kwargs: Any) -> torc
     return table.lookup(*args, **kwargs)
 
 
-# ``table.lookup``, never traced by torch.compile: its ids' values decide the collectives'
-# sizes (``torch.unique``, the count matrix), which a graph cannot hold; the blocks' graphs
-# around it stay whole ([Note: hooks and torch.compile]).
-_eager_lookup = cast(
-    Callable[..., torch.Tensor],
-    torch.compiler.disable(_row_sparse_lookup, recursive=True),  # type: ignore[no-untyped-call]
-)
+@cache
+def _eager() -> Callable[..., torch.Tensor]:
+    """``table.lookup``, never traced by torch.compile: its ids' values decide the
+    collectives' sizes (``torch.unique``, the count matrix), which a graph cannot hold; the
+    blocks' graphs around it stay whole ([Note: hooks and torch.compile]). Made by the first
+    table: ``torch.compiler.disable`` imports torch._dynamo (1.3 s), which ``import
+    flatshard`` should not pay for."""
+    return cast(
+        Callable[..., torch.Tensor],
+        torch.compiler.disable(_row_sparse_lookup, recursive=True),  # type: ignore[no-untyped-call]
+    )
 
 
 def _registry(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -187,6 +193,7 @@ class RowSparseTable:
         # (unique ids, their row gradients, the lookup's tokens)
         self._pending: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         self.traffic = TableTraffic()
+        self.eager_lookup = _eager()  # made here: the traced proxy call only reads it
 
     # ------------------------------------------------------------------ views
     def unshard(self, backward: bool) -> None:
