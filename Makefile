@@ -19,8 +19,13 @@ $(TRAIN_STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[bench]'
 	touch $@
 
+# torchtitan's models for tests/test_torchtitan.py: without its dependencies (they pull
+# datasets, tokenizers, wandb...), with only what importing its models needs.
+TORCHTITAN := torchtitan einops tyro docstring_parser typeguard spmd_types torch_checkpointing triton
+
 $(DEV_STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --no-deps -c constraints.txt $(TORCHTITAN)
 	touch $@
 
 train: $(TRAIN_STAMP)

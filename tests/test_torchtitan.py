@@ -1,0 +1,128 @@
+"""torchtitan's own models under flatshard, against DDP's semantics.
+
+Llama 3 (its debug configuration cut to 2 blocks, tied and untied, tables dense and
+row-sparse) and DeepSeek-V3 (MLA attention, a dense block and a mixture-of-experts block
+with shared experts), built by torchtitan's own config classes, with FlexAttention swapped
+for SDPA (no FlexAttention kernels on a CPU). Each rank trains on its slice of the batch;
+the reference is the unsharded model with each rank's loss backpropagated separately and
+the gradients averaged, as DDP would: MoE routing depends on the batch, so the global batch
+in one forward would route differently. Clipping and SGD with momentum on both sides;
+parameters after three steps within fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import flatshard
+from flatshard.testing.workers import WorkerContext, WorkerPool
+
+pytest.importorskip("torchtitan")
+
+VOCAB = 2048
+STEPS = 3
+ROWS = 6  # sequences per step, split over 2 or 3 ranks
+
+
+def _build(kind: str, tied: bool) -> tuple[nn.Module, type[nn.Module]]:
+    """torchtitan's debug model of ``kind`` with 2 blocks and SDPA attention, its weights
+    initialized by torchtitan (``init_states``), and its block class."""
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    if kind == "llama3":
+        from torchtitan.models.llama3 import llama3_configs
+
+        config = llama3_configs["debugmodel"](attn_backend="flex")
+    else:
+        from torchtitan.models.deepseek_v3 import deepseekv3_configs
+
+        config = deepseekv3_configs["debugmodel"](attn_backend="flex", moe_comm_backend="standard")
+    layers = config.layers[:2]  # DeepSeek-V3: the dense block, then a MoE one
+    for layer in layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    config = dataclasses.replace(config, layers=layers, enable_weight_tying=tied)
+    model = config.build()
+    model.init_states(buffer_device=None)
+    return model, type(model.layers["0"])
+
+
+def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+def titan_job(
+    ctx: WorkerContext, kind: str, tied: bool, sparse: bool, world: int
+) -> dict[str, Any] | None:
+    group = ctx.group(world)
+    if group is None:
+        return None
+    torch.manual_seed(0)
+    model, block = _build(kind, tied)
+    reference, _ = _build(kind, tied)
+    reference.load_state_dict(model.state_dict())
+    flatshard.fully_shard(
+        model, auto_wrap_policy={block}, process_group=group, sparse_embeddings=sparse
+    )
+    # SGD: Adam's update divides by the gradient's own scale, so a rounding difference in
+    # a near-zero gradient becomes a whole step's difference; SGD keeps it a rounding one.
+    optim = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    ref_optim = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
+    gen = torch.Generator().manual_seed(0)
+    per_rank = ROWS // world
+    for _ in range(STEPS):
+        tokens = torch.randint(0, VOCAB, (ROWS, 17), generator=gen)
+        tokens[per_rank:] %= 300  # the other ranks' ids from a corner of the vocabulary
+        mine = tokens[ctx.rank * per_rank : (ctx.rank + 1) * per_rank]
+        _loss(model, mine).backward()
+        flatshard.clip_grad_norm_(model, 1.0)
+        optim.step()
+        optim.zero_grad()
+        for r in range(world):  # DDP: each rank's loss, the gradients averaged
+            (_loss(reference, tokens[r * per_rank : (r + 1) * per_rank]) / world).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        ref_optim.step()
+        ref_optim.zero_grad()
+    full = flatshard.full_state_dict(model)  # (every rank takes part; rank 0 holds it)
+    traffic = flatshard.embedding_traffic(model) if sparse else {}
+    if ctx.rank != 0:
+        return None
+    # torchtitan's state_dict names the fused attention weights apart (its hooks): compare
+    # state dicts, without the MoE's routing statistics (buffers counted per rank's batch).
+    expected = reference.state_dict()
+    counted = {n for n, _ in reference.named_buffers()}
+    return {
+        "params": {n: t for n, t in full.items() if n not in counted},
+        "expected": {n: t for n, t in expected.items() if n not in counted},
+        "lookups": {name: t.lookups for name, t in traffic.items()},
+    }
+
+
+@pytest.mark.parametrize(
+    ("kind", "tied", "sparse", "world"),
+    [
+        ("llama3", False, False, 2),
+        ("llama3", False, True, 3),
+        ("llama3", True, True, 2),
+        ("deepseek_v3", False, False, 2),
+        ("deepseek_v3", False, True, 2),
+    ],
+)
+def test_torchtitan_models_train_like_ddp(
+    pool: WorkerPool, kind: str, tied: bool, sparse: bool, world: int
+) -> None:
+    result = pool.run(titan_job, kind, tied, sparse, world)[0]
+    assert result["params"].keys() == result["expected"].keys()
+    for name, expected in result["expected"].items():
+        try:
+            torch.testing.assert_close(result["params"][name], expected.detach())
+        except AssertionError as error:
+            raise AssertionError(f"parameter '{name}': {error}") from None
+    if sparse:  # the token table was looked up row-sparse at every step
+        assert result["lookups"]["tok_embeddings.weight"] == STEPS, result["lookups"]
