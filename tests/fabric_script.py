@@ -19,24 +19,15 @@ from lightning.fabric import Fabric
 from torch import nn
 
 from flatshard.integrations.lightning import FlatshardFabricStrategy
-from lightning_script import VOCAB, WIDTH, Block, loader
+from lightning_script import Block, Layers, loader
 
 STEPS = 4
 
 
-class Net(nn.Module):
+class Net(Layers):
     def __init__(self) -> None:
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.ModuleList(Block() for _ in range(2))
-        self.head = nn.Linear(WIDTH, VOCAB)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.embed(tokens)
-        for block in self.blocks:
-            h = block(h)
-        logits: torch.Tensor = self.head(h)
-        return logits
+        self.add_layers()
 
 
 def train(

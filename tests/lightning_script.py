@@ -40,7 +40,24 @@ class Block(nn.Module):
         return x + self.mlp(x)
 
 
-class TinyLM(L.LightningModule):
+class Layers(nn.Module):
+    """An embedding, two blocks and a head, set on the module itself (under Lightning:
+    on the LightningModule, which is then the root unit)."""
+
+    def add_layers(self) -> None:
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        logits: torch.Tensor = self.head(h)
+        return logits
+
+
+class TinyLM(Layers, L.LightningModule):
     """The embedding and head sit on the LightningModule itself: the root unit."""
 
     def __init__(self, on_meta: bool = False) -> None:
@@ -53,19 +70,7 @@ class TinyLM(L.LightningModule):
         if hasattr(self, "head"):
             return
         with torch.device("meta") if self.on_meta else nullcontext():
-            self._build()
-
-    def _build(self) -> None:
-        self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.ModuleList(Block() for _ in range(2))
-        self.head = nn.Linear(WIDTH, VOCAB)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.embed(tokens)
-        for block in self.blocks:
-            h = block(h)
-        logits: torch.Tensor = self.head(h)
-        return logits
+            self.add_layers()
 
     def _loss(self, batch: list[torch.Tensor]) -> torch.Tensor:
         tokens, targets = batch
