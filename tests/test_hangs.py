@@ -22,7 +22,7 @@ from torch import nn
 
 import flatshard
 from flatshard.testing.isolated import Died, run_isolated
-from flatshard.testing.models import ReluLinear, Trunk
+from flatshard.testing.models import ReluLinear, Trunk, VocabGPT
 
 CHECKS = flatshard.Checks(timeout=2.0)
 LIMIT_S = 2.0 + 15.0
@@ -187,13 +187,27 @@ def rank0_only_job(rank: int, call: str, directory: str) -> tuple[str, str, floa
     return _outcome(run)
 
 
-def extra_step_job(rank: int) -> tuple[str, str, float]:
-    """Rank 1 got one batch more (uneven data); rank 0 then waits in its own barrier."""
-    model = _net()
+def extra_step_job(rank: int, sparse: bool) -> tuple[str, str, float]:
+    """Rank 1 got one batch more (uneven data); rank 0 then waits in its own barrier.
+    ``sparse``: a GPT with row-sparse tables, whose all-to-alls are uneven by design (each
+    rank sends what the others asked of it): not where the ranks diverged."""
+    if sparse:
+        flatshard.set_checks(CHECKS)
+        torch.manual_seed(0)
+        gpt = VocabGPT()
+        model = flatshard.fully_shard(
+            gpt, auto_wrap_policy=set(gpt.UNIT_CLASSES), sparse_embeddings=True
+        )
+    else:
+        model = _net()
+    gen = torch.Generator().manual_seed(rank)
 
     def run() -> None:
         for _ in range(3 if rank == 1 else 2):
-            _step(model)
+            if sparse:
+                model(torch.randint(0, 512, (2, 8), generator=gen)).sum().backward()
+            else:
+                _step(model)
 
     outcome = _outcome(run)
     if rank == 0:
@@ -201,11 +215,13 @@ def extra_step_job(rank: int) -> tuple[str, str, float]:
     return outcome
 
 
-def test_a_rank_with_one_batch_more_is_told_the_others_ran_out() -> None:
-    done, (name, message, seconds) = run_isolated(extra_step_job)
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "row_sparse_tables"])
+def test_a_rank_with_one_batch_more_is_told_the_others_ran_out(sparse: bool) -> None:
+    done, (name, message, seconds) = run_isolated(extra_step_job, sparse)
     assert done[0] == "", done  # rank 0 finished its batches
     assert name == "CollectiveTimeoutError" and seconds < LIMIT_S, message
     assert "rank 0: not in a flatshard collective; its last: " in message
+    assert re.search(r"diverged, at collective #\d+: rank 0 issued nothing \(yet\)", message)
     assert "Rank(s) 0 issued fewer collectives and wait for none" in message
     assert "ran out of batches" in message and "drop_last=True" in message
 

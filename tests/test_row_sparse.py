@@ -13,6 +13,7 @@ the path cannot serve.
 
 from __future__ import annotations
 
+import re
 from typing import Any, cast
 
 import pytest
@@ -299,6 +300,36 @@ def _errors_job(ctx: WorkerContext) -> None:
     with pytest.raises(IndexError, match=r"outside \[0, 512\).*shard rank\(s\) \[1\]"):
         model(ids)
     return None
+
+
+def _skipped_backward_job(ctx: WorkerContext) -> list[str]:
+    """Rank 1 runs a second forward where rank 0 runs the backward: rank 0's gradient
+    exchange meets rank 1's lookup. Their all-to-alls would pair with different sizes,
+    which gloo answers by aborting the process; the count matrix before them says which
+    exchange each rank is in, and both ranks raise."""
+    group = ctx.group(2)
+    if group is None:
+        return []
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(512, 8))  # the table alone: nothing else gathered
+    flatshard.fully_shard(model, process_group=group, sparse_embeddings=True)
+    ids = torch.randint(0, 512, (2, 6))
+    out = model(ids)
+    with pytest.raises(flatshard.CollectiveMismatchError) as raised:
+        if dist.get_rank(group) == 0:
+            out.sum().backward()
+        else:
+            model(ids)  # a forward with gradients that no backward followed
+    return [str(raised.value)]
+
+
+def test_a_skipped_backward_meets_a_named_error_not_an_abort(pool: WorkerPool) -> None:
+    messages = [m for r in pool.run(_skipped_backward_job)[:2] for m in r]
+    assert len({re.sub(r"this is rank \d", "", m) for m in messages}) == 1, messages
+    for message in messages:
+        assert "shard rank 0: the gradient exchange (end of backward) of '0.weight'" in message
+        assert "shard rank 1: the forward lookup of '0.weight'" in message
+        assert "Every rank must make the same flatshard calls" in message
 
 
 def test_errors_name_the_table(pool: WorkerPool) -> None:

@@ -22,7 +22,8 @@ class Status:
     host: str
     waiting: str | None  # what this rank waits for now, in user terms
     waiting_s: float
-    recent: list[tuple[str, int, str]]  # (group, sequence number, description), oldest first
+    # (group, sequence number, description, what every rank must say alike), oldest first
+    recent: list[tuple[str, int, str, str]]
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -42,7 +43,7 @@ class Status:
             host=str(data["host"]),
             waiting=None if data["waiting"] is None else str(data["waiting"]),
             waiting_s=float(str(data["waiting_s"])),
-            recent=[(str(g), int(s), str(t)) for g, s, t in recent],
+            recent=[(str(g), int(s), str(t), str(a)) for g, s, t, a in recent],
         )
 
 
@@ -70,8 +71,9 @@ def _doing(status: Status | None) -> str:
     return f"not in a flatshard collective; its last: {last}"
 
 
-def _by_seq(group: str, status: Status) -> dict[int, str]:
-    return {seq: text for g, seq, text in status.recent if g == group}
+def _by_seq(group: str, status: Status) -> dict[int, tuple[str, str]]:
+    """(description, what ranks must say alike) by sequence number."""
+    return {seq: (text, agreed) for g, seq, text, agreed in status.recent if g == group}
 
 
 def _divergence(group: str, ranks: list[int], statuses: dict[int, Status]) -> str:
@@ -80,11 +82,11 @@ def _divergence(group: str, ranks: list[int], statuses: dict[int, Status]) -> st
     if len(seen) < 2:
         return ""
     for seq in sorted({seq for calls in seen.values() for seq in calls}):
-        texts = {r: calls.get(seq) for r, calls in seen.items() if seq >= min(calls, default=0)}
-        if len(set(texts.values())) > 1:
+        calls_at = {r: calls.get(seq) for r, calls in seen.items() if seq >= min(calls, default=0)}
+        if len({c[1] if c else None for c in calls_at.values()}) > 1:
             said = "; ".join(
-                f"rank {r} {'issued ' + t if t else 'issued nothing (yet)'}"
-                for r, t in sorted(texts.items())
+                f"rank {r} {'issued ' + c[0] if c else 'issued nothing (yet)'}"
+                for r, c in sorted(calls_at.items())
             )
             return f"Where the ranks diverged, at collective #{seq}: {said}."
     return ""

@@ -29,6 +29,18 @@ class Record:
             f"{self.op}{unit} ({self.numel:,} {self.dtype})"
         )
 
+    def agreed(self) -> str:
+        """What every rank's record of this collective must say alike: ``describe()``, but
+        for an all-to-all without the elements this rank sent (uneven by design: each rank
+        sends what the others asked of it)."""
+        if self.op != "all_to_all":
+            return self.describe()
+        unit = f" of unit '{self.unit}'" if self.unit else ""
+        return (
+            f"collective #{self.seq} (step {self.step}, {self.phase}): all_to_all{unit} "
+            f"({self.dtype})"
+        )
+
     def descriptor(self) -> str:
         """What every rank must agree on, as text that travels through the store."""
         return json.dumps(asdict(self), sort_keys=True)

@@ -306,7 +306,7 @@ class Watchdog:
             host=socket.gethostname(),
             waiting=None if waiting is None else waiting[0],
             waiting_s=0.0 if waiting is None else time.monotonic() - waiting[1],
-            recent=[(r.group, r.seq, r.describe()) for r in list(self.recent)],
+            recent=[(r.group, r.seq, r.describe(), r.agreed()) for r in list(self.recent)],
         )
         self.store.set(f"flatshard/{kind}/{generation}/{self.rank}", json.dumps(status.to_json()))
 

@@ -7,8 +7,9 @@ shard group a contiguous block of whole rows. In forward the embedding module ho
 ``TableProxy`` instead of a view of the gathered table; ``F.embedding`` on it runs
 ``RowSparseTable.lookup``:
 1. this rank's token ids, made unique (sorted), are counted per owning rank, and the shard
-   group all-gathers the counts (F + 1 integers per rank; the last counts ids out of range,
-   so that every rank raises the same error);
+   group all-gathers the counts (F + 2 integers per rank: the last but one counts ids out of
+   range, the last says which exchange follows, so that every rank raises the same error
+   for either, rather than gloo aborting on all-to-alls that pair wrongly);
 2. the rule below picks dense or sparse, alike on every rank since all see all the counts;
 3. sparse: an all-to-all sends each owner the ids it holds, another returns their rows (in
    the compute dtype); the lookup is ``F.embedding`` of the ids' positions among the unique
@@ -57,6 +58,7 @@ union of all their tokens alike. The rule and every collective then run as on re
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -68,6 +70,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from flatshard.comm._collectives import all_gather_into, exchange_rows, split_division
+from flatshard.comm._diagnosis import SAME_CALLS
+from flatshard.comm._errors import CollectiveMismatchError
 from flatshard.comm._ranks import global_rank
 from flatshard.flat._lookup_options import max_norm_message
 
@@ -155,6 +159,14 @@ def _eager() -> Callable[..., torch.Tensor]:
         Callable[..., torch.Tensor],
         torch.compiler.disable(_row_sparse_lookup, recursive=True),  # type: ignore[no-untyped-call]
     )
+
+
+_EXCHANGES = {"lookup": "the forward lookup", "gradient": "the gradient exchange (end of backward)"}
+
+
+def _exchange_code(name: str, what: str) -> int:
+    """The same integer on every rank for the same table and exchange, others differ."""
+    return (zlib.crc32(name.encode()) << 1) | (what == "gradient")
 
 
 def _registry(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -403,7 +415,12 @@ class RowSparseTable:
         return [[*row, 0] for _ in range(self.flat.factor)]
 
     def _count_matrix(self, unique: torch.Tensor, what: str) -> list[list[int]]:
-        """Every rank's ids per owner (F + 1 columns: the last is out of range)."""
+        """Every rank's ids per owner (F + 1 columns: the last is out of range).
+
+        Each rank also sends which exchange follows (this table's lookup or gradient,
+        ``_exchange_code``): ranks in different exchanges would otherwise pair all-to-alls
+        of different sizes, which gloo ends with an abort of the process; seen here, the
+        same error is raised on every rank instead."""
         f = self.flat.factor
         ends = torch.tensor(self.ends, dtype=unique.dtype, device=unique.device)
         below = torch.searchsorted(unique, ends)  # ids < each owner's end
@@ -411,13 +428,17 @@ class RowSparseTable:
             unique, torch.zeros(1, dtype=unique.dtype, device=unique.device)
         )
         starts = torch.cat([negative, below[:-1]])
-        counts = torch.cat([below - starts, (negative + unique.numel() - below[-1:])])
-        gathered = counts.new_empty(f * (f + 1))
-        tag = self.flat.on_collective("all_gather", f + 1)
+        code = negative.new_full((1,), _exchange_code(self.name, what))
+        counts = torch.cat([below - starts, (negative + unique.numel() - below[-1:]), code])
+        gathered = counts.new_empty(f * (f + 2))
+        tag = self.flat.on_collective("all_gather", f + 2)
         all_gather_into(gathered, counts, self._group, tag)
         if unique.is_meta:  # a plan: no values to count
             return self._planned_matrix(unique.numel())
-        matrix: list[list[int]] = gathered.view(f, f + 1).tolist()
+        matrix: list[list[int]] = gathered.view(f, f + 2).tolist()
+        codes = [row.pop() for row in matrix]
+        if len(set(codes)) > 1:
+            raise CollectiveMismatchError(self._mismatch(codes))
         bad = [r for r, row in enumerate(matrix) if row[-1]]
         if bad:
             raise IndexError(
@@ -426,3 +447,17 @@ class RowSparseTable:
                 f"{global_rank()}); check the tokenizer's vocabulary against the table."
             )
         return matrix
+
+    def _mismatch(self, codes: list[int]) -> str:
+        """Which exchange each shard rank was in, for ranks that disagree."""
+        named = {
+            _exchange_code(self.name, w): f"{_EXCHANGES[w]} of '{self.name}'" for w in _EXCHANGES
+        }
+        doing = "; ".join(
+            f"shard rank {r}: {named.get(c, 'an exchange of another table')}"
+            for r, c in enumerate(codes)
+        )
+        return (
+            f"flatshard: ranks reached different row-sparse exchanges (this is rank "
+            f"{global_rank()}): {doing}. {SAME_CALLS}"
+        )
