@@ -261,8 +261,14 @@ def _errors_job(ctx: WorkerContext) -> None:
         )
     sparse_grads = VocabGPT(tied=False)
     sparse_grads.tok.sparse = True  # torch's sparse gradients: served by the row-sparse path only
-    with pytest.raises(ValueError, match=r"embedding 'tok\.weight' has sparse=True"):
+    with pytest.raises(ValueError, match=r"Embedding 'tok\.weight' has sparse=True"):
         flatshard.fully_shard(sparse_grads, process_group=group)
+    for option in ("sparse", "max_norm"):  # nn.EmbeddingBag: the dense path only, alike
+        bag = nn.EmbeddingBag(64, 4, sparse=option == "sparse")
+        bag.max_norm = 1.0 if option == "max_norm" else None
+        match = r"EmbeddingBag '0\.weight' has sparse=True" if option == "sparse" else "max_norm"
+        with pytest.raises(ValueError, match=match):
+            flatshard.fully_shard(nn.Sequential(bag, nn.Linear(4, 2)), **options)
     frozen = VocabGPT(tied=False)
     frozen.tok.sparse = True
     frozen.tok.requires_grad_(False)  # no gradient at all: nothing to refuse

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from flatshard.comm._ranks import join_name
+from flatshard.flat._lookup_options import LOOKUPS
 from flatshard.flat._partition import UnitPlan
 
 _CHUNK_BYTES = 1 << 20  # bytes checksummed at a time
@@ -30,7 +31,7 @@ def structure_lines(plans: list[UnitPlan], strategy: str, whole: Collection[str]
                 f"  parameter '{orig.fqn}' shape {tuple(p.shape)} {str(p.dtype)[6:]} "
                 f"requires_grad={p.requires_grad}{' whole' if orig.fqn in whole else ''}"
             )
-            lookups = [m for m, _ in orig.usages if isinstance(m, nn.Embedding)]
+            lookups = [m for m, _ in orig.usages if isinstance(m, LOOKUPS)]
             lines += [f"  '{orig.fqn}' looked up by {_lookup_line(m)}" for m in lookups]
         for mname, module in plan.modules:
             for bname, buf in module._buffers.items():
@@ -40,12 +41,13 @@ def structure_lines(plans: list[UnitPlan], strategy: str, whole: Collection[str]
     return lines
 
 
-def _lookup_line(e: nn.Embedding) -> str:
+def _lookup_line(e: nn.Embedding | nn.EmbeddingBag) -> str:
     """An embedding's options: each changes the result, or the path that serves it."""
+    bag = f", mode={e.mode}" if isinstance(e, nn.EmbeddingBag) else ""
     return (
-        f"nn.Embedding(padding_idx={e.padding_idx}, max_norm={e.max_norm}, "
+        f"nn.{type(e).__name__}(padding_idx={e.padding_idx}, max_norm={e.max_norm}, "
         f"norm_type={e.norm_type}, scale_grad_by_freq={e.scale_grad_by_freq}, "
-        f"sparse={e.sparse})"
+        f"sparse={e.sparse}{bag})"
     )
 
 

@@ -28,7 +28,7 @@ from flatshard.comm._mesh import ShardGroups, ShardingStrategy, model_group, res
 from flatshard.comm._ranks import join_name
 from flatshard.flat._awaiting_load import awaits_load, mark_awaiting
 from flatshard.flat._flat_param import FlatParamGroup, OriginalParam, Placement
-from flatshard.flat._lookup_options import refuse_lookup_options
+from flatshard.flat._lookup_options import LOOKUPS, refuse_lookup_options
 from flatshard.flat._mixed_precision import OFFLOAD_DEVICE, CPUOffload, MixedPrecision
 from flatshard.flat._partition import UnitPlan, partition
 from flatshard.flat._policy import AutoWrapPolicy, is_within, select_unit_roots
@@ -436,7 +436,7 @@ def _refuse_lookup_options(plans: list[UnitPlan], row_sparse: frozenset[str]) ->
     for plan in plans:
         for orig in plan.originals:
             for module, _ in orig.usages:
-                if isinstance(module, nn.Embedding):
+                if isinstance(module, LOOKUPS):
                     trainable = orig.param.requires_grad
                     refuse_lookup_options(orig.fqn, module, trainable, orig.fqn in row_sparse)
 

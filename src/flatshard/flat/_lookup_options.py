@@ -1,4 +1,5 @@
-"""``nn.Embedding`` options a flat group cannot serve, refused by name.
+"""``nn.Embedding`` and ``nn.EmbeddingBag`` options a flat group cannot serve, refused by
+name.
 
 Checked when ``fully_shard`` builds a unit and again before each lookup module's forward
 (the options are plain attributes a user may set afterwards: ``model.tok.sparse = True``).
@@ -12,22 +13,28 @@ from torch import nn
 
 from flatshard.comm._ranks import global_rank
 
+LOOKUPS = (nn.Embedding, nn.EmbeddingBag)  # the modules whose options are checked
+
 
 def refuse_lookup_options(
-    name: str, embedding: nn.Embedding, trainable: bool, row_sparse: bool
+    name: str, embedding: nn.Embedding | nn.EmbeddingBag, trainable: bool, row_sparse: bool
 ) -> None:
     """Raise for an option of ``embedding`` (looking up parameter ``name``) that its flat
     group cannot serve; ``row_sparse``: the table takes the row-sparse path."""
     if embedding.max_norm is not None:
         raise ValueError(max_norm_message(name, embedding.max_norm))
     if embedding.sparse and trainable and not row_sparse:
+        served = (
+            ", or pass sparse_embeddings=True to fully_shard (with a shard group above one "
+            "rank): only the looked-up rows are then fetched and their gradients sent"
+            if isinstance(embedding, nn.Embedding)
+            else ""
+        )
         raise ValueError(
-            f"flatshard: embedding '{name}' has sparse=True (sparse gradients, rank "
-            f"{global_rank()}); flatshard reduces a gradient as dense shards of its flat "
-            "group, which a sparse gradient cannot flow into. Set sparse=False (the same "
-            "gradient, dense), or pass sparse_embeddings=True to fully_shard (with a shard "
-            "group above one rank): only the looked-up rows are then fetched and their "
-            "gradients sent."
+            f"flatshard: {type(embedding).__name__} '{name}' has sparse=True (sparse "
+            f"gradients, rank {global_rank()}); flatshard reduces a gradient as dense "
+            "shards of its flat group, which a sparse gradient cannot flow into. Set "
+            f"sparse=False (the same gradient, dense){served}."
         )
 
 

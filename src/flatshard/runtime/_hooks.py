@@ -16,7 +16,7 @@ from torch import nn
 
 from flatshard.comm._ranks import global_rank
 from flatshard.flat._flat_param import FlatParamGroup
-from flatshard.flat._lookup_options import refuse_lookup_options
+from flatshard.flat._lookup_options import LOOKUPS, refuse_lookup_options
 from flatshard.flat._row_sparse import RowSparseTable
 from flatshard.runtime._inputs import cast_floats
 from flatshard.runtime._unit import OWNER_ATTR, UNIT_ATTR, Unit, unit_or_error
@@ -39,7 +39,7 @@ def install(unit: Unit) -> None:
         inner.register_forward_pre_hook(partial(_check_gathered, unit, name))
     for flat in unit.flat_params:
         for orig in flat.originals:
-            for lookup in [m for m, _ in orig.usages if isinstance(m, nn.Embedding)]:
+            for lookup in [m for m, _ in orig.usages if isinstance(m, LOOKUPS)]:
                 check = partial(_refuse_lookup_options, orig.fqn, flat)
                 lookup.register_forward_pre_hook(check)
     for table in [f.table for f in unit.flat_params if f.table is not None]:
@@ -175,7 +175,7 @@ def _check_gathered(unit: Unit, name: str, module: nn.Module, args: Any) -> None
 
 
 def _refuse_lookup_options(
-    name: str, flat: FlatParamGroup, embedding: nn.Embedding, args: Any
+    name: str, flat: FlatParamGroup, embedding: nn.Embedding | nn.EmbeddingBag, args: Any
 ) -> None:
     """An option set after fully_shard (``model.tok.sparse = True``) is refused as at build."""
     refuse_lookup_options(name, embedding, flat.requires_grad, flat.table is not None)
