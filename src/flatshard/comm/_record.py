@@ -19,27 +19,20 @@ class Record:
     unit: str  # the unit's name, "" if none
     step: int  # backward passes the model's root completed
 
-    def describe(self) -> str:
-        """In user terms, e.g. collective #7 (step 1, forward): all_gather of unit 'b' ..."""
+    def describe(self, sizes: bool = True) -> str:
+        """In user terms, e.g. collective #7 (step 1, forward): all_gather of unit 'b' ...
+        (``sizes=False``: without the elements this rank sends)."""
         if self.op == "call":
             return f"{self.phase} at step {self.step} (after collective #{self.seq})"
         unit = f" of unit '{self.unit}'" if self.unit else ""
-        return (
-            f"collective #{self.seq} (step {self.step}, {self.phase}): "
-            f"{self.op}{unit} ({self.numel:,} {self.dtype})"
-        )
+        data = f"{self.numel:,} {self.dtype}" if sizes else self.dtype
+        return f"collective #{self.seq} (step {self.step}, {self.phase}): {self.op}{unit} ({data})"
 
     def agreed(self) -> str:
         """What every rank's record of this collective must say alike: ``describe()``, but
         for an all-to-all without the elements this rank sent (uneven by design: each rank
         sends what the others asked of it)."""
-        if self.op != "all_to_all":
-            return self.describe()
-        unit = f" of unit '{self.unit}'" if self.unit else ""
-        return (
-            f"collective #{self.seq} (step {self.step}, {self.phase}): all_to_all{unit} "
-            f"({self.dtype})"
-        )
+        return self.describe(sizes=self.op != "all_to_all")
 
     def descriptor(self) -> str:
         """What every rank must agree on, as text that travels through the store."""
