@@ -24,6 +24,16 @@ MAIN = [sys.executable, "-m", "flatshard.cli.main"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
 TORCHRUN += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--max-restarts", "2"]
 KILL_AT_STEP = 15  # after the checkpoint of step 8, before that of step 16
+SAVE_PAUSE_S = 1.0
+# Loaded first by every Python process of a killed run (PYTHONPATH): each save pauses
+# while its checkpoint is still '.partial', so the kill during a save cannot miss the
+# window (a tiny model's save lasts milliseconds: on a loaded machine the test's polling
+# could miss every save of the run and time out).
+SLOW_SAVES = f"""
+from flatshard.testing.internals import checkpoint_saves_pause
+
+checkpoint_saves_pause({SAVE_PAUSE_S})
+"""
 
 
 def _losses(out_dir: Path) -> dict[int, float]:
@@ -96,11 +106,23 @@ def _being_saved(ckpt_dir: Path) -> str | None:
     return partial[0].removesuffix(".partial") if partial else None
 
 
+def _slow_saves(tmp: Path) -> dict[str, str]:
+    """The environment of a run whose saves pause (``SLOW_SAVES``)."""
+    shim = tmp / "slow_saves"
+    shim.mkdir(parents=True)
+    (shim / "sitecustomize.py").write_text(SLOW_SAVES)
+    path = os.pathsep.join(p for p in [str(shim), os.environ.get("PYTHONPATH", "")] if p)
+    return {**os.environ, "PYTHONPATH": path}
+
+
 def _kill_twice(command: list[str], out: Path) -> tuple[str, float]:
     """Run ``command``; SIGKILL rank 1 mid-run, then rank 0 while a checkpoint is being
     written. Returns the run's stdout, after checking it ended well, and the seconds from the
     first kill to the first step logged after it."""
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = _slow_saves(out.parent / f"{out.name}-env")
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
     _wait(lambda: _last_step(out) >= KILL_AT_STEP)
     killed = _kill(proc.pid, 1)
     _wait(lambda: _last_step(out) < KILL_AT_STEP)  # resumed: later lines dropped

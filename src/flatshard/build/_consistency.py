@@ -66,18 +66,31 @@ def value_lines(plan: UnitPlan, with_params: bool) -> list[str]:
 def _checksum(tensor: torch.Tensor, chunk: int = _CHUNK_BYTES) -> str:
     """An exact, order-sensitive checksum of the tensor's bytes (integer arithmetic).
 
-    Bytes are widened to int64 (8x) and weighted by position (an int64 tensor as long), so
-    they are taken ``chunk`` bytes at a time and weighted in place: the extra memory is
-    16 x ``chunk`` (plus the copy a non-contiguous tensor needs), not 16x the tensor, which
-    would not fit beside a large unit on a GPU.
+    The bytes are read as 8-byte words where their count allows (else 4-byte, else single
+    bytes): a parameter costs one widening per 8 bytes, not per byte (it runs by default
+    on every replicated parameter at ``fully_shard``: docs/performance.md). Each word is
+    added plain and weighted by its position, in int64; products that overflow wrap, the
+    same on every rank. Taken ``chunk`` bytes at a time, so the extra memory is about
+    twice ``chunk`` (plus the copy a non-contiguous tensor needs), not a multiple of the
+    tensor, which would not fit beside a large unit on a GPU.
     """
-    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    words = _words(tensor.detach().contiguous().reshape(-1))
+    step = max(1, chunk // words.element_size())
     plain = weighted = 0
-    for start in range(0, data.numel(), chunk):
-        part = data[start : start + chunk].to(torch.int64)
+    for start in range(0, words.numel(), step):
+        part = words[start : start + step].to(torch.int64, copy=True)
         plain += int(part.sum())
-        weights = torch.arange(start, start + part.numel(), device=data.device)
+        weights = torch.arange(start, start + part.numel(), device=part.device)
         weights.remainder_(65521).add_(1)
         weighted += int(part.mul_(weights).sum())
         del part, weights  # before the next chunk's: loop variables outlive their turn
     return f"{plain}:{weighted}"
+
+
+def _words(flat: torch.Tensor) -> torch.Tensor:
+    """``flat``'s bytes as the widest integer words that divide them."""
+    data = flat.view(torch.uint8)
+    for dtype, size in ((torch.int64, 8), (torch.int32, 4)):
+        if data.numel() % size == 0 and data.storage_offset() % size == 0:
+            return data.view(dtype)
+    return data

@@ -250,7 +250,7 @@ def _build_unit(plan: UnitPlan, build: _UnitBuild, rank: int) -> Unit | None:
     _cast_buffers(plan, policy.buffer_dtype)
     if build.init.check_consistency:
         check_same_on_all_ranks(
-            value_lines(plan, with_params=build.init.check_weights),
+            value_lines(plan, with_params=build.init.compares_weights(build.groups)),
             build.process_group,
             build.compute_device,
             "hold different values",

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flatshard.comm._collectives import broadcast
+from flatshard.comm._mesh import ShardGroups
 from flatshard.comm._ranks import join_name
 from flatshard.flat._partition import UnitPlan
 from flatshard.flat._tensor_parallel import carry
@@ -42,13 +43,28 @@ class InitOptions:
         check_consistency: compare model structure, strategy and buffer values across
             ranks at startup and raise, on every rank, if they differ (one small all-gather
             per unit).
-        check_weights: also compare parameter values across ranks before sharding.
+        check_weights: also compare parameter values across ranks before sharding. None
+            (the default): where ranks hold replicas of the same rows (NO_SHARD, the hybrid
+            strategies), which would otherwise differ forever, as DDP's broadcast prevents;
+            not under FULL_SHARD over all ranks, where each rank keeps only its own rows.
+            False skips it (it reads every parameter once: docs/performance.md).
     """
 
     seed: int | None = None
     sync_module_states: bool = False
     check_consistency: bool = True
-    check_weights: bool = False
+    check_weights: bool | None = None
+
+    def compares_weights(self, groups: ShardGroups) -> bool:
+        """Whether the consistency check compares parameter values for units sharded
+        across ``groups``."""
+        if self.check_weights is None:  # broadcast from rank 0: equal by construction
+            return (
+                self.check_consistency
+                and not self.sync_module_states
+                and (groups.replicate_size > 1)
+            )
+        return self.check_weights
 
     def __post_init__(self) -> None:
         if self.check_weights and not self.check_consistency:

@@ -28,11 +28,14 @@ A mismatch is then reported one step late (``optimizer.step()`` may have applied
 ranks all see the same digests, so they raise together. Collective calls between steps that must
 not act on a mismatched step (state dicts, checkpoints, summon) compare what is pending
 first (``settle``), waiting if need be. A mismatch in the very last step, with no check and
-no such call after it, goes unreported: save the final checkpoint through flatshard.
+no such call after it, is compared at interpreter exit (``settle_at_exit``): every rank
+prints the error and exits with status 1, so the launcher sees the run failed.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 from typing import cast
 
@@ -78,6 +81,7 @@ class _Pending:
     device: torch.device
     when: str
     tag: Tag
+    rank: int  # this rank in the world (the group may be gone when it is read at exit)
 
 
 class StepLedger:
@@ -129,6 +133,27 @@ class StepLedger:
         every = [[str(line) for line in cast(list[str], g)] for g in gathered]
         raise CollectiveMismatchError(_report(every, pending.when, late=True))
 
+    def settle_at_exit(self) -> None:
+        """At interpreter exit: compare the digests still pending. On a mismatch every rank
+        holds the same digests, so every rank prints the error and exits with status 1
+        (an exception in an exit handler would leave the status 0). The lines are not
+        exchanged: the process group may be gone."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if pending.ready is not None:
+            pending.ready.synchronize()
+        if bool((pending.every == pending.mine).all()):
+            return
+        digests = ", ".join(f"rank {r}: {int(d):#x}" for r, d in enumerate(pending.every))
+        sys.stderr.write(
+            f"flatshard: ranks issued different collectives in the last {pending.when} of the "
+            f"run (seen on rank {pending.rank} at exit; digests {digests}): its results mix "
+            "units. Rerun with FLATSHARD_DEBUG=1 to name the first difference.\n"
+        )
+        sys.stderr.flush()
+        os._exit(1)
+
 
 def _gather_later(
     lines: list[str], group: dist.ProcessGroup, device: torch.device, when: str, tag: Tag
@@ -140,12 +165,12 @@ def _gather_later(
     gathered = sent.new_empty(world)
     all_gather_into(gathered, sent, group)  # the stream waits, the host does not
     if device.type == "cpu":  # (tests run this path on gloo: the digests are there)
-        return _Pending(lines, mine, gathered, None, group, device, when, tag)
+        return _Pending(lines, mine, gathered, None, group, device, when, tag, global_rank())
     every = torch.empty(world, dtype=gathered.dtype, pin_memory=True)
     every.copy_(gathered, non_blocking=True)
     ready = torch.Event(device=device)
     ready.record()
-    return _Pending(lines, mine, every, ready, group, device, when, tag)
+    return _Pending(lines, mine, every, ready, group, device, when, tag, global_rank())
 
 
 def _report(per_rank: list[list[str]], when: str, late: bool = False) -> str:

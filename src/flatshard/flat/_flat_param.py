@@ -46,16 +46,19 @@ the same reason. The CPU may run ahead of the GPU; the rate limiter
 
 [Note: stale gathers]
 A gathered buffer is a copy of the shards at the time its all-gather started. If the shard
-is written afterwards (``optimizer.step()`` after a forward that prefetched a unit it never
-ran, or kept a unit gathered for a backward that never came; an EMA swap; any in-place
-edit), that copy is stale, and on NCCL the gather may even have read the shard while the
-step wrote it. So each gather records a fingerprint of the shard's writes: the version
-counters of the shard and of every original parameter (``param.data = view`` gives a
-parameter its own counter, which the optimizer's in-place updates bump), and the count of
-optimizer steps in the process: fused optimizers (``AdamW(fused=True)``, the Hugging Face
-Trainer's default) write the parameters in one kernel that bumps no counter. ``unshard`` finds
-a gathered or gathering buffer whose fingerprint moved, waits for it, frees it and gathers
-again. Every rank runs the same optimizer steps and edits, so every rank decides alike.
+is written afterwards (``optimizer.step()`` while a unit is kept gathered by
+``unshard`` or ``set_reshard_after_backward(False)``, a load, a write-back), that copy is
+stale, and on NCCL the gather may even have read the shard while the step wrote it. So
+each group counts the writes of its shard that flatshard knows of, its ``generation``:
+events every rank sees alike, never a rank-local signal (a tensor's version counter
+misses ``p.data`` writes and fused optimizers; a process-wide count of optimizer steps
+moves for another model's optimizer, on one rank). ``shards_written`` is called by the
+owner of each such event: the step pre-hook of an optimizer that holds the model's
+parameters (``runtime/_optimizer_steps.py``), the loads, ``summon_full_params``'s
+write-back, and, for a model no torch optimizer steps (a hand-written update through
+``p.data``), each synchronized backward. It waits for a gather in flight and bumps the
+generation; ``unshard`` finds a buffer gathered at an older generation, frees it and
+gathers again. Every rank makes the same calls, so every rank decides alike.
 
 [Note: optimizer state sharded across the replicas]
 HYBRID_SHARD_OPTIM keeps HYBRID_SHARD's parameters (each rank holds 1/F, gathered inside
@@ -68,8 +71,8 @@ sharded state dicts and checkpoints therefore see 1/W, as under FULL_SHARD over 
 gradient is reduce-scattered inside the shard group (the F-chunk), then across the
 replicas (the own W-chunk). After the optimizer wrote its region, the other R - 1 W-chunks
 of the shard are old: the next gather first all-gathers the regions across the replicas
-into the shard (``refresh``), decided by the shard's fingerprint ([Note: stale gathers]:
-its write counters, the optimizer-step count, the loads), which every rank sees alike.
+into the shard (``refresh``), decided by the shard's generation ([Note: stale gathers]),
+which every rank sees alike.
 Anything gathered from the originals' layout (state dicts, optimizer state) goes through
 the same two steps (``gather_region``).
 """
@@ -83,7 +86,6 @@ from typing import cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from flatshard.comm._checks import Tag
 from flatshard.comm._collectives import start_all_gather, wait_work
@@ -91,6 +93,7 @@ from flatshard.comm._mesh import ShardGroups
 from flatshard.flat._layout import FlatLayout, ViewPlan, plan_layout
 from flatshard.flat._reduction import GradientReduction
 from flatshard.flat._row_sparse import RowSparseTable
+from flatshard.flat._storage import Holding, Storage, storage_move
 from flatshard.flat._tensor_parallel import TensorParallel, tensor_parallel
 
 
@@ -186,13 +189,15 @@ class FlatParamGroup:
         self._registrations: list[tuple[int, dict[str, torch.Tensor], str]] | None = None
         self.has_tp = any(o.tp is not None for o in originals)  # DTensor parameters
         self._gather: tuple[dist.Work, torch.Tensor] | None = None  # started, not waited
-        self.views_registered = False  # the modules hold views of ``unsharded``
-        self._gathered_version = -1  # shard writes seen by the last gather [Note: stale gathers]
+        self.holding = Holding.ORIGINALS
+        # Writes of the shard flatshard knows of ([Note: stale gathers]); the generation the
+        # buffer was gathered at, and the one the replicas' regions were last refreshed at.
+        self.generation = 0
+        self._gathered_generation = -1
+        self._refreshed_generation = 0
         # Told of every collective issued for the group: (kind, elements sent); gives the
         # tag to issue it with. The unit records it in its root's ledger (see comm/_ledger.py).
         self.on_collective: Callable[[str, int], Tag | None] = _ignore
-        self._loads = 0  # loads into the originals (mark_loaded)
-        self._refreshed_version = -1  # region writes the shard was last refreshed after
         # An embedding table alone in the group, looked up row-sparse (set by fully_shard;
         # see [Note: row-sparse embedding tables] in _row_sparse.py)
         self.table: RowSparseTable | None = None
@@ -208,7 +213,7 @@ class FlatParamGroup:
             source = orig.param.detach().reshape(-1)[start : start + held.numel]
             self.shard[held.local_offset : held.local_offset + held.numel].copy_(source)
         self.use_sharded_data()
-        self._refreshed_version = self._shard_version()  # every replica copied the same rows
+        self._refreshed_generation = self.generation  # every replica copied the same rows
 
     @property
     def param_region(self) -> torch.Tensor:
@@ -219,13 +224,13 @@ class FlatParamGroup:
     def refresh(self) -> None:
         """Split across the replicas: all-gather every replica's region into the shard, if
         any region was written since the last refresh (see the note)."""
-        if self.splits == 1 or self._shard_version() == self._refreshed_version:
+        if self.splits == 1 or self.generation == self._refreshed_generation:
             return
         region = self.param_region.clone()  # an input that is not part of the output
         tag = self.on_collective("all_gather", region.numel())
         assert self.groups.replicate is not None
         wait_work(start_all_gather(self.shard, region, self.groups.replicate, tag))
-        self._refreshed_version = self._shard_version()
+        self._refreshed_generation = self.generation
 
     def gather_region(self, region: torch.Tensor) -> torch.Tensor:
         """A tensor laid out like ``param_region`` -> laid out like the shard (the other
@@ -254,6 +259,12 @@ class FlatParamGroup:
             and self.compute_device == self.shard.device
         )
 
+    @property
+    def originals_are_full(self) -> bool:
+        """The original parameters are whole at all times: the shard is the buffer and the
+        optimizer state is not cut across the replicas."""
+        return self.aliases_shard and self.splits == 1
+
     def _allocate_unsharded(self) -> None:
         """Create the unsharded leaf (C * F,), alive only while unsharded (see the note)."""
         if self.aliases_shard:
@@ -264,7 +275,7 @@ class FlatParamGroup:
             ).requires_grad_(self.requires_grad)
         self._unsharded_data = self.unsharded.data
         self._unsharded_nbytes = self.unsharded.untyped_storage().nbytes()
-        self.is_unsharded = self.aliases_shard
+        self.storage = Storage.GATHERED if self.aliases_shard else Storage.SHARDED
         if not self.aliases_shard:
             free_storage(self._unsharded_data)
         if self._grad_hook is not None:
@@ -282,9 +293,22 @@ class FlatParamGroup:
 
     # ------------------------------------------------------------------ unshard / reshard
     @property
+    def is_unsharded(self) -> bool:
+        """The buffer holds every rank's rows (waited for)."""
+        return self.storage is Storage.GATHERED
+
+    @property
     def gather_in_flight(self) -> bool:
         """An all-gather into the unsharded buffer was started and not yet waited for."""
-        return self._gather is not None
+        return self.storage is Storage.GATHERING
+
+    @property
+    def views_registered(self) -> bool:
+        """The modules hold views of the buffer (or a row-sparse table's proxy)."""
+        return self.holding is not Holding.ORIGINALS
+
+    def _move(self, to: Storage) -> None:
+        self.storage = storage_move(self.storage, to, self.originals[0].fqn)
 
     def start_unshard(self) -> None:
         """Start all-gathering the shards into the unsharded buffer, without waiting.
@@ -292,35 +316,36 @@ class FlatParamGroup:
         Nothing if unsharded or already gathering. See [Note: asynchronous all-gather].
         """
         self.refresh()  # first: with F = 1 the shard is the unsharded buffer itself
-        if self.is_unsharded or self._gather is not None:
+        if self.storage is not Storage.SHARDED:
             return
         allocate_storage(self._unsharded_data, self._unsharded_nbytes)
-        self._gathered_version = self._shard_version()
+        self._gathered_generation = self.generation
         # Cast once per unshard (not once per op), before communicating.
         source = self.shard.to(
             self.compute_device, self.compute_dtype, non_blocking=True, copy=self.offloaded
         )
         if self.groups.shard is None:
             self._unsharded_data.copy_(source)
-            self.is_unsharded = True
+            self._move(Storage.GATHERED)
             return
         tag = self.on_collective("all_gather", source.numel())
         work = start_all_gather(self._unsharded_data, source, self.groups.shard, tag)
         self._gather = (work, source)  # the source must outlive the collective
+        self._move(Storage.GATHERING)
 
     def finish_unshard(self) -> None:
         """Wait for a started all-gather; the buffer is then safe to read."""
         if self._gather is not None:
             wait_work(self._gather[0])
             self._gather = None
-            self.is_unsharded = True
+            self._move(Storage.GATHERED)
 
     def unshard(self) -> None:
         """All-gather the shards (unless unsharded) and register fresh views in the modules.
 
         Views are made anew on every call so that they follow the current grad mode. A
-        gathered buffer the shard was written after is gathered again (see [Note: stale
-        gathers]).
+        buffer gathered before the shard's last known write is gathered again (see [Note:
+        stale gathers]).
         """
         if self.holds_stale_gather:
             self.reshard()
@@ -330,27 +355,29 @@ class FlatParamGroup:
 
     @property
     def holds_stale_gather(self) -> bool:
-        """Whether the buffer was (or is being) gathered from shards written since."""
-        gathered = self.is_unsharded or self._gather is not None
+        """Whether the buffer was (or is being) gathered before the shard's last write."""
         return (
-            gathered and not self.aliases_shard and self._shard_version() != self._gathered_version
+            self.storage is not Storage.SHARDED
+            and not self.aliases_shard
+            and self._gathered_generation != self.generation
         )
 
-    def _shard_version(self) -> int:
-        """How often the shard and its original parameters were written (in place), plus
-        the optimizer steps taken in the process and the loads (see [Note: stale gathers])."""
-        versions = self.shard._version + sum(orig.param._version for orig in self.originals)
-        return versions + optimizer_steps() + self._loads
+    def shards_written(self) -> None:
+        """The shard is about to be written (an optimizer step, a load, a write-back): what
+        was gathered before is stale ([Note: stale gathers]). A gather still reading the
+        shard is waited for first. Every rank calls it alike."""
+        self.finish_unshard()
+        self.generation += 1
 
     def mark_loaded(self) -> None:
-        """A load is about to write the originals: count it as a write, on every rank alike
-        (a rank whose rows are empty sees no version counter move)."""
-        self._loads += 1
+        """A load is about to write the originals (every rank alike, also one whose rows
+        are empty)."""
+        self.shards_written()
 
     @property
     def unshard_allocates(self) -> bool:
         """Whether unsharding now would allocate the unsharded buffer (and gather into it)."""
-        return not (self.is_unsharded or self.aliases_shard or self._gather is not None)
+        return self.storage is Storage.SHARDED
 
     def reshard(self) -> bool:
         """Free the unsharded buffer and register the original parameters again.
@@ -360,10 +387,10 @@ class FlatParamGroup:
         Returns whether memory was freed.
         """
         self.finish_unshard()
-        freed = not self.aliases_shard and self.is_unsharded
+        freed = not self.aliases_shard and self.storage is Storage.GATHERED
         if freed:
             free_storage(self._unsharded_data)
-            self.is_unsharded = False
+            self._move(Storage.SHARDED)
         self.register_views(None)
         return freed
 
@@ -399,7 +426,7 @@ class FlatParamGroup:
         values = [o.param for o in self.originals] if views is None else self._as_used(views)
         for i, registry, name in self._registrations:
             registry[name] = values[i]
-        self.views_registered = views is not None
+        self.holding = Holding.ORIGINALS if views is None else Holding.VIEWS
         if self.table is not None:
             self.table.proxied = False
 
@@ -457,25 +484,6 @@ class FlatParamGroup:
             self.unsharded.register_post_accumulate_grad_hook,
         )
         register(hook)
-
-
-_OPTIMIZER_STEPS = [0]  # optimizer.step() calls in this process, once counting starts
-
-
-def optimizer_steps() -> int:
-    """How many optimizer steps this process took since flatshard started counting them
-    (at its first use); every rank runs the same steps, so every rank counts alike."""
-    if not _COUNTING:
-        register_optimizer_step_post_hook(_count_step)
-        _COUNTING.append(True)
-    return _OPTIMIZER_STEPS[0]
-
-
-_COUNTING: list[bool] = []
-
-
-def _count_step(*unused: object) -> None:
-    _OPTIMIZER_STEPS[0] += 1
 
 
 def _ignore(kind: str, numel: int) -> Tag | None:

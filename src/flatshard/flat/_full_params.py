@@ -92,6 +92,7 @@ def full_params(flat: FlatParamGroup, writeback: bool) -> Iterator[None]:
         yield
     finally:
         if writeback:
+            flat.shards_written()
             _write_back(flat, full, views)
         flat.use_sharded_data()
 

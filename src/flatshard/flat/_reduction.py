@@ -9,6 +9,7 @@ chunk is added to the original parameters' ``.grad`` as views of their rows.
 from __future__ import annotations
 
 from collections.abc import Callable
+from enum import Enum, auto
 from typing import Protocol
 
 import torch
@@ -31,6 +32,17 @@ CommHook = Callable[[torch.Tensor, ShardGroups], torch.Tensor]
 the hook returns this rank's chunk (C,), averaged over all ``groups.world_size`` (W) ranks,
 in ``grad``'s dtype. It must issue the same collectives on every rank.
 """
+
+
+class Owed(Enum):
+    """What a group's gradient still owes before the optimizer may step on ``.grad``."""
+
+    NOTHING = auto()  # every backward's gradient reached ``.grad`` (or none came)
+    # Backward passes ran with gradient sync off (no_sync, set_requires_gradient_sync):
+    # their sum waits, unreduced and full-size, in the flat gradient.
+    REDUCTION = auto()
+    # set_requires_all_reduce(False), hybrid: reduce-scattered, the replicas' sum owed.
+    ALL_REDUCE = auto()
 
 
 class ReducedGroup(Protocol):
@@ -60,6 +72,7 @@ class GradientReduction:
         # chunks (C,), averaged over W but not yet summed across the replicas; it reaches
         # ``.grad`` at the first reduction with the all-reduce on.
         self.owed: torch.Tensor | None = None
+        self.owes = Owed.NOTHING  # what the optimizer must not step before
         self._across_now = True  # the pending reduction ends with the replicas' sum
         # A row-sparse table's exchanged lookup gradient (C,), divided by the first part
         # of W, not yet summed across the replicas ([Note: row-sparse embedding tables])
@@ -73,6 +86,8 @@ class GradientReduction:
         inside the shard group and keep the chunk, owed to the replicas' all-reduce.
         """
         grad = self.flat.take_grad()
+        if self.owes is Owed.REDUCTION:  # the kept sum is in ``grad``: reduced now
+            self.owes = Owed.NOTHING
         if self.pending is not None:
             self.finish()
         grad = grad.to(self.flat.reduce_dtype).contiguous()
@@ -121,6 +136,7 @@ class GradientReduction:
     def keep_unreduced(self) -> None:
         """no_sync: leave the flat gradient to accumulate until a synchronized backward."""
         self.done_in_backward = True
+        self.owes = Owed.REDUCTION
 
     def finish(self) -> None:
         """Wait for the reduction and add the result to the originals' ``.grad``."""
@@ -140,8 +156,10 @@ class GradientReduction:
             if self.owed is not None or not self._sparse_across:
                 self.owed = part if self.owed is None else self.owed.add_(part)
                 if not self._sparse_across:
+                    self.owes = Owed.ALL_REDUCE
                     return  # owed to a later micro-batch's all-reduce
                 part, self.owed = self.owed, None
+                self.owes = Owed.NOTHING
             tag = self.flat.on_collective("all_reduce", part.numel())
             all_reduce(part, groups.replicate, tag)
         self.flat.add_to_grads(part)
@@ -156,8 +174,10 @@ class GradientReduction:
         if groups.replicate is not None and self.comm_hook is None and owing:
             self.owed = reduced if self.owed is None else self.owed.add_(reduced)
             if not self._across_now:
+                self.owes = Owed.ALL_REDUCE
                 return  # owed to a later micro-batch's all-reduce
             reduced, self.owed = self.owed, None
+            self.owes = Owed.NOTHING
             if groups.split_across_replicas:  # the total, cut across the replicas
                 tag = self.flat.on_collective("reduce", reduced.numel())
                 reduced = sum_reduce(reduced, ShardGroups(groups.replicate, None), tag)

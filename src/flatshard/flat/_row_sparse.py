@@ -74,6 +74,7 @@ from flatshard.comm._diagnosis import SAME_CALLS
 from flatshard.comm._errors import CollectiveMismatchError
 from flatshard.comm._ranks import global_rank
 from flatshard.flat._lookup_options import max_norm_message
+from flatshard.flat._storage import Holding
 
 if TYPE_CHECKING:
     from flatshard.flat._flat_param import FlatParamGroup
@@ -221,7 +222,8 @@ class RowSparseTable:
         proxy = TableProxy(self)
         for module, name in self.lookup_usages:
             _registry(module)[name] = proxy
-        flat.views_registered = True
+        if flat.holding is Holding.ORIGINALS:  # full views elsewhere stay VIEWS
+            flat.holding = Holding.PROXY
         self.proxied = True
 
     def before_dense_use(self) -> None:

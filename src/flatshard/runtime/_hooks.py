@@ -7,6 +7,7 @@ public helpers that change what a unit's hooks do (``register_entry_point``,
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from functools import partial, wraps
 from typing import Any, TypeVar, cast
@@ -19,7 +20,14 @@ from flatshard.flat._flat_param import FlatParamGroup
 from flatshard.flat._lookup_options import LOOKUPS, refuse_lookup_options
 from flatshard.flat._row_sparse import RowSparseTable
 from flatshard.runtime._inputs import cast_floats
-from flatshard.runtime._unit import OWNER_ATTR, UNIT_ATTR, Unit, unit_or_error
+from flatshard.runtime._unit import (
+    OWNER_ATTR,
+    UNIT_ATTR,
+    Hold,
+    TrainingState,
+    Unit,
+    unit_or_error,
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -34,9 +42,10 @@ def install(unit: Unit) -> None:
     module.register_forward_pre_hook(_eager(unit.pre_forward), with_kwargs=True)
     module.register_forward_hook(_eager(unit.post_forward))
     for flat in unit.trainable:
-        flat.register_post_accumulate_hook(partial(unit.post_backward, flat))
+        flat.register_post_accumulate_hook(_post_backward(unit, flat))
     for name, inner in unit.inner_modules:
         inner.register_forward_pre_hook(partial(_check_gathered, unit, name))
+        inner.register_forward_hook(partial(_held_module_returned, unit))
     for flat in unit.flat_params:
         for orig in flat.originals:
             for lookup in [m for m, _ in orig.usages if isinstance(m, LOOKUPS)]:
@@ -59,6 +68,24 @@ def install(unit: Unit) -> None:
             master = next(kept.parameters()).dtype
             kept.register_forward_pre_hook(partial(_cast_inputs, master), with_kwargs=True)
             kept.register_forward_hook(partial(_cast_output, policy.param_dtype))
+
+
+def _post_backward(unit: Unit, flat: FlatParamGroup) -> Callable[[torch.Tensor], None]:
+    """The unit's post-backward hook for ``flat``, holding both weakly.
+
+    The hook lives in the flat gradient leaf's C++ hook list, which Python's garbage
+    collector cannot traverse: a strong reference there to the unit (and so to the model)
+    would make a cycle nothing ever frees, keeping every sharded model of the process (and
+    flatshard's process-wide hooks, ``_torch_utilities.py``) alive for good.
+    """
+    unit_ref, flat_ref = weakref.ref(unit), weakref.ref(flat)
+
+    def hook(leaf: torch.Tensor) -> None:
+        alive, group = unit_ref(), flat_ref()
+        if alive is not None and group is not None:
+            alive.post_backward(group)
+
+    return hook
 
 
 def _eager(hook: F) -> F:
@@ -158,7 +185,11 @@ def _guard_direct_forward(unit: Unit) -> None:
 
 
 def _check_gathered(unit: Unit, name: str, module: nn.Module, args: Any) -> None:
-    """A module inside a unit runs only while the unit's parameters are gathered."""
+    """A module inside a unit runs only while the unit's parameters are gathered (or the
+    unit is held by ``flatshard.unshard``: it gets the views for the call)."""
+    if unit.hold is Hold.USER and unit.state is TrainingState.IDLE:
+        unit.held_module_called()
+        return
     if unit.is_gathered:
         return
     held = [
@@ -172,6 +203,12 @@ def _check_gathered(unit: Unit, name: str, module: nn.Module, args: Any) -> None
         "flatshard.summon_full_params(model), or register the method that calls it with "
         "flatshard.register_entry_point(unit_module, 'method')."
     )
+
+
+def _held_module_returned(unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
+    """The end of a held unit's module called on its own: the originals come back."""
+    if unit.held_calls:
+        unit.held_module_returned()
 
 
 def _refuse_lookup_options(

@@ -17,19 +17,17 @@ ranks leave it alone (``.grad`` None), so the update is the unsharded one. NO_SH
 memory.
 ``register_matrix_optimizer`` declares another such class (Shampoo, SOAP).
 
-The check is a step pre-hook of every optimizer of the process (torch's global one),
-installed by the first ``fully_shard``: one ``isinstance`` per step for other optimizers.
+The check runs in flatshard's step pre-hook of every optimizer of the process
+(``_optimizer_steps.py``): one ``isinstance`` per step for other optimizers.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Collection
-from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from flatshard.comm._ranks import global_rank
 from flatshard.flat._flat_param import OriginalParam
@@ -40,7 +38,6 @@ _MATRIX_OPTIMIZERS: set[type[torch.optim.Optimizer]] = {torch.optim.Muon, torch.
 # Optimizers found clean, with how many parameters they held then (a group added later
 # is checked again).
 _CHECKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
-_HOOK: list[Any] = []  # the handle of the global step pre-hook, once installed
 
 
 def register_matrix_optimizer(optimizer_class: type[torch.optim.Optimizer]) -> None:
@@ -78,16 +75,10 @@ def muon_matrices(model: nn.Module, blocks: Collection[type[nn.Module]] | None) 
     }
 
 
-def check_matrix_optimizers() -> None:
-    """Install the step pre-hook that refuses row shards to matrix optimizers (once)."""
-    if not _HOOK:
-        _HOOK.append(register_optimizer_step_pre_hook(_before_step))
-
-
-def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def refuse_row_shards(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    """A matrix optimizer about to step ``params``: an error if a shard cuts one of them."""
     if not isinstance(optimizer, tuple(_MATRIX_OPTIMIZERS)):
         return
-    params = [p for group in optimizer.param_groups for p in group["params"]]
     if _CHECKED.get(optimizer) == len(params):
         return
     split = {

@@ -26,14 +26,14 @@ from flatshard.comm._collectives import on_device
 from flatshard.comm._ledger import StepLedger
 from flatshard.comm._mesh import ShardGroups
 from flatshard.comm._watchdog import watchdog
-from flatshard.flat._flat_param import FlatParamGroup
+from flatshard.flat._flat_param import FlatParamGroup, OriginalParam
 from flatshard.flat._mixed_precision import MixedPrecision
 from flatshard.flat._reduction import GradientReduction
 from flatshard.runtime._changes import ChangeWatch, check_parameters
 from flatshard.runtime._prefetch import ExecutionOrder
 from flatshard.runtime._profiling import traced
 from flatshard.runtime._rate_limiter import RateLimiter
-from flatshard.runtime._unit import Unit, unit_of, units_of
+from flatshard.runtime._unit import Hold, Unit, unit_of, units_of
 
 CONTEXT_ATTR = "_flatshard_context"  # attribute of a module fully_shard was called on
 
@@ -62,6 +62,10 @@ class StepContext:
         # False (set_requires_all_reduce), hybrid: reduce-scatter inside the shard group
         # only; the replicas' all-reduce comes, over the sum, once it is True again.
         self.all_reduce_replicas = True
+        # An optimizer holding the model's parameters has stepped: its steps mark the
+        # shards written; before that, each synchronized backward does (a hand-written
+        # update through p.data may follow). See [Note: stale gathers].
+        self.stepped_by_optimizer = False
         self.forward_depth = 0  # units whose forward runs now (nested calls)
         self.step = 0  # backward passes completed (the ledger's and the reports' step)
         self.phase = "forward"  # what the units do now, in the reports' words
@@ -110,6 +114,21 @@ class StepContext:
             self.add(unit)
         other.units = []
 
+    def originals(self) -> Iterator[OriginalParam]:
+        """Every original parameter of the model's units."""
+        for unit in self.units:
+            for flat in unit.flat_params:
+                yield from flat.originals
+
+    def optimizer_steps(self) -> None:
+        """An optimizer holding the model's parameters is about to step (every rank
+        alike): nothing gathered before it may be used after it ([Note: the model's
+        optimizer step] in _optimizer_steps.py)."""
+        self.stepped_by_optimizer = True
+        for unit in self.units:
+            for flat in unit.flat_params:
+                flat.shards_written()
+
     def check_unchanged(self) -> None:
         """An error if parameters were added, removed or replaced since ``fully_shard``."""
         if self.changes.to_check:
@@ -143,10 +162,33 @@ class StepContext:
             # sync]; its event completed while the host ran optimizer.step()).
             self.ledger.settle()
         if unit.is_root:
+            if any(u.expects_backward for u in self.units):
+                self._agree_backward_skipped()
             self.forward_depth = 0  # a new iteration: forget a forward that raised
             self._free_kept(but=unit)
         self.forward_depth += 1
         self.phase = "forward"
+
+    def _agree_backward_skipped(self) -> None:
+        """[Note: a backward one rank skipped]
+        The last forward recorded a graph and no backward followed it on this rank: an
+        evaluation forward with grad on, forwards whose losses are summed before one
+        backward, or a backward this rank skipped alone (a NaN guard that fired here only).
+        In the last case the other ranks are in that backward's collectives, and this
+        forward's all-gathers would pair with them: same sizes mix wrong data, others make
+        gloo abort the process. So the ranks first agree, out of band (the c10d store,
+        ``Watchdog.entry``), that all of them start a forward here. Where all did, that is
+        one store round trip; where one skipped, it waits there while the others wait in
+        their backward, and the timeout's diagnosis names what each rank was doing, on every
+        rank, instead of an abort."""
+        dog = watchdog()
+        if dog is not None and self.process_group is not None:
+            dog.entry(self.process_group, self.tag(self.root_label, "forward after no backward"))
+
+    @property
+    def root_label(self) -> str:
+        root = unit_of(self.root)
+        return root.label if root is not None else "<root>"
 
     def _free_kept(self, but: Unit) -> None:
         """A new forward: free what an earlier forward kept for a backward that has not
@@ -172,7 +214,7 @@ class StepContext:
         if self.forward_depth or any(u.expects_backward for u in self.units):
             return
         for unit in self.units:
-            if not unit.pinned and unit.reshard():
+            if unit.hold is Hold.NONE and unit.reshard():
                 self.rate_limiter.resharded()
         self.wait_host_copies()
         tag = self.tag(phase="end-of-forward check")
@@ -198,6 +240,8 @@ class StepContext:
                         self._finish_reduction(flat)
             for unit in self.units:
                 unit.end_backward()
+            if self.sync_gradients and not self.stepped_by_optimizer:
+                self._gradients_delivered()
             self.wait_host_copies()
             self.in_flight = None
             self.callback_queued = False
@@ -208,6 +252,14 @@ class StepContext:
             self.phase = "between steps"
             if (dog := watchdog()) is not None:
                 dog.step_ended()  # how long steps take: when a wait is worth a warning
+
+    def _gradients_delivered(self) -> None:
+        """Gradients reached ``.grad`` and no torch optimizer steps this model: an update
+        written by hand (``p.data.add_(...)``) may follow, which nothing can see, so the
+        trainable shards count as written ([Note: stale gathers])."""
+        for unit in self.units:
+            for flat in unit.trainable:
+                flat.shards_written()
 
     def _finish_reduction(self, flat: FlatParamGroup) -> None:
         """Reduce a group whose gradient did not reach its hook (zeros), and exchange a
@@ -271,7 +323,10 @@ def _release_at_exit(ref: weakref.ref[StepContext]) -> None:
     """At exit, once ``destroy_process_group`` ran: while the groups live, an exit handler
     of the user's (they run in reverse order of registration) may still use the model."""
     context = ref()
-    if context is not None and not dist.is_initialized():
+    if context is None:
+        return
+    context.ledger.settle_at_exit()  # a mismatch in the very last step ([Note: the digest
+    if not dist.is_initialized():  # without a host sync])
         context.release_process_groups()
 
 

@@ -9,7 +9,7 @@ from torch import nn
 
 from flatshard.flat._full_params import full_params
 from flatshard.runtime._step import collective_call
-from flatshard.runtime._unit import units_of
+from flatshard.runtime._unit import Hold, units_of
 
 
 @contextmanager
@@ -35,10 +35,11 @@ def summon_full_params(model: nn.Module, writeback: bool = True) -> Iterator[Non
             for unit in units:
                 for flat in unit.flat_params:
                     stack.enter_context(full_params(flat, writeback))
+        holds = [unit.hold for unit in units]
         for unit in units:
-            unit.params_are_full = True
+            unit.hold = Hold.SUMMONED
         try:
             yield
         finally:
-            for unit in units:
-                unit.params_are_full = False
+            for unit, hold in zip(units, holds, strict=True):
+                unit.hold = hold

@@ -11,17 +11,9 @@ and its value through the c10d store: a rank that differs raises
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from flatshard.comm._ranks import global_rank
-from flatshard.runtime._sharded_models import sharded_contexts
 from flatshard.runtime._step import StepContext, collective_call, contexts_under
-
-_HOOK: list[Any] = []  # the optimizer step pre-hook that refuses owed all-reduces, once
 
 
 def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
@@ -35,10 +27,11 @@ def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -
 
 def set_reshard_after_backward(model: nn.Module, reshard_after_backward: bool) -> None:
     """False: units stay gathered after backward, so the next micro-batch's forward
-    gathers nothing (between micro-batches of one optimizer step the shards do not change;
-    a unit whose shard was written since, by ``optimizer.step()``, is gathered again). It
-    holds the unsharded model between steps. FSDP2's
-    ``model.set_reshard_after_backward(False)``."""
+    gathers nothing (between micro-batches of one optimizer step the shards do not change).
+    A unit whose shard was written since is gathered again: after a step of an optimizer
+    that holds the model's parameters, and, for a model no torch optimizer steps (an update
+    written by hand), after each synchronized backward. It holds the unsharded model between
+    steps. FSDP2's ``model.set_reshard_after_backward(False)``."""
     value = bool(reshard_after_backward)
     for context in _agreed(model, "set_reshard_after_backward", value):
         context.reshard_after_backward = value
@@ -49,36 +42,12 @@ def set_requires_all_reduce(model: nn.Module, requires_all_reduce: bool) -> None
     reduce-scatter inside the shard group only (sharded gradient memory, no traffic across
     replicas); the sum is kept, and the first reduction after it is set True again
     all-reduces the total across the replicas once. Set it True before the last
-    micro-batch: an ``optimizer.step()`` while a sum is still owed is an error. Nothing
+    micro-batch: an ``optimizer.step()`` while a sum is still owed is an error (as is one
+    while gradient sync is off for every backward since the last step). Nothing
     changes for non-hybrid units. FSDP2's ``model.set_requires_all_reduce(False)``."""
     value = bool(requires_all_reduce)
     for context in _agreed(model, "set_requires_all_reduce", value):
         context.all_reduce_replicas = value
-    if not value and not _HOOK:
-        _HOOK.append(register_optimizer_step_pre_hook(_refuse_owed))
-
-
-def _refuse_owed(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """No step on gradients that miss the replicas' sum (they would not even be in .grad)."""
-    owing = [
-        (unit, flat)
-        for context in sharded_contexts()
-        for unit in context.units
-        for flat in unit.trainable
-        if flat.reduction.owed is not None
-    ]
-    if not owing:  # the common case: one attribute read per flat group
-        return
-    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for unit, flat in owing:
-        if any(id(o.param) in params for o in flat.originals):
-            raise RuntimeError(
-                f"flatshard: optimizer.step() on rank {global_rank()} while unit "
-                f"'{unit.label}' still owes its gradients' all-reduce across replicas "
-                "(set_requires_all_reduce(model, False) was in force for every backward "
-                "since the last step). Call flatshard.set_requires_all_reduce(model, True) "
-                "before the last micro-batch's backward."
-            )
 
 
 def _agreed(model: nn.Module, caller: str, value: bool) -> list[StepContext]:

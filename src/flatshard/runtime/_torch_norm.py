@@ -17,13 +17,16 @@ torch's. Given flatshard's gradients it is a collective, agreed on through the s
 like every flatshard call a program may make on some ranks only. ``clip_grad_value_``
 clamps each element on its own and is right as it is.
 
-The replacement is process-wide, installed by the first ``fully_shard``; the models it
-looks in are held weakly (``_sharded_models.py``).
+The replacement is process-wide, installed by the first ``fully_shard`` and undone when
+the last sharded model is gone (``_torch_utilities.py``); the models it looks in are held
+weakly (``_sharded_models.py``).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
+import sys
 from collections.abc import Callable, Iterable
 
 import torch
@@ -36,15 +39,31 @@ from flatshard.runtime._step import StepContext, collective_call
 
 _TotalNorm = Callable[..., torch.Tensor]
 
+
+class TorchNorms:
+    """torch's norm functions, replaced while installed and put back by ``remove``."""
+
+    def __init__(self) -> None:
+        self._torch: tuple[_TotalNorm, _TotalNorm] | None = None  # (private, public)
+
+    def install(self) -> None:
+        if self._torch is None:
+            self._torch = (torch.nn.utils.clip_grad._get_total_norm, torch.nn.utils.get_total_norm)
+            torch.nn.utils.clip_grad._get_total_norm = _total_norm
+            torch.nn.utils.get_total_norm = _total_norm
+
+    def remove(self) -> None:
+        if self._torch is not None:
+            private, public = self._torch
+            torch.nn.utils.clip_grad._get_total_norm = private
+            torch.nn.utils.get_total_norm = public
+            self._torch = None
+
+
+# The code of torch's clip_grad_norm_ (under its decorators): see _clipped_parameters.
+_CLIP_CODE = inspect.unwrap(torch.nn.utils.clip_grad.clip_grad_norm_).__code__
 # torch's own function, called for tensors flatshard does not manage.
 _TORCH_TOTAL_NORM: _TotalNorm = torch.nn.utils.clip_grad._get_total_norm
-
-
-def make_torch_norms_global() -> None:
-    """Make torch's gradient norm global for the gradients of sharded models (see the
-    note); idempotent."""
-    torch.nn.utils.clip_grad._get_total_norm = _total_norm
-    torch.nn.utils.get_total_norm = _total_norm
 
 
 def _total_norm(
@@ -57,7 +76,11 @@ def _total_norm(
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
     given = {id(t) for t in tensors}
     grads = {c: _grads(c) for c in sharded_contexts()}  # each sharded model's gradients
-    contexts = [c for c, found in grads.items() if any(id(g) in given for g in found)]
+    params = _clipped_parameters()
+    if params is not None:  # which models: by the parameters, the same on every rank
+        contexts = [c for c in grads if any(id(o.param) in params for o in c.originals())]
+    else:
+        contexts = [c for c, found in grads.items() if any(id(g) in given for g in found)]
     if not contexts:
         return _TORCH_TOTAL_NORM(tensors, norm_type, error_if_nonfinite, foreach)
     units = [u for c in contexts for u in c.units]
@@ -65,7 +88,7 @@ def _total_norm(
     local = [t for t in tensors if id(t) not in managed]
     order = float(norm_type)
     with collective_call(contexts[0].root, "torch.nn.utils.clip_grad_norm_"):
-        total = sharded_norm(units, given, local, order, tensors[0].device)
+        total = sharded_norm(units, given, local, order, units[0].compute_device)
     if error_if_nonfinite and not math.isfinite(float(total)):
         raise RuntimeError(
             f"The total norm of order {order} for gradients from `parameters` is non-finite, "
@@ -73,6 +96,25 @@ def _total_norm(
             "the gradients by the non-finite norm anyway, set `error_if_nonfinite=False`"
         )
     return total
+
+
+def _clipped_parameters() -> set[int] | None:
+    """``id``s of the parameters torch's ``clip_grad_norm_`` was given, when it is the
+    caller of the norm (two frames up), else None.
+
+    torch passes the norm only the gradients it found. A rank that holds no gradient of the
+    parameters given (``whole_params``: each matrix on one rank; a subset such as Muon's
+    matrices may have none on this rank) would see no sharded gradient, compute its own
+    0.0 with no collective, and leave the others waiting in theirs. The parameters are the
+    same on every rank.
+    """
+    frame = sys._getframe(2)
+    if frame.f_code is not _CLIP_CODE:
+        return None
+    parameters = frame.f_locals.get("parameters")
+    if not isinstance(parameters, list):
+        return None
+    return {id(p) for p in parameters}
 
 
 def _grads(context: StepContext) -> list[torch.Tensor]:

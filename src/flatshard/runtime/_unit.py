@@ -28,6 +28,16 @@ and a module called outside its unit's forward is refused as at any time between
 Whether a backward will come cannot be known, so the kept buffers are freed at the next
 deterministic point: the next forward of the root (``StepContext._free_kept``) or
 ``summon_full_params``; a backward that still comes gathers them again.
+
+[Note: held units]
+``flatshard.unshard(module)`` keeps a unit's buffers gathered until ``flatshard.reshard``
+(generation without an all-gather per token; hand-made prefetch). Only the buffers stay:
+outside the unit's forward and backward its modules hold the original parameters, as for
+any unit. So ``model.parameters()``, state dicts, checkpoints, clipping and the optimizer
+see the sharded leaves and their gradients, exactly as without ``unshard``. A module of
+the unit called on its own between steps (``model.head(x)``) gets the views for that call.
+The buffers follow the shard's writes like any gathered buffer ([Note: stale gathers]):
+after the model's optimizer steps, the next use gathers again.
 """
 
 from __future__ import annotations
@@ -72,6 +82,17 @@ class TrainingState(Enum):
     IDLE = auto()  # outside forward and backward: parameters are shard views
     FORWARD = auto()  # between the unit's pre-forward and post-forward hooks
     BACKWARD = auto()  # the unit's pre-backward ran in the current backward pass
+
+
+class Hold(Enum):
+    """Who keeps a unit gathered beyond what its hooks decide. Changed by the public calls
+    named here only (docs/design.md, "Unit state")."""
+
+    NONE = auto()  # the hooks gather and free it
+    # flatshard.unshard: the buffer stays gathered until flatshard.reshard; between uses the
+    # modules hold the original parameters all the same ([Note: held units]).
+    USER = auto()
+    SUMMONED = auto()  # inside summon_full_params: the originals are full-size themselves
 
 
 @dataclass(frozen=True)
@@ -134,10 +155,8 @@ class Unit:
             flat.on_collective = self._record
         self.prefetch_targets = PrefetchTargets()  # set_prefetch
         self.context: UnitStep  # set when a StepContext adds the unit (see UnitStep)
-        # Changed by summon_full_params only:
-        self.params_are_full = False
-        # flatshard.unshard: gathered until flatshard.reshard, whatever the hooks would do
-        self.pinned = False
+        self.hold = Hold.NONE  # flatshard.unshard, summon_full_params
+        self.held_calls = 0  # modules of a held unit running outside its forward
         # True while flatshard itself calls state_dict() (see _hooks._refuse_partial_state_dict)
         self.own_state_dict_call = False
         # Entry-point methods of this unit now running, and the calls of the module itself
@@ -213,15 +232,17 @@ class Unit:
 
     @property
     def is_sharded(self) -> bool:
-        """Whether the originals hold only this rank's rows (some group has F > 1)."""
-        return any(flat.factor > 1 for flat in self.flat_params)
+        """Whether the originals hold only this rank's rows: some group is cut across
+        F > 1 ranks, or its optimizer state across the replicas (HYBRID_SHARD_OPTIM, even
+        at F = 1)."""
+        return any(flat.factor * flat.splits > 1 for flat in self.flat_params)
 
     @property
     def is_gathered(self) -> bool:
         """Whether the unit's modules hold full-size parameters right now: views of the
         gathered buffers, or the originals where the shard is the whole buffer."""
-        return self.params_are_full or all(
-            f.views_registered or f.aliases_shard for f in self.flat_params
+        return self.hold is Hold.SUMMONED or all(
+            f.views_registered or f.originals_are_full for f in self.flat_params
         )
 
     # ------------------------------------------------------------------ unshard / reshard
@@ -229,8 +250,9 @@ class Unit:
         """All-gather every group; the modules then hold views of the buffers."""
         self.start_unshard()  # every gather in flight before the first wait
         backward = self.state is TrainingState.BACKWARD
+        held = self.hold is Hold.USER
         for flat in self.flat_params:
-            if flat.table is not None and not self.pinned:  # gathered by its lookups or
+            if flat.table is not None and not held:  # gathered by its lookups or
                 flat.table.unshard(backward)  # its head, if at all
             else:
                 flat.unshard()
@@ -239,7 +261,9 @@ class Unit:
         """Start every group's all-gather (prefetch); the unit's hook waits. Row-sparse
         tables are left to their lookups ([Note: row-sparse embedding tables])."""
         for flat in self.flat_params:
-            if flat.table is None or self.pinned:
+            if flat.table is None or self.hold is Hold.USER:
+                if flat.holds_stale_gather:
+                    flat.reshard()
                 flat.start_unshard()
 
     def finish_unshard(self) -> None:
@@ -265,8 +289,36 @@ class Unit:
 
     @property
     def kept_for_backward(self) -> bool:
-        """Unsharded buffers kept after forward, the modules holding the originals."""
-        return any(f.is_unsharded and not f.views_registered for f in self.flat_params)
+        """Unsharded buffers kept after forward for a backward, the modules holding the
+        originals (not a held unit's: ``unshard`` keeps those on purpose)."""
+        return self.hold is Hold.NONE and any(
+            f.is_unsharded and not f.views_registered and not f.aliases_shard
+            for f in self.flat_params
+        )
+
+    def hold_gathered(self) -> None:
+        """``flatshard.unshard``: gather now and keep the buffers until ``release``."""
+        self.hold = Hold.USER
+        self.unshard()
+        self.hide_views()
+
+    def release(self) -> bool:
+        """``flatshard.reshard``: free the buffers; returns whether memory was freed."""
+        self.hold = Hold.NONE
+        self.held_calls = 0
+        return self.reshard()
+
+    def held_module_called(self) -> None:
+        """A module of a held unit runs between steps (``model.head(x)``): it sees the
+        gathered buffer, gathered again if the shard was written since."""
+        if not self.held_calls:
+            self.unshard()
+        self.held_calls += 1
+
+    def held_module_returned(self) -> None:
+        self.held_calls -= 1
+        if not self.held_calls:
+            self.hide_views()
 
     def reshard(self) -> bool:
         """Free the unsharded buffers; the modules then hold the original parameters.
@@ -280,7 +332,7 @@ class Unit:
     def pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        if self.params_are_full:  # inside summon_full_params: nothing to gather
+        if self.hold is Hold.SUMMONED:  # inside summon_full_params: nothing to gather
             self._check_inference_only()
             return args, kwargs
         if self.entry_depth and self.state is TrainingState.FORWARD:
@@ -310,7 +362,7 @@ class Unit:
         return args, kwargs
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if self.params_are_full:
+        if self.hold is Hold.SUMMONED:
             return output
         if self.passed_through:
             self.passed_through -= 1
@@ -334,9 +386,7 @@ class Unit:
             )
             hidden_graph = not needs_grad and self._may_hide_graph(output)
             self.expects_backward |= hidden_graph  # its gradient may still come
-            if self.pinned:
-                pass  # unshard() asked for it: gathered until reshard()
-            elif keep:
+            if keep or self.hold is Hold.USER:  # held: gathered until reshard()
                 self.hide_views()
             elif hidden_graph:
                 pass  # no pre-backward hook could gather again: stays as it is until backward
@@ -425,11 +475,10 @@ class Unit:
                 self._done_in_backward(flat)
 
     def _done_in_backward(self, flat: FlatParamGroup) -> None:
-        """Backward no longer reads ``flat``: free it, or (set_reshard_after_backward(False))
-        keep the buffer for the next forward, the modules holding the originals."""
-        if self.pinned:
-            return  # unshard() asked for it: gathered until reshard()
-        if self.context.reshard_after_backward:
+        """Backward no longer reads ``flat``: free it, or (set_reshard_after_backward(False),
+        a held unit) keep the buffer for the next forward, the modules holding the
+        originals."""
+        if self.context.reshard_after_backward and self.hold is Hold.NONE:
             flat.reshard()
         else:
             flat.finish_unshard()

@@ -2,16 +2,17 @@
 
 FSDP2's ``module.unshard()`` / ``module.reshard()`` as free functions, for generation in a
 training loop (every unit gathered once, no all-gather per token) and for hand-made
-prefetch. Like FSDP2's, they act on one unit, not the units inside it. An unsharded unit's
-modules hold views of its gathered buffer, and forward and backward leave it gathered;
-after ``optimizer.step()`` wrote its shard, its next use gathers it again.
+prefetch. Like FSDP2's, they act on one unit, not the units inside it. Forward and backward
+leave a held unit gathered; between them its modules hold the original parameters, so
+everything else sees the shards ([Note: held units]); after the model's
+``optimizer.step()`` its next use gathers it again.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from flatshard.runtime._unit import Unit, unit_or_error
+from flatshard.runtime._unit import Hold, Unit, unit_or_error
 
 
 class UnshardHandle:
@@ -22,7 +23,7 @@ class UnshardHandle:
         self._unit = unit
 
     def wait(self) -> None:
-        self._unit.unshard()
+        self._unit.hold_gathered()
 
 
 def unshard(module: nn.Module, *, async_op: bool = False) -> UnshardHandle | None:
@@ -31,11 +32,11 @@ def unshard(module: nn.Module, *, async_op: bool = False) -> UnshardHandle | Non
     ``async_op`` the all-gather is started and a handle returned; the unit's forward (or
     ``handle.wait()``) waits for it."""
     unit = unit_or_error(module, "unshard")
-    unit.pinned = True
     if async_op:
+        unit.hold = Hold.USER
         unit.start_unshard()
         return UnshardHandle(unit)
-    unit.unshard()
+    unit.hold_gathered()
     return None
 
 
@@ -44,6 +45,5 @@ def reshard(module: nn.Module) -> None:
     back), whether ``unshard`` or a forward left it gathered. Between steps only."""
     unit = unit_or_error(module, "reshard")
     unit.require_idle("reshard", "call it between steps, not inside forward or backward.")
-    unit.pinned = False
-    if unit.reshard():
+    if unit.release():
         unit.context.rate_limiter.resharded()

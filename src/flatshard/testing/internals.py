@@ -8,6 +8,7 @@ an alternative happen on purpose (a save that dies midway, another reduce-scatte
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -26,6 +27,7 @@ from flatshard.comm._mesh import ranks_per_host
 from flatshard.flat._layout import ViewPlan
 from flatshard.flat._partition import UnitPlan, partition
 from flatshard.flat._policy import select_unit_roots
+from flatshard.flat._storage import Storage, storage_move
 from flatshard.planner._calibrate import _achieved as fitted_achieved
 from flatshard.planner._calibrate import _predicted as calibrated_seconds
 from flatshard.planner._calibrate import _Speeds as CalibratedSpeeds
@@ -44,10 +46,12 @@ __all__ = [
     "RateLimiter",
     "RecordedOp",
     "ReduceScatter",
+    "Storage",
     "UnitPlan",
     "ViewPlan",
     "calibrated_seconds",
     "checkpoint_save_fails",
+    "checkpoint_saves_pause",
     "collective_tag",
     "comm_collectives",
     "comm_ledger",
@@ -66,6 +70,7 @@ __all__ = [
     "ranks_per_host",
     "rate_limiter_of",
     "select_unit_roots",
+    "storage_move",
     "units_of",
 ]
 
@@ -150,6 +155,19 @@ def checkpoint_save_fails(error: BaseException) -> Iterator[None]:
         yield
     finally:
         _checkpoint._share_of_checksums = real
+
+
+def checkpoint_saves_pause(seconds: float) -> None:
+    """From now on in this process, each ``save_checkpoint`` pauses ``seconds`` after
+    writing its data, while the checkpoint is still ``.partial``: a kill during a save
+    then cannot miss the window (``tests/test_restarts.py`` loads it into every rank)."""
+    real = _checkpoint._share_of_checksums
+
+    def paused(*args: Any) -> Any:
+        time.sleep(seconds)
+        return real(*args)
+
+    _checkpoint._share_of_checksums = paused  # type: ignore[assignment]
 
 
 def collective_tag() -> Tag:

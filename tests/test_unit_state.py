@@ -1,0 +1,171 @@
+"""A unit's state is owned, and only agreed events decide what it gathers (docs/design.md,
+"Unit state"): held units across steps, writes flatshard cannot see, the process-wide
+hooks' handles, a mismatch in the very last step, impossible moves."""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, cast
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.utils.clip_grad
+from torch import nn
+from torch.optim import optimizer as torch_optimizer
+
+import flatshard
+from flatshard.measure import ALL_GATHER, CollectiveTracker
+from flatshard.testing.internals import Storage, storage_move
+from flatshard.testing.internals import comm_ledger as ledger
+from flatshard.testing.isolated import Died, run_isolated
+from flatshard.testing.models import ReluLinear, build
+from flatshard.testing.parity import ParityConfig, batches, shard_with_flatshard, slice_batch
+from flatshard.testing.workers import WorkerContext, WorkerPool
+
+WORLD = 2
+
+
+def _blocks(model: Any) -> list[nn.Module]:
+    return [*model.blocks, model]
+
+
+def _sgd(model: nn.Module, fused: bool) -> torch.optim.Optimizer:
+    if fused:  # one kernel writes the parameters: no version counter moves
+        return torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+
+
+def held_across_steps_job(ctx: WorkerContext, optimizer: str) -> dict[str, Any] | None:
+    """Every unit held by ``flatshard.unshard`` for three steps; between steps the model is
+    used as if nothing were held: torch's clip, a child called alone, full and sharded
+    state dicts, a checkpoint with the optimizer, a hand-written update."""
+    group = ctx.group(WORLD)
+    if group is None:
+        return None
+    model: Any = build("gpt")
+    shard_with_flatshard(model, ParityConfig(model="gpt", world_size=WORLD), group)
+    reference: Any = build("gpt")
+    for unit in _blocks(model):
+        flatshard.unshard(unit)
+    hand = optimizer == "by hand"
+    optim = None if hand else _sgd(model, optimizer == "fused")
+    ref_optim = None if hand else _sgd(reference, optimizer == "fused")
+    probe = torch.randn(2, 16, generator=torch.Generator().manual_seed(5))
+    found: dict[str, Any] = {"norms": [], "heads": [], "gathers": []}
+    for batch in batches(reference, 3):
+        with CollectiveTracker() as tracker:
+            model.loss(slice_batch(batch, ctx.rank, WORLD)).backward()
+        found["gathers"].append(tracker.counts.get(ALL_GATHER, 0))
+        reference.loss(batch).backward()
+        norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), 0.3) for m in (model, reference)]
+        found["norms"].append([float(n) for n in norms])
+        if optim is None:
+            for m in (model, reference):
+                for p in m.parameters():
+                    p.data.add_(p.grad, alpha=-0.5)  # older code's update: no hook sees it
+                    p.grad = None
+        else:
+            for o in (optim, cast(torch.optim.Optimizer, ref_optim)):
+                o.step()
+                o.zero_grad()
+        with torch.no_grad():  # a child of a held unit, called alone after the step
+            heads = [m.head(probe) for m in (model, reference)]
+        found["heads"].append(float((heads[0] - heads[1]).abs().max()))
+    full = flatshard.full_state_dict(model, rank0_only=False)
+    found["state_dict"] = max(
+        float((full[name] - value).abs().max()) for name, value in reference.named_parameters()
+    )
+    rows = flatshard.sharded_state_dict(model)["blocks.0.mlp.0.weight"]
+    found["sharded_rows"] = tuple(cast(Any, rows).local.shape)
+    with pytest.raises(RuntimeError, match="would return only this rank's rows"):
+        model.state_dict()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "ckpt") if ctx.rank == 0 else ""
+        paths = [path]
+        dist.broadcast_object_list(paths, src=0, group=group)
+        flatshard.save_checkpoint(paths[0], model, optim)
+        dist.barrier(group)
+    return found
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "fused", "by hand"])
+def test_units_held_across_steps_train_as_if_not_held(pool: WorkerPool, optimizer: str) -> None:
+    """[Note: held units]: before, a held unit's modules kept the gathered views, so torch's
+    clip saw no gradients (norm 0.0), state dicts returned the weights from before the step
+    and a child called alone computed on them."""
+    found = pool.run(held_across_steps_job, optimizer)[0]
+    for sharded, reference in found["norms"]:
+        assert sharded == pytest.approx(reference, rel=1e-5)
+    assert max(found["heads"]) < 1e-5  # the child saw the step's weights
+    assert found["state_dict"] < 1e-5
+    assert found["sharded_rows"][0] == 64 // WORLD  # this rank's rows, not the full tensor
+    # Held, nothing is gathered in forward or backward within a step; after each step the
+    # shards were written, so the next step's first use gathers every unit once.
+    units = len(_blocks(build("gpt")))
+    assert found["gathers"][1:] == [found["gathers"][1]] * 2
+    assert found["gathers"][1] >= units  # every unit gathered again after the step
+
+
+def test_torch_is_plain_again_once_the_last_sharded_model_is_gone(
+    local_group: dist.ProcessGroup,
+) -> None:
+    """flatshard's step pre-hook and norm are installed with the first sharded model and
+    removed with the last one: torch's own functions, no hook of flatshard's left."""
+    torch_norm = torch.nn.utils.get_total_norm
+    private_norm = torch.nn.utils.clip_grad._get_total_norm
+
+    def ours() -> list[Any]:
+        hooks = torch_optimizer._global_optimizer_pre_hooks.values()
+        return [h for h in hooks if getattr(h, "__module__", "").startswith("flatshard")]
+
+    gc.collect()
+    assert not ours()
+    models = [flatshard.fully_shard(nn.Linear(4, 4), process_group=local_group) for _ in "ab"]
+    assert len(ours()) == 1
+    assert torch.nn.utils.get_total_norm is not torch_norm
+    del models[0]
+    gc.collect()
+    assert len(ours()) == 1  # one model is still alive
+    models.clear()
+    gc.collect()
+    assert not ours()
+    assert torch.nn.utils.get_total_norm is torch_norm
+    assert torch.nn.utils.clip_grad._get_total_norm is private_norm
+
+
+def last_step_mismatch_job(rank: int, err_dir: str) -> str:
+    """The accelerators' deferred digest (on gloo): the last step runs different units on
+    each rank, and the program ends. The exit handlers compare it."""
+    torch.manual_seed(0)
+    experts = nn.Sequential(*[ReluLinear() for _ in range(4)])
+    model = flatshard.fully_shard(experts, auto_wrap_policy={ReluLinear})
+    with open(Path(err_dir) / f"rank{rank}.txt", "w") as err:
+        os.dup2(err.fileno(), 2)
+    with mock.patch.object(ledger, "defers_digest", lambda device: True):
+        chosen = [0, 2] if rank == 0 else [1, 3]
+        x = torch.randn(4, 8)
+        sum((model[i](x) for i in chosen), torch.zeros(())).sum().backward()
+    dist.destroy_process_group()
+    atexit._run_exitfuncs()  # the interpreter's exit, as at the end of the program
+    return "exited without a word"
+
+
+def test_a_mismatch_in_the_very_last_step_fails_the_run_at_exit(tmp_path: Path) -> None:
+    outcomes = run_isolated(last_step_mismatch_job, str(tmp_path))
+    assert outcomes == [Died(1), Died(1)]
+    for rank in range(2):
+        text = (tmp_path / f"rank{rank}.txt").read_text()
+        assert "flatshard: ranks issued different collectives in the last backward pass" in text
+        assert f"seen on rank {rank} at exit" in text
+
+
+def test_an_impossible_storage_move_names_the_group_and_both_states() -> None:
+    assert storage_move(Storage.SHARDED, Storage.GATHERING, "w") is Storage.GATHERING
+    with pytest.raises(RuntimeError, match=r"'blocks.0.w' .* cannot go from GATHERING to SHARDED"):
+        storage_move(Storage.GATHERING, Storage.SHARDED, "blocks.0.w")
