@@ -16,7 +16,8 @@ from flatshard.comm._ranks import join_name
 from flatshard.flat._lookup_options import LOOKUPS
 from flatshard.flat._partition import UnitPlan
 
-_CHUNK_BYTES = 1 << 20  # bytes checksummed at a time
+_CHUNK_BYTES = 1 << 23  # bytes checksummed at a time
+_WRAP = 1 << 64
 
 
 def structure_lines(plans: list[UnitPlan], strategy: str, whole: Collection[str] = ()) -> list[str]:
@@ -68,23 +69,24 @@ def _checksum(tensor: torch.Tensor, chunk: int = _CHUNK_BYTES) -> str:
 
     The bytes are read as 8-byte words where their count allows (else 4-byte, else single
     bytes): a parameter costs one widening per 8 bytes, not per byte (it runs by default
-    on every replicated parameter at ``fully_shard``: docs/performance.md). Each word is
-    added plain and weighted by its position, in int64; products that overflow wrap, the
-    same on every rank. Taken ``chunk`` bytes at a time, so the extra memory is about
-    twice ``chunk`` (plus the copy a non-contiguous tensor needs), not a multiple of the
-    tensor, which would not fit beside a large unit on a GPU.
+    on every replicated parameter at ``fully_shard``: docs/performance.md). The words are
+    summed plain and weighted by their position (from 1) in int64, products wrapping the
+    same on every rank. Taken ``chunk`` bytes at a time, the position weights made once
+    (a chunk's are the first chunk's plus its start), so the extra memory is about twice
+    ``chunk`` (plus the copy a non-contiguous tensor needs), not a multiple of the tensor,
+    which would not fit beside a large unit on a GPU.
     """
     words = _words(tensor.detach().contiguous().reshape(-1))
     step = max(1, chunk // words.element_size())
+    positions = torch.arange(1, min(step, words.numel()) + 1, device=words.device)
     plain = weighted = 0
     for start in range(0, words.numel(), step):
         part = words[start : start + step].to(torch.int64, copy=True)
-        plain += int(part.sum())
-        weights = torch.arange(start, start + part.numel(), device=part.device)
-        weights.remainder_(65521).add_(1)
-        weighted += int(part.mul_(weights).sum())
-        del part, weights  # before the next chunk's: loop variables outlive their turn
-    return f"{plain}:{weighted}"
+        total = int(part.sum())
+        plain += total
+        weighted += int(part.mul_(positions[: part.numel()]).sum()) + start * total
+        del part  # before the next chunk's: loop variables outlive their turn
+    return f"{plain % _WRAP}:{weighted % _WRAP}"  # int64's wrap: the same for any ``chunk``
 
 
 def _words(flat: torch.Tensor) -> torch.Tensor:
