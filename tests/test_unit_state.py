@@ -5,7 +5,6 @@ hooks' handles, a mismatch in the very last step, impossible moves."""
 from __future__ import annotations
 
 import atexit
-import gc
 import os
 import tempfile
 from pathlib import Path
@@ -21,7 +20,7 @@ from torch.optim import optimizer as torch_optimizer
 
 import flatshard
 from flatshard.measure import ALL_GATHER, CollectiveTracker
-from flatshard.testing.internals import Storage, storage_move
+from flatshard.testing.internals import Storage, TorchReach, storage_move
 from flatshard.testing.internals import comm_ledger as ledger
 from flatshard.testing.isolated import Died, run_isolated
 from flatshard.testing.models import ReluLinear, build
@@ -112,29 +111,20 @@ def test_units_held_across_steps_train_as_if_not_held(pool: WorkerPool, optimize
     assert found["gathers"][1] >= units  # every unit gathered again after the step
 
 
-def test_torch_is_plain_again_once_the_last_sharded_model_is_gone(
-    local_group: dist.ProcessGroup,
-) -> None:
-    """flatshard's step pre-hook and norm are installed with the first sharded model and
-    removed with the last one: torch's own functions, no hook of flatshard's left."""
+def test_what_flatshard_installs_in_torch_is_removed_by_its_handle() -> None:
+    """``TorchReach`` installs one optimizer step pre-hook and torch's gradient norm, and
+    its ``remove`` leaves torch as it found it (the process-wide owner does so once no
+    sharded model is alive)."""
     torch_norm = torch.nn.utils.get_total_norm
     private_norm = torch.nn.utils.clip_grad._get_total_norm
-
-    def ours() -> list[Any]:
-        hooks = torch_optimizer._global_optimizer_pre_hooks.values()
-        return [h for h in hooks if getattr(h, "__module__", "").startswith("flatshard")]
-
-    gc.collect()
-    assert not ours()
-    models = [flatshard.fully_shard(nn.Linear(4, 4), process_group=local_group) for _ in "ab"]
-    assert len(ours()) == 1
+    hooks = dict(torch_optimizer._global_optimizer_pre_hooks)
+    reach = TorchReach()
+    reach.install()
+    reach.install()  # idempotent
+    assert len(torch_optimizer._global_optimizer_pre_hooks) == len(hooks) + 1
     assert torch.nn.utils.get_total_norm is not torch_norm
-    del models[0]
-    gc.collect()
-    assert len(ours()) == 1  # one model is still alive
-    models.clear()
-    gc.collect()
-    assert not ours()
+    reach.remove()
+    assert dict(torch_optimizer._global_optimizer_pre_hooks) == hooks
     assert torch.nn.utils.get_total_norm is torch_norm
     assert torch.nn.utils.clip_grad._get_total_norm is private_norm
 

@@ -7,7 +7,6 @@ public helpers that change what a unit's hooks do (``register_entry_point``,
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from functools import partial, wraps
 from typing import Any, TypeVar, cast
@@ -42,7 +41,7 @@ def install(unit: Unit) -> None:
     module.register_forward_pre_hook(_eager(unit.pre_forward), with_kwargs=True)
     module.register_forward_hook(_eager(unit.post_forward))
     for flat in unit.trainable:
-        flat.register_post_accumulate_hook(_post_backward(unit, flat))
+        flat.register_post_accumulate_hook(partial(unit.post_backward, flat))
     for name, inner in unit.inner_modules:
         inner.register_forward_pre_hook(partial(_check_gathered, unit, name))
         inner.register_forward_hook(partial(_held_module_returned, unit))
@@ -68,24 +67,6 @@ def install(unit: Unit) -> None:
             master = next(kept.parameters()).dtype
             kept.register_forward_pre_hook(partial(_cast_inputs, master), with_kwargs=True)
             kept.register_forward_hook(partial(_cast_output, policy.param_dtype))
-
-
-def _post_backward(unit: Unit, flat: FlatParamGroup) -> Callable[[torch.Tensor], None]:
-    """The unit's post-backward hook for ``flat``, holding both weakly.
-
-    The hook lives in the flat gradient leaf's C++ hook list, which Python's garbage
-    collector cannot traverse: a strong reference there to the unit (and so to the model)
-    would make a cycle nothing ever frees, keeping every sharded model of the process (and
-    flatshard's process-wide hooks, ``_torch_utilities.py``) alive for good.
-    """
-    unit_ref, flat_ref = weakref.ref(unit), weakref.ref(flat)
-
-    def hook(leaf: torch.Tensor) -> None:
-        alive, group = unit_ref(), flat_ref()
-        if alive is not None and group is not None:
-            alive.post_backward(group)
-
-    return hook
 
 
 def _eager(hook: F) -> F:

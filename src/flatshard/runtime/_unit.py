@@ -300,7 +300,8 @@ class Unit:
         """``flatshard.unshard``: gather now and keep the buffers until ``release``."""
         self.hold = Hold.USER
         self.unshard()
-        self.hide_views()
+        if self.state is TrainingState.IDLE:  # (inside its own forward: views in use)
+            self.hide_views()
 
     def release(self) -> bool:
         """``flatshard.reshard``: free the buffers; returns whether memory was freed."""

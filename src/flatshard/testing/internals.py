@@ -38,6 +38,7 @@ from flatshard.runtime._prefetch import ExecutionOrder
 from flatshard.runtime._profiling import Ranges
 from flatshard.runtime._rate_limiter import RateLimiter
 from flatshard.runtime._step import context_of
+from flatshard.runtime._torch_utilities import TorchReach
 from flatshard.runtime._unit import units_of
 from flatshard.state import _checkpoint
 
@@ -47,6 +48,7 @@ __all__ = [
     "RecordedOp",
     "ReduceScatter",
     "Storage",
+    "TorchReach",
     "UnitPlan",
     "ViewPlan",
     "calibrated_seconds",
