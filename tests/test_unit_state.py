@@ -123,7 +123,7 @@ def test_what_flatshard_installs_in_torch_is_removed_by_its_handle() -> None:
     reach.install()  # idempotent
     assert len(torch_optimizer._global_optimizer_pre_hooks) == len(hooks) + 1
     # (the process-wide owner may have installed it already: then it is the same function)
-    assert torch.nn.utils.get_total_norm.__module__ == "flatshard.runtime._torch_norm"
+    assert torch.nn.utils.get_total_norm.__module__.startswith("flatshard.")
     reach.remove()
     assert dict(torch_optimizer._global_optimizer_pre_hooks) == hooks
     assert torch.nn.utils.get_total_norm is torch_norm
