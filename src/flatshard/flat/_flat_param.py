@@ -369,11 +369,6 @@ class FlatParamGroup:
         self.finish_unshard()
         self.generation += 1
 
-    def mark_loaded(self) -> None:
-        """A load is about to write the originals (every rank alike, also one whose rows
-        are empty)."""
-        self.shards_written()
-
     @property
     def unshard_allocates(self) -> bool:
         """Whether unsharding now would allocate the unsharded buffer (and gather into it)."""

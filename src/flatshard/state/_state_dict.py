@@ -137,7 +137,7 @@ def reshard_for_load(model: nn.Module, caller: str) -> None:
         unit.require_idle(caller, "load between steps, not inside forward or backward.")
         unit.reshard()
         for flat in unit.flat_params:
-            flat.mark_loaded()  # gathers after the load see it (and replicas refresh)
+            flat.shards_written()  # gathers after the load see it (and replicas refresh)
 
 
 def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
