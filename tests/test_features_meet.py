@@ -668,3 +668,74 @@ def test_a_rank_that_skips_a_backward_but_steps_fails_on_every_rank(pool: Worker
     for rank, outcome in enumerate(outcomes):
         assert outcome["kind"] == "error", f"rank {rank}: {outcome['detail']}"
         assert outcome["named"] or outcome["flatshard_class"], f"rank {rank}: {outcome['detail']}"
+
+
+def zero_grad_job(ctx: WorkerContext, strategy: str, world: int, how: str, zero: str) -> Outcome:
+    """Two micro-batches with gradient sync (or, hybrid, the all-reduce) off, then the
+    gradients are zeroed and never stepped on (a discarded accumulation); then 3 plain
+    steps, which must equal the reference's 3 steps."""
+    group = ctx.group(world)
+    if group is None:
+        return {"kind": "not run"}
+    with _short_timeout(TIMEOUT_S):
+        try:
+            model = _shard(_net(), strategy, world, group)
+            params = list(model.parameters())
+            optims = [torch.optim.AdamW(params, lr=LR, eps=EPS, foreach=True)]
+            if zero == "two_optimizers":  # each holds every other parameter
+                optims = [
+                    torch.optim.AdamW(params[i::2], lr=LR, eps=EPS, foreach=True) for i in (0, 1)
+                ]
+            discarded = _part(_batches(world * 2 * PER_MICRO, steps=1, seed=7)[0], ctx.rank, world)
+            for m in range(2):
+                accumulate: AbstractContextManager[Any] = nullcontext()
+                if how == "no_sync":
+                    accumulate = flatshard.no_sync(model)
+                elif how == "switch_sync":
+                    flatshard.set_requires_gradient_sync(model, False)
+                else:
+                    flatshard.set_requires_all_reduce(model, False)
+                with accumulate:
+                    (_loss(model, _part(discarded, m, 2)) / 2).backward()
+            if zero == "model":
+                model.zero_grad()
+            else:
+                for optim in optims:
+                    optim.zero_grad(set_to_none=zero != "optimizer_to_zeros")
+            flatshard.set_requires_gradient_sync(model, True)
+            flatshard.set_requires_all_reduce(model, True)
+            for batch in _batches(world * PER_MICRO):
+                _loss(model, _part(batch, ctx.rank, world)).backward()
+                for optim in optims:
+                    optim.step()
+                    optim.zero_grad()
+            got = flatshard.full_state_dict(model, rank0_only=False)
+        except Exception as error:
+            return _error(error)
+    expected, _ = _reference(1, "adamw_foreach", "none", world)
+    return _compare(got, expected, [], [])
+
+
+@pytest.mark.parametrize(
+    ("strategy", "world", "how", "zero"),
+    [
+        ("FULL_SHARD", 2, "no_sync", "optimizer"),
+        ("FULL_SHARD", 2, "switch_sync", "model"),
+        ("SHARD_GRAD_OP", 2, "no_sync", "optimizer_to_zeros"),
+        ("FULL_SHARD", 2, "switch_sync", "two_optimizers"),
+        ("HYBRID_SHARD", 4, "all_reduce", "optimizer"),
+        ("HYBRID_SHARD_OPTIM", 4, "all_reduce", "two_optimizers"),
+    ],
+)
+def test_zero_grad_drops_the_gradients_kept_unreduced(
+    pool: WorkerPool, strategy: str, world: int, how: str, zero: str
+) -> None:
+    """Under DDP, micro-batches without sync accumulate into .grad, and zero_grad (the
+    optimizer's or the module's, to None or to zeros) clears them. flatshard keeps them
+    unreduced elsewhere (the unsharded flat gradient; hybrid, a chunk owed to the replicas'
+    all-reduce): zero_grad must drop them too, else they join the next synchronized step.
+    Two optimizers over alternate parameters drop each one's part only."""
+    outcomes = pool.run(zero_grad_job, strategy, world, how, zero)[:world]
+    _settle(pool, outcomes)
+    for rank, outcome in enumerate(outcomes):
+        assert outcome["kind"] == "exact", f"rank {rank}: {outcome['kind']}: {outcome['detail']}"

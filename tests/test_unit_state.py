@@ -112,19 +112,23 @@ def test_units_held_across_steps_train_as_if_not_held(pool: WorkerPool, optimize
 
 
 def test_what_flatshard_installs_in_torch_is_removed_by_its_handle() -> None:
-    """``TorchReach`` installs one optimizer step pre-hook and torch's gradient norm, and
-    its ``remove`` leaves torch as it found it (the process-wide owner does so once no
-    sharded model is alive)."""
+    """``TorchReach`` installs one optimizer step pre-hook, torch's gradient norm and its
+    two ``zero_grad`` wrappers, and its ``remove`` leaves torch as it found it (the
+    process-wide owner does so once no sharded model is alive)."""
     torch_norm = torch.nn.utils.get_total_norm
     private_norm = torch.nn.utils.clip_grad._get_total_norm
     hooks = dict(torch_optimizer._global_optimizer_pre_hooks)
+    zero_grads = (torch.optim.Optimizer.zero_grad, nn.Module.zero_grad)
     reach = TorchReach()
     reach.install()
     reach.install()  # idempotent
     assert len(torch_optimizer._global_optimizer_pre_hooks) == len(hooks) + 1
     # (the process-wide owner may have installed it already: then it is the same function)
     assert torch.nn.utils.get_total_norm.__module__.startswith("flatshard.")
+    assert torch.optim.Optimizer.zero_grad is not zero_grads[0]
+    assert nn.Module.zero_grad is not zero_grads[1]
     reach.remove()
+    assert (torch.optim.Optimizer.zero_grad, nn.Module.zero_grad) == zero_grads
     assert dict(torch_optimizer._global_optimizer_pre_hooks) == hooks
     assert torch.nn.utils.get_total_norm is torch_norm
     assert torch.nn.utils.clip_grad._get_total_norm is private_norm

@@ -79,7 +79,7 @@ the same two steps (``gather_region``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 from typing import cast
 
@@ -446,6 +446,30 @@ class FlatParamGroup:
         if grad is None:
             grad = torch.zeros_like(self._unsharded_data, memory_format=torch.contiguous_format)
         return grad
+
+    def drop_kept_gradients(self, zeroed: Collection[int]) -> None:
+        """``zero_grad`` of the originals at indices ``zeroed``: their part of the
+        gradients this group keeps unreduced goes with their ``.grad`` (the sum of backward
+        passes with sync off; hybrid, a chunk owed to the replicas' all-reduce). See
+        [Note: zero_grad drops kept gradients] in runtime/_zero_grad.py."""
+        reduction = self.reduction
+        if not reduction.keeps_gradients or not zeroed:
+            return
+        if len(set(zeroed)) == len(self.originals):
+            self.unsharded.grad = None
+            reduction.drop_kept()
+            if self.table is not None:
+                self.table.drop_pending()
+            return
+        kept = self.unsharded.grad
+        if kept is not None:
+            for index, view in enumerate(self.views.full_views(kept)):
+                if index in zeroed:
+                    view.zero_()
+        if reduction.owed is not None:  # the F-chunk, laid out like the shard
+            for index, view in enumerate(self.views.shard_views(reduction.owed)):
+                if index in zeroed:
+                    view.zero_()
 
     def add_to_grads(self, reduced: torch.Tensor) -> None:
         """Add this rank's reduced chunk (C,: its region) to the originals' ``.grad``.

@@ -129,9 +129,22 @@ class GradientReduction:
                 "embedding table's lookup gradient is exchanged as rows; register no hook "
                 "on its unit, or pass sparse_embeddings=False"
             )
+        if self.owes is Owed.REDUCTION:  # the rows kept under no_sync are in ``shard_sum``
+            self.owes = Owed.NOTHING
         self.sparse_sum = shard_sum
         self._sparse_across = all_reduce
         self.done_in_backward = True
+
+    @property
+    def keeps_gradients(self) -> bool:
+        """Whether gradients of earlier backward passes wait here instead of in ``.grad``."""
+        return self.owes is not Owed.NOTHING or self.owed is not None
+
+    def drop_kept(self) -> None:
+        """``zero_grad`` of the whole group: the kept gradients go (the flat one is
+        dropped by the group)."""
+        self.owed = None
+        self.owes = Owed.NOTHING
 
     def keep_unreduced(self) -> None:
         """no_sync: leave the flat gradient to accumulate until a synchronized backward."""

@@ -359,6 +359,11 @@ class RowSparseTable:
         self.exchange_due = False
         return out
 
+    def drop_pending(self) -> None:
+        """``zero_grad``: the lookups' rows kept since the last exchange go. The exchange
+        itself stays due (every rank issues it alike), with no rows from this rank."""
+        self._pending = []
+
     def gradient_synced(self) -> None:
         """A synchronized backward reduced what the flat leaf held."""
         self.dense_due = False

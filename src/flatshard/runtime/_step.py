@@ -235,9 +235,13 @@ class StepContext:
         """
         with traced("finish_backward"):
             for unit in self.units:
-                if unit.expects_backward and self.sync_gradients:
-                    for flat in unit.trainable:
+                if not unit.expects_backward:
+                    continue
+                for flat in unit.trainable:
+                    if self.sync_gradients:
                         self._finish_reduction(flat)
+                    else:  # kept, also where nothing reached the hook (a table's rows)
+                        flat.reduction.keep_unreduced()
             for unit in self.units:
                 unit.end_backward()
             if self.sync_gradients and not self.stepped_by_optimizer:
