@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+import flatshard
 from flatshard.cli.main import main
 
 TINY = ["--dim", "32", "--layers", "2", "--heads", "2", "--seq-len", "32", "--batch", "4"]
@@ -157,12 +158,14 @@ BAD_TOML = {"unknown": "stepz = 3", "type": 'steps = "many"', "syntax": "steps =
         (["--dim", "10", "--heads", "3"], "--dim (10) must be a multiple of --heads (3)"),
         (["--lr", "-1"], "--lr must be > 0"),
         (["--mixed-precision", "fp8"], "--mixed-precision must be one of none, bf16, fp16"),
-        (["--strategy", "ZERO3"], "--strategy must be one of FULL_SHARD"),
+        (["--strategy", "ZERO4"], "--strategy must be one of FULL_SHARD"),
         (
             ["--strategy", "full_shrd"],
             "--strategy must be one of FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, "
-            "HYBRID_SHARD_ZERO2, HYBRID_SHARD_OPTIM, got 'full_shrd' (did you mean FULL_SHARD?)",
+            "HYBRID_SHARD_ZERO2, HYBRID_SHARD_OPTIM (any case) or another library's name for "
+            "one, got 'full_shrd' (did you mean FULL_SHARD?)",
         ),
+        (["--strategy", "zero1"], "--strategy 'zero1': ZeRO-1 (only the optimizer state"),
         (["--model", "hf:./no/such/dir"], "--model hf:./no/such/dir: no such directory: "),
         (["--strategy", "HYBRID_SHARD", "--sharding-factor", "3"], "--sharding-factor (3) must"),
         (["--sharding-factor", "2"], "--sharding-factor only applies to hybrid strategies"),
@@ -236,6 +239,29 @@ def test_choices_take_any_case() -> None:
         "linear",
         "blocks",
     )
+
+
+@pytest.mark.parametrize("command", ["train", "plan"])
+def test_strategies_by_zero_names_and_every_strategy_in_help(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """DeepSpeed's and PyTorch's names are taken and stored as flatshard's; --help lists
+    every strategy (HYBRID_SHARD_OPTIM too) with its other names."""
+    from flatshard.cli.config import config_from_args
+    from flatshard.cli.lm.config import TrainConfig
+    from flatshard.cli.main import build_parser
+    from flatshard.cli.plan.command import PlanConfig
+
+    config_type = TrainConfig if command == "train" else PlanConfig
+    for given, name in [("zero3", "FULL_SHARD"), ("ZeRO-2", "SHARD_GRAD_OP"), ("ddp", "NO_SHARD")]:
+        args = build_parser().parse_args([command, "--strategy", given])
+        assert config_from_args(config_type, args).strategy == name, given
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for strategy in flatshard.ShardingStrategy:
+        assert strategy.name in help_text, strategy
+    assert "FULL_SHARD (zero3, fsdp)" in help_text
 
 
 def _bench(

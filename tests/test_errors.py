@@ -186,8 +186,9 @@ def test_helper_option_errors(local_group: dist.ProcessGroup) -> None:
 
 
 def test_strategy_by_name_in_any_case_or_as_torchs_enum(local_group: dist.ProcessGroup) -> None:
-    """Strings and PyTorch FSDP1's ShardingStrategy name the same strategies (they read
-    like the right value, so refusing them helped no one)."""
+    """Strings, PyTorch FSDP1's ShardingStrategy and ZeRO-style names ("zero3", "ddp")
+    name the same strategies (they read like the right value, so refusing them helped no
+    one)."""
     from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
 
     ours = flatshard.ShardingStrategy
@@ -197,11 +198,18 @@ def test_strategy_by_name_in_any_case_or_as_torchs_enum(local_group: dist.Proces
         (TorchStrategy.SHARD_GRAD_OP, ours.SHARD_GRAD_OP),
         (TorchStrategy._HYBRID_SHARD_ZERO2, ours.HYBRID_SHARD_ZERO2),
         (ours.NO_SHARD, ours.NO_SHARD),
+        ("zero3", ours.FULL_SHARD),
+        ("ZeRO-2", ours.SHARD_GRAD_OP),
+        ("DDP", ours.NO_SHARD),
+        ("hsdp", ours.HYBRID_SHARD),
     ]:
         assert ours.parse(given) is expected, given
     flatshard.fully_shard(build("mlp"), strategy="no_shard")
-    with pytest.raises(TypeError, match=r"fully_shard: strategy must be .* \(FULL_SHARD, "):
-        flatshard.fully_shard(build("mlp"), strategy="ZERO3")
+    with pytest.raises(TypeError, match=r"fully_shard: strategy must be one of FULL_SHARD, "):
+        flatshard.fully_shard(build("mlp"), strategy="ZERO4")
+    # ZeRO-1 has no counterpart: the error names the closest strategies
+    with pytest.raises(TypeError, match=r"'zero1': ZeRO-1 .* Closest: HYBRID_SHARD_OPTIM"):
+        flatshard.fully_shard(build("mlp"), strategy="zero1")
 
 
 def test_the_summary_names_each_unit_once(local_group: dist.ProcessGroup) -> None:

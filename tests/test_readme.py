@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import flatshard
 from flatshard.cli.main import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,3 +58,16 @@ def test_the_readme_example_trains_and_saves_at_two_ranks(tmp_path: Path) -> Non
     checkpoint = tmp_path / "checkpoints" / "step_10"
     assert (checkpoint / "flatshard.json").is_file()
     assert main(["ckpt", "inspect", str(checkpoint)]) == 0  # every file checks out
+
+
+def test_every_listing_of_strategies_names_them_all() -> None:
+    """A line of the README or docs that lists strategies (names four or more) names all
+    of them: a strategy left out of a list reads as unsupported."""
+    names = [s.name for s in flatshard.ShardingStrategy]
+    short = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            found = {n for n in names if re.search(rf"\b{n}\b", line)}
+            if len(found) >= 4 and len(found) < len(names):
+                short.append(f"{path.name}:{number} lacks {sorted(set(names) - found)}")
+    assert not short, "\n".join(short)

@@ -84,7 +84,9 @@ def fully_shard(
             backward), NO_SHARD (DDP), HYBRID_SHARD / HYBRID_SHARD_ZERO2 (shard inside
             groups of F ranks, replicate across the W / F groups), HYBRID_SHARD_OPTIM
             (HYBRID_SHARD's parameters, the gradients and optimizer state cut across all
-            W ranks: hybrid's traffic with full sharding's optimizer memory).
+            W ranks: hybrid's traffic with full sharding's optimizer memory). A
+            ``flatshard.ShardingStrategy``, its name in any case, or "zero3", "fsdp",
+            "zero2", "ddp", "hsdp".
         process_group: where to shard: the W ranks that train together as a process group
             or a 1-D ``DeviceMesh`` (default: the world), or, for the hybrid strategies, a
             2-D ``DeviceMesh`` of (replicate, shard) dims over the world.

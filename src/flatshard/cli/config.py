@@ -1,8 +1,9 @@
 """What the commands share: one-line option errors, and flags made from a config dataclass.
 
 A command's options are a frozen dataclass; each field's docstring (the string literal
-under it) is its ``--help`` text. Values come from the field defaults, then an optional TOML
-file (``--config run.toml``, keys are field names), then the command line.
+under it) is its ``--help`` text (``{strategies}`` in it lists the sharding strategies).
+Values come from the field defaults, then an optional TOML file (``--config run.toml``,
+keys are field names), then the command line.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar, cast
+
+from flatshard.comm import ShardingStrategy, not_a_strategy, strategy_names
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -108,7 +111,8 @@ def add_config_parser(
         )
     for field in fields(config):
         default = field.default
-        text = f"{docs.get(field.name, '')} (default: {default!r})"
+        doc = docs.get(field.name, "").replace("{strategies}", strategy_names())
+        text = f"{doc} (default: {default!r})"
         if isinstance(default, bool):
             parser.add_argument(
                 flag(field.name),
@@ -162,3 +166,11 @@ def _from_toml(config: type[Any], path: Path) -> dict[str, Any]:
 def fail(option: str, message: str) -> NoReturn:
     """Raise the one-line error for ``option`` (a field name or flag)."""
     raise ConfigError(f"{flag(option) if not option.startswith('--') else option} {message}")
+
+
+def strategy_option(value: str, option: str = "strategy") -> ShardingStrategy:
+    """``--strategy``: a strategy's name in any case, or another library's (``zero3``)."""
+    try:
+        return ShardingStrategy.parse(value)
+    except TypeError:
+        fail(option, not_a_strategy(value, listing=False) + " (--help says what each does)")

@@ -28,7 +28,13 @@ from flatshard.comm._errors import (
     PeerLostError,
     SlowCollectiveWarning,
 )
-from flatshard.comm._mesh import ShardGroups, ShardingStrategy
+from flatshard.comm._mesh import (
+    ShardGroups,
+    ShardingStrategy,
+    not_a_strategy,
+    strategy_names,
+    strategy_table,
+)
 from flatshard.comm._processes import exit_without_teardown, fast_context
 from flatshard.comm._ranks import global_rank
 
@@ -47,8 +53,11 @@ __all__ = [
     "exit_without_teardown",
     "fast_context",
     "global_rank",
+    "not_a_strategy",
     "reduce_scatter_impl",
     "set_checks",
     "split_division",
+    "strategy_names",
+    "strategy_table",
     "sum_reduce",
 ]

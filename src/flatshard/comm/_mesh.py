@@ -16,6 +16,7 @@ group, then an all-reduce of the shard inside the replicate group.
 from __future__ import annotations
 
 import atexit
+import difflib
 import os
 from dataclasses import dataclass, replace
 from enum import Enum
@@ -57,8 +58,9 @@ class ShardingStrategy(Enum):
     @classmethod
     def parse(cls, value: object, caller: str = "fully_shard") -> ShardingStrategy:
         """``value`` as a strategy: one of ours, its name in any case (``"shard_grad_op"``),
-        or an enum member of that name, such as PyTorch FSDP1's
-        ``torch.distributed.fsdp.ShardingStrategy.SHARD_GRAD_OP``."""
+        an enum member of that name, such as PyTorch FSDP1's
+        ``torch.distributed.fsdp.ShardingStrategy.SHARD_GRAD_OP``, or another library's
+        name for it (``"zero3"``, ``"ddp"``: ``ALIASES``)."""
         if isinstance(value, cls):
             return value
         name = value.name if isinstance(value, Enum) else value
@@ -66,17 +68,86 @@ class ShardingStrategy(Enum):
             key = name.strip().lstrip("_").upper().replace("-", "_")
             if key in cls.__members__:
                 return cls[key]
-        names = ", ".join(cls.__members__)
-        raise TypeError(
-            f"flatshard.{caller}: strategy must be a flatshard.ShardingStrategy or one of its "
-            f"names ({names}), got {value!r}"
-        )
+            alias = ALIASES.get(key.replace("_", "").lower())
+            if alias is not None:
+                return alias
+        raise TypeError(f"flatshard.{caller}: strategy {not_a_strategy(value)}")
 
     @property
     def kept_gathered(self) -> ShardingStrategy | None:
         """The same sharding, kept unsharded from forward to backward (None: already is,
         or not sharded)."""
         return _KEPT_GATHERED.get(self)
+
+
+# Other libraries' names for the same sharding (lower case, no separators).
+ALIASES: dict[str, ShardingStrategy] = {
+    "zero3": ShardingStrategy.FULL_SHARD,
+    "fsdp": ShardingStrategy.FULL_SHARD,
+    "zero2": ShardingStrategy.SHARD_GRAD_OP,
+    "ddp": ShardingStrategy.NO_SHARD,
+    "hsdp": ShardingStrategy.HYBRID_SHARD,
+}
+
+# What each strategy does, in the words of ZeRO and PyTorch (every listing reads this).
+_WHAT: dict[ShardingStrategy, str] = {
+    ShardingStrategy.FULL_SHARD: "ZeRO-3: parameters, gradients and optimizer state sharded "
+    "over all ranks; parameters gathered for forward and again for backward",
+    ShardingStrategy.SHARD_GRAD_OP: "ZeRO-2 as PyTorch names it: sharded as FULL_SHARD, "
+    "parameters kept gathered from forward to backward (one all-gather per step)",
+    ShardingStrategy.NO_SHARD: "DDP: every rank holds everything, gradients all-reduced",
+    ShardingStrategy.HYBRID_SHARD: "HSDP: FULL_SHARD within groups of sharding_factor "
+    "ranks (a host by default), replicated across the groups",
+    ShardingStrategy.HYBRID_SHARD_ZERO2: "SHARD_GRAD_OP within groups, replicated across them",
+    ShardingStrategy.HYBRID_SHARD_OPTIM: "HYBRID_SHARD's parameters; gradients and "
+    "optimizer state sharded over all ranks (sharding_factor=1: DeepSpeed's ZeRO-2, "
+    "parameters replicated)",
+}
+
+
+def not_a_strategy(value: object, listing: bool = True) -> str:
+    """Why ``value`` names no strategy (after "strategy "), with what each one does unless
+    ``listing`` is False (a one-line error)."""
+    what = ". The strategies:\n" + strategy_table() if listing else ""
+    name = value.name if isinstance(value, Enum) else value
+    if isinstance(name, str) and name.strip().upper().replace("-", "").replace("_", "") in (
+        "ZERO1",
+        "ZERO",
+    ):
+        return (
+            f"{value!r}: ZeRO-1 (only the optimizer state sharded) has no strategy of its "
+            "own. Closest: HYBRID_SHARD_OPTIM with sharding_factor=1 (parameters replicated "
+            "as in ZeRO-1; gradients sharded too, for the same bytes per step); "
+            "SHARD_GRAD_OP ('zero2') also shards the parameters between steps" + what
+        )
+    names = [*ShardingStrategy.__members__, *ALIASES]
+    close = difflib.get_close_matches(str(name).upper(), [n.upper() for n in names], n=1)
+    hint = f" (did you mean {names[[n.upper() for n in names].index(close[0])]}?)" if close else ""
+    return (
+        f"must be one of {', '.join(ShardingStrategy.__members__)} (any case) or another "
+        f"library's name for one, got {value!r}{hint}" + what
+    )
+
+
+def strategy_names() -> str:
+    """``"FULL_SHARD (zero3) | SHARD_GRAD_OP (zero2) | ..."``: for help texts."""
+    return " | ".join(
+        s.name + (f" ({', '.join(a)})" if (a := _aliases_of(s)) else "") for s in ShardingStrategy
+    )
+
+
+def strategy_table() -> str:
+    """One line per strategy: its name, other names, and what it shards."""
+    lines = []
+    for s in ShardingStrategy:
+        aliases = _aliases_of(s)
+        also = f" (also {', '.join(repr(a) for a in aliases)})" if aliases else ""
+        lines.append(f"  {s.name}{also}: {_WHAT[s]}")
+    return "\n".join(lines)
+
+
+def _aliases_of(strategy: ShardingStrategy) -> list[str]:
+    return [alias for alias, s in ALIASES.items() if s is strategy]
 
 
 _KEPT_GATHERED = {

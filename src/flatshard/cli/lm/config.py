@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import flatshard
-from flatshard.cli.config import fail
+from flatshard.cli.config import fail, strategy_option
 from flatshard.cli.lm.lora import parse_lora
 from flatshard.cli.lm.optimizers import OPTIMIZERS
 from flatshard.cli.sizes import parse_size
@@ -96,7 +96,7 @@ class TrainConfig:
     clip: float = 1.0
     """clip the global gradient norm to this (0: no clipping)"""
     strategy: str = "FULL_SHARD"
-    """FULL_SHARD | SHARD_GRAD_OP | NO_SHARD | HYBRID_SHARD | HYBRID_SHARD_ZERO2"""
+    """how units are sharded: {strategies}; any case"""
     sharding_factor: int = 0
     """ranks a unit is sharded over for the hybrid strategies (0: ranks per host)"""
     units: str = "blocks"
@@ -173,7 +173,7 @@ class TrainConfig:
             fail("weight_decay" if self.weight_decay < 0 else "clip", "must be >= 0")
         _one_of(self, "lr_schedule", SCHEDULES)
         _one_of(self, "mixed_precision", tuple(PRECISIONS))
-        _one_of(self, "strategy", tuple(s.name for s in flatshard.ShardingStrategy))
+        object.__setattr__(self, "strategy", strategy_option(self.strategy).name)  # as named
         if self.keep_gathered and self.sharding_strategy.kept_gathered is None:
             fail("keep_gathered", f"applies to FULL_SHARD and HYBRID_SHARD, not {self.strategy}")
         _one_of(self, "units", UNITS)
@@ -209,7 +209,7 @@ class TrainConfig:
 
     @property
     def sharding_strategy(self) -> flatshard.ShardingStrategy:
-        return flatshard.ShardingStrategy[self.strategy]
+        return strategy_option(self.strategy)
 
     def check_world(self, world: int) -> None:
         """What depends on the number of ranks (known only once they exist under torchrun)."""

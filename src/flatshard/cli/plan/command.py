@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 import flatshard
-from flatshard.cli.config import add_config_parser, config_from_args, fail
+from flatshard.cli.config import add_config_parser, config_from_args, fail, strategy_option
 from flatshard.cli.lm.config import PRECISIONS, UNITS, TrainConfig, unit_policy
 from flatshard.cli.lm.planned import PlannedModel, language_model_loss, planned_model
 from flatshard.cli.plan.report import chart, table
@@ -62,7 +62,7 @@ class PlanConfig:
     hosts: int = 1
     """hosts"""
     strategy: str = "FULL_SHARD"
-    """FULL_SHARD | SHARD_GRAD_OP | NO_SHARD | HYBRID_SHARD | HYBRID_SHARD_ZERO2"""
+    """how units are sharded: {strategies}; any case"""
     sharding_factor: int = 0
     """ranks a unit is sharded over for the hybrid strategies (0: ranks per host)"""
     units: str = "blocks"
@@ -99,6 +99,7 @@ class PlanConfig:
     """write the live-tensor memory over one step as a PNG to this path"""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "strategy", strategy_option(self.strategy).name)  # as named
         for name in ("vocab", "dim", "layers", "heads", "seq_len", "batch", "grad_accum"):
             if getattr(self, name) < 1:
                 fail(name, f"must be >= 1, got {getattr(self, name)}")
@@ -112,7 +113,6 @@ class PlanConfig:
                 fail(name, f"must be >= {least}, got {getattr(self, name)}")
         for name, allowed in (
             ("mixed_precision", tuple(PRECISIONS)),
-            ("strategy", tuple(s.name for s in flatshard.ShardingStrategy)),
             ("optimizer", ("adamw", "adam", "sgd-momentum", "sgd", "muon")),
             ("cluster", CLUSTERS),
             ("units", UNITS),
@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _plan(config: PlanConfig, model: PlannedModel, checkpointing: bool) -> flatshard.Plan:
-    strategy = flatshard.ShardingStrategy[config.strategy]
+    strategy = strategy_option(config.strategy)
     if config.sharding_factor and not strategy.is_hybrid:
         fail("sharding_factor", f"only applies to hybrid strategies, not {config.strategy}")
     if config.keep_gathered and strategy.kept_gathered is None:

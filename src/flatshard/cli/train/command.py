@@ -376,7 +376,7 @@ def _print_start(trainer: Trainer, backend: str) -> None:
     units = ", sublayer units" if config.units == "sublayers" else ""
     print(
         f"flatshard train: {trainer.lm.description}, {trainer.params:,} parameters, "
-        f"{trainer.world} ranks ({backend}, {config.strategy}{units}"
+        f"{trainer.world} ranks ({backend}, {config.sharding_strategy.name}{units}"
         f"{kept_phrase(config.keep_gathered)}{', CPU offload' if config.cpu_offload else ''}"
         f"{', row-sparse embeddings' if config.sparse_embeddings else ''}"
         f"{_optimizer_phrase(config.optimizer)}), {config.steps} steps"

@@ -58,7 +58,8 @@ class FlatshardStrategy(ParallelStrategy):
         auto_wrap_policy: which submodules become units (as for ``fully_shard``: a set of
             classes such as ``{Block}``, a callable, ``flatshard.SizePolicy``, None).
         sharding_strategy: ``flatshard.ShardingStrategy`` or its name (FULL_SHARD,
-            SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2).
+            SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2, HYBRID_SHARD_OPTIM;
+            "zero3" and the other names ``fully_shard`` takes).
         mixed_precision: a ``flatshard.MixedPrecision``; by default what
             ``Trainer(precision=...)`` says (``FlatshardPrecision``). Give one or the other.
         cpu_offload: ``flatshard.CPUOffload(params=True)``: shards and optimizer on the CPU.
