@@ -9,6 +9,8 @@ import contextlib
 import io
 import json
 import multiprocessing
+import re
+import shlex
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -266,15 +268,40 @@ def test_cpu_offload_moves_the_state_to_the_host(planner: ProcessPoolExecutor) -
     assert slow.peak_memory_bytes < fast.peak_memory_bytes
 
 
+# What `flatshard train` needs to train the model planned by the arguments below.
+TRAIN_FLAGS = "--dim 256 --layers 2 --seq-len 32 --batch 2 "
+
+
+def test_the_recommended_train_command_trains_what_was_planned() -> None:
+    """The command a plan recommends, parsed as `flatshard train` parses it, has the
+    plan's model, batch and ranks (options train does not share are left out)."""
+    from flatshard.cli.config import config_from_args
+    from flatshard.cli.lm.config import TrainConfig
+    from flatshard.cli.main import build_parser
+    from flatshard.cli.plan.command import PlanConfig, planned_train_flags
+
+    argv = ["--model", "hf:llama", "--hf-overrides", "hidden_size=64,num_hidden_layers=2"]
+    argv += ["--seq-len", "32", "--batch", "2", "--mixed-precision", "bf16", "--cluster", "cpu"]
+    planned = config_from_args(PlanConfig, build_parser().parse_args(["plan", *argv]))
+    flags = [*shlex.split(planned_train_flags(planned, 8)), "--strategy", "zero2"]
+    train = config_from_args(TrainConfig, build_parser().parse_args(["train", *flags]))
+    for name in ("model", "hf_overrides", "seq_len", "batch", "mixed_precision"):
+        assert getattr(train, name) == getattr(planned, name), name
+    assert (train.nproc, train.strategy) == (8, "SHARD_GRAD_OP")
+    assert "--cluster" not in flags
+
+
 def test_cpu_offload_is_recommended_where_nothing_else_fits(planner: ProcessPoolExecutor) -> None:
     # Every strategy needs 1 GiB (context) + 24-33 MiB here; offloaded, 15-16 MiB.
     args = ["plan", "--layers", "2", "--dim", "256", "--seq-len", "32", "--batch", "2"]
     args += ["--nproc", "2", "--cluster", "h100-80gb", "--memory-budget", "1044MiB"]
     code, out, _ = planner.submit(run_cli, args).result()
     assert code == 0, out
-    chosen = "recommended: FULL_SHARD, CPU offload (flatshard train --strategy FULL_SHARD"
-    assert f"{chosen} --cpu-offload)" in out
+    chosen = "recommended: FULL_SHARD, CPU offload (flatshard train "
+    assert f"{chosen}{TRAIN_FLAGS}--strategy FULL_SHARD --cpu-offload)" in out
     assert "host memory (CPU offload), peak" in out
+    # The detail says what was asked: the budget, and that the recommendation fits it.
+    assert re.search(r"memory budget \(--memory-budget\) +1\.02 GiB +fits", out), out
     code, out, _ = planner.submit(run_cli, [*args[:-1], "1030MiB"]).result()
     assert code == 1 and "nothing fits" in out  # not even offloaded
     # Planned with row-sparse tables: the train line it recommends has them too.

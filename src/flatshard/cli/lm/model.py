@@ -132,7 +132,12 @@ def _hugging_face(config: TrainConfig) -> LanguageModel:
 def checkpoint_hf_blocks(model: Any) -> bool:
     """Turn a transformers model's activation checkpointing on (non-reentrant, hooks
     included); False if it has none. transformers 5 renamed gradient_checkpointing_enable
-    (now a deprecated alias that warns) to activation_checkpointing_enable."""
+    (now a deprecated alias that warns) to activation_checkpointing_enable. Training keeps
+    no key-value cache, so ``use_cache`` goes off first (else transformers warns, at the
+    first forward, that it turned it off)."""
+    hf_config = getattr(model, "config", None)
+    if hf_config is not None and getattr(hf_config, "use_cache", False):
+        hf_config.use_cache = False
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(
             activation_checkpointing_kwargs={"use_reentrant": False}

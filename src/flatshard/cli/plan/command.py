@@ -18,13 +18,20 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass, replace
+import shlex
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
 
 import flatshard
-from flatshard.cli.config import add_config_parser, config_from_args, fail, strategy_option
+from flatshard.cli.config import (
+    add_config_parser,
+    config_from_args,
+    fail,
+    flag,
+    strategy_option,
+)
 from flatshard.cli.lm.config import PRECISIONS, UNITS, TrainConfig, unit_policy
 from flatshard.cli.lm.planned import PlannedModel, language_model_loss, planned_model
 from flatshard.cli.plan.report import chart, table
@@ -215,7 +222,8 @@ def _recommend(config: PlanConfig, model: PlannedModel, first: flatshard.Plan) -
     if best is None:
         print("nothing fits: add ranks or hosts, lower --batch or --seq-len, or use bf16")
         return 1
-    flags = f"--strategy {best.strategy.name}"
+    flags = planned_train_flags(config, best.plan.cluster.ranks_per_host)
+    flags += f"--strategy {best.strategy.name}"
     if best.sublayers:
         flags += " --units sublayers"
     if best.sharding_factor:
@@ -228,9 +236,36 @@ def _recommend(config: PlanConfig, model: PlannedModel, first: flatshard.Plan) -
         flags += " --cpu-offload"
     if best.plan.setup.sparse_embeddings:
         flags += " --sparse-embeddings"
-    print(f"recommended: {best.label} (flatshard train {flags})")
-    print(table(best.plan))
+    if config.model.startswith(("gpt", "hf:")):
+        print(f"recommended: {best.label} (flatshard train {flags})")
+    else:  # a model of your own: fully_shard's options in your script
+        print(f"recommended: {best.label}")
+    print(table(best.plan, budget))
     return 0
+
+
+# What ``flatshard train`` sets from the recommendation itself, or has no flag for.
+_NOT_REPEATED = {
+    "strategy", "sharding_factor", "units", "keep_gathered", "checkpoint_activations",
+    "cpu_offload", "sparse_embeddings",
+}  # fmt: skip
+
+
+def planned_train_flags(config: PlanConfig, ranks_per_host: int) -> str:
+    """The train flags that reproduce what was planned: every option ``flatshard train``
+    shares with ``plan`` whose value differs from train's default (--nproc: the ranks per
+    host planned for)."""
+    train = {f.name: f.default for f in fields(TrainConfig)}
+    flags = ""
+    for f in fields(PlanConfig):
+        value = ranks_per_host if f.name == "nproc" else getattr(config, f.name)
+        if f.name in _NOT_REPEATED or f.name not in train or value == train[f.name]:
+            continue
+        if isinstance(value, bool):
+            flags += f"{flag(f.name) if value else '--no-' + flag(f.name)[2:]} "
+        else:
+            flags += f"{flag(f.name)} {shlex.quote(str(value))} "
+    return flags
 
 
 def _print_candidates(model: PlannedModel, found: list[Candidate], budget: int) -> None:

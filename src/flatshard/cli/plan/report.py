@@ -16,8 +16,15 @@ def _host_lines(plan: Plan) -> list[str]:
     return [f"  {'host memory (CPU offload), peak':<40} {size(plan.host_memory_bytes):>12}{room}"]
 
 
-def table(plan: Plan) -> str:
+def table(plan: Plan, budget: int | None = None) -> str:
+    """The plan's figures; with ``budget`` (--memory-budget), whether it fits that too."""
     setup, cluster, step = plan.setup, plan.cluster, plan.step
+    budget_lines = []
+    if budget is not None:
+        budget_lines.append(
+            f"  {'memory budget (--memory-budget)':<40} {size(budget):>12}  "
+            + ("fits" if plan.fits_within(budget) else "DOES NOT FIT")
+        )
     lines = [
         f"plan: {plan.params / 1e6:,.1f}M parameters ({plan.trainable / 1e6:,.1f}M trained) "
         f"in {plan.units} units; {setup.strategy.name} over {setup.world_size} ranks "
@@ -35,6 +42,7 @@ def table(plan: Plan) -> str:
         f"{', +1 GiB context' if cluster.device != 'cpu' else ''})",
         f"  {'device memory':<40} {size(cluster.memory_bytes):>12}  "
         + ("fits" if plan.fits else "DOES NOT FIT"),
+        *budget_lines,
         *_host_lines(plan),
         "",
         "collectives per step (this rank):",
