@@ -106,6 +106,35 @@ def _grads_job(ctx: WorkerContext, model_name: str, sparse: bool) -> dict[str, t
     return grads
 
 
+def _discarded_then_grads_job(
+    ctx: WorkerContext, model_name: str
+) -> dict[str, torch.Tensor] | None:
+    """A micro-batch under no_sync whose gradients are zeroed (discarded), then the first
+    batch's synchronized backward: its gradients alone must reach .grad."""
+    group = ctx.group(2)
+    if group is None:
+        return None
+    model = build(model_name)
+    _shard(model, group)
+    first, discarded = (slice_batch(b, dist.get_rank(group), 2) for b in batches(model, 2))
+    with flatshard.no_sync(model):
+        cast(Any, model).loss(discarded).backward()
+    model.zero_grad()
+    cast(Any, model).loss(first).backward()
+    return {n: cast(torch.Tensor, p.grad).clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("model", ["vocab_gpt", "untied_vocab_gpt"])
+def test_zero_grad_drops_the_rows_kept_under_no_sync(pool: WorkerPool, model: str) -> None:
+    """A table's lookup rows kept under no_sync go with zero_grad, as DDP's would: the
+    next synchronized step's gradients are that batch's alone (bit for bit)."""
+    expected = pool.run(_grads_job, model, True)
+    got = pool.run(_discarded_then_grads_job, model)
+    for rank in range(2):
+        for name, grad in expected[rank].items():
+            assert torch.equal(got[rank][name], grad), (rank, name)
+
+
 @pytest.mark.parametrize("model", ["vocab_gpt", "untied_vocab_gpt"])
 def test_lookup_gradient_is_bitwise_the_dense_one(pool: WorkerPool, model: str) -> None:
     """At 2 ranks the owner adds the same two numbers the dense reduce-scatter adds."""
