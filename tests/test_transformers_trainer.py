@@ -4,9 +4,6 @@ the unsharded Trainer on the same global batch (``transformers_script.py``)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,23 +13,17 @@ import torch
 pytest.importorskip("transformers")
 from safetensors.torch import load_file
 
+from flatshard.testing.scripts import run_script
+
 SCRIPT = Path(__file__).with_name("transformers_script.py")
 TOLERANCE = 1e-5
-_LAUNCH_VARIABLES = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"}
-
-
-def _run(command: list[str], cwd: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES}
-    done = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
 
 
 @pytest.fixture(scope="module")
 def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("trainer")
-    _run([sys.executable, str(SCRIPT), "reference", str(out)], out)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    _run([*torchrun, "--nproc-per-node", "2", str(SCRIPT), "sharded", str(out)], out)
+    run_script(SCRIPT, "reference", str(out), cwd=out)
+    run_script(SCRIPT, "sharded", str(out), cwd=out, ranks=2)
     return out
 
 
@@ -119,5 +110,7 @@ def test_an_unsharded_model_is_a_named_error() -> None:
             intermediate_size=8,
         )
     )
-    with pytest.raises(ValueError, match=r"takes a model sharded by flatshard; call flatshard"):
+    with pytest.raises(ValueError, match=r"takes a model sharded by flatshard, got LlamaFor"):
         FlatshardTrainer(model=model)
+    with pytest.raises(ValueError, match=r"got a model name \('Qwen/Qwen3-0.6B'\); build"):
+        FlatshardTrainer(model="Qwen/Qwen3-0.6B")  # type: ignore[arg-type]

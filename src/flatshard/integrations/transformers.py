@@ -171,17 +171,20 @@ def _leave_sharding_to_flatshard(accelerator: Any, sharded: nn.Module) -> None:
     accelerator.no_sync = sharded_no_sync
 
 
-def _check_sharded(model: nn.Module | None) -> None:
-    try:
-        units_of(model, "integrations.transformers.FlatshardTrainer") if model is not None else []
-    except ValueError:
-        model = None
-    if model is None:
+def _check_sharded(model: object) -> None:
+    sharded = isinstance(model, nn.Module)
+    if isinstance(model, nn.Module):
+        try:
+            units_of(model, "integrations.transformers.FlatshardTrainer")
+        except ValueError:
+            sharded = False
+    if not sharded:
+        given = f"a model name ({model!r})" if isinstance(model, str) else f"{type(model).__name__}"
         raise ValueError(
             "flatshard.integrations.transformers: FlatshardTrainer takes a model sharded "
-            "by flatshard; call flatshard.fully_shard(model, auto_wrap_policy={<decoder "
-            "layer class>}) before building the Trainer, so that its optimizer sees the "
-            "sharded parameters."
+            f"by flatshard, got {given}; build the model, call flatshard.fully_shard(model, "
+            "auto_wrap_policy={<decoder layer class>}), then build the Trainer with it, so "
+            "that its optimizer sees the sharded parameters."
         )
 
 
