@@ -1,4 +1,8 @@
-"""Lightning runs for test_lightning.py: ``python lightning_script.py OUT_DIR``.
+"""Lightning runs for test_lightning.py: ``python lightning_script.py OUT_DIR [PACKAGE]``.
+
+PACKAGE: ``lightning`` (the default: every scenario) or ``pytorch_lightning`` (the standalone
+package, with ``flatshard.integrations.pytorch_lightning``: the scenarios of
+``STANDALONE``).
 
 Run as a user runs Lightning: the Trainer (devices=2) launches the second rank itself,
 re-running this script. Every scenario trains the same small transformer from the same
@@ -7,19 +11,27 @@ seed on each rank's own batches; each rank writes what it saw to OUT_DIR/rank<r>
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, cast
 
-import lightning as L
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import flatshard
-from flatshard.integrations.lightning import FlatshardPrecision, FlatshardStrategy
+
+PACKAGE = sys.argv[2] if len(sys.argv) > 2 else "lightning"
+L: Any = importlib.import_module(PACKAGE)  # Trainer, LightningModule, Callback in both
+_INTEGRATION = "pytorch_lightning" if PACKAGE == "pytorch_lightning" else "lightning"
+_flatshard_lightning = importlib.import_module(f"flatshard.integrations.{_INTEGRATION}")
+FlatshardPrecision = _flatshard_lightning.FlatshardPrecision
+FlatshardStrategy = _flatshard_lightning.FlatshardStrategy
+# What the standalone package's run covers: training, clipping, accumulation, resuming.
+STANDALONE = ("ddp", "FULL_SHARD", "ddp_accumulate", "flatshard_accumulate", "resumed_sharded")
 
 VOCAB, WIDTH, STEPS = 32, 16, 4
 
@@ -153,6 +165,26 @@ def fit(kind: str, steps: int = STEPS, **options: Any) -> dict[str, Any]:
     return {"losses": losses.losses, "val_loss": validated, "meta_left": meta}
 
 
+def standalone(out: Path) -> None:
+    results: dict[str, Any] = {}
+    results["ddp"] = fit("ddp", gradient_clip_val=0.05)
+    results["FULL_SHARD"] = fit("FULL_SHARD", gradient_clip_val=0.05)
+    results["ddp_accumulate"] = fit("ddp", gradient_clip_val=0.05, accumulate_grad_batches=2)
+    results["flatshard_accumulate"] = fit(
+        "FULL_SHARD", gradient_clip_val=0.05, accumulate_grad_batches=2
+    )
+    saved = str(out / "half-ddp.ckpt")
+    fit("ddp", steps=2, save_to=saved, gradient_clip_val=0.05)
+    results["ddp_resumed"] = fit("ddp", ckpt_path=saved, gradient_clip_val=0.05)
+    saved = str(out / "half-sharded.ckpt")
+    options = {"gradient_clip_val": 0.05, "state_dict_type": "sharded"}
+    fit("FULL_SHARD", steps=2, save_to=saved, **options)
+    results["resumed_sharded"] = fit("FULL_SHARD", ckpt_path=saved, **options)
+    results["strategy_class"] = type(FlatshardStrategy()).__mro__[1].__module__
+    rank = torch.distributed.get_rank()
+    (out / f"rank{rank}.json").write_text(json.dumps(results))
+
+
 def main(out: Path) -> None:
     results: dict[str, Any] = {}
     for kind in ("ddp", "FULL_SHARD", "SHARD_GRAD_OP"):
@@ -189,4 +221,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    (standalone if PACKAGE == "pytorch_lightning" else main)(Path(sys.argv[1]))

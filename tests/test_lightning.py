@@ -33,10 +33,10 @@ FABRIC_SCRIPT = Path(__file__).with_name("fabric_script.py")
 TOLERANCE = 1e-5
 
 
-def _launch(script: Path, out: Path, name: str) -> list[dict[str, Any]]:
+def _launch(script: Path, out: Path, name: str, *args: str) -> list[dict[str, Any]]:
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES}
     done = subprocess.run(
-        [sys.executable, str(script), str(out)],
+        [sys.executable, str(script), str(out), *args],
         env=env,
         cwd=out,
         capture_output=True,
@@ -50,6 +50,12 @@ def _launch(script: Path, out: Path, name: str) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return _launch(SCRIPT, tmp_path_factory.mktemp("lightning"), "rank")
+
+
+@pytest.fixture(scope="module")
+def standalone_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    pytest.importorskip("pytorch_lightning")
+    return _launch(SCRIPT, tmp_path_factory.mktemp("pl"), "rank", "pytorch_lightning")
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +145,42 @@ def test_fabric_save_and_load_resume_exactly(fabric_runs: list[dict[str, Any]]) 
     for run in fabric_runs:
         assert _close(run["resumed"], run["flatshard"][4:])  # optimizer steps 3 and 4
     assert fabric_runs[0]["kind"] == "dir"
+
+
+# ---------------------------------------------------------------- pytorch_lightning
+def test_the_standalone_package_trains_accumulates_and_resumes_as_ddp(
+    standalone_runs: list[dict[str, Any]],
+) -> None:
+    """``pytorch_lightning.Trainer`` with ``flatshard.integrations.pytorch_lightning``'s
+    strategy (the same code, on that package's classes) against its own ``ddp``."""
+    for run in standalone_runs:
+        assert run["strategy_class"].startswith("pytorch_lightning."), run["strategy_class"]
+        assert _close(run["FULL_SHARD"]["losses"], run["ddp"]["losses"])
+        assert _close(run["flatshard_accumulate"]["losses"], run["ddp_accumulate"]["losses"])
+        assert _close(run["resumed_sharded"]["losses"], run["ddp_resumed"]["losses"])
+        assert abs(run["FULL_SHARD"]["val_loss"] - run["ddp"]["val_loss"]) <= TOLERANCE
+
+
+def test_where_only_pytorch_lightning_is_installed_the_lightning_module_uses_it() -> None:
+    """``flatshard.integrations.lightning`` takes whichever Lightning is installed: with
+    ``lightning`` not importable, its strategies derive from ``pytorch_lightning``'s."""
+    pytest.importorskip("pytorch_lightning")
+    probe = (
+        "import importlib.abc, sys\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'lightning' or name.startswith('lightning.'):\n"
+        "            raise ImportError(name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import pytorch_lightning, lightning_fabric\n"
+        "from flatshard.integrations.lightning import FlatshardStrategy, "
+        "FlatshardFabricStrategy\n"
+        "assert issubclass(FlatshardStrategy, pytorch_lightning.strategies.Strategy)\n"
+        "assert issubclass(FlatshardFabricStrategy, lightning_fabric.strategies.Strategy)\n"
+        "assert 'lightning' not in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
 
 
 # ---------------------------------------------------------------- options and misuse

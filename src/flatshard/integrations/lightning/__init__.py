@@ -6,12 +6,9 @@ fabric = lightning.Fabric(strategy=FlatshardFabricStrategy(auto_wrap_policy={Blo
 docs/lightning.md shows a complete example and what each Lightning feature does here.
 """
 
-from flatshard.integrations.lightning._fabric import (
-    FlatshardFabricPrecision,
-    FlatshardFabricStrategy,
-)
-from flatshard.integrations.lightning._precision import FlatshardPrecision
-from flatshard.integrations.lightning._strategy import FlatshardStrategy
+from ._fabric import FlatshardFabricPrecision, FlatshardFabricStrategy
+from ._precision import FlatshardPrecision
+from ._strategy import FlatshardStrategy
 
 __all__ = [
     "FlatshardFabricPrecision",

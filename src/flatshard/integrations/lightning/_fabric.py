@@ -19,25 +19,35 @@ from __future__ import annotations
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
-from lightning.fabric.plugins.precision import Precision
-from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.fabric.strategies.parallel import ParallelStrategy
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
-from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import nn
 
 import flatshard
-from flatshard.integrations.lightning import _checkpoints
-from flatshard.integrations.lightning import _process_group as process_group
-from flatshard.integrations.lightning._precision import (
-    TrueDtypes,
-    check_precision,
-    supported_name,
-)
-from flatshard.integrations.lightning._sharding import ShardOptions
+
+from . import _checkpoints
+from . import _process_group as process_group
+from ._packages import lightning_for
+from ._precision import TrueDtypes, check_precision, supported_name
+from ._sharding import ShardOptions
+
+# This copy's Lightning package ([Note: one integration, two Lightning packages]).
+if TYPE_CHECKING:
+    from lightning.fabric.plugins.precision import Precision
+    from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+    from lightning.fabric.strategies.parallel import ParallelStrategy
+    from lightning.fabric.strategies.strategy import _BackwardSyncControl
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+else:
+    _lightning = lightning_for(__name__)
+    Precision = _lightning.fabric("plugins.precision").Precision
+    _SubprocessScriptLauncher = _lightning.fabric(
+        "strategies.launchers.subprocess_script"
+    )._SubprocessScriptLauncher
+    ParallelStrategy = _lightning.fabric("strategies.parallel").ParallelStrategy
+    _BackwardSyncControl = _lightning.fabric("strategies.strategy")._BackwardSyncControl
+    rank_zero_only = _lightning.fabric("utilities.rank_zero").rank_zero_only
 
 
 class FlatshardFabricPrecision(TrueDtypes, Precision):

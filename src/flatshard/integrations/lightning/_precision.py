@@ -22,13 +22,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
-from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 
 import flatshard
+
+from ._packages import lightning_for
+
+# This copy's Lightning package ([Note: one integration, two Lightning packages]).
+if TYPE_CHECKING:
+    from lightning.pytorch.plugins.precision import Precision
+else:
+    Precision = lightning_for(__name__).trainer("plugins.precision").Precision
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}

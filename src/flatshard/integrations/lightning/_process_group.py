@@ -6,16 +6,28 @@ Connected and used with Lightning's own helpers, as its ``strategy="ddp"`` does,
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins.environments.cluster_environment import ClusterEnvironment
-from lightning.fabric.utilities.distributed import (
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
+
+from ._packages import lightning_for
+
+# This copy's Lightning package ([Note: one integration, two Lightning packages]).
+if TYPE_CHECKING:
+    from lightning.fabric.plugins.environments.cluster_environment import ClusterEnvironment
+    from lightning.fabric.utilities.distributed import (
+        _get_default_process_group_backend_for_device,
+        _init_dist_connection,
+        _sync_ddp_if_available,
+    )
+else:
+    _distributed = lightning_for(__name__).fabric("utilities.distributed")
+    _get_default_process_group_backend_for_device = (
+        _distributed._get_default_process_group_backend_for_device
+    )
+    _init_dist_connection = _distributed._init_dist_connection
+    _sync_ddp_if_available = _distributed._sync_ddp_if_available
 
 
 class Placed(Protocol):

@@ -24,25 +24,46 @@ from __future__ import annotations
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_only
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_utilities.core.rank_zero import rank_zero_only as utilities_rank_zero_only
 from torch import nn
 
 import flatshard
-from flatshard.integrations.lightning import _checkpoints
-from flatshard.integrations.lightning import _process_group as process_group
-from flatshard.integrations.lightning._precision import FlatshardPrecision, from_lightning
-from flatshard.integrations.lightning._sharding import (
+
+from . import _checkpoints
+from . import _process_group as process_group
+from ._packages import lightning_for
+from ._precision import FlatshardPrecision, from_lightning
+
+# The Lightning package of this copy of the module ([Note: one integration, two Lightning
+# packages] in _packages.py).
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.fabric.utilities.optimizer import _optimizers_to_device
+    from lightning.fabric.utilities.seed import reset_seed
+    from lightning.pytorch.strategies import ParallelStrategy
+    from lightning.pytorch.strategies.launchers.subprocess_script import (
+        _SubprocessScriptLauncher,
+    )
+    from lightning.pytorch.trainer.states import TrainerFn
+    from lightning.pytorch.utilities import rank_zero_only
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+else:
+    _lightning = lightning_for(__name__)
+    pl = _lightning.trainer()
+    _optimizers_to_device = _lightning.fabric("utilities.optimizer")._optimizers_to_device
+    reset_seed = _lightning.fabric("utilities.seed").reset_seed
+    ParallelStrategy = _lightning.trainer("strategies").ParallelStrategy
+    _SubprocessScriptLauncher = _lightning.trainer(
+        "strategies.launchers.subprocess_script"
+    )._SubprocessScriptLauncher
+    TrainerFn = _lightning.trainer("trainer.states").TrainerFn
+    rank_zero_only = _lightning.trainer("utilities").rank_zero_only
+    is_overridden = _lightning.trainer("utilities.model_helpers").is_overridden
+
+from ._sharding import (
     ShardOptions,
     holds_parameters_itself,
     is_sharded,
