@@ -1,8 +1,7 @@
 """Lightning runs for test_lightning.py: ``python lightning_script.py OUT_DIR [PACKAGE]``.
 
 PACKAGE: ``lightning`` (the default: every scenario) or ``pytorch_lightning`` (the standalone
-package, with ``flatshard.integrations.pytorch_lightning``: the scenarios of
-``STANDALONE``).
+package, with ``flatshard.integrations.pytorch_lightning``: the scenarios of ``shared``).
 
 Run as a user runs Lightning: the Trainer (devices=2) launches the second rank itself,
 re-running this script. Every scenario trains the same small transformer from the same
@@ -30,8 +29,6 @@ _INTEGRATION = "pytorch_lightning" if PACKAGE == "pytorch_lightning" else "light
 _flatshard_lightning = importlib.import_module(f"flatshard.integrations.{_INTEGRATION}")
 FlatshardPrecision = _flatshard_lightning.FlatshardPrecision
 FlatshardStrategy = _flatshard_lightning.FlatshardStrategy
-# What the standalone package's run covers: training, clipping, accumulation, resuming.
-STANDALONE = ("ddp", "FULL_SHARD", "ddp_accumulate", "flatshard_accumulate", "resumed_sharded")
 
 VOCAB, WIDTH, STEPS = 32, 16, 4
 
@@ -165,7 +162,8 @@ def fit(kind: str, steps: int = STEPS, **options: Any) -> dict[str, Any]:
     return {"losses": losses.losses, "val_loss": validated, "meta_left": meta}
 
 
-def standalone(out: Path) -> None:
+def shared(out: Path, state_dict_types: tuple[str, ...]) -> dict[str, Any]:
+    """The scenarios of both packages: training with clipping, accumulation, resuming."""
     results: dict[str, Any] = {}
     results["ddp"] = fit("ddp", gradient_clip_val=0.05)
     results["FULL_SHARD"] = fit("FULL_SHARD", gradient_clip_val=0.05)
@@ -176,37 +174,34 @@ def standalone(out: Path) -> None:
     saved = str(out / "half-ddp.ckpt")
     fit("ddp", steps=2, save_to=saved, gradient_clip_val=0.05)
     results["ddp_resumed"] = fit("ddp", ckpt_path=saved, gradient_clip_val=0.05)
-    saved = str(out / "half-sharded.ckpt")
-    options = {"gradient_clip_val": 0.05, "state_dict_type": "sharded"}
-    fit("FULL_SHARD", steps=2, save_to=saved, **options)
-    results["resumed_sharded"] = fit("FULL_SHARD", ckpt_path=saved, **options)
-    results["strategy_class"] = type(FlatshardStrategy()).__mro__[1].__module__
-    rank = torch.distributed.get_rank()
-    (out / f"rank{rank}.json").write_text(json.dumps(results))
-
-
-def main(out: Path) -> None:
-    results: dict[str, Any] = {}
-    for kind in ("ddp", "FULL_SHARD", "SHARD_GRAD_OP"):
-        results[kind] = fit(kind, gradient_clip_val=0.05)
-    # 2 replicas of 1 rank each: the all-reduce across replicas is the whole reduction
-    results["HYBRID_SHARD"] = fit("HYBRID_SHARD", gradient_clip_val=0.05, sharding_factor=1)
-    offload = flatshard.CPUOffload(params=True)
-    results["offload"] = fit("FULL_SHARD", gradient_clip_val=0.05, cpu_offload=offload)
-    results["ddp_unclipped"] = fit("ddp")
-    results["ddp_accumulate"] = fit("ddp", gradient_clip_val=0.05, accumulate_grad_batches=2)
-    results["flatshard_accumulate"] = fit(
-        "FULL_SHARD", gradient_clip_val=0.05, accumulate_grad_batches=2
-    )
-    saved = str(out / "half-ddp.ckpt")
-    fit("ddp", steps=2, save_to=saved, gradient_clip_val=0.05)
-    results["ddp_resumed"] = fit("ddp", ckpt_path=saved, gradient_clip_val=0.05)
-    for state_dict_type in ("sharded", "full"):
+    for state_dict_type in state_dict_types:
         saved = str(out / f"half-{state_dict_type}.ckpt")
         options = {"gradient_clip_val": 0.05, "state_dict_type": state_dict_type}
         fit("FULL_SHARD", steps=2, save_to=saved, **options)
         results[f"resumed_{state_dict_type}"] = fit("FULL_SHARD", ckpt_path=saved, **options)
         results[f"kind_{state_dict_type}"] = "dir" if Path(saved).is_dir() else "file"
+    return results
+
+
+def write(out: Path, results: dict[str, Any]) -> None:
+    rank = torch.distributed.get_rank()
+    (out / f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def standalone(out: Path) -> None:
+    results = shared(out, ("sharded",))
+    results["strategy_class"] = type(FlatshardStrategy()).__mro__[1].__module__
+    write(out, results)
+
+
+def main(out: Path) -> None:
+    results = shared(out, ("sharded", "full"))
+    results["SHARD_GRAD_OP"] = fit("SHARD_GRAD_OP", gradient_clip_val=0.05)
+    # 2 replicas of 1 rank each: the all-reduce across replicas is the whole reduction
+    results["HYBRID_SHARD"] = fit("HYBRID_SHARD", gradient_clip_val=0.05, sharding_factor=1)
+    offload = flatshard.CPUOffload(params=True)
+    results["offload"] = fit("FULL_SHARD", gradient_clip_val=0.05, cpu_offload=offload)
+    results["ddp_unclipped"] = fit("ddp")
     results["ddp_init"] = fit("ddp", init_weights=True)
     init = flatshard.InitOptions(seed=0)
     results["meta"] = fit("FULL_SHARD", on_meta=True, param_init_fn=init_module, init=init)
@@ -216,8 +211,7 @@ def main(out: Path) -> None:
     fp16 = FlatshardPrecision("16-mixed")
     results["fp16"] = fit("FULL_SHARD", steps=2, gradient_clip_val=0.05, plugins=[fp16])
     results["fp16_scale"] = float(cast(Any, fp16.scaler).get_scale())
-    rank = torch.distributed.get_rank()
-    (out / f"rank{rank}.json").write_text(json.dumps(results))
+    write(out, results)
 
 
 if __name__ == "__main__":

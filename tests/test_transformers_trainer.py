@@ -3,9 +3,7 @@ the unsharded Trainer on the same global batch (``transformers_script.py``)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -13,7 +11,7 @@ import torch
 pytest.importorskip("transformers")
 from safetensors.torch import load_file
 
-from flatshard.testing.scripts import run_script
+from flatshard.testing.scripts import against_reference, run_results
 
 SCRIPT = Path(__file__).with_name("transformers_script.py")
 TOLERANCE = 1e-5
@@ -22,16 +20,8 @@ TOLERANCE = 1e-5
 @pytest.fixture(scope="module")
 def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("trainer")
-    run_script(SCRIPT, "reference", str(out), cwd=out)
-    run_script(SCRIPT, "sharded", str(out), cwd=out, ranks=2)
+    against_reference(SCRIPT, out)
     return out
-
-
-def _results(out: Path) -> dict[str, Any]:
-    return {
-        "reference": json.loads((out / "reference.json").read_text()),
-        "sharded": json.loads((out / "sharded.json").read_text()),
-    }
 
 
 def _assert_same_weights(mine: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> None:
@@ -41,7 +31,7 @@ def _assert_same_weights(mine: dict[str, torch.Tensor], theirs: dict[str, torch.
 
 
 def test_trainer_matches_the_unsharded_run(out: Path) -> None:
-    results = _results(out)
+    results = run_results(out)
     mine, theirs = results["sharded"]["losses"], results["reference"]["losses"]
     assert len(mine) == len(theirs) == 4
     assert all(abs(a - b) <= TOLERANCE for a, b in zip(mine, theirs, strict=True)), (mine, theirs)
@@ -53,7 +43,7 @@ def test_trainer_matches_the_unsharded_run(out: Path) -> None:
 
 
 def test_accumulation_and_evaluation_match_the_unsharded_run(out: Path) -> None:
-    results = _results(out)
+    results = run_results(out)
     mine, theirs = results["sharded"]["accumulated_losses"], results["reference"]["losses"]
     assert mine == pytest.approx(theirs, abs=TOLERANCE)
     _assert_same_weights(
@@ -75,7 +65,7 @@ def test_save_model_loads_with_from_pretrained(out: Path) -> None:
 
 
 def test_resume_from_a_trainer_checkpoint_continues_identically(out: Path) -> None:
-    results = _results(out)["sharded"]
+    results = run_results(out)["sharded"]
     assert results["resumed_losses"] == pytest.approx(results["losses"], abs=1e-6)
     assert (out / "run" / "checkpoint-2" / "flatshard" / "flatshard.json").is_file()
     _assert_same_weights(

@@ -3,9 +3,7 @@ unsharded SFTTrainer on the same global batch (``trl_script.py``)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -13,7 +11,7 @@ import torch
 pytest.importorskip("trl")
 from safetensors.torch import load_file
 
-from flatshard.testing.scripts import run_script
+from flatshard.testing.scripts import against_reference, run_results
 
 SCRIPT = Path(__file__).with_name("trl_script.py")
 TOLERANCE = 1e-5  # as tests/test_transformers_trainer.py
@@ -22,16 +20,8 @@ TOLERANCE = 1e-5  # as tests/test_transformers_trainer.py
 @pytest.fixture(scope="module")
 def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("trl")
-    run_script(SCRIPT, "reference", str(out), cwd=out)
-    run_script(SCRIPT, "sharded", str(out), cwd=out, ranks=2)
+    against_reference(SCRIPT, out)
     return out
-
-
-def _results(out: Path) -> dict[str, Any]:
-    return {
-        "reference": json.loads((out / "reference.json").read_text()),
-        "sharded": json.loads((out / "sharded.json").read_text()),
-    }
 
 
 def _assert_close(mine: list[float], theirs: list[float]) -> None:
@@ -42,7 +32,7 @@ def _assert_close(mine: list[float], theirs: list[float]) -> None:
 def test_sft_trainer_matches_the_unsharded_run(out: Path) -> None:
     """Sequences of different lengths (padding), TRL's collator, activation checkpointing
     and clipping: the losses and the saved model are the unsharded SFTTrainer's."""
-    results = _results(out)
+    results = run_results(out)
     _assert_close(results["sharded"]["losses"], results["reference"]["losses"])
     reference = load_file(str(out / "reference.safetensors"))
     saved = load_file(str(out / "saved" / "model.safetensors"))
@@ -54,7 +44,7 @@ def test_sft_trainer_matches_the_unsharded_run(out: Path) -> None:
 def test_accumulated_micro_batches_match_the_whole_batch(out: Path) -> None:
     """2 micro-batches of 1 per rank (the first under flatshard.no_sync): the same global
     batch, so the same losses (TRL averages over the window's tokens on every rank)."""
-    results = _results(out)
+    results = run_results(out)
     _assert_close(results["sharded"]["accumulated_losses"], results["reference"]["losses"])
 
 
@@ -69,6 +59,6 @@ def test_saved_model_loads_with_from_pretrained(out: Path) -> None:
 
 def test_peft_config_is_refused_by_name(out: Path) -> None:
     """TRL would wrap the sharded model in peft: the error says to apply it before."""
-    refused = _results(out)["sharded"]["peft_refused"]
+    refused = run_results(out)["sharded"]["peft_refused"]
     assert refused.startswith("flatshard.integrations.trl: peft_config"), refused
     assert "before flatshard.fully_shard" in refused
