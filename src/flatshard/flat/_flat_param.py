@@ -57,8 +57,9 @@ owner of each such event: the step pre-hook of an optimizer that holds the model
 parameters (``runtime/_optimizer_steps.py``), the loads, ``summon_full_params``'s
 write-back, and, for a model no torch optimizer steps (a hand-written update through
 ``p.data``), each synchronized backward. It waits for a gather in flight and bumps the
-generation; ``unshard`` finds a buffer gathered at an older generation, frees it and
-gathers again. Every rank makes the same calls, so every rank decides alike.
+generation; ``start_unshard`` (every gather, prefetched or not, and a row-sparse table's
+lookup through ``drop_stale_gather``) finds a buffer gathered at an older generation,
+frees it and gathers again. Every rank makes the same calls, so every rank decides alike.
 
 [Note: optimizer state sharded across the replicas]
 HYBRID_SHARD_OPTIM keeps HYBRID_SHARD's parameters (each rank holds 1/F, gathered inside
@@ -313,8 +314,11 @@ class FlatParamGroup:
     def start_unshard(self) -> None:
         """Start all-gathering the shards into the unsharded buffer, without waiting.
 
-        Nothing if unsharded or already gathering. See [Note: asynchronous all-gather].
+        Nothing if unsharded or already gathering, unless that buffer was gathered before
+        the shard's last known write: it is dropped and gathered again. See [Note:
+        asynchronous all-gather] and [Note: stale gathers].
         """
+        self.drop_stale_gather()
         self.refresh()  # first: with F = 1 the shard is the unsharded buffer itself
         if self.storage is not Storage.SHARDED:
             return
@@ -347,8 +351,6 @@ class FlatParamGroup:
         buffer gathered before the shard's last known write is gathered again (see [Note:
         stale gathers]).
         """
-        if self.holds_stale_gather:
-            self.reshard()
         self.start_unshard()
         self.finish_unshard()
         self.register_views(self.views.full_views(self.unsharded))
@@ -361,6 +363,12 @@ class FlatParamGroup:
             and not self.aliases_shard
             and self._gathered_generation != self.generation
         )
+
+    def drop_stale_gather(self) -> None:
+        """Free a buffer gathered before the shard's last known write (the modules get
+        the original parameters back): the one place that rule is applied."""
+        if self.holds_stale_gather:
+            self.reshard()
 
     def shards_written(self) -> None:
         """The shard is about to be written (an optimizer step, a load, a write-back): what

@@ -214,8 +214,7 @@ class RowSparseTable:
         its original until its pre-forward hook (``before_dense_use``); in backward the
         head's backward needs the table at once."""
         flat = self.flat
-        if flat.holds_stale_gather:
-            flat.reshard()
+        flat.drop_stale_gather()
         gathered = flat.is_unsharded or flat.gather_in_flight
         if gathered or (backward and self.tied):
             flat.unshard()  # full views everywhere (the head's backward reads its own)

@@ -262,8 +262,6 @@ class Unit:
         tables are left to their lookups ([Note: row-sparse embedding tables])."""
         for flat in self.flat_params:
             if flat.table is None or self.hold is Hold.USER:
-                if flat.holds_stale_gather:
-                    flat.reshard()
                 flat.start_unshard()
 
     def finish_unshard(self) -> None:
