@@ -10,7 +10,6 @@ on both ranks.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 import torch
 
 import flatshard
+from flatshard.testing.scripts import run_script
 
 L = pytest.importorskip("lightning")
 from flatshard.integrations.lightning import (  # noqa: E402
@@ -34,16 +34,7 @@ TOLERANCE = 1e-5
 
 
 def _launch(script: Path, out: Path, name: str, *args: str) -> list[dict[str, Any]]:
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES}
-    done = subprocess.run(
-        [sys.executable, str(script), str(out), *args],
-        env=env,
-        cwd=out,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
+    run_script(script, str(out), *args, cwd=out)  # devices=2: Lightning starts rank 1
     return [json.loads((out / f"{name}{r}.json").read_text()) for r in range(2)]
 
 
@@ -61,9 +52,6 @@ def standalone_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, 
 @pytest.fixture(scope="module")
 def fabric_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return _launch(FABRIC_SCRIPT, tmp_path_factory.mktemp("fabric"), "fabric")
-
-
-_LAUNCH_VARIABLES = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"}
 
 
 def _close(mine: list[float], theirs: list[float]) -> bool:

@@ -120,9 +120,9 @@ def not_a_strategy(value: object, listing: bool = True) -> str:
             "as in ZeRO-1; gradients sharded too, for the same bytes per step); "
             "SHARD_GRAD_OP ('zero2') also shards the parameters between steps" + what
         )
-    names = [*ShardingStrategy.__members__, *ALIASES]
-    close = difflib.get_close_matches(str(name).upper(), [n.upper() for n in names], n=1)
-    hint = f" (did you mean {names[[n.upper() for n in names].index(close[0])]}?)" if close else ""
+    by_upper = {n.upper(): n for n in [*ShardingStrategy.__members__, *ALIASES]}
+    close = difflib.get_close_matches(str(name).upper(), list(by_upper), n=1)
+    hint = f" (did you mean {by_upper[close[0]]}?)" if close else ""
     return (
         f"must be one of {', '.join(ShardingStrategy.__members__)} (any case) or another "
         f"library's name for one, got {value!r}{hint}" + what

@@ -33,7 +33,7 @@ tests pin them to the installed transformers.
 from __future__ import annotations
 
 import os
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -172,12 +172,10 @@ def _leave_sharding_to_flatshard(accelerator: Any, sharded: nn.Module) -> None:
 
 
 def _check_sharded(model: object) -> None:
-    sharded = isinstance(model, nn.Module)
+    sharded = False
     if isinstance(model, nn.Module):
-        try:
-            units_of(model, "integrations.transformers.FlatshardTrainer")
-        except ValueError:
-            sharded = False
+        with suppress(ValueError):
+            sharded = bool(units_of(model, "integrations.transformers.FlatshardTrainer"))
     if not sharded:
         given = f"a model name ({model!r})" if isinstance(model, str) else f"{type(model).__name__}"
         raise ValueError(
