@@ -24,7 +24,7 @@ LAYERS = [
     "comm",  # collectives, groups, watchdog, diagnosis, errors
     "flat",  # row-aligned layout, FlatParamGroup, reduction, policies
     "runtime",  # units, step context, hooks, prefetch; no_sync, clip, summon
-    "build",  # fully_shard, init, startup checks
+    "sharding",  # fully_shard, init, startup checks
     "state",  # state dicts, optimizer state, checkpoints, safetensors
     "planner",  # flatshard.plan
     "facade",  # flatshard/__init__.py, report.py, comm_hooks.py

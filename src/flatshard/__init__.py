@@ -11,7 +11,6 @@ types of layout and dtype reports), ``flatshard.planner`` (the planner's types),
 ``import flatshard`` does not load it).
 """
 
-from flatshard.build import InitOptions, fully_shard, init_weights, skip_init
 from flatshard.comm import (
     Checks,
     CollectiveError,
@@ -45,6 +44,7 @@ from flatshard.runtime import (
     summon_full_params,
     unshard,
 )
+from flatshard.sharding import InitOptions, fully_shard, init_weights, skip_init
 from flatshard.state import (
     CheckpointError,
     RowShard,

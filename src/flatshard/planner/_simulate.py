@@ -23,7 +23,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from flatshard.build._keep_gathered import shard_keeping_last
 from flatshard.comm._collectives import SIMULATED_BACKEND
 from flatshard.comm._mesh import ShardingStrategy
 from flatshard.flat._mixed_precision import OFFLOAD_DEVICE, CPUOffload, MixedPrecision
@@ -38,6 +37,7 @@ from flatshard.runtime._no_sync import no_sync
 from flatshard.runtime._prefetch import Prefetch
 from flatshard.runtime._summary import sharding_summary
 from flatshard.runtime._switches import set_requires_all_reduce
+from flatshard.sharding._keep_gathered import shard_keeping_last
 
 Inputs = Callable[[], tuple[torch.Tensor, ...]]
 """Makes one micro-batch of one rank (called under the meta device)."""

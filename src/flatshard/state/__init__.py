@@ -1,7 +1,7 @@
 """State in and out of a sharded model: state dicts, optimizer state, checkpoint
 directories (DCP), safetensors export and sharded loading.
 
-Layer 5: imports ``flatshard.build`` and below. Besides the public functions, the
+Layer 5: imports ``flatshard.sharding`` and below. Besides the public functions, the
 checkpoint directory's reading side (manifest, entries, raw loads) is here for
 ``flatshard ckpt``.
 """

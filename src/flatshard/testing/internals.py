@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatshard.build._init import with_index as device_with_index
 from flatshard.comm import _collectives, _mesh
 from flatshard.comm import _collectives as comm_collectives
 from flatshard.comm import _ledger as comm_ledger
@@ -40,6 +39,7 @@ from flatshard.runtime._rate_limiter import RateLimiter
 from flatshard.runtime._step import context_of
 from flatshard.runtime._torch_utilities import TorchReach
 from flatshard.runtime._unit import units_of
+from flatshard.sharding._init import with_index as device_with_index
 from flatshard.state import _checkpoint
 
 __all__ = [

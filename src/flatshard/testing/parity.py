@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 import flatshard
 from flatshard import comm_hooks
-from flatshard.build._keep_gathered import shard_keeping_last
+from flatshard.sharding._keep_gathered import shard_keeping_last
 from flatshard.testing.models import Batch, build
 from flatshard.testing.workers import WorkerContext
 

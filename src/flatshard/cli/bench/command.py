@@ -33,7 +33,6 @@ import torch.distributed as dist
 from torch import nn
 
 import flatshard
-from flatshard.build import WholeParams
 from flatshard.cli.bench.config import PRESETS, BenchConfig
 from flatshard.cli.bench.formula import flatshard_formulas
 from flatshard.cli.bench.memory import steady_state_peak
@@ -45,6 +44,7 @@ from flatshard.cli.lm.optimizers import build_optimizers, whole_params_for
 from flatshard.comm import WaitClock, describe, fast_context
 from flatshard.measure import CollectiveTracker
 from flatshard.models import GPT, GPTBlock
+from flatshard.sharding import WholeParams
 
 
 def add_parser(commands: Any) -> None:

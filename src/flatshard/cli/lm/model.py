@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 import flatshard
-from flatshard.build import shard_keeping_last
 from flatshard.cli.config import ConfigError
 from flatshard.cli.lm.config import PRECISIONS, TrainConfig, unit_policy
 from flatshard.cli.lm.data import VOCAB
@@ -30,6 +29,7 @@ from flatshard.cli.lm.lora import (
 )
 from flatshard.cli.lm.optimizers import whole_params_for
 from flatshard.models import GPT, GPTBlock
+from flatshard.sharding import shard_keeping_last
 
 
 @dataclass

@@ -12,9 +12,9 @@ from typing import Any
 
 from torch import nn
 
-from flatshard.build._fully_shard import fully_shard
 from flatshard.comm._mesh import ShardingStrategy
 from flatshard.flat._policy import last_units
+from flatshard.sharding._fully_shard import fully_shard
 
 
 def shard_keeping_last(model: nn.Module, kept: int, **options: Any) -> nn.Module:

@@ -9,10 +9,10 @@ kept gathered in the ZeRO-2 form).
 Layer 4: imports ``flatshard.runtime`` and below.
 """
 
-from flatshard.build._fully_shard import WholeParams, fully_shard
-from flatshard.build._init import InitOptions, init_weights
-from flatshard.build._keep_gathered import shard_keeping_last
-from flatshard.build._skip_init import skip_init
+from flatshard.sharding._fully_shard import WholeParams, fully_shard
+from flatshard.sharding._init import InitOptions, init_weights
+from flatshard.sharding._keep_gathered import shard_keeping_last
+from flatshard.sharding._skip_init import skip_init
 
 __all__ = [
     "InitOptions",

@@ -11,16 +11,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from flatshard.build._consistency import structure_lines, value_lines
-from flatshard.build._init import (
-    InitOptions,
-    ParamInitFn,
-    broadcast_unit,
-    default_device,
-    init_module,
-    materialize_unit,
-    with_index,
-)
 from flatshard.comm._agreement import check_same_on_all_ranks
 from flatshard.comm._checks import Tag, tagged
 from flatshard.comm._collectives import has_cpu_backend
@@ -40,6 +30,16 @@ from flatshard.runtime._rate_limiter import DEFAULT_LIMIT, RateLimiter
 from flatshard.runtime._step import CONTEXT_ATTR, StepContext, context_of
 from flatshard.runtime._torch_utilities import watch_torch_utilities
 from flatshard.runtime._unit import Unit, UnitConfig, owner_of, unit_of
+from flatshard.sharding._consistency import structure_lines, value_lines
+from flatshard.sharding._init import (
+    InitOptions,
+    ParamInitFn,
+    broadcast_unit,
+    default_device,
+    init_module,
+    materialize_unit,
+    with_index,
+)
 
 M = TypeVar("M", bound=nn.Module)
 _CPU = torch.device("cpu")
