@@ -1,6 +1,7 @@
-"""What ``whole_params`` costs in padding: unsharded bytes over parameter bytes, per unit.
+"""What ``placement=flatshard.Whole()`` costs in padding: unsharded bytes over parameter
+bytes, per unit.
 
-With ``whole_params`` no parameter is cut into rows: each lies whole in one rank's shard
+With ``Whole()`` no parameter is cut into rows: each lies whole in one rank's shard
 and every shard is as large as the most loaded rank's (see [Note: whole-parameter layout]).
 That ratio is what the shards, the all-gathers and the reduce-scatters pay over the row
 layout. Computed from the layout alone (no processes), for the GPT shapes of ``flatshard

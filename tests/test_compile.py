@@ -42,7 +42,7 @@ def _train(model: Any, rank: int) -> tuple[list[float], list[int]]:
 def compile_job(ctx: WorkerContext, how: str, sparse: bool = False) -> dict[str, Any] | None:
     torch._dynamo.reset()
     counters.clear()
-    model: Any = sharded("gpt", ctx, 2, sparse_embeddings=sparse)
+    model: Any = sharded("gpt", ctx, 2, placement=flatshard.RowSparse() if sparse else None)
     if model is None:
         return None
     if how == "units":

@@ -27,9 +27,26 @@ def test_twice_on_one_module(local_group: dist.ProcessGroup) -> None:
         flatshard.fully_shard(model)
 
 
-def test_whole_params_must_be_a_bool_or_a_callable(local_group: dist.ProcessGroup) -> None:
+def test_placement_must_be_a_placement_or_a_rule(local_group: dist.ProcessGroup) -> None:
+    with pytest.raises(TypeError, match=r"placement must be a placement .* got 'yes'"):
+        flatshard.fully_shard(nn.Linear(2, 2), placement="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"rule returned 'whole' for 'weight' \(rank 0\)"):
+        flatshard.fully_shard(nn.Linear(2, 2), placement=lambda n, p: "whole")  # type: ignore[arg-type,return-value]
     with pytest.raises(TypeError, match=r"whole_params must be True, False or a callable"):
-        flatshard.fully_shard(nn.Linear(2, 2), whole_params="yes")  # type: ignore[arg-type]
+        flatshard.fully_shard(nn.Linear(2, 2), whole_params="yes")
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'whole_param'"):
+        flatshard.fully_shard(nn.Linear(2, 2), whole_param=True)
+
+
+def test_row_sparse_serves_embedding_weights_only(local_group: dist.ProcessGroup) -> None:
+    model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4))
+    rule = lambda name, p: flatshard.RowSparse()  # noqa: E731
+    with pytest.raises(
+        ValueError,
+        match=r"cannot serve '1\.weight' \(rank 0\): RowSparse\(\) serves nn\.Embedding "
+        r"weights .* used by Linear",
+    ):
+        flatshard.fully_shard(model, placement=rule)
 
 
 def test_inside_a_unit_of_an_earlier_call(local_group: dist.ProcessGroup) -> None:
@@ -261,3 +278,15 @@ def test_a_device_without_an_index_gets_the_current_one(monkeypatch: pytest.Monk
     assert internals.device_with_index(torch.device("cuda")) == torch.device("cuda", 1)
     assert internals.device_with_index(torch.device("cuda", 0)) == torch.device("cuda", 0)
     assert internals.device_with_index(torch.device("cpu")) == torch.device("cpu")
+
+
+def test_the_old_layout_keywords_warn_with_their_new_spelling(
+    local_group: dist.ProcessGroup,
+) -> None:
+    """``whole_params`` and ``sparse_embeddings`` became ``placement``: still accepted, with
+    a FutureWarning that spells the replacement; with ``placement`` too, an error."""
+    for old in ({"whole_params": True}, {"sparse_embeddings": True}):
+        with pytest.warns(FutureWarning, match=r"whole_params=True -> placement=flatshard"):
+            flatshard.fully_shard(nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4)), **old)
+    with pytest.raises(TypeError, match="pass placement= alone"):
+        flatshard.fully_shard(nn.Linear(2, 2), placement=flatshard.Whole(), whole_params=True)

@@ -529,7 +529,7 @@ def whole_subset_norm_job(ctx: WorkerContext) -> Outcome | None:
     with _short_timeout(TIMEOUT_S):
         try:
             model = flatshard.fully_shard(
-                _net(), auto_wrap_policy={Block}, process_group=group, whole_params=True
+                _net(), auto_wrap_policy={Block}, process_group=group, placement=flatshard.Whole()
             )
             _loss(model, _part(batch, ctx.rank, 3)).backward()
             got = float(torch.nn.utils.clip_grad_norm_(_block_matrices(model), MAX_NORM))
@@ -538,8 +538,10 @@ def whole_subset_norm_job(ctx: WorkerContext) -> Outcome | None:
     return {"kind": "norm", "norm": got, "expected": expected}
 
 
-def test_torch_clip_over_a_subset_with_whole_params_is_the_global_norm(pool: WorkerPool) -> None:
-    """whole_params=True at 3 ranks: each block matrix lies whole on one rank, the others
+def test_torch_clip_over_a_subset_with_whole_parameters_is_the_global_norm(
+    pool: WorkerPool,
+) -> None:
+    """placement=Whole() at 3 ranks: each block matrix lies whole on one rank, the others
     hold it with 0 rows and no gradient. torch.nn.utils.clip_grad_norm_ over the blocks'
     2-D weights only (a subset, as per-group clipping does) must return, on every rank,
     the norm of that subset's gradients in the unsharded model (the ranks must not leave

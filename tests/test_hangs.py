@@ -200,7 +200,7 @@ def extra_step_job(rank: int, sparse: bool) -> tuple[str, str, float]:
         torch.manual_seed(0)
         gpt = VocabGPT()
         model = flatshard.fully_shard(
-            gpt, auto_wrap_policy=set(gpt.UNIT_CLASSES), sparse_embeddings=True
+            gpt, auto_wrap_policy=set(gpt.UNIT_CLASSES), placement=flatshard.RowSparse()
         )
     else:
         model = _net()

@@ -40,7 +40,7 @@ def llama_job(
     config = LlamaConfig(**LLAMA)
     options: dict[str, Any] = {"auto_wrap_policy": {LlamaDecoderLayer}, "process_group": group}
     options |= {"param_init_fn": flatshard.skip_init, "device": "cpu"}
-    options |= {"sparse_embeddings": sparse}
+    options |= {"placement": flatshard.RowSparse() if sparse else None}
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     flatshard.fully_shard(model, **options)
@@ -94,7 +94,7 @@ def generate_job(ctx: WorkerContext, directory: str, sparse: bool) -> list[int]:
         model,
         auto_wrap_policy={LlamaDecoderLayer},
         process_group=group,
-        sparse_embeddings=sparse,
+        placement=flatshard.RowSparse() if sparse else None,
     )
     prompt = torch.arange(4).reshape(1, 4) + 3 * ctx.rank
     # Rank 0 stops after 2 new tokens, rank 1 after 4, ...: transformers keeps the ranks
@@ -317,7 +317,7 @@ def gathered_generate_job(
         model,
         auto_wrap_policy={LlamaDecoderLayer},
         process_group=group,
-        sparse_embeddings=sparse,
+        placement=flatshard.RowSparse() if sparse else None,
     )
     prompt = torch.arange(4).reshape(1, 4)
     summoned = flatshard.summon_full_params(model, writeback=False)
@@ -385,7 +385,7 @@ def vocab_job(ctx: WorkerContext, kind: str) -> dict[str, Any]:
     if group is None:
         return {}
     flatshard.fully_shard(
-        model, auto_wrap_policy={block}, process_group=group, sparse_embeddings=True
+        model, auto_wrap_policy={block}, process_group=group, placement=flatshard.RowSparse()
     )
     optims = [
         torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5)
@@ -412,7 +412,7 @@ def test_row_sparse_tables_of_transformers_models_match_unsharded(
     pool: WorkerPool, kind: str
 ) -> None:
     """GPT-2's and T5's tables, and a frozen Llama table under peft's LoRA, with
-    sparse_embeddings=True: the result the unsharded model's."""
+    placement=RowSparse(): the result the unsharded model's."""
     pytest.importorskip("peft")
     results = pool.run(vocab_job, kind)[:2]
     # (sparse, dense) lookups per table. GPT-2's 16 positions are all looked up by every

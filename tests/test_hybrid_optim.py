@@ -145,11 +145,15 @@ def test_collectives_of_a_step_by_formula(pool: WorkerPool) -> None:
     assert second == {ALL_GATHER: hybrid_second[ALL_GATHER] + units, ALL_TO_ALL: 2 * units}
 
 
-def test_offload_and_whole_params_are_refused(local_group: Any) -> None:
+def test_offload_and_whole_parameters_are_refused(local_group: Any) -> None:
     model = build("mlp")
     with pytest.raises(ValueError, match=r"HYBRID_SHARD_OPTIM does not combine with CPUOffload"):
         flatshard.fully_shard(
             model, strategy="HYBRID_SHARD_OPTIM", cpu_offload=flatshard.CPUOffload(params=True)
         )
-    with pytest.raises(ValueError, match=r"HYBRID_SHARD_OPTIM does not combine with whole_p"):
-        flatshard.fully_shard(build("mlp"), strategy="HYBRID_SHARD_OPTIM", whole_params=True)
+    with pytest.raises(
+        ValueError, match=r"Whole\(\) cannot serve '.+' \(rank 0\): HYBRID_SHARD_OPTIM"
+    ):
+        flatshard.fully_shard(
+            build("mlp"), strategy="HYBRID_SHARD_OPTIM", placement=flatshard.Whole()
+        )

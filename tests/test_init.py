@@ -172,7 +172,7 @@ def mismatch_job(ctx: WorkerContext, case: str) -> str:
     if case in ("padding_idx", "sparse"):
         model = TinyGPT()
         options["auto_wrap_policy"] = {type(model.blocks[0])}
-        options["sparse_embeddings"] = True
+        options["placement"] = flatshard.RowSparse()
         if odd and case == "padding_idx":
             model.tok.padding_idx = 0  # type: ignore[union-attr]
         if odd and case == "sparse":  # served row-sparse here, but still another model

@@ -9,6 +9,7 @@ docs/design.md ("Layers").
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -197,3 +198,62 @@ def test_import_flatshard_loads_no_test_code() -> None:
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+_COST = """
+import sys
+{statement}
+rss = next(l for l in open("/proc/self/status") if l.startswith("VmRSS:")).split()[1]
+heavy = ("flatshard.planner", "torch.utils.flop_counter", "triton", "torch.distributed.tensor")
+print(int(rss) * 1024, *[m for m in heavy if m in sys.modules])
+"""
+
+
+def _import_cost(statement: str) -> tuple[int, list[str]]:
+    """(resident bytes, heavy modules loaded) of a fresh interpreter after ``statement``."""
+    probe = _COST.format(statement=statement)
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    rss, *loaded = out.stdout.split()
+    return int(rss), loaded
+
+
+def test_import_flatshard_loads_no_planner_and_costs_no_more_than_torchs_fully_shard() -> None:
+    """Every rank pays its imports: ``import flatshard`` loads no planner, flop counter,
+    triton or DTensor until they are used, and its resident memory is at most that of
+    importing PyTorch's ``fully_shard`` (benchmarks/import_cost.py measures both)."""
+    ours, loaded = _import_cost("import flatshard")
+    theirs, _ = _import_cost("from torch.distributed.fsdp import fully_shard")
+    assert loaded == [], loaded
+    assert ours <= theirs, (ours, theirs)
+
+
+def _design_table() -> dict[str, str]:
+    """docs/design.md's layer table: the folder of each row -> its modules cell."""
+    design = (ROOT / "docs" / "design.md").read_text()
+    section = design.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|") for line in section.splitlines() if line.startswith("| `")]
+    return {cells[1].strip().strip("`").rstrip("/"): cells[2] for cells in rows}
+
+
+def test_the_design_layer_table_lists_every_module_and_no_gone_one() -> None:
+    """Each layer's row in docs/design.md names every module of its folder (a nested
+    folder by its name), and every module it names exists there."""
+    table = _design_table()
+    folders = set(LAYERS) - {"facade"}  # (its row names the facade's three files)
+    assert set(table) == folders, sorted(set(table) ^ folders)
+    wrong = []
+    for folder, cell in table.items():
+        named = set(re.findall(r"`([\w/]+\.py)`", cell))
+        nested = set(re.findall(r"`(\w+)/`", cell))
+        files = [
+            p.relative_to(PACKAGE / folder)
+            for p in (PACKAGE / folder).rglob("*.py")
+            if p.name != "__init__.py"
+        ]
+        for path in files:
+            if path.name not in named and not (set(path.parts[:-1]) & nested):
+                wrong.append(f"{folder}/{path} is not in design.md's layer table")
+        for name in named:
+            if not any(p.name == name for p in files):
+                wrong.append(f"design.md's layer table names {folder}/{name}, which is gone")
+    assert not wrong, "\n".join(wrong)

@@ -136,7 +136,7 @@ def test_muon_on_whole_matrices_makes_the_unsharded_update(pool: WorkerPool) -> 
     pool.run(whole_matrices_job)
 
 
-# ---------------------------------------------------------------- whole_params=True
+# ---------------------------------------------------------------- placement=Whole()
 class ExpertBlock(nn.Module):
     """An attention-like mixing matrix, a router and a 3-D expert weight (top-1 per token:
     routing depends on the token alone, so DDP's semantics hold per rank)."""
@@ -199,7 +199,7 @@ def _matrix_optimizers(kind: str, model: nn.Module) -> list[torch.optim.Optimize
 
 
 def _muon_matrices(name: str, param: nn.Parameter) -> bool:
-    """whole_params for Muon + AdamW: only Muon's matrices whole, the rest row-sharded."""
+    """Whole() for Muon + AdamW: only Muon's matrices whole, the rest row-sharded."""
     return name.startswith("blocks.") and param.dim() == 2
 
 
@@ -208,8 +208,10 @@ def _whole_model(
 ) -> Any:
     torch.manual_seed(0)
     model = ExpertLM()
-    whole = _muon_matrices if only_muons else True
-    options: dict[str, Any] = {"strategy": strategy, "whole_params": whole}
+    whole: Any = flatshard.Whole()
+    if only_muons:
+        whole = lambda name, p: flatshard.Whole() if _muon_matrices(name, p) else None  # noqa: E731
+    options: dict[str, Any] = {"strategy": strategy, "placement": whole}
     if strategy.startswith("HYBRID"):
         options["sharding_factor"] = 2
     if precision == "bf16":

@@ -143,7 +143,12 @@ CASES = [
     ),
     # The tied table row-sparse: its lookup's fetched rows, its gradient's rows and the
     # table's gather behind the blocks (the position table stays dense: 32 rows, all used).
-    Case("row-sparse-tables", gpt, options=(("sparse_embeddings", True),), inputs=distinct_tokens),
+    Case(
+        "row-sparse-tables",
+        gpt,
+        options=(("placement", flatshard.RowSparse()),),
+        inputs=distinct_tokens,
+    ),
 ]
 
 
@@ -205,7 +210,7 @@ def test_predicted_peak_is_the_measured_peak(
         predicted.total_peak_bytes,
         measured,
     )
-    if options.get("sparse_embeddings"):  # exactly: every id distinct, as the plan takes them
+    if options.get("placement"):  # exactly: every id distinct, as the plan takes them
         assert predicted.total_peak_bytes == measured[0], (predicted.total_peak_bytes, measured)
     assert sum(predicted.memory.values()) == predicted.peak_memory_bytes
     if not options.get("cpu_offload"):
@@ -435,7 +440,7 @@ def _nccl_plan(planner: ProcessPoolExecutor, inputs: Any, sparse: bool) -> flats
         auto_wrap_policy={GPTBlock},
         cluster="a100-80gb",
         ranks_per_host=2,
-        sparse_embeddings=sparse,
+        placement=flatshard.RowSparse() if sparse else None,
     ).result()
     return planned
 
@@ -447,7 +452,7 @@ def test_row_sparse_tables_are_planned_with_every_token_distinct(
     token table's four all-to-alls (ids and rows, forward and backward) are that many ids
     and rows; a batch that holds the whole vocabulary is planned dense (no all-to-all)."""
     dense, sparse = (_nccl_plan(planner, tokens, on) for on in (False, True))
-    assert sparse.setup.sparse_embeddings and not dense.setup.sparse_embeddings
+    assert (sparse.setup.placement, dense.setup.placement) == (flatshard.RowSparse(), None)
     assert "all_to_all" not in {c.kind for c in dense.collectives}
     rows = [op for op in sparse.ops if op.collective == "all_to_all"]
     n = BATCH * SEQ  # 128 distinct ids of 256, fp32 rows of width 64

@@ -1,4 +1,4 @@
-"""Row-sparse embedding tables (``fully_shard(..., sparse_embeddings=True)``; [Note:
+"""Row-sparse embedding tables (``fully_shard(..., placement=flatshard.RowSparse())``; [Note:
 row-sparse embedding tables]).
 
 Parity with the unsharded reference (DDP's semantics: each rank its slice of the global
@@ -46,7 +46,7 @@ def _shard(model: nn.Module, group: dist.ProcessGroup, sparse: bool = True) -> N
         model,
         auto_wrap_policy=set(cast(Any, model).UNIT_CLASSES),
         process_group=group,
-        sparse_embeddings=sparse,
+        placement=flatshard.RowSparse() if sparse else None,
     )
 
 
@@ -277,12 +277,14 @@ def _errors_job(ctx: WorkerContext) -> None:
     group = ctx.group(2)
     if group is None:
         return None
-    options: dict[str, Any] = {"process_group": group, "sparse_embeddings": True}
+    options: dict[str, Any] = {"process_group": group, "placement": flatshard.RowSparse()}
     for sparse in (True, False):  # refused on the dense path too: renormalized rows are lost
         capped = VocabGPT()
         capped.tok.max_norm = 1.0
         with pytest.raises(ValueError, match=r"'tok\.weight' has max_norm=1\.0 \(rank \d\)"):
-            flatshard.fully_shard(capped, process_group=group, sparse_embeddings=sparse)
+            flatshard.fully_shard(
+                capped, process_group=group, placement=flatshard.RowSparse() if sparse else None
+            )
     with pytest.raises(ValueError, match="HYBRID_SHARD_OPTIM"):
         flatshard.fully_shard(
             VocabGPT(), strategy="HYBRID_SHARD_OPTIM", sharding_factor=1, **options
@@ -347,7 +349,7 @@ def _skipped_backward_job(ctx: WorkerContext) -> list[str]:
         return []
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(512, 8))  # the table alone: nothing else gathered
-    flatshard.fully_shard(model, process_group=group, sparse_embeddings=True)
+    flatshard.fully_shard(model, process_group=group, placement=flatshard.RowSparse())
     ids = torch.randint(0, 512, (2, 6))
     out = model(ids)
     flatshard.set_checks(flatshard.Checks(timeout=2.0))
@@ -376,7 +378,7 @@ def test_errors_name_the_table(pool: WorkerPool) -> None:
 
 
 def _sparse_gradient_job(ctx: WorkerContext) -> None:
-    """``nn.Embedding(..., sparse=True)`` under sparse_embeddings: the rows' gradients are
+    """``nn.Embedding(..., sparse=True)`` under RowSparse(): the rows' gradients are
     the same as with sparse=False, dense in the shard."""
     group = ctx.group(2)
     if group is None:
@@ -429,7 +431,7 @@ def _twice_job(
     torch.manual_seed(0)
     model, reference = _Scaled(), _Scaled()
     reference.load_state_dict(model.state_dict())
-    flatshard.fully_shard(model, process_group=group, sparse_embeddings=True)
+    flatshard.fully_shard(model, process_group=group, placement=flatshard.RowSparse())
     gen = torch.Generator().manual_seed(0)
     batch = model.make_batch(gen, GLOBAL_BATCH)
     model.loss(slice_batch(cast(Any, batch), dist.get_rank(group), 2)).backward()
@@ -457,7 +459,7 @@ def _int32_and_pinned_job(ctx: WorkerContext) -> None:
         return None
     me = dist.get_rank(group)
     model = VocabGPT(tied=False)
-    flatshard.fully_shard(model, process_group=group, sparse_embeddings=True)
+    flatshard.fully_shard(model, process_group=group, placement=flatshard.RowSparse())
     ids = torch.arange(8).view(1, 8) + (1 - me) * 300  # rows the other rank holds
     model(ids.int() if me == 0 else ids).sum().backward()
     assert flatshard.embedding_traffic(model)["tok.weight"].lookups == 1

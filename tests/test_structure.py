@@ -72,13 +72,45 @@ def test_functions_take_few_parameters() -> None:
     assert not too_many, f"functions with over {MAX_PARAMETERS} parameters: {too_many}"
 
 
-def test_fully_shard_takes_at_most_twelve_options_including_the_contract() -> None:
-    # Eleven since whole_params (issue 30), twelve since sparse_embeddings (issue 32): layout
-    # switches that fit no option dataclass (both decide the flat groups at build time).
+def test_fully_shard_takes_at_most_eleven_options_including_the_contract() -> None:
+    # Twelve before placement= replaced whole_params and sparse_embeddings (issue 45); their
+    # old spellings still arrive through **renamed, with a FutureWarning.
     signature = inspect.signature(flatshard.fully_shard)
     options = [p for p in signature.parameters.values() if p.kind is p.KEYWORD_ONLY]
-    assert len(options) <= 12, [p.name for p in options]
-    assert {p.name for p in options} >= CONTRACT_KEYWORDS
+    assert len(options) <= 11, [p.name for p in options]
+    assert {p.name for p in options} >= CONTRACT_KEYWORDS | {"placement"}
+
+
+# Where a placement's kind may be named: the placement modules themselves.
+PLACEMENT_MODULES = {"_placement.py", "_row_sparse.py", "_transport.py"}
+KINDS = {"Rows", "Whole", "RowSparse", "RowSparseTable", "GroupPlacement", "TableProxy"}
+
+
+def test_no_code_outside_the_placements_asks_which_placement_a_group_has() -> None:
+    """The unit, runtime, state and planner call the placement protocol ([Note: one
+    placement protocol]); none reads ``.table``, tests ``isinstance`` against a placement
+    class or compares with one."""
+    found = []
+    for path in (ROOT / "src" / "flatshard").rglob("*.py"):
+        if path.name in PLACEMENT_MODULES:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Attribute) and node.attr in ("table", "whole_params"):
+                found.append(f"{where} .{node.attr}")
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in ("isinstance", "type"):
+                names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+                if names & KINDS:
+                    found.append(f"{where} {ast.unparse(node)}")
+            if isinstance(node, ast.Compare):
+                names = {
+                    n.attr if isinstance(n, ast.Attribute) else n.id
+                    for n in ast.walk(node)
+                    if isinstance(n, ast.Name | ast.Attribute)
+                }
+                if names & KINDS:
+                    found.append(f"{where} {ast.unparse(node)}")
+    assert not found, "placement kind checks outside the placement modules:\n" + "\n".join(found)
 
 
 def test_contract_names_are_exported() -> None:
@@ -105,3 +137,18 @@ def test_tests_use_public_api_or_the_testing_hook() -> None:
         if private.search(line) and p.name != Path(__file__).name
     ]
     assert not offenders, f"tests reaching into private modules: {offenders}"
+
+
+def test_one_step_loop_serves_train_the_planner_bench_and_the_harness() -> None:
+    """The micro-batch loop with its sync switches, clip and step is written once
+    (``flatshard.train_step``): ``flatshard train``, the planner's simulation (so its
+    predictions follow train's loop), ``flatshard bench`` and the parity harness call it,
+    and none of them enters ``no_sync`` or clips on its own for flatshard."""
+    package = ROOT / "src" / "flatshard"
+    for module in ("cli/train/command.py", "planner/_simulate.py", "cli/bench/command.py"):
+        tree = ast.parse((package / module).read_text())
+        calls = {ast.unparse(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+        assert calls & {"train_step", "flatshard.train_step"}, module
+        assert not calls & {"no_sync", "flatshard.no_sync", "clip_grad_norm_"}, module
+        assert not calls & {"flatshard.clip_grad_norm_", "set_requires_all_reduce"}, module
+    assert "flatshard.train_step(" in (package / "testing" / "parity.py").read_text()

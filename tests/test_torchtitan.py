@@ -68,7 +68,10 @@ def titan_job(
     reference, _ = _build(kind, tied)
     reference.load_state_dict(model.state_dict())
     flatshard.fully_shard(
-        model, auto_wrap_policy={block}, process_group=group, sparse_embeddings=sparse
+        model,
+        auto_wrap_policy={block},
+        process_group=group,
+        placement=flatshard.RowSparse() if sparse else None,
     )
     # SGD: Adam's update divides by the gradient's own scale, so a rounding difference in
     # a near-zero gradient becomes a whole step's difference; SGD keeps it a rounding one.

@@ -5,6 +5,7 @@ hooks' handles, a mismatch in the very last step, impossible moves."""
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import tempfile
 from pathlib import Path
@@ -127,11 +128,56 @@ def test_what_flatshard_installs_in_torch_is_removed_by_its_handle() -> None:
     assert torch.nn.utils.get_total_norm.__module__.startswith("flatshard.")
     assert torch.optim.Optimizer.zero_grad is not zero_grads[0]
     assert nn.Module.zero_grad is not zero_grads[1]
+    assert len(torch.nn.modules.module._global_module_registration_hooks) >= 1
     reach.remove()
     assert (torch.optim.Optimizer.zero_grad, nn.Module.zero_grad) == zero_grads
     assert dict(torch_optimizer._global_optimizer_pre_hooks) == hooks
     assert torch.nn.utils.get_total_norm is torch_norm
     assert torch.nn.utils.clip_grad._get_total_norm is private_norm
+
+
+def _torch_state() -> tuple[Any, ...]:
+    """What flatshard may change in torch: its functions and its process-wide hook lists."""
+    module_hooks = torch.nn.modules.module
+    return (
+        torch.nn.utils.get_total_norm,
+        torch.nn.utils.clip_grad._get_total_norm,
+        torch.optim.Optimizer.zero_grad,
+        nn.Module.zero_grad,
+        tuple(torch_optimizer._global_optimizer_pre_hooks),
+        tuple(module_hooks._global_parameter_registration_hooks),
+        tuple(module_hooks._global_module_registration_hooks),
+    )
+
+
+def gone_with_the_last_model_job(rank: int) -> list[bool]:
+    """Two sharded models train; torch is as before once both are deleted, not before."""
+    before = _torch_state()
+    models = []
+    for seed in range(2):
+        torch.manual_seed(seed)
+        plain: Any = build("gpt")
+        model = flatshard.fully_shard(plain, auto_wrap_policy=set(plain.UNIT_CLASSES))
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model(torch.randint(0, 37, (2, 9))).sum().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optim.step()
+        optim.zero_grad()
+        models.append(model)
+    changed = _torch_state() != before
+    del plain, model, optim
+    models.pop()
+    gc.collect()
+    one_left = _torch_state() != before  # the first model still lives
+    models.clear()
+    gc.collect()
+    return [changed, one_left, _torch_state() == before]
+
+
+def test_torch_is_as_before_once_the_last_sharded_model_is_deleted() -> None:
+    """Every hook and patch flatshard installs in torch has one owner (``TorchReach``),
+    which removes them when no sharded model is alive: the process is plain torch again."""
+    assert run_isolated(gone_with_the_last_model_job) == [[True, True, True]] * 2
 
 
 def last_step_mismatch_job(rank: int, err_dir: str) -> str:

@@ -8,8 +8,15 @@ Submodules: ``flatshard.comm_hooks`` (custom gradient reduction), ``flatshard.re
 types of layout and dtype reports), ``flatshard.planner`` (the planner's types),
 ``flatshard.measure`` (exact storage and collective accounting), ``flatshard.models.gpt``
 (the GPT of ``flatshard train``), ``flatshard.testing`` (the parity harness, for tests:
-``import flatshard`` does not load it).
+``import flatshard`` does not load it). ``plan``, ``Plan`` and ``Cluster`` load the planner
+(torch's flop counter, ``torch.export``) on first use: importing flatshard does not.
 """
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
 
 from flatshard.comm import (
     Checks,
@@ -21,13 +28,22 @@ from flatshard.comm import (
     SlowCollectiveWarning,
     set_checks,
 )
-from flatshard.flat import CPUOffload, MixedPrecision, SizePolicy, SublayerPolicy
-from flatshard.planner import Cluster, Plan, plan
+from flatshard.flat import (
+    CPUOffload,
+    MixedPrecision,
+    Rows,
+    RowSparse,
+    ShardPlacement,
+    SizePolicy,
+    SublayerPolicy,
+    TableTraffic,
+    Whole,
+)
 from flatshard.runtime import (
     BackwardPrefetch,
     Prefetch,
     ShardedGradScaler,
-    TableTraffic,
+    StepObserver,
     UnshardHandle,
     clip_grad_norm_,
     dtype_plan,
@@ -42,6 +58,7 @@ from flatshard.runtime import (
     set_reshard_after_backward,
     sharding_summary,
     summon_full_params,
+    train_step,
     unshard,
 )
 from flatshard.sharding import InitOptions, fully_shard, init_weights, skip_init
@@ -61,6 +78,26 @@ from flatshard.state import (
     sharded_state_dict,
 )
 
+if TYPE_CHECKING:
+    from flatshard.planner import Cluster, Plan, plan
+
+try:
+    __version__ = version("flatshard")
+except PackageNotFoundError:  # a source tree on sys.path, not installed
+    __version__ = "0+unknown"
+
+# Names whose module is loaded on first use, not by ``import flatshard``.
+_LAZY = {"plan": "flatshard.planner", "Plan": "flatshard.planner", "Cluster": "flatshard.planner"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'flatshard' has no attribute {name!r}")
+
+
 __all__ = [
     # sharding a model
     "fully_shard",
@@ -69,11 +106,17 @@ __all__ = [
     "SublayerPolicy",
     "MixedPrecision",
     "CPUOffload",
+    "Rows",
+    "Whole",
+    "RowSparse",
+    "ShardPlacement",
     "Prefetch",
     "BackwardPrefetch",
     "InitOptions",
     "init_weights",
     # during training
+    "train_step",
+    "StepObserver",
     "no_sync",
     "set_requires_all_reduce",
     "set_requires_gradient_sync",

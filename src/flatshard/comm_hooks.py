@@ -28,15 +28,17 @@ def register_comm_hook(model: nn.Module, hook: CommHook | None) -> None:
             f"flatshard.comm_hooks.register_comm_hook: hook must be callable, got {hook!r}"
         )
     units = units_of(model, "register_comm_hook")
-    tables = [f.table.name for u in units for f in u.trainable if f.table is not None]
+    tables = [
+        name for u in units for f in u.trainable if (name := f.placement.comm_hook_conflict())
+    ]
     if hook is not None and tables:
         raise ValueError(
             f"flatshard.comm_hooks.register_comm_hook: the units inside this module hold "
             f"row-sparse embedding tables ({', '.join(repr(t) for t in tables)}; "
-            f"fully_shard(..., sparse_embeddings=True)), whose lookup gradients are sent as "
+            f"placement flatshard.RowSparse()), whose lookup gradients are sent as "
             f"rows, not through a hook (rank {global_rank()}). Register the hook on the units "
             "without tables (for block in model.blocks: register_comm_hook(block, hook)), "
-            "or pass sparse_embeddings=False."
+            "or give the tables the placement flatshard.Rows()."
         )
     for unit in units:
         for flat in unit.trainable:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextvars import ContextVar
 from enum import Enum
 from functools import partial
 from typing import Any, ClassVar, NamedTuple, cast
@@ -278,7 +279,7 @@ def reduce_scatter_impl(group: dist.ProcessGroup) -> ReduceScatter:
     """
     backend: str = dist.get_backend(group)
     if backend == dist.Backend.FAKE:  # the planner's simulated world (``flatshard.plan``)
-        backend = SIMULATED_BACKEND[0]
+        backend = _SIMULATED.get()
     if backend == dist.Backend.GLOO:
         return ReduceScatter.ALL_TO_ALL
     return ReduceScatter.REDUCE_SCATTER
@@ -286,7 +287,17 @@ def reduce_scatter_impl(group: dist.ProcessGroup) -> ReduceScatter:
 
 # The backend ``flatshard.plan`` simulates on torch's fake process group (which sends
 # nothing): the reduce-scatter form is the one that backend would get.
-SIMULATED_BACKEND = [str(dist.Backend.NCCL)]
+_SIMULATED: ContextVar[str] = ContextVar("simulated_backend", default=str(dist.Backend.NCCL))
+
+
+@contextmanager
+def simulating(backend: str) -> Iterator[None]:
+    """Collectives on torch's fake process group take ``backend``'s forms, inside."""
+    token = _SIMULATED.set(backend)
+    try:
+        yield
+    finally:
+        _SIMULATED.reset(token)
 
 
 def describe(group: dist.ProcessGroup) -> str:

@@ -6,15 +6,27 @@ the gradient path (``_reduction``), dtypes and offload (``_mixed_precision``),
 tensor-parallel (DTensor) parameters (``_tensor_parallel``), which unit owns each
 parameter (``_partition``) and which modules become units (``_policy``), full-size gathers
 outside forward/backward (``_full_params``), the marks of tensors awaiting a load
-(``_awaiting_load``).
+(``_awaiting_load``). How each parameter lies across the shard group is its placement
+(``_placement``: the protocol, ``Rows``, ``Whole``; ``_row_sparse``: ``RowSparse``), and
+how gathers and reductions travel its group's transport (``_transport``).
 
 Layer 2: imports ``flatshard.comm`` and below.
 """
 
 from flatshard.flat._layout import FlatLayout, ParamSlot, ShardRange, plan_layout
 from flatshard.flat._mixed_precision import CPUOffload, DtypePlan, DtypeRow, MixedPrecision
+from flatshard.flat._placement import (
+    PlacementRule,
+    Rows,
+    ShardPlacement,
+    TableTraffic,
+    Whole,
+    WholeChoice,
+    placement_rule,
+)
 from flatshard.flat._policy import AutoWrapPolicy, SizePolicy, SublayerPolicy
 from flatshard.flat._reduction import CommHook
+from flatshard.flat._row_sparse import RowSparse
 
 __all__ = [
     "AutoWrapPolicy",
@@ -25,8 +37,16 @@ __all__ = [
     "FlatLayout",
     "MixedPrecision",
     "ParamSlot",
+    "PlacementRule",
+    "RowSparse",
+    "Rows",
+    "ShardPlacement",
     "ShardRange",
     "SizePolicy",
     "SublayerPolicy",
+    "TableTraffic",
+    "Whole",
+    "WholeChoice",
+    "placement_rule",
     "plan_layout",
 ]

@@ -81,39 +81,25 @@ the same two steps (``gather_region``).
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import cast
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from flatshard.comm._checks import Tag
 from flatshard.comm._collectives import start_all_gather, wait_work
 from flatshard.comm._mesh import ShardGroups
 from flatshard.flat._layout import FlatLayout, ViewPlan, plan_layout
+from flatshard.flat._original_param import OriginalParam
+from flatshard.flat._placement import ROWS, GroupPlacement, ShardPlacement
 from flatshard.flat._reduction import GradientReduction
-from flatshard.flat._row_sparse import RowSparseTable
 from flatshard.flat._storage import Holding, Storage, storage_move
-from flatshard.flat._tensor_parallel import TensorParallel, tensor_parallel
-
-
-@dataclass
-class OriginalParam:
-    """One of the user's parameters, with every place a module registers it (ties)."""
-
-    param: nn.Parameter
-    fqn: str  # its first name in the model
-    usages: list[tuple[nn.Module, str]] = field(default_factory=list)
-
-    @property
-    def tp(self) -> TensorParallel | None:
-        """Set when it was a DTensor parameter (see [Note: DTensor parameters])."""
-        return tensor_parallel(self.param)
+from flatshard.flat._transport import IDENTITY, Transport
 
 
 @dataclass(frozen=True)
-class Placement:
+class GroupSpec:
     """Where a group's tensors live and in which dtypes (mixed precision, CPU offload)."""
 
     master_device: torch.device  # the shard (and the optimizer state)
@@ -121,7 +107,6 @@ class Placement:
     compute_dtype: torch.dtype | None = None  # None: the parameters' own dtype
     reduce_dtype: torch.dtype | None = None  # None: the compute dtype
     offload: bool = False  # CPUOffload: every use on the compute device copies the shard
-    whole_params: bool = False  # each original whole in one rank's shard (matrix optimizers)
 
 
 def allocate_storage(tensor: torch.Tensor, nbytes: int) -> None:
@@ -138,7 +123,11 @@ class FlatParamGroup:
     """A group of original parameters flattened into one row-aligned buffer and sharded."""
 
     def __init__(
-        self, originals: list[OriginalParam], groups: ShardGroups, placement: Placement
+        self,
+        originals: list[OriginalParam],
+        groups: ShardGroups,
+        spec: GroupSpec,
+        placement: ShardPlacement = ROWS,
     ) -> None:
         """Plan the layout and allocate this rank's (zero) shard on the master device.
 
@@ -156,7 +145,7 @@ class FlatParamGroup:
         self.param_layout: FlatLayout = plan_layout(
             [o.param.shape for o in originals],
             self.factor * self.splits,
-            whole=placement.whole_params,
+            whole=not placement.cuts_rows,
         )
         # Gathering: F chunks, each of ``splits`` consecutive chunks of the parameters' layout
         self.layout = replace(
@@ -174,11 +163,11 @@ class FlatParamGroup:
             not (self.layout.whole and held.numel == 0 and slot.numel > 0)
             for slot, held in zip(self.layout.slots, self.param_views.held, strict=True)
         ]
-        self.compute_dtype = placement.compute_dtype or first.dtype
-        self.compute_device = placement.compute_device
-        self.reduce_dtype = placement.reduce_dtype or self.compute_dtype
-        device = placement.master_device
-        self.offloaded = placement.offload
+        self.compute_dtype = spec.compute_dtype or first.dtype
+        self.compute_device = spec.compute_device
+        self.reduce_dtype = spec.reduce_dtype or self.compute_dtype
+        device = spec.master_device
+        self.offloaded = spec.offload
         # Persistent: this rank's shard; original parameters are views of it.
         # Pinned when offloaded from an accelerator: host-to-device copies run async.
         pin = device.type == "cpu" and self.compute_device.type != "cpu"
@@ -199,11 +188,11 @@ class FlatParamGroup:
         # Told of every collective issued for the group: (kind, elements sent); gives the
         # tag to issue it with. The unit records it in its root's ledger (see comm/_ledger.py).
         self.on_collective: Callable[[str, int], Tag | None] = _ignore
-        # An embedding table alone in the group, looked up row-sparse (set by fully_shard;
-        # see [Note: row-sparse embedding tables] in _row_sparse.py)
-        self.table: RowSparseTable | None = None
+        self.transport: Transport = IDENTITY  # how gathers and reductions travel
         self._allocate_unsharded()
         self.reduction = GradientReduction(self)
+        # What the group does where its placement decides ([Note: one placement protocol])
+        self.placement: GroupPlacement = placement.bind(self)
 
     def load_shard(self) -> None:
         """Copy this rank's rows of the (full) originals into the shard; they become views."""
@@ -333,7 +322,7 @@ class FlatParamGroup:
             self._move(Storage.GATHERED)
             return
         tag = self.on_collective("all_gather", source.numel())
-        work = start_all_gather(self._unsharded_data, source, self.groups.shard, tag)
+        work = self.transport.gather(self._unsharded_data, source, self.groups.shard, tag)
         self._gather = (work, source)  # the source must outlive the collective
         self._move(Storage.GATHERING)
 
@@ -430,8 +419,7 @@ class FlatParamGroup:
         for i, registry, name in self._registrations:
             registry[name] = values[i]
         self.holding = Holding.ORIGINALS if views is None else Holding.VIEWS
-        if self.table is not None:
-            self.table.proxied = False
+        self.placement.views_returned()
 
     def _as_used(self, views: list[torch.Tensor]) -> list[torch.Tensor]:
         """DTensor parameters' views wrapped back into DTensors for their TP layers."""
@@ -466,8 +454,7 @@ class FlatParamGroup:
         if len(set(zeroed)) == len(self.originals):
             self.unsharded.grad = None
             reduction.drop_kept()
-            if self.table is not None:
-                self.table.drop_pending()
+            self.placement.drop_pending()
             return
         kept = self.unsharded.grad
         if kept is not None:

@@ -25,8 +25,9 @@ def refuse_lookup_options(
         raise ValueError(max_norm_message(name, embedding.max_norm))
     if embedding.sparse and trainable and not row_sparse:
         served = (
-            ", or pass sparse_embeddings=True to fully_shard (with a shard group above one "
-            "rank): only the looked-up rows are then fetched and their gradients sent"
+            ", or give it placement=flatshard.RowSparse() in fully_shard (with a shard "
+            "group above one rank): only the looked-up rows are then fetched and their "
+            "gradients sent"
             if isinstance(embedding, nn.Embedding)
             else ""
         )

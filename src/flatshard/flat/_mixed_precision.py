@@ -74,9 +74,11 @@ class CPUOffload:
     params: bool = True
 
 
-# Where CPUOffload keeps the shards. ``flatshard.plan`` simulates offload on the meta
-# device and sets it to meta (see [Note: simulated offload] in planner/_simulate.py).
-OFFLOAD_DEVICE = [torch.device("cpu")]
+def host_of(device: torch.device) -> torch.device:
+    """Where CPUOffload keeps the shards of a model computed on ``device``: the CPU, or the
+    meta device for a model on meta (``flatshard.plan``'s simulation, see [Note: simulated
+    offload] in planner/_simulate.py)."""
+    return device if device.type == "meta" else torch.device("cpu")
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from flatshard.comm._ranks import join_name
-from flatshard.flat._flat_param import OriginalParam
+from flatshard.flat._original_param import OriginalParam
 from flatshard.flat._policy import is_within
 
 

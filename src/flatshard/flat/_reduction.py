@@ -18,12 +18,12 @@ from flatshard.comm._checks import Tag, current_tag, tagged
 from flatshard.comm._collectives import (
     PendingReduction,
     all_reduce,
-    reduce_gradient,
     split_division,
     sum_reduce,
     wait_reduction,
 )
 from flatshard.comm._mesh import ShardGroups
+from flatshard.flat._transport import Transport
 
 CommHook = Callable[[torch.Tensor, ShardGroups], torch.Tensor]
 """Replaces a group's gradient reduction: ``hook(grad, groups) -> shard``.
@@ -52,6 +52,7 @@ class ReducedGroup(Protocol):
     reduce_dtype: torch.dtype
     # Told of each collective issued for the group: (kind, elements sent) -> its tag.
     on_collective: Callable[[str, int], Tag | None]
+    transport: Transport  # how the gradient travels (the codec seam)
 
     def take_grad(self) -> torch.Tensor: ...
 
@@ -116,7 +117,7 @@ class GradientReduction:
             # The replicas' sum of a chunk owed from earlier micro-batches comes at finish,
             # over the total: this reduction scatters only.
             across = not hybrid or (all_reduce and self.owed is None)
-            self.pending = reduce_gradient(grad, groups, tag, across_replicas=across)
+            self.pending = self.flat.transport.reduce(grad, groups, tag, across)
         self._across_now = all_reduce
         self.done_in_backward = True
 
@@ -127,7 +128,7 @@ class GradientReduction:
             raise RuntimeError(
                 "flatshard: a communication hook does the whole reduction, but a row-sparse "
                 "embedding table's lookup gradient is exchanged as rows; register no hook "
-                "on its unit, or pass sparse_embeddings=False"
+                "on its unit, or give the table placement Rows()"
             )
         if self.owes is Owed.REDUCTION:  # the rows kept under no_sync are in ``shard_sum``
             self.owes = Owed.NOTHING

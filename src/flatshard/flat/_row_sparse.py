@@ -1,11 +1,11 @@
 """Row-sparse embedding tables: lookups fetch only their rows, gradients go back as rows.
 
 [Note: row-sparse embedding tables]
-With ``fully_shard(..., sparse_embeddings=True)`` every ``nn.Embedding`` of a sharded unit
-gets its weight in a flat group of its own, so the row-aligned layout gives each rank of the
-shard group a contiguous block of whole rows. In forward the embedding module holds a
-``TableProxy`` instead of a view of the gathered table; ``F.embedding`` on it runs
-``RowSparseTable.lookup``:
+With ``fully_shard(..., placement=flatshard.RowSparse())`` every ``nn.Embedding`` of a
+sharded unit gets its weight in a flat group of its own, so the row-aligned layout gives
+each rank of the shard group a contiguous block of whole rows. In forward the embedding
+module holds a ``TableProxy`` instead of a view of the gathered table; ``F.embedding`` on
+it runs ``RowSparseTable.lookup``:
 1. this rank's token ids, made unique (sorted), are counted per owning rank, and the shard
    group all-gathers the counts (F + 2 integers per rank: the last but one counts ids out of
    range, the last says which exchange follows, so that every rank raises the same error
@@ -63,7 +63,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from itertools import pairwise
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -72,26 +72,54 @@ from torch import nn
 from flatshard.comm._collectives import all_gather_into, exchange_rows, split_division
 from flatshard.comm._diagnosis import SAME_CALLS
 from flatshard.comm._errors import CollectiveMismatchError
+from flatshard.comm._mesh import ShardingStrategy
 from flatshard.comm._ranks import global_rank
+from flatshard.flat._flat_param import FlatParamGroup
 from flatshard.flat._lookup_options import max_norm_message
+from flatshard.flat._original_param import OriginalParam
+from flatshard.flat._placement import GroupPlacement, ShardPlacement, TableTraffic
 from flatshard.flat._storage import Holding
-
-if TYPE_CHECKING:
-    from flatshard.flat._flat_param import FlatParamGroup
 
 _ID_BYTES = 8  # int64 token ids
 
 
-@dataclass
-class TableTraffic:
-    """Elements this rank sent to other ranks for one table (ids and rows), since created."""
+@dataclass(frozen=True)
+class RowSparse(ShardPlacement):
+    """An ``nn.Embedding`` weight in a flat group of its own, looked up row-sparse: a
+    forward fetches only the rows of its rank's token ids from the ranks that hold them,
+    and the lookup's gradient goes back to them as rows, instead of all-gathering and
+    reduce-scattering the whole table (per forward, whichever moves fewer bytes; see
+    [Note: row-sparse embedding tables]). A table tied to the LM head is gathered behind
+    the blocks and waited for at the head. Given for the whole model, it serves every
+    embedding weight; the other parameters get ``Rows()``."""
 
-    lookups: int = 0  # sparse forwards
-    dense_lookups: int = 0  # forwards that looked up the gathered table
-    lookup_ids: int = 0
-    lookup_rows: int = 0  # row elements (rows x dim)
-    grad_ids: int = 0
-    grad_rows: int = 0
+    alone: ClassVar[bool] = True
+    serves_lookups: ClassVar[bool] = True
+
+    def serves(self, orig: OriginalParam) -> bool:
+        return _looked_up(orig)
+
+    def refusal(self, orig: OriginalParam, strategy: ShardingStrategy) -> str | None:
+        if not _looked_up(orig):
+            used = sorted({type(m).__name__ for m, _ in orig.usages})
+            return (
+                f"RowSparse() serves nn.Embedding weights (2-D, looked up by an "
+                f"nn.Embedding); this one is used by {', '.join(used)} with shape "
+                f"{tuple(orig.param.shape)}: give it Rows()"
+            )
+        if strategy.shards_optimizer_across_replicas:
+            return "HYBRID_SHARD_OPTIM's parameters view part of the shard: use Rows()"
+        if orig.tp is not None:
+            return "a tensor-parallel (DTensor) weight is sharded by its own mesh: use Rows()"
+        return None
+
+    def bind(self, flat: FlatParamGroup) -> GroupPlacement:
+        # With F = 1 every row is local: the table is gathered (a no-op) like any group.
+        return RowSparseTable(flat) if flat.needs_all_gather else GroupPlacement(flat)
+
+
+def _looked_up(orig: OriginalParam) -> bool:
+    return orig.param.dim() == 2 and any(isinstance(m, nn.Embedding) for m, _ in orig.usages)
 
 
 class TableProxy(torch.Tensor):
@@ -128,11 +156,11 @@ class TableProxy(torch.Tensor):
         table = _table_of(args, kwargs)
         raise RuntimeError(
             f"flatshard: '{table.name}' is a row-sparse embedding table in forward "
-            f"(fully_shard(..., sparse_embeddings=True)) and was used by "
+            f"(placement flatshard.RowSparse()) and was used by "
             f"{getattr(func, '__name__', func)} (rank {global_rank()}); in forward only "
             f"nn.Embedding's lookup (F.embedding) reads it. Read the weight through a module "
-            "that is not an nn.Embedding (it then gets the gathered table), or pass "
-            "sparse_embeddings=False."
+            "that is not an nn.Embedding (it then gets the gathered table), or give the "
+            "table the placement flatshard.Rows()."
         )
 
     @classmethod
@@ -141,7 +169,8 @@ class TableProxy(torch.Tensor):
     ) -> Any:
         raise RuntimeError(
             f"flatshard: {func} on a row-sparse embedding table (rank {global_rank()}); in "
-            "forward only nn.Embedding's lookup reads it (sparse_embeddings=False to gather it)."
+            "forward only nn.Embedding's lookup reads it (placement flatshard.Rows() to "
+            "gather it)."
         )
 
 
@@ -182,11 +211,17 @@ def _table_of(args: Any, kwargs: dict[str, Any]) -> RowSparseTable:
     raise AssertionError("a TableProxy call without a TableProxy")
 
 
-class RowSparseTable:
+class RowSparseTable(GroupPlacement):
     """The row-sparse path of one embedding weight alone in its flat group (see the note)."""
 
+    # A tied table's head part, reduced first in backward and the largest: waited for at
+    # the end of backward, not by the next unit's reduction, whose backward is too short
+    # to hide it.
+    reduction_waits_for_backward_end: ClassVar[bool] = True
+    serves_lookups: ClassVar[bool] = True
+
     def __init__(self, flat: FlatParamGroup) -> None:
-        self.flat = flat
+        super().__init__(flat)
         orig = flat.originals[0]
         self.name = orig.fqn
         self.lookup_usages = [(m, n) for m, n in orig.usages if isinstance(m, nn.Embedding)]
@@ -205,15 +240,23 @@ class RowSparseTable:
         self.dense_due = False  # a dense lookup with grad ran (its gradient is in the flat leaf)
         # (unique ids, their row gradients, the lookup's tokens)
         self._pending: list[tuple[torch.Tensor, torch.Tensor, int]] = []
-        self.traffic = TableTraffic()
+        self.sent = TableTraffic()
         self.eager_lookup = _eager()  # made here: the traced proxy call only reads it
 
     # ------------------------------------------------------------------ views
-    def unshard(self, backward: bool) -> None:
+    def start_unshard(self, held: bool) -> None:
+        """Left to the lookups (or the head), unless ``flatshard.unshard`` holds the unit."""
+        if held:
+            self.flat.start_unshard()
+
+    def unshard(self, backward: bool, held: bool) -> None:
         """The unit unshards: the lookup modules get the proxy. A tied table's head keeps
         its original until its pre-forward hook (``before_dense_use``); in backward the
-        head's backward needs the table at once."""
+        head's backward needs the table at once. Held by ``flatshard.unshard``: gathered."""
         flat = self.flat
+        if held:
+            flat.unshard()
+            return
         flat.drop_stale_gather()
         gathered = flat.is_unsharded or flat.gather_in_flight
         if gathered or (backward and self.tied):
@@ -287,7 +330,7 @@ class RowSparseTable:
         flat = self.flat
         flat.start_unshard()
         flat.finish_unshard()
-        self.traffic.dense_lookups += 1
+        self.sent.dense_lookups += 1
         if torch.is_grad_enabled() and flat.requires_grad:
             self.dense_due = True
         table = flat.views.full_views(flat.unsharded)[0]
@@ -320,9 +363,9 @@ class RowSparseTable:
         rows = answers.new_empty(unique.numel(), self.dim)
         tag = flat.on_collective("all_to_all", flat.factor)
         exchange_rows(rows, answers, send, recv, group, tag)
-        self.traffic.lookups += 1
-        self.traffic.lookup_ids += sum(send) - send[me]
-        self.traffic.lookup_rows += (sum(recv) - recv[me]) * self.dim
+        self.sent.lookups += 1
+        self.sent.lookup_ids += sum(send) - send[me]
+        self.sent.lookup_rows += (sum(recv) - recv[me]) * self.dim
         return rows
 
     # ------------------------------------------------------------------ backward
@@ -353,19 +396,39 @@ class RowSparseTable:
         exchange_rows(got, rows, recv, send, self._group, tag)
         out = torch.zeros(flat.layout.shard_numel, dtype=rows.dtype, device=rows.device)
         self._held_rows(out).index_add_(0, requests - self.first_rows[me], got)
-        self.traffic.grad_ids += sum(send) - send[me]
-        self.traffic.grad_rows += (sum(send) - send[me]) * self.dim
+        self.sent.grad_ids += sum(send) - send[me]
+        self.sent.grad_rows += (sum(send) - send[me]) * self.dim
         self.exchange_due = False
         return out
+
+    def views_returned(self) -> None:
+        self.proxied = False
+
+    def forward_pre_hooks(self) -> list[tuple[nn.Module, Callable[[], None]]]:
+        """A tied table's head waits for its gather before it runs."""
+        return [(user, self.before_dense_use) for user, _ in self.dense_usages]
+
+    def traffic(self) -> tuple[str, TableTraffic] | None:
+        return self.name, self.sent
+
+    def comm_hook_conflict(self) -> str | None:
+        return self.name
+
+    def finish_reduction(self, all_reduce: bool) -> None:
+        """End of backward: reduce the dense part (a tied head's, a dense lookup's) if it
+        did not reach the group's hook, and exchange the lookups' rows: the same calls on
+        every rank, decided by what every rank's forward decided alike."""
+        flat = self.flat
+        if (self.tied or self.dense_due) and not flat.reduction.done_in_backward:
+            flat.reduction.start(all_reduce)
+        if self.exchange_due:
+            flat.reduction.add_sparse(self.exchange_gradient(), all_reduce)
+        self.dense_due = False  # a synchronized backward reduced what the flat leaf held
 
     def drop_pending(self) -> None:
         """``zero_grad``: the lookups' rows kept since the last exchange go. The exchange
         itself stays due (every rank issues it alike), with no rows from this rank."""
         self._pending = []
-
-    def gradient_synced(self) -> None:
-        """A synchronized backward reduced what the flat leaf held."""
-        self.dense_due = False
 
     def _merged(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The pending row gradients as (sorted unique ids, summed rows), in the order the

@@ -17,6 +17,7 @@ from torch import nn
 
 from flatshard.comm._mesh import ShardingStrategy
 from flatshard.comm._processes import fast_context
+from flatshard.flat._placement import Rows, ShardPlacement
 from flatshard.flat._policy import AutoWrapPolicy
 from flatshard.planner._cluster import PRESETS, Cluster
 from flatshard.planner._recorder import Op
@@ -117,7 +118,7 @@ class Plan:
             "strategy": self.setup.strategy.name,
             "kept_gathered": self.setup.kept_gathered,
             "cpu_offload": self.setup.cpu_offload,
-            "sparse_embeddings": self.setup.sparse_embeddings,
+            "placement": repr(self.setup.placement or Rows()),
             "cluster": self.cluster.name,
         }
 
@@ -142,7 +143,7 @@ def plan(
     keep_gathered: int = 0,
     cpu_offload: bool = False,
     tensor_parallel: int = 1,
-    sparse_embeddings: bool = False,
+    placement: ShardPlacement | None = None,
 ) -> Plan:
     """Predict one rank's memory and step time for a training run, without running it.
 
@@ -166,7 +167,7 @@ def plan(
             gradients; hybrid: the reduce-scatter alone, the replicas' all-reduce once, as
             ``flatshard.set_requires_all_reduce``).
         optimizer: "adamw", "adam", "sgd-momentum", "sgd" or "muon" (Muon on the blocks'
-            2-D weights, kept whole with ``whole_params``, AdamW on the rest, as
+            2-D weights, kept whole (``Whole()``), AdamW on the rest, as
             ``flatshard train --optimizer muon``). Adafactor cannot be planned: its step
             reads values (``.item()``) that a simulated step does not have.
         keep_gathered: the last N units (FULL_SHARD, HYBRID_SHARD) keep their parameters
@@ -179,11 +180,12 @@ def plan(
         cpu_offload: ``CPUOffload()``: shards, gradients and the optimizer on the host.
             The peak is then the device's, ``host_memory_bytes`` the host's; the step
             adds the copies over PCIe and the optimizer's step at the host's speed.
-        sparse_embeddings: ``fully_shard(..., sparse_embeddings=True)``: each lookup
-            fetches its tokens' rows and sends their gradients back as rows. A simulated
-            batch has no token values, so the plan takes every token id distinct (at most
-            the vocabulary): the most bytes a batch of that many tokens can move; real
-            text, whose frequent tokens repeat, moves fewer.
+        placement: ``fully_shard``'s placement for every parameter it serves (a value,
+            not a rule: it travels to the simulation). ``flatshard.RowSparse()``: each
+            lookup fetches its tokens' rows and sends their gradients back as rows. A
+            simulated batch has no token values, so the plan takes every token id distinct
+            (at most the vocabulary): the most bytes a batch of that many tokens can move;
+            real text, whose frequent tokens repeat, moves fewer.
 
     The peak is the steady-state step's most live tensor bytes on the rank, the
     quantity ``flatshard bench`` and the tests measure at the dispatcher; on the rank the
@@ -214,7 +216,7 @@ def plan(
         kept_gathered=keep_gathered,
         cpu_offload=cpu_offload,
         tensor_parallel=tensor_parallel,
-        sparse_embeddings=sparse_embeddings,
+        placement=placement,
     )
     return plan_setup(build, inputs, loss or _default_loss, setup, machines)
 

@@ -14,7 +14,6 @@ import importlib
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,20 +22,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from flatshard.comm._collectives import SIMULATED_BACKEND
+from flatshard.comm._collectives import simulating
 from flatshard.comm._mesh import ShardingStrategy
-from flatshard.flat._mixed_precision import OFFLOAD_DEVICE, CPUOffload, MixedPrecision
+from flatshard.flat._mixed_precision import CPUOffload, MixedPrecision
+from flatshard.flat._placement import ShardPlacement, placement_rule
 from flatshard.flat._policy import AutoWrapPolicy, SublayerPolicy
 from flatshard.measure import PeakStorage
 from flatshard.planner import _recorder as tags
 from flatshard.planner._attention import fused_attention
 from flatshard.planner._recorder import Recorder
-from flatshard.runtime._clip import clip_grad_norm_
 from flatshard.runtime._matrix_optimizers import muon_matrices
-from flatshard.runtime._no_sync import no_sync
 from flatshard.runtime._prefetch import Prefetch
+from flatshard.runtime._step_loop import StepObserver, train_step
 from flatshard.runtime._summary import sharding_summary
-from flatshard.runtime._switches import set_requires_all_reduce
 from flatshard.sharding._keep_gathered import shard_keeping_last
 
 Inputs = Callable[[], tuple[torch.Tensor, ...]]
@@ -75,9 +73,9 @@ class Setup:
     # Tensor parallel degree T: the world is a (W / T, T) mesh ("dp", "tp"), the model is
     # built by ``build(mesh["tp"])`` and sharded over "dp".
     tensor_parallel: int = 1
-    # Row-sparse embedding tables (fully_shard's sparse_embeddings): lookups and their
-    # gradients priced for distinct token ids ([Note: row-sparse tables in a plan]).
-    sparse_embeddings: bool = False
+    # fully_shard's placement for every parameter it serves (RowSparse(): lookups and
+    # their gradients priced for distinct token ids, [Note: row-sparse tables in a plan]).
+    placement: ShardPlacement | None = None
 
 
 @dataclass
@@ -122,8 +120,15 @@ def _simulate(
         model = _built(build, mesh)
     params = sum(p.numel() for p in model.parameters())  # a DTensor's: its global shape's
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    with _offload_to_meta():
-        model = shard(model, setup, device="meta", param_init_fn=_shapes_only, **_dp(mesh))
+    # [Note: simulated offload]
+    # With CPUOffload the shards live on the CPU. A simulation keeps them on the meta device
+    # (the host of a model on meta, ``host_of``: real CPU tensors would allocate the model),
+    # and the runtime copies between host and device whenever it offloads, whatever the
+    # devices (``GroupSpec.offload``): so the recorder sees every copy a GPU run makes (the
+    # shard before its all-gather, the reduced gradient after its reduction). Which
+    # storages are the host's is known afterwards (``_offloaded``), and the recorder splits
+    # the step's bytes into the two memories.
+    model = shard(model, setup, device="meta", param_init_fn=_shapes_only, **_dp(mesh))
     optim = make_optimizer(model, setup)
     for step in range(2):
         if step == 1:
@@ -133,23 +138,6 @@ def _simulate(
     units = len({f.unit for f in summary.flat_params})
     host = _offloaded(model, recorder) if setup.cpu_offload else frozenset()
     return Simulated(recorder, params, trainable, units, host)
-
-
-@contextlib.contextmanager
-def _offload_to_meta() -> Iterator[None]:
-    """[Note: simulated offload]
-    With CPUOffload the shards live on the CPU. A simulation keeps them on the meta device
-    too (real CPU tensors would allocate the model), and the runtime copies between host
-    and device whenever it offloads, whatever the devices (``Placement.offload``): so the
-    recorder sees every copy a GPU run makes (the shard before its all-gather, the reduced
-    gradient after its reduction). Which storages are the host's is known afterwards
-    (``_offloaded``), and the recorder splits the step's bytes into the two memories.
-    """
-    OFFLOAD_DEVICE[0] = torch.device("meta")
-    try:
-        yield
-    finally:
-        OFFLOAD_DEVICE[0] = torch.device("cpu")
 
 
 def _offloaded(model: nn.Module, recorder: Recorder) -> frozenset[int]:
@@ -234,10 +222,12 @@ def _shapes_only(module: nn.Module) -> None:
 
 def shard(model: nn.Module, setup: Setup, **extra: Any) -> nn.Module:
     """``fully_shard`` as ``setup`` says (see ``shard_keeping_last``); Muon's matrices whole."""
+    options = shard_options(setup) | extra
     if setup.optimizer == "muon":
         matrices = muon_matrices(model, _blocks(setup.auto_wrap_policy))
-        extra["whole_params"] = lambda name, param: id(param) in matrices
-    return shard_keeping_last(model, setup.kept_gathered, **shard_options(setup), **extra)
+        whole = lambda name, param: id(param) in matrices  # noqa: E731
+        options["placement"] = placement_rule(model, whole, setup.placement)
+    return shard_keeping_last(model, setup.kept_gathered, **options)
 
 
 def _blocks(policy: AutoWrapPolicy) -> set[type[nn.Module]] | None:
@@ -254,7 +244,7 @@ def shard_options(setup: Setup) -> dict[str, Any]:
         "auto_wrap_policy": setup.auto_wrap_policy,
         "strategy": setup.strategy,
         "prefetch": setup.prefetch,
-        "sparse_embeddings": setup.sparse_embeddings,
+        "placement": setup.placement,
     }
     if setup.sharding_factor:
         options["sharding_factor"] = setup.sharding_factor
@@ -274,30 +264,42 @@ def training_step(
     device: torch.device,
     recorder: Recorder | None = None,
 ) -> None:
-    """One optimizer step as ``flatshard train`` takes it (the recorder is told what each
-    part of it makes)."""
+    """One optimizer step as ``flatshard train`` takes it: the same loop
+    (``runtime/_step_loop.py``), the recorder told what each part of it makes."""
     say = recorder or Recorder()  # a recorder not entered only keeps notes
-    for micro in range(setup.grad_accum):
+
+    def micro_loss(micro: int) -> torch.Tensor:
         say.phase, say.backward = tags.BATCH, False
         with device:
             batch = inputs()
-        last = micro == setup.grad_accum - 1
-        quiet = setup.accumulation == "no_sync" and not last
-        if setup.accumulation == "reduce" and setup.grad_accum > 1:
-            set_requires_all_reduce(model, last)
-        with no_sync(model) if quiet else nullcontext():
-            say.phase = tags.ACTIVATIONS
-            value = loss(model, batch) / setup.grad_accum
-            say.backward = True
-            torch.autograd.backward(value)
-        del batch, value
-    say.retag([p.grad for p in model.parameters() if p.grad is not None], tags.GRADIENTS)
-    if setup.clip:
-        clip_grad_norm_(model, 1.0)
-    say.phase, say.backward = tags.OPTIMIZER, False
-    for optim in optimizers:
-        optim.step()
-        optim.zero_grad()
+        say.phase = tags.ACTIVATIONS
+        value = loss(model, batch)
+        say.backward = True
+        return value
+
+    train_step(
+        model,
+        optimizers,
+        micro_loss,
+        setup.grad_accum,
+        accumulation=setup.accumulation,
+        clip=1.0 if setup.clip else None,
+        observer=_Phases(model, say),
+    )
+
+
+class _Phases(StepObserver):
+    """Tags the gradients when backward is done, and what the optimizer makes."""
+
+    def __init__(self, model: nn.Module, recorder: Recorder) -> None:
+        self.model, self.recorder = model, recorder
+
+    def gradients_done(self) -> None:
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        self.recorder.retag(grads, tags.GRADIENTS)
+
+    def optimizer_starts(self) -> None:
+        self.recorder.phase, self.recorder.backward = tags.OPTIMIZER, False
 
 
 def make_optimizer(model: nn.Module, setup: Setup) -> list[torch.optim.Optimizer]:
@@ -324,9 +326,8 @@ def _fake_world(world: int, backend: str) -> Iterator[None]:
     importlib.import_module("torch.testing._internal.distributed.fake_pg")
     store = dist.HashStore()  # type: ignore[attr-defined]  # exported, not in __all__
     dist.init_process_group("fake", rank=0, world_size=world, store=store)
-    SIMULATED_BACKEND[0] = backend
     try:
-        yield
+        with simulating(backend):
+            yield
     finally:
-        SIMULATED_BACKEND[0] = str(dist.Backend.NCCL)
         dist.destroy_process_group()

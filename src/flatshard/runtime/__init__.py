@@ -5,18 +5,18 @@
 hooks and their guards (``_hooks``), prefetch and the rate limiter, change detection,
 inputs' casts and gradient watches, profiler ranges; and the functions users call between
 steps: ``no_sync``, ``clip_grad_norm_``, ``summon_full_params``, ``ShardedGradScaler``,
-``sharding_summary``.
+``sharding_summary``; ``train_step``, the one loop of an optimizer step over micro-batches.
 
 Layer 3: imports ``flatshard.flat`` and below.
 """
 
-from flatshard.flat._row_sparse import TableTraffic
 from flatshard.runtime._clip import clip_grad_norm_
 from flatshard.runtime._grad_scaler import ShardedGradScaler
 from flatshard.runtime._hooks import register_entry_point, set_prefetch
 from flatshard.runtime._matrix_optimizers import muon_matrices, register_matrix_optimizer
 from flatshard.runtime._no_sync import no_sync
 from flatshard.runtime._prefetch import BackwardPrefetch, Prefetch
+from flatshard.runtime._step_loop import StepObserver, train_step
 from flatshard.runtime._summary import (
     FlatParamSummary,
     ShardingSummary,
@@ -39,7 +39,7 @@ __all__ = [
     "Prefetch",
     "ShardedGradScaler",
     "ShardingSummary",
-    "TableTraffic",
+    "StepObserver",
     "UnshardHandle",
     "clip_grad_norm_",
     "dtype_plan",
@@ -55,6 +55,7 @@ __all__ = [
     "set_reshard_after_backward",
     "sharding_summary",
     "summon_full_params",
+    "train_step",
     "units_of",
     "unshard",
 ]

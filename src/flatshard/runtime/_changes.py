@@ -13,22 +13,16 @@ untouched shards, and training silently stops. None of this raises anywhere in t
 [Note: cheap change detection]
 ``requires_grad`` has no hook, so every unit's pre-forward compares its originals' flags
 with their group's: one attribute read per parameter. Additions, removals and replacements
-go through ``nn.Module`` registration, which torch reports to process-wide hooks; a
-``ChangeWatch`` only marks its model as "to check" there, and the root's next pre-forward
+go through ``nn.Module`` registration, which torch reports to process-wide hooks; those
+(installed once, ``runtime/_torch_utilities.py``) only mark every sharded model's
+``ChangeWatch`` as "to check", and the root's next pre-forward
 then compares the parameters the model holds with the ones it sharded (one traversal, only
 after something was registered somewhere in the process).
 """
 
 from __future__ import annotations
 
-import weakref
-
 from torch import nn
-from torch.nn.modules.module import (
-    register_module_module_registration_hook,
-    register_module_parameter_registration_hook,
-)
-from torch.utils.hooks import RemovableHandle
 
 from flatshard.comm._ranks import global_rank, join_name
 from flatshard.flat._flat_param import FlatParamGroup
@@ -43,31 +37,12 @@ _FIX = (
 
 
 class ChangeWatch:
-    """Marks a model "to check" whenever a parameter or module is registered anywhere.
-
-    The hooks hold the watch weakly and are removed when it dies, so discarded models
-    cost nothing (see [Note: cheap change detection]).
-    """
+    """Whether a parameter or module was registered anywhere in the process since the
+    model's last check: set by the registration hooks ``TorchReach`` installs once for
+    every sharded model (see [Note: cheap change detection])."""
 
     def __init__(self) -> None:
         self.to_check = False
-        ref = weakref.ref(self)
-
-        def mark(*unused: object) -> None:
-            watch = ref()
-            if watch is not None:
-                watch.to_check = True
-
-        handles = [
-            register_module_parameter_registration_hook(mark),
-            register_module_module_registration_hook(mark),
-        ]
-        weakref.finalize(self, _remove_all, handles)
-
-
-def _remove_all(handles: list[RemovableHandle]) -> None:
-    for handle in handles:
-        handle.remove()
 
 
 def check_requires_grad(flat_params: list[FlatParamGroup]) -> None:

@@ -7,6 +7,7 @@ public helpers that change what a unit's hooks do (``register_entry_point``,
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from functools import partial, wraps
 from typing import Any, TypeVar, cast
@@ -17,7 +18,6 @@ from torch import nn
 from flatshard.comm._ranks import global_rank
 from flatshard.flat._flat_param import FlatParamGroup
 from flatshard.flat._lookup_options import LOOKUPS, refuse_lookup_options
-from flatshard.flat._row_sparse import RowSparseTable
 from flatshard.runtime._inputs import cast_floats
 from flatshard.runtime._unit import (
     OWNER_ATTR,
@@ -40,8 +40,8 @@ def install(unit: Unit) -> None:
     # Outside any compiled region: see [Note: hooks and torch.compile].
     module.register_forward_pre_hook(_eager(unit.pre_forward), with_kwargs=True)
     module.register_forward_hook(_eager(unit.post_forward))
-    for flat in unit.trainable:
-        flat.register_post_accumulate_hook(partial(unit.post_backward, flat))
+    for flat in unit.trainable:  # held by autograd's C++ side: weakly (see _weakly)
+        flat.register_post_accumulate_hook(_weakly(unit.post_backward, flat))
     for name, inner in unit.inner_modules:
         inner.register_forward_pre_hook(partial(_check_gathered, unit, name))
         inner.register_forward_hook(partial(_held_module_returned, unit))
@@ -50,9 +50,9 @@ def install(unit: Unit) -> None:
             for lookup in [m for m, _ in orig.usages if isinstance(m, LOOKUPS)]:
                 check = partial(_refuse_lookup_options, orig.fqn, flat)
                 lookup.register_forward_pre_hook(check)
-    for table in [f.table for f in unit.flat_params if f.table is not None]:
-        for user, _ in table.dense_usages:  # a tied table's head waits for its gather
-            user.register_forward_pre_hook(_eager(partial(_before_dense_use, table)))
+    for flat in unit.flat_params:  # what its placement runs first (a tied table's head)
+        for user, call in flat.placement.forward_pre_hooks():
+            user.register_forward_pre_hook(_eager(partial(_call_first, call)))
     if any(m is module for f in unit.flat_params for o in f.originals for m, _ in o.usages):
         _guard_direct_forward(unit)  # no inner module would notice a bypass
     # torch's stubs leave these two unannotated; the casts state their real signatures.
@@ -67,6 +67,26 @@ def install(unit: Unit) -> None:
             master = next(kept.parameters()).dtype
             kept.register_forward_pre_hook(partial(_cast_inputs, master), with_kwargs=True)
             kept.register_forward_hook(partial(_cast_output, policy.param_dtype))
+
+
+def _weakly(
+    method: Callable[[FlatParamGroup, torch.Tensor], None], flat: FlatParamGroup
+) -> Callable[[torch.Tensor], None]:
+    """``method(flat, tensor)``, holding the unit and the group weakly.
+
+    A leaf tensor's post-accumulate hooks are referenced from autograd's C++ side, where
+    Python's garbage collector cannot see the cycle back to the model: a hook holding its
+    unit kept every sharded model alive until the process ended, and with it what
+    flatshard installs in torch (runtime/_torch_utilities.py).
+    """
+    owner, group = weakref.WeakMethod(method), weakref.ref(flat)
+
+    def call(tensor: torch.Tensor) -> None:
+        bound, target = owner(), group()
+        if bound is not None and target is not None:
+            bound(target, tensor)
+
+    return call
 
 
 def _eager(hook: F) -> F:
@@ -196,11 +216,11 @@ def _refuse_lookup_options(
     name: str, flat: FlatParamGroup, embedding: nn.Embedding | nn.EmbeddingBag, args: Any
 ) -> None:
     """An option set after fully_shard (``model.tok.sparse = True``) is refused as at build."""
-    refuse_lookup_options(name, embedding, flat.requires_grad, flat.table is not None)
+    refuse_lookup_options(name, embedding, flat.requires_grad, flat.placement.serves_lookups)
 
 
-def _before_dense_use(table: RowSparseTable, module: nn.Module, args: Any) -> None:
-    table.before_dense_use()
+def _call_first(call: Callable[[], None], module: nn.Module, args: Any) -> None:
+    call()
 
 
 def _refuse_partial_state_dict(unit: Unit, module: nn.Module, *unused: Any) -> None:

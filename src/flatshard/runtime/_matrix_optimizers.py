@@ -10,7 +10,7 @@ unsharded run, without a word (Muon), or divide by zero on a rank that holds no 
 (Adafactor). So such an optimizer's step refuses a parameter a shard group cuts into rows,
 at its first step, on every rank alike (the layout decides, not the rows a rank happens to
 hold), naming the optimizer, the parameter and the fix. The fix is
-``fully_shard(..., whole_params=True)``: every parameter lies whole in one rank's shard
+``fully_shard(..., placement=flatshard.Whole())``: every parameter lies whole in one rank's shard
 ([Note: whole-parameter layout]), its owner steps it with the whole gradient and the other
 ranks leave it alone (``.grad`` None), so the update is the unsharded one. NO_SHARD units
 (whole matrices on every rank, gradients averaged) are exact too, at data parallel's
@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from flatshard.comm._ranks import global_rank
-from flatshard.flat._flat_param import OriginalParam
+from flatshard.flat._original_param import OriginalParam
 from flatshard.runtime._sharded_models import sharded_contexts
 
 # The optimizer classes that update whole matrices (register_matrix_optimizer adds).
@@ -112,8 +112,8 @@ def _refuse(
         f"flatshard: {where}.{kind.__name__} updates each parameter as a whole matrix, but "
         f"'{name}' {shape} is cut {how} (unit '{unit}', rank "
         f"{global_rank()}): each rank would update a slice of it differently from an "
-        "unsharded run. Pass fully_shard(..., whole_params=True) (each parameter whole on "
-        "one rank, which steps it), or shard the units it updates with "
+        "unsharded run. Pass fully_shard(..., placement=flatshard.Whole()) (each parameter "
+        "whole on one rank, which steps it), or shard the units it updates with "
         "strategy=flatshard.ShardingStrategy.NO_SHARD (whole matrices on every rank, "
         "gradients averaged), or update row-sharded parameters with a vector-wise "
         "optimizer such as AdamW (docs/guide.md, 'Matrix optimizers')."

@@ -18,3 +18,9 @@ def watch(context: StepContext) -> None:
 def sharded_contexts() -> list[StepContext]:
     """The step contexts of the models sharded in this process that are still alive."""
     return [c for c in list(_SHARDED) if c.units]
+
+
+def watched_contexts() -> list[StepContext]:
+    """Every sharded model's step context still alive, also one ``fully_shard`` is
+    still building."""
+    return list(_SHARDED)

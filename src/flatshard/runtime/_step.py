@@ -26,8 +26,9 @@ from flatshard.comm._collectives import on_device
 from flatshard.comm._ledger import StepLedger
 from flatshard.comm._mesh import ShardGroups
 from flatshard.comm._watchdog import watchdog
-from flatshard.flat._flat_param import FlatParamGroup, OriginalParam
+from flatshard.flat._flat_param import FlatParamGroup
 from flatshard.flat._mixed_precision import MixedPrecision
+from flatshard.flat._original_param import OriginalParam
 from flatshard.flat._reduction import GradientReduction
 from flatshard.runtime._changes import ChangeWatch, check_parameters
 from flatshard.runtime._prefetch import ExecutionOrder
@@ -144,10 +145,7 @@ class StepContext:
         if not self.sync_gradients:
             flat.reduction.keep_unreduced()
             return
-        if flat.table is not None:
-            # A tied table's head part, reduced first in backward and the largest: waited
-            # for at the end of backward, not by the next unit's reduction, whose backward
-            # is too short to hide it ([Note: row-sparse embedding tables]).
+        if flat.placement.reduction_waits_for_backward_end:
             flat.reduction.start(self.all_reduce_replicas)
             return
         if self.in_flight is not None:
@@ -266,17 +264,9 @@ class StepContext:
                 flat.shards_written()
 
     def _finish_reduction(self, flat: FlatParamGroup) -> None:
-        """Reduce a group whose gradient did not reach its hook (zeros), and exchange a
-        row-sparse table's lookup rows ([Note: row-sparse embedding tables]): the same
-        calls on every rank, decided by what every rank's forward decided alike."""
-        table = flat.table
-        dense = table is None or table.tied or table.dense_due
-        if dense and not flat.reduction.done_in_backward:
-            flat.reduction.start(self.all_reduce_replicas)
-        if table is not None:
-            if table.exchange_due:
-                flat.reduction.add_sparse(table.exchange_gradient(), self.all_reduce_replicas)
-            table.gradient_synced()
+        """What the group's placement still reduces at the end of backward (a gradient
+        that did not reach its hook, as zeros; a row-sparse table's lookup rows)."""
+        flat.placement.finish_reduction(self.all_reduce_replicas)
 
     def wait_host_copies(self) -> None:
         """[Note: offload without a stall per unit]

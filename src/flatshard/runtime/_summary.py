@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from flatshard.flat._mixed_precision import DtypePlan, DtypeRow, dtype_name
-from flatshard.flat._row_sparse import TableTraffic
+from flatshard.flat._placement import TableTraffic
 from flatshard.runtime._unit import units_of
 
 
@@ -107,13 +107,13 @@ def dtype_plan(model: nn.Module) -> DtypePlan:
 
 
 def embedding_traffic(model: nn.Module) -> dict[str, TableTraffic]:
-    """Per row-sparse embedding table (``fully_shard(..., sparse_embeddings=True)``), by
-    its weight's name: the lookups it served sparse and dense, and the ids and row
+    """Per row-sparse embedding table (``fully_shard(..., placement=flatshard.RowSparse())``),
+    by its weight's name: the lookups it served sparse and dense, and the ids and row
     elements this rank sent to other ranks for it, since ``fully_shard``. Empty without
     row-sparse tables."""
-    return {
-        flat.table.name: flat.table.traffic
+    return dict(
+        traffic
         for unit in units_of(model, "embedding_traffic")
         for flat in unit.flat_params
-        if flat.table is not None
-    }
+        if (traffic := flat.placement.traffic()) is not None
+    )

@@ -103,7 +103,7 @@ def _clipped_parameters() -> set[int] | None:
     caller of the norm (two frames up), else None.
 
     torch passes the norm only the gradients it found. A rank that holds no gradient of the
-    parameters given (``whole_params``: each matrix on one rank; a subset such as Muon's
+    parameters given (placement ``Whole()``: each matrix on one rank; a subset such as Muon's
     matrices may have none on this rank) would see no sharded gradient, compute its own
     0.0 with no collective, and leave the others waiting in theirs. The parameters are the
     same on every rank.

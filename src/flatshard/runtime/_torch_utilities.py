@@ -3,20 +3,27 @@
 torch's gradient norm is made global for flatshard's gradients (``_torch_norm.py``), a
 step pre-hook of every optimizer sees the model's optimizer steps
 (``_optimizer_steps.py``) and torch's ``zero_grad`` functions also drop the gradients kept
-unreduced (``_zero_grad.py``). All are installed by the first ``fully_shard`` and removed
-when the last sharded model is gone: then the process runs plain torch again (torch's own
-functions, no hook).
+unreduced (``_zero_grad.py``), and torch's module registration hooks mark each sharded
+model to be checked for changes (``_changes.py``). All are installed once, by the first
+``fully_shard``, and removed when the last sharded model is gone (garbage-collected): then
+the process runs plain torch again (torch's own functions, no hook).
 """
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import weakref
 
+from torch.nn.modules.module import (
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from flatshard.runtime._optimizer_steps import before_step
-from flatshard.runtime._sharded_models import sharded_contexts, watch
+from flatshard.runtime._sharded_models import sharded_contexts, watch, watched_contexts
 from flatshard.runtime._step import StepContext
 from flatshard.runtime._torch_norm import TorchNorms
 from flatshard.runtime._zero_grad import ZeroGrads
@@ -26,24 +33,29 @@ class TorchReach:
     """Owns every change flatshard makes to torch's process-wide state."""
 
     def __init__(self) -> None:
-        self._step_hook: RemovableHandle | None = None
+        self._hooks: list[RemovableHandle] = []
         self._norms = TorchNorms()
         self._zero_grads = ZeroGrads()
 
     @property
     def installed(self) -> bool:
-        return self._step_hook is not None
+        return bool(self._hooks)
 
     def install(self) -> None:
-        if self._step_hook is None:
-            self._step_hook = register_optimizer_step_pre_hook(before_step)
+        if not self._hooks:
+            self._hooks = [
+                register_optimizer_step_pre_hook(before_step),
+                register_module_parameter_registration_hook(_registered),
+                register_module_module_registration_hook(_registered),
+            ]
             self._norms.install()
             self._zero_grads.install()
 
     def remove(self) -> None:
-        if self._step_hook is not None:
-            self._step_hook.remove()
-            self._step_hook = None
+        for hook in self._hooks:
+            hook.remove()
+        if self._hooks:
+            self._hooks = []
             self._norms.remove()
             self._zero_grads.remove()
 
@@ -54,6 +66,31 @@ class TorchReach:
 
 
 TORCH_REACH = TorchReach()
+
+
+def _kept_past_exit() -> None:
+    """[Note: sharded models outlive the interpreter's teardown]
+    A sharded model is collected like any object once nothing holds it (its hooks hold
+    their unit weakly), and with the last one goes what ``TorchReach`` installed. At exit
+    it must not be: after the exit handlers, the interpreter's teardown collects what is
+    left in an order of its own, and a model destroyed there releases its process groups
+    and gloo work after torch's own teardown began, which once aborted a process
+    ("terminate called without an active exception"). So the models still alive at exit
+    get one reference more, from outside Python, and are never destroyed: the process
+    ends as it did when nothing could collect them. Registered at import, this handler
+    runs after every exit handler registered later (flatshard's own included)."""
+    for context in watched_contexts():
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(context))
+
+
+atexit.register(_kept_past_exit)
+
+
+def _registered(*unused: object) -> None:
+    """A parameter or module was registered somewhere: every sharded model checks itself
+    at its next forward ([Note: cheap change detection] in _changes.py)."""
+    for context in watched_contexts():
+        context.changes.to_check = True
 
 
 def watch_torch_utilities(context: StepContext) -> None:

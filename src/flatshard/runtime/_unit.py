@@ -252,17 +252,14 @@ class Unit:
         backward = self.state is TrainingState.BACKWARD
         held = self.hold is Hold.USER
         for flat in self.flat_params:
-            if flat.table is not None and not held:  # gathered by its lookups or
-                flat.table.unshard(backward)  # its head, if at all
-            else:
-                flat.unshard()
+            flat.placement.unshard(backward, held)
 
     def start_unshard(self) -> None:
-        """Start every group's all-gather (prefetch); the unit's hook waits. Row-sparse
-        tables are left to their lookups ([Note: row-sparse embedding tables])."""
+        """Start every group's all-gather (prefetch); the unit's hook waits. Each group's
+        placement decides (a row-sparse table is left to its lookups)."""
+        held = self.hold is Hold.USER
         for flat in self.flat_params:
-            if flat.table is None or self.hold is Hold.USER:
-                flat.start_unshard()
+            flat.placement.start_unshard(held)
 
     def finish_unshard(self) -> None:
         """Wait for the all-gathers a prefetch started (views come with ``unshard``)."""

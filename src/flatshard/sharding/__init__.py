@@ -9,14 +9,13 @@ kept gathered in the ZeRO-2 form).
 Layer 4: imports ``flatshard.runtime`` and below.
 """
 
-from flatshard.sharding._fully_shard import WholeParams, fully_shard
+from flatshard.sharding._fully_shard import fully_shard
 from flatshard.sharding._init import InitOptions, init_weights
 from flatshard.sharding._keep_gathered import shard_keeping_last
 from flatshard.sharding._skip_init import skip_init
 
 __all__ = [
     "InitOptions",
-    "WholeParams",
     "fully_shard",
     "init_weights",
     "shard_keeping_last",

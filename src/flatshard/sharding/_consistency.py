@@ -1,13 +1,13 @@
 """Startup checks that every rank built the same model and holds the same replicated values.
 
 Ranks that built different models would otherwise hang in a collective or train silently
-wrong (../shared/design/USERS.md, item 15). Each check is one small all-gather of a digest;
+wrong (users report this as a common failure). Each check is one small all-gather of a digest;
 only when digests differ do the ranks exchange their descriptions to say what differs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -15,14 +15,17 @@ from torch import nn
 from flatshard.comm._ranks import join_name
 from flatshard.flat._lookup_options import LOOKUPS
 from flatshard.flat._partition import UnitPlan
+from flatshard.flat._placement import ShardPlacement
 
 _CHUNK_BYTES = 1 << 23  # bytes checksummed at a time
 _WRAP = 1 << 64
 
 
-def structure_lines(plans: list[UnitPlan], strategy: str, whole: Collection[str] = ()) -> list[str]:
-    """One line per unit, parameter and buffer: what every rank must agree on (``whole``:
-    the parameters ``whole_params`` keeps whole)."""
+def structure_lines(
+    plans: list[UnitPlan], strategy: str, placements: Mapping[str, ShardPlacement]
+) -> list[str]:
+    """One line per unit, parameter (with its placement) and buffer: what every rank must
+    agree on."""
     lines = [strategy]
     for plan in plans:
         lines.append(f"unit '{plan.fqn or '<root>'}'")
@@ -30,7 +33,7 @@ def structure_lines(plans: list[UnitPlan], strategy: str, whole: Collection[str]
             p = orig.param
             lines.append(
                 f"  parameter '{orig.fqn}' shape {tuple(p.shape)} {str(p.dtype)[6:]} "
-                f"requires_grad={p.requires_grad}{' whole' if orig.fqn in whole else ''}"
+                f"requires_grad={p.requires_grad} {placements[orig.fqn]!r}"
             )
             lookups = [m for m, _ in orig.usages if isinstance(m, LOOKUPS)]
             lines += [f"  '{orig.fqn}' looked up by {_lookup_line(m)}" for m in lookups]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import warnings
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -17,12 +17,14 @@ from flatshard.comm._collectives import has_cpu_backend
 from flatshard.comm._mesh import ShardGroups, ShardingStrategy, model_group, resolve_groups
 from flatshard.comm._ranks import join_name
 from flatshard.flat._awaiting_load import awaits_load, mark_awaiting
-from flatshard.flat._flat_param import FlatParamGroup, OriginalParam, Placement
+from flatshard.flat._flat_param import FlatParamGroup, GroupSpec
 from flatshard.flat._lookup_options import LOOKUPS, refuse_lookup_options
-from flatshard.flat._mixed_precision import OFFLOAD_DEVICE, CPUOffload, MixedPrecision
+from flatshard.flat._mixed_precision import CPUOffload, MixedPrecision, host_of
+from flatshard.flat._original_param import OriginalParam
 from flatshard.flat._partition import UnitPlan, partition
+from flatshard.flat._placement import ROWS, PlacementRule, ShardPlacement, placement_rule
 from flatshard.flat._policy import AutoWrapPolicy, is_within, select_unit_roots
-from flatshard.flat._row_sparse import RowSparseTable
+from flatshard.flat._row_sparse import RowSparse
 from flatshard.flat._tensor_parallel import global_shapes, localize
 from flatshard.runtime._hooks import install
 from flatshard.runtime._prefetch import Prefetch
@@ -44,7 +46,6 @@ from flatshard.sharding._init import (
 M = TypeVar("M", bound=nn.Module)
 _CPU = torch.device("cpu")
 # whole_params: all parameters, none, or those a predicate of (name, parameter) picks.
-WholeParams = bool | Callable[[str, nn.Parameter], bool]
 
 
 def fully_shard(
@@ -60,8 +61,8 @@ def fully_shard(
     param_init_fn: ParamInitFn | None = None,
     init: InitOptions | None = None,
     prefetch: Prefetch | None = None,
-    whole_params: WholeParams = False,
-    sparse_embeddings: bool = False,
+    placement: PlacementRule = None,
+    **renamed: object,
 ) -> M:
     """Shard ``module``'s parameters over ``process_group`` in place and return it.
 
@@ -104,24 +105,20 @@ def fully_shard(
         init: seed, rank-0 broadcast and startup checks (``flatshard.InitOptions``).
         prefetch: how far ahead units are all-gathered, and the rate limiter
             (``flatshard.Prefetch``; default: backward BACKWARD_PRE, forward on, limited).
-        whole_params: True: cut no parameter into rows; each lies whole in one rank's
-            shard (balanced by size, shards padded to the largest), so optimizers that
-            update a parameter as a whole matrix (``torch.optim.Muon``,
-            ``torch.optim.Adafactor``, Shampoo) make the unsharded update on its owner;
-            other ranks hold it with 0 rows and ``.grad`` None. Costs the padding in memory
-            and traffic. A callable ``(name, parameter) -> bool`` keeps only the parameters
-            it picks whole (e.g. Muon's matrices), in flat groups of their own beside the
-            row-sharded rest; ``name`` is relative to ``module``.
-        sparse_embeddings: True: each ``nn.Embedding`` weight of a sharded unit gets a flat
-            group of its own and is looked up row-sparse: a forward fetches only the rows
-            of its rank's token ids from the ranks that hold them, and the lookup's
-            gradient goes back to them as rows, instead of all-gathering and
-            reduce-scattering the whole table (per forward, whichever moves fewer bytes;
-            docs/design.md, "Row-sparse embedding tables"). A table tied to the LM head is
-            gathered behind the blocks and waited for at the head. Not with ``max_norm``,
+        placement: how each parameter lies across the shard group: one placement for
+            every parameter it serves, or a rule ``(name, parameter) -> placement`` (None:
+            ``Rows()``; ``name`` relative to ``module``). ``flatshard.Rows()`` (default):
+            each rank a slice of whole rows. ``flatshard.Whole()``: each parameter whole
+            in one rank's shard, for optimizers that update a matrix as a whole (Muon,
+            Adafactor, Shampoo); ``lambda name, p: flatshard.Whole() if p.ndim == 2 else
+            None`` keeps only the matrices whole. ``flatshard.RowSparse()``: an
+            ``nn.Embedding`` weight looked up row-sparse (each forward fetches its tokens'
+            rows, not the whole table); given for the whole model it serves every embedding
+            weight. Not with ``max_norm``,
             tensor-parallel tables, HYBRID_SHARD_OPTIM or a communication hook.
     """
     _check_distributed()
+    placement = _renamed_options(module, placement, renamed)
     strategy = ShardingStrategy.parse(strategy)
     group = model_group(process_group)
     with tagged(Tag("fully_shard")):
@@ -137,13 +134,11 @@ def fully_shard(
         managed = {name: _managed_param_ids(context) for name, context in earlier.items()}
         localize(module, group, rank)  # DTensor (TP) parameters: their local tensors
         plans = partition(module, unit_names, managed, rank)
-        whole = _whole_names(plans, whole_params)
+        placements = _placements(plans, placement, strategy, rank)
         if init.check_consistency:
             check_same_on_all_ranks(
                 structure_lines(
-                    plans,
-                    _strategy_line(strategy, group, sharding_factor, sparse_embeddings),
-                    whole,
+                    plans, _strategy_line(strategy, group, sharding_factor), placements
                 ),
                 group,
                 target or _CPU,
@@ -151,20 +146,18 @@ def fully_shard(
                 "Build the same model (same code, config and dtypes) and pass the same "
                 "fully_shard options on every rank.",
             )
-        _check_split_options(strategy, cpu_offload, whole, rank)
-        tables = _table_names(plans, sparse_embeddings, strategy, whole, rank)
+        _check_split_options(strategy, cpu_offload, rank)
         build = _UnitBuild(
             groups=resolve_groups(strategy, process_group, sharding_factor),
             process_group=group,
             config=UnitConfig(strategy, mixed_precision, prefetch),
             device=target,
             offload=cpu_offload is not None and cpu_offload.params,
-            whole_params=whole,
+            placements=placements,
             param_init_fn=param_init_fn,
             init=init,
-            tables=tables,
         )
-        _refuse_lookup_options(plans, tables if build.groups.shard is not None else frozenset())
+        _refuse_lookup_options(plans, build)
         limiter = RateLimiter(DEFAULT_LIMIT if prefetch.limit_all_gathers else None)
         context = StepContext(module, group, limiter)
         watch_torch_utilities(context)
@@ -183,11 +176,9 @@ def fully_shard(
         return module
 
 
-def _check_split_options(
-    strategy: ShardingStrategy, offload: CPUOffload | None, whole: frozenset[str], rank: int
-) -> None:
+def _check_split_options(strategy: ShardingStrategy, offload: CPUOffload | None, rank: int) -> None:
     """HYBRID_SHARD_OPTIM gathers the replicas' rows into the shard after each step: not
-    with offloaded shards (host memory, the optimizer steps there) or whole parameters."""
+    with offloaded shards (host memory, the optimizer steps there)."""
     if not strategy.shards_optimizer_across_replicas:
         return
     if offload is not None and offload.params:
@@ -195,12 +186,6 @@ def _check_split_options(
             f"flatshard.fully_shard: HYBRID_SHARD_OPTIM does not combine with CPUOffload "
             f"(rank {rank}): its shards are refreshed across the replicas on the device. "
             "Use HYBRID_SHARD with CPUOffload, or HYBRID_SHARD_OPTIM without it."
-        )
-    if whole:
-        raise ValueError(
-            f"flatshard.fully_shard: HYBRID_SHARD_OPTIM does not combine with whole_params "
-            f"(rank {rank}): it cuts every parameter's rows across all ranks. Use "
-            "HYBRID_SHARD or FULL_SHARD with whole_params."
         )
 
 
@@ -213,10 +198,9 @@ class _UnitBuild:
     config: UnitConfig
     device: torch.device | None  # where full tensors are materialized and computed on
     offload: bool  # shards live on the CPU
-    whole_params: frozenset[str]  # never cut into rows ([Note: whole-parameter layout])
+    placements: dict[str, ShardPlacement]  # each parameter's, by name
     param_init_fn: ParamInitFn | None
     init: InitOptions
-    tables: frozenset[str] = frozenset()  # embedding weights looked up row-sparse
 
     @property
     def compute_device(self) -> torch.device:
@@ -224,7 +208,7 @@ class _UnitBuild:
 
     @property
     def master_device(self) -> torch.device:
-        return OFFLOAD_DEVICE[0] if self.offload else self.compute_device
+        return host_of(self.compute_device) if self.offload else self.compute_device
 
 
 def _build_unit(plan: UnitPlan, build: _UnitBuild, rank: int) -> Unit | None:
@@ -233,20 +217,19 @@ def _build_unit(plan: UnitPlan, build: _UnitBuild, rank: int) -> Unit | None:
     # Allocate the shards first: the unit's full tensors then meet nothing else large.
     flat_params = [
         FlatParamGroup(
-            params,
+            members,
             build.groups,
-            Placement(
+            GroupSpec(
                 master_device=build.master_device,
                 compute_device=build.compute_device,
                 compute_dtype=dtype,
                 reduce_dtype=policy.gradient_reduce_dtype(dtype),
                 offload=build.offload,
-                whole_params=whole,
             ),
+            placement,
         )
         for params, dtype in _split_by_compute_dtype(plan.groups, policy)
-        for whole, split in _split_whole(params, build.whole_params)
-        for params in _split_tables(split, build.tables)
+        for placement, members in _split_by_placement(params, build.placements)
     ]
     _prepare(plan, build, rank)
     _cast_buffers(plan, policy.buffer_dtype)
@@ -262,8 +245,6 @@ def _build_unit(plan: UnitPlan, build: _UnitBuild, rank: int) -> Unit | None:
         )
     for flat in flat_params:
         flat.load_shard()
-        if flat.originals[0].fqn in build.tables and flat.needs_all_gather:
-            flat.table = RowSparseTable(flat)
     if not flat_params:
         return None
     unit = Unit(plan.module, plan.fqn, flat_params, plan.modules, build.config)
@@ -366,97 +347,116 @@ def _check_backend_reaches(
 
 
 def _strategy_line(
-    strategy: ShardingStrategy,
-    group: dist.ProcessGroup,
-    sharding_factor: int | None,
-    sparse_embeddings: bool,
+    strategy: ShardingStrategy, group: dist.ProcessGroup, sharding_factor: int | None
 ) -> str:
     line = f"strategy {strategy.name} over {dist.get_world_size(group)} ranks"
     if sharding_factor is not None:
         line += f", sharding_factor {sharding_factor}"
-    if sparse_embeddings:
-        line += ", sparse_embeddings"
     return line
 
 
-def _whole_names(plans: list[UnitPlan], whole_params: WholeParams) -> frozenset[str]:
-    """The names of the parameters ``whole_params`` keeps whole."""
-    if isinstance(whole_params, bool):
-        return (
-            frozenset(o.fqn for plan in plans for o in plan.originals)
-            if whole_params
-            else frozenset()
-        )
-    if not callable(whole_params):
-        raise TypeError(
-            "flatshard.fully_shard: whole_params must be True, False or a callable "
-            f"(name, parameter) -> bool, got {whole_params!r}"
-        )
-    return frozenset(
-        o.fqn for plan in plans for o in plan.originals if whole_params(o.fqn, o.param)
-    )
-
-
-def _table_names(
-    plans: list[UnitPlan],
-    sparse: bool,
-    strategy: ShardingStrategy,
-    whole: frozenset[str],
-    rank: int,
-) -> frozenset[str]:
-    """The embedding weights looked up row-sparse (``sparse_embeddings``); an error for a
-    table the row-sparse path cannot serve."""
-    if not sparse:
-        return frozenset()
-    names = set()
+def _placements(
+    plans: list[UnitPlan], rule: PlacementRule, strategy: ShardingStrategy, rank: int
+) -> dict[str, ShardPlacement]:
+    """Each parameter's placement by name, as ``rule`` chooses; an error for a parameter
+    its placement cannot serve."""
+    chosen: dict[str, ShardPlacement] = {}
     for plan in plans:
         for orig in plan.originals:
-            lookups = [m for m, _ in orig.usages if isinstance(m, nn.Embedding)]
-            if not lookups or orig.param.dim() != 2:
-                continue
-            refused = (
-                "HYBRID_SHARD_OPTIM (its parameters view part of the shard)"
-                if strategy.shards_optimizer_across_replicas
-                else "whole_params (the table lies whole on one rank)"
-                if orig.fqn in whole
-                else "a tensor-parallel (DTensor) weight"
-                if orig.tp is not None
-                else None
-            )
-            if refused:
-                raise ValueError(
-                    f"flatshard.fully_shard: sparse_embeddings=True cannot serve embedding "
-                    f"'{orig.fqn}' with {refused} (rank {rank}); pass sparse_embeddings="
-                    "False, or shard the table another way."
+            if rule is None:
+                placement: ShardPlacement | None = ROWS
+            elif isinstance(rule, ShardPlacement):
+                placement = rule if rule.serves(orig) else ROWS
+            elif callable(rule):
+                placement = rule(orig.fqn, orig.param)
+            else:
+                raise TypeError(
+                    "flatshard.fully_shard: placement must be a placement (flatshard.Rows(), "
+                    "flatshard.Whole(), flatshard.RowSparse()) or a callable (name, "
+                    f"parameter) -> placement, got {rule!r}"
                 )
-            names.add(orig.fqn)
-    return frozenset(names)
+            placement = ROWS if placement is None else placement
+            if not isinstance(placement, ShardPlacement):
+                raise TypeError(
+                    f"flatshard.fully_shard: the placement rule returned {placement!r} for "
+                    f"'{orig.fqn}' (rank {rank}); return flatshard.Rows(), flatshard.Whole(), "
+                    "flatshard.RowSparse() or None (Rows)."
+                )
+            refusal = placement.refusal(orig, strategy)
+            if refusal is not None:
+                raise ValueError(
+                    f"flatshard.fully_shard: placement {placement!r} cannot serve "
+                    f"'{orig.fqn}' (rank {rank}): {refusal}."
+                )
+            chosen[orig.fqn] = placement
+    return chosen
 
 
-def _refuse_lookup_options(plans: list[UnitPlan], row_sparse: frozenset[str]) -> None:
+def _renamed_options(
+    module: nn.Module, placement: PlacementRule, renamed: dict[str, object]
+) -> PlacementRule:
+    """``whole_params`` and ``sparse_embeddings``, the two options ``placement`` replaced,
+    still work for a while (with a warning giving the new spelling); any other unknown
+    keyword is the TypeError Python gives."""
+    unknown = sorted(set(renamed) - {"whole_params", "sparse_embeddings"})
+    if unknown:
+        raise TypeError(f"fully_shard() got an unexpected keyword argument '{unknown[0]}'")
+    whole, sparse = renamed.get("whole_params", False), renamed.get("sparse_embeddings", False)
+    if not whole and not sparse:
+        return placement
+    if placement is not None:
+        raise TypeError(
+            "flatshard.fully_shard: pass placement= alone; whole_params and "
+            "sparse_embeddings are its old spellings."
+        )
+    if not callable(whole) and not isinstance(whole, bool):
+        raise TypeError(
+            "flatshard.fully_shard: whole_params must be True, False or a callable "
+            f"(name, parameter) -> bool, got {whole!r}"
+        )
+    warnings.warn(
+        "flatshard.fully_shard: whole_params= and sparse_embeddings= became one option, "
+        "placement=: whole_params=True -> placement=flatshard.Whole(); whole_params=rule -> "
+        "placement=lambda name, p: flatshard.Whole() if rule(name, p) else None; "
+        "sparse_embeddings=True -> placement=flatshard.RowSparse().",
+        FutureWarning,
+        stacklevel=3,
+    )
+    return placement_rule(module, whole, RowSparse() if sparse else None)
+
+
+def _refuse_lookup_options(plans: list[UnitPlan], build: _UnitBuild) -> None:
     """Every embedding's options, before any unit is built (flat/_lookup_options.py)."""
+    sharded = build.groups.shard is not None
     for plan in plans:
         for orig in plan.originals:
             for module, _ in orig.usages:
                 if isinstance(module, LOOKUPS):
                     trainable = orig.param.requires_grad
-                    refuse_lookup_options(orig.fqn, module, trainable, orig.fqn in row_sparse)
+                    lookups = sharded and build.placements[orig.fqn].serves_lookups
+                    refuse_lookup_options(orig.fqn, module, trainable, lookups)
 
 
-def _split_tables(params: list[OriginalParam], tables: frozenset[str]) -> list[list[OriginalParam]]:
-    """Each row-sparse table in a group of its own, then the rest (if any)."""
-    alone = [[o] for o in params if o.fqn in tables]
-    rest = [o for o in params if o.fqn not in tables]
-    return alone + ([rest] if rest else [])
-
-
-def _split_whole(
-    params: list[OriginalParam], whole: frozenset[str]
-) -> list[tuple[bool, list[OriginalParam]]]:
-    """A flat group's parameters as (kept whole, members): one or two groups."""
-    kept = [o for o in params if o.fqn in whole]
-    rest = [o for o in params if o.fqn not in whole]
-    return [(flag, members) for flag, members in ((True, kept), (False, rest)) if members]
+def _split_by_placement(
+    params: list[OriginalParam], placements: dict[str, ShardPlacement]
+) -> list[tuple[ShardPlacement, list[OriginalParam]]]:
+    """A group's parameters as (placement, members): one flat group per placement, or per
+    parameter where the placement wants it alone; whole layouts first, then the alone ones,
+    then the rows (the order of the flat groups in a unit)."""
+    by_value: dict[ShardPlacement, list[OriginalParam]] = {}
+    alone: list[tuple[ShardPlacement, list[OriginalParam]]] = []
+    for orig in params:
+        placement = placements[orig.fqn]
+        if placement.alone:
+            alone.append((placement, [orig]))
+        else:
+            by_value.setdefault(placement, []).append(orig)
+    shared = list(by_value.items())
+    return (
+        [(p, m) for p, m in shared if not p.cuts_rows]
+        + alone
+        + [(p, m) for p, m in shared if p.cuts_rows]
+    )
 
 
 def _check_distributed() -> None:

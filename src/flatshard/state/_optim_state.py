@@ -10,7 +10,7 @@ form), and cut to the loading rank's rows on load. Anything else (``step``, Pyth
 is the same on every rank and kept as it is. For a 0-dim parameter a 0-dim value is a row
 value unless it is ``step``, the one per-parameter scalar torch's optimizers keep.
 
-A parameter of a whole-parameter layout (``whole_params=True``) has state on its owner
+A parameter of a whole-parameter layout (placement ``Whole()``) has state on its owner
 only, and every value there is whole, whatever its shape (Adafactor's row and column
 statistics too): the full form takes it from the owner, the sharded form and the loads
 keep it on the owner alone ([Note: whole-parameter layout]).

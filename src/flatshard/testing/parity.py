@@ -67,7 +67,7 @@ class ParityConfig:
     forward_prefetch: bool = False
     limit_all_gathers: bool = True  # the rate limiter
     device: str = "cpu"  # where models and batches live ("cuda": tests/test_gpu.py)
-    sparse_embeddings: bool = False  # fully_shard(sparse_embeddings=True)
+    sparse_embeddings: bool = False  # fully_shard(placement=flatshard.RowSparse())
 
     def __post_init__(self) -> None:
         if self.accumulate_with not in ("no_sync", "switch"):
@@ -148,9 +148,16 @@ def train(
         flatshard.set_reshard_after_backward(model, False)
     loss_fn = cast(Callable[[Batch], torch.Tensor], cast(Any, model).loss)
     result = RunResult()
+    loop = _library_loop(config, kind)
     for global_batch in batches(model, config.steps, config.device):
         local = slice_batch(global_batch, shard_index, shard_count)
         step_loss = torch.zeros((), device=config.device)
+        if loop is not None:  # flatshard's own step loop, checked against the reference
+            loop(model, optim, local, step_loss, result)
+            if group is not None and shard_count > 1:
+                dist.all_reduce(step_loss, group=group)
+            result.losses.append(step_loss.item() / shard_count)
+            continue
         for micro in range(config.micro_batches):
             part = slice_batch(local, micro, config.micro_batches)
             chunks = [
@@ -183,6 +190,66 @@ def train(
             dist.all_reduce(step_loss, group=group)
         result.losses.append(step_loss.item() / shard_count)
     return result
+
+
+StepLoop = Callable[[nn.Module, torch.optim.Optimizer, Batch, torch.Tensor, RunResult], None]
+
+
+def _library_loop(config: ParityConfig, kind: str) -> StepLoop | None:
+    """``flatshard.train_step`` for the flatshard runs it can express (its switches, its
+    clip), so that the loop ``flatshard train`` and the planner run is itself held to the
+    reference; None where a run asks for another way (the gradient-sync switch, torch's
+    clip, a replica all-reduce per micro-batch, units kept gathered)."""
+    if kind != "flatshard" or config.accumulate_with != "no_sync":
+        return None
+    if config.clip is not None and (config.clip_with != "flatshard" or config.norm_type != 2.0):
+        return None
+    if not config.reshard_after_backward or (
+        config.micro_batches > 1 and not config.no_sync and not config.all_reduce_last
+    ):
+        return None
+    accumulation = "no_sync" if config.no_sync else "reduce"
+
+    def loop(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        local: Batch,
+        total: torch.Tensor,
+        result: RunResult,
+    ) -> None:
+        loss_fn = cast(Callable[[Batch], torch.Tensor], cast(Any, model).loss)
+
+        def micro_loss(micro: int) -> torch.Tensor:
+            part = slice_batch(local, micro, config.micro_batches)
+            chunks = [
+                slice_batch(part, f, config.forwards_per_backward)
+                for f in range(config.forwards_per_backward)
+            ]
+            return (
+                cast(torch.Tensor, sum(loss_fn(c) for c in chunks)) / config.forwards_per_backward
+            )
+
+        norm = flatshard.train_step(
+            model,
+            [optim],
+            micro_loss,
+            config.micro_batches,
+            accumulation=accumulation,
+            clip=config.clip,
+            observer=_Summed(total),
+        )
+        if norm is not None:
+            result.norms.append(norm.item())
+
+    return loop
+
+
+class _Summed(flatshard.StepObserver):
+    def __init__(self, total: torch.Tensor) -> None:
+        self.total = total
+
+    def backward_done(self, loss: torch.Tensor) -> None:
+        self.total += loss.detach()
 
 
 def _accumulation(
@@ -249,7 +316,7 @@ def shard_with_flatshard(model: nn.Module, config: ParityConfig, group: dist.Pro
     if config.offload:
         options["cpu_offload"] = flatshard.CPUOffload()
     if config.sparse_embeddings:
-        options["sparse_embeddings"] = True
+        options["placement"] = flatshard.RowSparse()
     backward = config.backward_prefetch
     options["prefetch"] = flatshard.Prefetch(
         backward=None if backward is None else flatshard.BackwardPrefetch[backward],

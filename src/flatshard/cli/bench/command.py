@@ -40,11 +40,11 @@ from flatshard.cli.bench.prediction import predict, predicted_line
 from flatshard.cli.bench.report import chart, scaling_table, summarize, table
 from flatshard.cli.config import add_config_parser, config_from_args
 from flatshard.cli.devices import init_rank, peak_memory_mib, resolve_device
-from flatshard.cli.lm.optimizers import build_optimizers, whole_params_for
+from flatshard.cli.lm.optimizers import build_optimizers, placement_for
 from flatshard.comm import WaitClock, describe, fast_context
+from flatshard.flat import PlacementRule
 from flatshard.measure import CollectiveTracker
 from flatshard.models import GPT, GPTBlock
-from flatshard.sharding import WholeParams
 
 
 def add_parser(commands: Any) -> None:
@@ -308,8 +308,9 @@ def _build(
 ) -> tuple[nn.Module, list[torch.optim.Optimizer]]:
     torch.manual_seed(0)
     gpt = GPT(config.vocab, config.dim, config.heads, config.layers, config.seq_len, config.tied)
-    whole = whole_params_for(config.optimizer, gpt, {GPTBlock})
-    model = _wrap(gpt.to(device), system, device, whole, config.sparse_embeddings)
+    sparse = config.sparse_embeddings and system != "flatshard-dense"
+    placement = placement_for(config.optimizer, gpt, {GPTBlock}, sparse)
+    model = _wrap(gpt.to(device), system, device, placement)
     if config.accum == "keep" and system.startswith("flatshard"):
         flatshard.set_reshard_after_backward(model, False)  # gathered again after a step
     if config.compile:
@@ -328,7 +329,18 @@ def _train_step(
     """One optimizer step over --grad-accum micro-batches of ``idx``, accumulated as
     --accum says, with each system's own switches."""
     count = config.grad_accum
-    for micro, part in enumerate(idx.chunk(count)):
+    parts = idx.chunk(count)
+    if system.startswith("flatshard"):  # flatshard train's own loop (runtime/_step_loop.py)
+
+        def micro_loss(micro: int) -> torch.Tensor:
+            part = parts[micro]
+            logits = model(part[:, :-1]).flatten(0, 1)
+            return nn.functional.cross_entropy(logits, part[:, 1:].flatten())
+
+        accumulation = "reduce" if config.accum == "reduce" else "no_sync"
+        flatshard.train_step(model, optimizers, micro_loss, count, accumulation=accumulation)
+        return
+    for micro, part in enumerate(parts):
         last = micro == count - 1
         with _micro_batch(model, system, config.accum, last):
             # The logits are not held by name: alive through backward, they would add
@@ -345,11 +357,10 @@ def _train_step(
 def _micro_batch(
     model: nn.Module, system: str, accum: str, last: bool
 ) -> contextlib.AbstractContextManager[Any]:
-    """The context (or switches) of one micro-batch's backward: no reduction before the
-    last unless --accum reduce; FSDP2 keeps units gathered only while asked (keep)."""
+    """The context (or switches) of one micro-batch's backward for the other systems: no
+    reduction before the last unless --accum reduce; FSDP2 keeps units gathered only while
+    asked (keep)."""
     quiet = accum != "reduce" and not last
-    if system.startswith("flatshard"):
-        return flatshard.no_sync(model) if quiet else contextlib.nullcontext()
     if system == "fsdp2":
         fsdp: Any = model
         fsdp.set_requires_gradient_sync(not quiet)
@@ -367,12 +378,10 @@ def _synchronize(device: torch.device) -> None:
         torch.accelerator.synchronize(device)
 
 
-def _wrap(
-    model: GPT, system: str, device: torch.device, whole: WholeParams, sparse: bool
-) -> nn.Module:
-    """``model`` as ``system`` runs it; flatshard with ``whole_params`` for Muon/Adafactor
-    and ``sparse_embeddings`` as --sparse-embeddings says."""
-    options: dict[str, Any] = {"whole_params": whole, "sparse_embeddings": sparse}
+def _wrap(model: GPT, system: str, device: torch.device, placement: PlacementRule) -> nn.Module:
+    """``model`` as ``system`` runs it; flatshard with the placement of Muon/Adafactor
+    (matrices whole) and --sparse-embeddings (tables row-sparse, but flatshard-dense)."""
+    options: dict[str, Any] = {"placement": placement}
     if system == "flatshard":
         return flatshard.fully_shard(model, auto_wrap_policy={GPTBlock}, **options)
     if system == "flatshard-noprefetch":
@@ -386,7 +395,6 @@ def _wrap(
         flatshard.set_checks(flatshard.Checks(debug=True))  # this system's processes only
         return flatshard.fully_shard(model, auto_wrap_policy={GPTBlock}, **options)
     if system == "flatshard-dense":
-        options["sparse_embeddings"] = False
         return flatshard.fully_shard(model, auto_wrap_policy={GPTBlock}, **options)
     if system == "fsdp2":
         from torch.distributed.fsdp import fully_shard

@@ -62,7 +62,7 @@ class BenchConfig:
     """the LM head shares the token embedding's weight (--no-tied: a head of its own)"""
     sparse_embeddings: bool = False
     """flatshard looks its embedding tables up row-sparse (fully_shard(...,
-    sparse_embeddings=True)): each rank fetches its tokens' rows, their gradients go back
+    placement=flatshard.RowSparse())): each rank fetches its tokens' rows, their gradients go back
     as rows; the llm presets turn it on"""
     seq_len: int = 256
     """tokens per sequence"""

@@ -82,7 +82,7 @@ class TrainConfig:
     """adamw | muon | adafactor: muon orthogonalizes the blocks' weight matrices
     (torch.optim.Muon, AdamW for the embeddings, head, norms and biases); adafactor factors
     the second moment (torch.optim.Adafactor). Both shard whole parameters
-    (fully_shard(whole_params=True)): each parameter whole on one rank, which steps it"""
+    (fully_shard(placement=flatshard.Whole())): each parameter whole on one rank, which steps it"""
     lr: float = 3e-3
     """peak learning rate (Muon's scaled to match AdamW's update size)"""
     min_lr: float = 3e-4
@@ -114,7 +114,7 @@ class TrainConfig:
     """keep the sharded parameters, their gradients and the optimizer state in CPU memory
     (the optimizer steps on the CPU): less device memory, slower steps"""
     sparse_embeddings: bool = False
-    """row-sparse embedding tables (fully_shard(..., sparse_embeddings=True)): each lookup
+    """row-sparse embedding tables (fully_shard(..., placement=flatshard.RowSparse())): each lookup
     fetches only its tokens' rows and sends back only their gradients, where that moves
     fewer bytes than the whole table"""
     fit_memory: str = ""

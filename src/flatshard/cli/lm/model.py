@@ -27,7 +27,7 @@ from flatshard.cli.lm.lora import (
     merge_adapters,
     parse_lora,
 )
-from flatshard.cli.lm.optimizers import whole_params_for
+from flatshard.cli.lm.optimizers import placement_for
 from flatshard.models import GPT, GPTBlock
 from flatshard.sharding import shard_keeping_last
 
@@ -159,9 +159,9 @@ def shard_language_model(lm: LanguageModel, config: TrainConfig, device: torch.d
         options["mixed_precision"] = flatshard.MixedPrecision(low, reduce_dtype=torch.float32)
     if config.cpu_offload:
         options["cpu_offload"] = flatshard.CPUOffload()
-    if config.sparse_embeddings:
-        options["sparse_embeddings"] = True
-    options["whole_params"] = whole_params_for(config.optimizer, lm.module, lm.unit_classes)
+    options["placement"] = placement_for(
+        config.optimizer, lm.module, lm.unit_classes, config.sparse_embeddings
+    )
     options["auto_wrap_policy"] = unit_policy(lm.unit_classes, config.units)
     if lm.weights is None:
         return shard_keeping_last(lm.module.to(device), config.keep_gathered, **options)

@@ -1,7 +1,7 @@
 """--optimizer: AdamW, Muon (with AdamW for what is not a block's matrix) or Adafactor.
 
 Muon and Adafactor update each parameter as a whole matrix, so a run with either keeps the
-parameters they step whole (``fully_shard(whole_params=...)``, see
+parameters they step whole (``fully_shard(placement=...)`` with ``Whole()``, see
 ``shard_language_model``): each lies whole on one rank, which steps it. Muon takes the
 blocks' 2-D weights, kept whole; the embeddings, the output head, norms and biases go to
 AdamW, as Muon is used, and stay row-sharded. Adafactor steps, and keeps whole, everything.
@@ -11,11 +11,10 @@ Muon's learning rate is scaled to match AdamW's update size (``adjust_lr_fn=
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
+from flatshard.flat import PlacementRule, RowSparse, ShardPlacement, WholeChoice, placement_rule
 from flatshard.runtime import muon_matrices
 
 OPTIMIZERS = ("adamw", "muon", "adafactor")
@@ -26,14 +25,21 @@ def needs_whole_params(kind: str) -> bool:
     return kind != "adamw"
 
 
-def whole_params_for(
-    kind: str, model: nn.Module, unit_classes: set[type[nn.Module]]
-) -> bool | Callable[[str, nn.Parameter], bool]:
-    """``fully_shard``'s ``whole_params`` for optimizer ``kind`` over ``model`` (unsharded)."""
-    if kind != "muon":
-        return needs_whole_params(kind)
-    matrices = muon_matrices(model, unit_classes)
-    return lambda name, param: id(param) in matrices
+def placement_for(
+    kind: str, model: nn.Module, unit_classes: set[type[nn.Module]], row_sparse: bool
+) -> PlacementRule:
+    """``fully_shard``'s ``placement`` for optimizer ``kind`` over ``model`` (unsharded):
+    the matrices it updates whole kept whole, the embedding tables row-sparse if asked."""
+    whole: WholeChoice = needs_whole_params(kind)
+    if kind == "muon":
+        matrices = muon_matrices(model, unit_classes)
+        whole = lambda name, param: id(param) in matrices  # noqa: E731
+    return placement_rule(model, whole, tables_placement(row_sparse))
+
+
+def tables_placement(row_sparse: bool) -> ShardPlacement | None:
+    """--sparse-embeddings as a placement for the whole model: its tables row-sparse."""
+    return RowSparse() if row_sparse else None
 
 
 def build_optimizers(

@@ -33,6 +33,7 @@ from flatshard.cli.config import (
     strategy_option,
 )
 from flatshard.cli.lm.config import PRECISIONS, UNITS, TrainConfig, unit_policy
+from flatshard.cli.lm.optimizers import tables_placement
 from flatshard.cli.lm.planned import PlannedModel, language_model_loss, planned_model
 from flatshard.cli.plan.report import chart, table
 from flatshard.cli.sizes import parse_size, size
@@ -86,7 +87,7 @@ class PlanConfig:
     """shards, gradients and optimizer state in host memory, the optimizer's step on the
     host CPUs: the device's peak, the host's, and the PCIe copies in the step"""
     sparse_embeddings: bool = False
-    """row-sparse embedding tables (fully_shard(..., sparse_embeddings=True)), priced with
+    """row-sparse embedding tables (fully_shard(..., placement=flatshard.RowSparse())), priced with
     every token id of a batch distinct: the most its lookups can move"""
     optimizer: str = "adamw"
     """adamw | adam | sgd-momentum | sgd | muon (what its state costs; muon: the blocks'
@@ -187,7 +188,7 @@ def _plan(config: PlanConfig, model: PlannedModel, checkpointing: bool) -> flats
         optimizer=config.optimizer,
         keep_gathered=config.keep_gathered,
         cpu_offload=config.cpu_offload,
-        sparse_embeddings=config.sparse_embeddings,
+        placement=tables_placement(config.sparse_embeddings),
     )
 
 
@@ -234,7 +235,7 @@ def _recommend(config: PlanConfig, model: PlannedModel, first: flatshard.Plan) -
         flags += " --checkpoint-activations"
     if best.plan.setup.cpu_offload:
         flags += " --cpu-offload"
-    if best.plan.setup.sparse_embeddings:
+    if config.sparse_embeddings:
         flags += " --sparse-embeddings"
     if config.model.startswith(("gpt", "hf:")):
         print(f"recommended: {best.label} (flatshard train {flags})")

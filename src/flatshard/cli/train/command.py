@@ -15,7 +15,6 @@ import shutil
 import sys
 import tempfile
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -140,6 +139,16 @@ def _worker(
 
 
 # ---------------------------------------------------------------- one rank
+class _Losses(flatshard.StepObserver):
+    """Sums a step's micro-batch losses (this rank's mean loss of the step)."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+
+    def backward_done(self, loss: torch.Tensor) -> None:
+        self.total += loss.item()
+
+
 class Trainer:
     """Everything one rank holds while training."""
 
@@ -162,13 +171,6 @@ class Trainer:
         )
         low = PRECISIONS[config.mixed_precision]
         self.scaler = flatshard.ShardedGradScaler(device.type, enabled=low is torch.float16)
-        # --no-accum-no-sync under a hybrid strategy: reduce-scatter every micro-batch, the
-        # all-reduce across replicas once per step (flatshard.set_requires_all_reduce).
-        self.all_reduce_last = (
-            config.grad_accum > 1
-            and not config.accum_no_sync
-            and config.sharding_strategy.is_hybrid
-        )
         self.step = 0
 
     def loss(self, idx: torch.Tensor) -> torch.Tensor:
@@ -184,27 +186,25 @@ class Trainer:
                 group["lr"] = config.lr_at(step)
         rows = config.batch * self.world * config.grad_accum
         batch = batch_for_step(self.corpus.train, config.seq_len, rows, config.seed, step)
-        total = 0.0
-        for micro in range(config.grad_accum):
+
+        def micro_loss(micro: int) -> torch.Tensor:
             first = (micro * self.world + self.rank) * config.batch
-            local = batch[first : first + config.batch]
-            last = micro == config.grad_accum - 1
-            quiet = config.accum_no_sync and not last
-            if self.all_reduce_last:  # hybrid, reducing each micro-batch: replicas once
-                flatshard.set_requires_all_reduce(self.model, last)
-            with flatshard.no_sync(self.model) if quiet else nullcontext():
-                loss = self.loss(local) / config.grad_accum
-                torch.autograd.backward(self.scaler.scale(loss))
-            total += loss.item()
-        if config.clip > 0:
-            for optim in self.optims:
-                self.scaler.unscale_(optim)
-            flatshard.clip_grad_norm_(self.model, config.clip)
-        for optim in self.optims:
-            self.scaler.step(optim)
-        self.scaler.update()
-        for optim in self.optims:
-            optim.zero_grad()
+            return self.loss(batch[first : first + config.batch])
+
+        losses = _Losses()
+        # --no-accum-no-sync under a hybrid strategy: reduce-scatter every micro-batch,
+        # the all-reduce across replicas once per step (flatshard.set_requires_all_reduce).
+        flatshard.train_step(
+            self.model,
+            self.optims,
+            micro_loss,
+            config.grad_accum,
+            accumulation="no_sync" if config.accum_no_sync else "reduce",
+            clip=config.clip if config.clip > 0 else None,
+            scaler=self.scaler,
+            observer=losses,
+        )
+        total = losses.total
         self.step = step
         return total
 

@@ -18,6 +18,7 @@ import torch
 from flatshard.cli.config import ConfigError
 from flatshard.cli.lm.config import PRECISIONS, TrainConfig, unit_policy
 from flatshard.cli.lm.data import VOCAB
+from flatshard.cli.lm.optimizers import tables_placement
 from flatshard.cli.lm.planned import language_model_loss, planned_model
 from flatshard.cli.sizes import size
 from flatshard.planner import PRESETS, Problem, Setup, best_fit, recommend
@@ -42,7 +43,7 @@ def fit_memory(
         clip=config.clip > 0,
         backend=cluster.backend,
         foreach=cluster.device != "cpu",
-        sparse_embeddings=config.sparse_embeddings,
+        placement=tables_placement(config.sparse_embeddings),
     )
 
     def inputs() -> tuple[torch.Tensor, ...]:

@@ -22,6 +22,7 @@ import torch
 
 from flatshard.cli.lm.config import PRECISIONS, TrainConfig, unit_policy
 from flatshard.cli.lm.data import VOCAB
+from flatshard.cli.lm.optimizers import tables_placement
 from flatshard.cli.lm.planned import language_model_loss, planned_model
 from flatshard.cli.sizes import size
 from flatshard.measure import PeakStorage
@@ -60,7 +61,7 @@ def predict_run(config: TrainConfig, world: int, local_ranks: int) -> Prediction
         clip=config.clip > 0,
         keep_gathered=config.keep_gathered,
         cpu_offload=config.cpu_offload,
-        sparse_embeddings=config.sparse_embeddings,
+        placement=tables_placement(config.sparse_embeddings),
     )
     if cpu:  # one memory: with --cpu-offload the host's tensors are in it too
         return Prediction(planned.total_peak_bytes, planned.step.seconds, planned.cluster.name)

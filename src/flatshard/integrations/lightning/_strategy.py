@@ -90,7 +90,7 @@ class FlatshardStrategy(ParallelStrategy):
             ``"full"`` (rank 0 writes one file with full tensors).
         process_group_backend: "gloo", "nccl", ...; by default the device's.
         fully_shard_options: the other ``flatshard.fully_shard`` keywords
-            (``sharding_factor``, ``param_init_fn``, ``prefetch``, ``init``, ``whole_params``).
+            (``sharding_factor``, ``param_init_fn``, ``prefetch``, ``init``, ``placement``).
     """
 
     strategy_name = "flatshard"

@@ -1,0 +1,184 @@
+"""Placements: how each parameter lies across its shard group, as one value and one protocol.
+
+``fully_shard(placement=...)`` chooses a placement per parameter: a ``ShardPlacement``
+value, or a rule ``(name, parameter) -> ShardPlacement | None``. Three exist:
+
+- ``Rows()`` (the default): the row-aligned layout, every rank a slice of whole rows.
+- ``Whole()``: no parameter cut; each lies whole in one rank's shard, for optimizers that
+  update a matrix as a whole (``flat/_layout.py``, [Note: whole-parameter layout]).
+- ``RowSparse()`` (``_row_sparse.py``): an ``nn.Embedding`` weight whose lookups fetch only
+  their rows from the ranks that hold them.
+
+[Note: one placement protocol]
+A placement is two objects. The value (``ShardPlacement``) acts at build time: which
+parameters it serves (``serves``), why it cannot serve one (``refusal``), whether its
+parameters share a flat group or each get one (``alone``), whether the layout cuts rows
+(``cuts_rows``), and ``bind``, which gives a flat group its ``GroupPlacement``. The group
+placement acts at run time: the unit asks it to gather (``start_unshard``, ``unshard``),
+the step context asks it how the reduction is waited for and to finish it
+(``reduction_waits_for_backward_end``, ``finish_reduction``), ``zero_grad`` asks it to drop
+what it keeps (``drop_pending``), the hooks register what it asks for
+(``forward_pre_hooks``), reports and refusals read ``traffic``, ``serves_lookups`` and
+``comm_hook_refusal``. The unit, runtime and state layers call these and never ask which
+placement a group has. The planner prices a placement by running it on the meta device, so
+it needs nothing more. Both gather and reduction send their payloads through the group's
+``Transport`` (``_transport.py``): a codec seam, the identity today.
+
+To add a placement, open this file: subclass ``ShardPlacement`` (a frozen dataclass) and,
+where run time differs from rows, ``GroupPlacement``; export the value from ``flatshard``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from torch import nn
+
+from flatshard.comm._mesh import ShardingStrategy
+from flatshard.flat._original_param import OriginalParam
+
+if TYPE_CHECKING:
+    from flatshard.flat._flat_param import FlatParamGroup
+
+
+@dataclass
+class TableTraffic:
+    """Elements this rank sent to other ranks for one lookup table (ids and rows), since
+    created: what a placement that moves rows instead of gathering reports."""
+
+    lookups: int = 0  # sparse forwards
+    dense_lookups: int = 0  # forwards that looked up the gathered table
+    lookup_ids: int = 0
+    lookup_rows: int = 0  # row elements (rows x dim)
+    grad_ids: int = 0
+    grad_rows: int = 0
+
+
+class GroupPlacement:
+    """What a flat group does at run time where its placement decides; this base class is
+    the rows placements' way: the unit gathers the group, its reduction overlaps the next."""
+
+    reduction_waits_for_backward_end: ClassVar[bool] = False
+    """Whether the group's reduction is waited for at the end of backward instead of by
+    the next group's (a table's head part: the first and largest of backward)."""
+
+    serves_lookups: ClassVar[bool] = False
+    """Whether embedding lookups of the group's parameter take a path of their own."""
+
+    def __init__(self, flat: FlatParamGroup) -> None:
+        self.flat = flat
+
+    def start_unshard(self, held: bool) -> None:
+        """The unit (or a prefetch) starts gathering; ``held``: ``flatshard.unshard``."""
+        self.flat.start_unshard()
+
+    def unshard(self, backward: bool, held: bool) -> None:
+        """The unit needs its parameters now (forward, or ``backward``)."""
+        self.flat.unshard()
+
+    def views_returned(self) -> None:
+        """The modules hold their original parameters again, or the buffer's views."""
+
+    def finish_reduction(self, all_reduce: bool) -> None:
+        """End of backward: reduce what did not reach the group's hook (zeros), so that
+        every rank issues the same collectives."""
+        reduction = self.flat.reduction
+        if not reduction.done_in_backward:
+            reduction.start(all_reduce)
+
+    def drop_pending(self) -> None:
+        """``zero_grad`` of the whole group: gradients kept outside the flat leaf go too."""
+
+    def forward_pre_hooks(self) -> list[tuple[nn.Module, Callable[[], None]]]:
+        """(module, call) pairs to run before those modules' forwards."""
+        return []
+
+    def traffic(self) -> tuple[str, TableTraffic] | None:
+        """(name, elements sent) where the group moves rows instead of gathering."""
+        return None
+
+    def comm_hook_conflict(self) -> str | None:
+        """Why a communication hook cannot reduce this group, or None."""
+        return None
+
+
+class ShardPlacement:
+    """How a parameter lies across its shard group: the value ``fully_shard``'s
+    ``placement`` rule returns (see [Note: one placement protocol])."""
+
+    alone: ClassVar[bool] = False  # each parameter in a flat group of its own
+    cuts_rows: ClassVar[bool] = True  # False: each parameter whole in one rank's shard
+    serves_lookups: ClassVar[bool] = False  # embedding lookups take a path of their own
+
+    def serves(self, orig: OriginalParam) -> bool:
+        """Whether this placement, given for the whole model, applies to ``orig`` (the
+        others get ``Rows()``)."""
+        return True
+
+    def refusal(self, orig: OriginalParam, strategy: ShardingStrategy) -> str | None:
+        """Why this placement cannot serve ``orig`` under ``strategy``, or None."""
+        return None
+
+    def bind(self, flat: FlatParamGroup) -> GroupPlacement:
+        """The run-time side of a built flat group of this placement."""
+        return GroupPlacement(flat)
+
+
+@dataclass(frozen=True)
+class Rows(ShardPlacement):
+    """The default: the row-aligned layout, each rank holding a slice of whole rows."""
+
+
+@dataclass(frozen=True)
+class Whole(ShardPlacement):
+    """No parameter cut into rows: each lies whole in one rank's shard (balanced by size,
+    shards padded to the largest), so optimizers that update a parameter as a whole matrix
+    (``torch.optim.Muon``, ``torch.optim.Adafactor``, Shampoo) make the unsharded update on
+    its owner; other ranks hold it with 0 rows and ``.grad`` None. Costs the padding in
+    memory and traffic. Parameters kept whole sit in flat groups of their own beside the
+    row-sharded rest."""
+
+    cuts_rows: ClassVar[bool] = False
+
+    def refusal(self, orig: OriginalParam, strategy: ShardingStrategy) -> str | None:
+        if strategy.shards_optimizer_across_replicas:
+            return (
+                "HYBRID_SHARD_OPTIM cuts every parameter's rows across all ranks; use "
+                "HYBRID_SHARD or FULL_SHARD with Whole()"
+            )
+        return None
+
+
+ROWS = Rows()
+
+PlacementRule = ShardPlacement | Callable[[str, nn.Parameter], ShardPlacement | None] | None
+"""``fully_shard``'s ``placement``: one placement for every parameter it serves, or a rule
+``(name, parameter) -> placement`` (None: ``Rows()``); names are relative to the module."""
+
+
+WholeChoice = bool | Callable[[str, nn.Parameter], bool]
+
+
+def placement_rule(
+    model: nn.Module, whole: WholeChoice, others: ShardPlacement | None
+) -> PlacementRule:
+    """The rule that keeps the parameters ``whole`` picks whole (all with True) and gives
+    the rest ``others`` where it serves them (e.g. ``RowSparse()``: the embedding tables):
+    what the CLI, the planner and the old ``whole_params``/``sparse_embeddings`` ask."""
+    if not callable(whole):
+        return Whole() if whole else others
+    usages: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                usages.setdefault(id(param), []).append((module, name))
+
+    def rule(name: str, param: nn.Parameter) -> ShardPlacement | None:
+        if whole(name, param):
+            return Whole()
+        orig = OriginalParam(param, name, usages.get(id(param), []))
+        return others if others is not None and others.serves(orig) else None
+
+    return rule

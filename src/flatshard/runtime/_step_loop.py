@@ -1,0 +1,99 @@
+"""One optimizer step over micro-batches: the loop ``flatshard train``, the planner's
+simulation, ``flatshard bench`` and the parity harness all run.
+
+The sync switches are where accumulation goes wrong silently, so they are written once:
+with ``accumulation="no_sync"`` every micro-batch but the last runs under ``no_sync``
+(nothing reduced, the unsharded gradients kept); with ``"reduce"`` each micro-batch is
+reduced, and hybrid strategies all-reduce across the replicas on the last one only
+(``set_requires_all_reduce``). Then the gradients are unscaled (a ``ShardedGradScaler``),
+clipped over every rank's rows, and each optimizer steps and zeroes its gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+
+import torch
+from torch import nn
+
+from flatshard.runtime._clip import clip_grad_norm_
+from flatshard.runtime._grad_scaler import ShardedGradScaler
+from flatshard.runtime._no_sync import no_sync
+from flatshard.runtime._switches import set_requires_all_reduce
+
+ACCUMULATIONS = ("no_sync", "reduce")
+
+
+class StepObserver:
+    """Told where a step is, for what watches it (the planner's recorder tags what each
+    part makes; ``flatshard train`` sums the losses). Every method does nothing here."""
+
+    def backward_done(self, loss: torch.Tensor) -> None:
+        """A micro-batch's backward ran; ``loss`` is its (divided) loss."""
+
+    def gradients_done(self) -> None:
+        """Every micro-batch ran: the gradients are in ``.grad``, not yet clipped."""
+
+    def optimizer_starts(self) -> None:
+        """The optimizers step next."""
+
+
+def train_step(
+    model: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    micro_loss: Callable[[int], torch.Tensor],
+    micro_batches: int = 1,
+    *,
+    accumulation: str = "no_sync",
+    clip: float | None = None,
+    scaler: ShardedGradScaler | None = None,
+    observer: StepObserver | None = None,
+) -> torch.Tensor | None:
+    """One optimizer step of sharded ``model`` over ``micro_batches`` micro-batches.
+
+    ``micro_loss(i)`` runs micro-batch ``i``'s forward and returns its loss; the loop
+    divides it by ``micro_batches`` (the gradient of the mean over the step's batch) and
+    runs its backward. ``accumulation`` says how micro-batches but the last are reduced:
+    "no_sync" (not at all: unsharded gradients kept, one reduction per step) or "reduce"
+    (each one: sharded gradients; hybrid strategies sum across the replicas once). With
+    ``clip`` the gradients are clipped to that global norm (``flatshard.clip_grad_norm_``);
+    with a ``scaler`` the loss is scaled, the gradients unscaled before clipping and the
+    steps skipped on overflow. Returns the gradients' total norm before clipping (None
+    without ``clip``).
+    """
+    if accumulation not in ACCUMULATIONS:
+        raise ValueError(
+            f"flatshard.train_step: accumulation must be 'no_sync' or 'reduce', got "
+            f"{accumulation!r}"
+        )
+    if micro_batches < 1:
+        raise ValueError(f"flatshard.train_step: micro_batches must be >= 1, got {micro_batches}")
+    watch = observer or StepObserver()
+    for micro in range(micro_batches):
+        last = micro == micro_batches - 1
+        quiet = accumulation == "no_sync" and not last
+        if accumulation == "reduce" and micro_batches > 1:
+            set_requires_all_reduce(model, last)  # hybrid: the replicas' sum once
+        with no_sync(model) if quiet else nullcontext():
+            loss = micro_loss(micro) / micro_batches
+            torch.autograd.backward(scaler.scale(loss) if scaler is not None else loss)
+        watch.backward_done(loss)
+        del loss
+    watch.gradients_done()
+    norm = None
+    if clip is not None:
+        if scaler is not None:
+            for optim in optimizers:
+                scaler.unscale_(optim)
+        norm = clip_grad_norm_(model, clip)
+    watch.optimizer_starts()
+    for optim in optimizers:  # each one's gradients freed before the next steps
+        if scaler is not None:
+            scaler.step(optim)
+        else:
+            optim.step()
+        optim.zero_grad()
+    if scaler is not None:
+        scaler.update()
+    return norm
