@@ -18,11 +18,11 @@ import torch
 
 from flatshard.cli.bench.config import PRESETS
 from flatshard.models import GPT
-from flatshard.report import plan_layout
+from flatshard.report import row_layout
 
 
 def ratio(shapes: list[torch.Size], factor: int, whole: bool) -> float:
-    layout = plan_layout(shapes, factor, whole=whole)
+    layout = row_layout(shapes, factor, whole=whole)
     return layout.unsharded_numel / sum(math.prod(s) for s in shapes)
 
 

@@ -290,3 +290,15 @@ def test_the_old_layout_keywords_warn_with_their_new_spelling(
             flatshard.fully_shard(nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4)), **old)
     with pytest.raises(TypeError, match="pass placement= alone"):
         flatshard.fully_shard(nn.Linear(2, 2), placement=flatshard.Whole(), whole_params=True)
+
+
+def test_unit_modules_lists_the_units_by_name(local_group: dist.ProcessGroup) -> None:
+    """What an integration asks to tell a sharded model: the units, by their names
+    relative to the model asked; empty where fully_shard never ran."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    assert flatshard.unit_modules(model) == []
+    flatshard.fully_shard(model, auto_wrap_policy={nn.Linear})
+    # (the root holds no parameter of its own: it is no unit)
+    assert [name for name, _ in flatshard.unit_modules(model)] == ["0", "2"]
+    assert flatshard.unit_modules(model[2]) == [("", model[2])]
+    assert flatshard.unit_modules(model[1]) == []

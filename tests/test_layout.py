@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from flatshard.report import FlatLayout, plan_layout
-from flatshard.testing.internals import ViewPlan
+from flatshard.report import FlatLayout, row_layout
+from flatshard.testing.internals import ViewSplits
 
 
 def check_invariants(layout: FlatLayout) -> None:
@@ -42,7 +42,7 @@ SHAPES = [
 @pytest.mark.parametrize("shapes", SHAPES)
 @pytest.mark.parametrize("factor", [1, 2, 3, 4, 8])
 def test_invariants(shapes: list[tuple[int, ...]], factor: int) -> None:
-    layout = plan_layout([torch.Size(s) for s in shapes], factor)
+    layout = row_layout([torch.Size(s) for s in shapes], factor)
     check_invariants(layout)
     assert layout.param_numel == sum(math.prod(s) for s in shapes)
     assert layout.unsharded_numel % factor == 0
@@ -52,7 +52,7 @@ def test_invariants(shapes: list[tuple[int, ...]], factor: int) -> None:
 def test_hand_computed_layout() -> None:
     # 18 elements at W=2: C=9 would cut the (3, 4) matrix mid-row at 9, and padding it by
     # one pushes the total to 19 > 18, so C becomes 10 and the matrix starts at 2.
-    layout = plan_layout([torch.Size((3, 4)), torch.Size((5,)), torch.Size(())], 2)
+    layout = row_layout([torch.Size((3, 4)), torch.Size((5,)), torch.Size(())], 2)
     assert layout.shard_numel == 10
     assert [s.offset for s in layout.slots] == [2, 14, 19]
     assert layout.alignment_padding_numel == 2  # 20 - ceil(18 / 2) * 2
@@ -64,7 +64,7 @@ def test_hand_computed_layout() -> None:
 
 def test_paper_layout_when_rows_fit() -> None:
     # 1-D parameters have rows of one element: no alignment padding at all.
-    layout = plan_layout([torch.Size((10,)), torch.Size((7,))], 3)
+    layout = row_layout([torch.Size((10,)), torch.Size((7,))], 3)
     assert layout.shard_numel == 6
     assert layout.alignment_padding_numel == 0
     assert [s.offset for s in layout.slots] == [0, 10]
@@ -72,7 +72,7 @@ def test_paper_layout_when_rows_fit() -> None:
 
 def test_zero_row_shards() -> None:
     # A small matrix at the start sits wholly on rank 0; later ranks hold no rows of it.
-    layout = plan_layout([torch.Size((2, 3)), torch.Size((30,))], 3)
+    layout = row_layout([torch.Size((2, 3)), torch.Size((30,))], 3)
     small = layout.slots[0]
     assert layout.shard_range(small, 0).rows == 2
     assert layout.shard_range(small, 1).rows == 0
@@ -80,7 +80,7 @@ def test_zero_row_shards() -> None:
 
 
 def test_parameter_spanning_many_chunks_forces_row_multiple() -> None:
-    layout = plan_layout([torch.Size((100, 7))], 4)
+    layout = row_layout([torch.Size((100, 7))], 4)
     assert layout.shard_numel % 7 == 0
     assert layout.shard_numel == 175  # 700 / 4 = 175 = 25 rows of 7
     assert layout.alignment_padding_numel == 0
@@ -101,7 +101,7 @@ def test_transformer_block_waste_is_at_most_one_row_per_chunk(factor: int) -> No
         (d, 4 * d),
         (d,),
     ]
-    layout = plan_layout([torch.Size(s) for s in shapes], factor)
+    layout = row_layout([torch.Size(s) for s in shapes], factor)
     check_invariants(layout)
     widest_row = 4 * d
     assert layout.alignment_padding_numel <= factor * widest_row
@@ -109,13 +109,13 @@ def test_transformer_block_waste_is_at_most_one_row_per_chunk(factor: int) -> No
 
 def test_rejects_bad_sharding_factor() -> None:
     with pytest.raises(ValueError, match="sharding factor F must be >= 1, got 0"):
-        plan_layout([torch.Size((2,))], 0)
+        row_layout([torch.Size((2,))], 0)
 
 
 @pytest.mark.parametrize("shapes", SHAPES)
 @pytest.mark.parametrize("factor", [1, 2, 3, 4, 8])
 def test_whole_layout_cuts_no_parameter(shapes: list[tuple[int, ...]], factor: int) -> None:
-    layout = plan_layout([torch.Size(s) for s in shapes], factor, whole=True)
+    layout = row_layout([torch.Size(s) for s in shapes], factor, whole=True)
     assert layout.whole
     loads = [0] * factor
     for slot in layout.slots:
@@ -134,16 +134,16 @@ def test_whole_layout_by_hand() -> None:
     # Largest first to the least loaded rank: 12 -> rank 0, 9 -> 1, 5 -> 1 (9 < 12),
     # 1 -> 0 (12 < 14); C = 14, and inside a chunk the parameters keep their order.
     shapes = [torch.Size(s) for s in [(3, 4), (5,), (), (3, 3)]]
-    layout = plan_layout(shapes, 2, whole=True)
+    layout = row_layout(shapes, 2, whole=True)
     assert layout.shard_numel == 14
     assert [s.offset for s in layout.slots] == [0, 14 + 0, 12, 14 + 5]
     assert layout.alignment_padding_numel == 28 - 28  # 27 elements: ceil(27 / 2) * 2 = 28
-    views = ViewPlan(layout, 1)
+    views = ViewSplits(layout, 1)
     shard = torch.arange(14.0)
     matrix, vector, scalar, square = views.shard_views(shard)
     assert matrix.shape == (0, 4) and scalar.shape == (0,)
     assert torch.equal(vector, torch.arange(5.0))
     assert torch.equal(square, torch.arange(5.0, 14.0).view(3, 3))
-    full = ViewPlan(layout, 0).full_views(torch.arange(28.0))
+    full = ViewSplits(layout, 0).full_views(torch.arange(28.0))
     assert torch.equal(full[1], torch.arange(14.0, 19.0))
     assert torch.equal(full[2], torch.tensor(12.0))

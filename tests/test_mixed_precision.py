@@ -99,7 +99,7 @@ def plan_job(ctx: WorkerContext) -> dict[str, Any] | None:
     assert all(p.grad.dtype == torch.float32 for p in model.parameters())
     with flatshard.summon_full_params(model):
         assert model.tok.weight.dtype == torch.float32  # full precision values
-    plan = flatshard.dtype_plan(model)
+    plan = flatshard.dtype_report(model)
     return {
         "text": str(plan),
         "rows": [(r.unit, r.compute, r.all_gather, r.reduce, r.master) for r in plan.rows],
@@ -178,7 +178,7 @@ def offload_state_job(ctx: WorkerContext) -> None:
     for state in optim.state.values():
         for value in state.values():
             assert value.device.type == "cpu"
-    assert "cpu" in str(flatshard.dtype_plan(model))
+    assert "cpu" in str(flatshard.dtype_report(model))
     return None
 
 
@@ -211,7 +211,7 @@ def inherit_job(ctx: WorkerContext, override: bool) -> dict[str, Any] | None:
             options = {"mixed_precision": policy if how == "everywhere" else block_policy}
             flatshard.fully_shard(block, process_group=group, **options)
         flatshard.fully_shard(model, process_group=group, mixed_precision=policy)
-        plan = {row.unit: row.compute for row in flatshard.dtype_plan(model).rows}
+        plan = {row.unit: row.compute for row in flatshard.dtype_report(model).rows}
         if override:
             break  # fp32 blocks between bf16 embeddings and head: the plan is the point
         loss = model.loss(slice_batch(next(batches(model, 1)), ctx.rank, 2))

@@ -128,6 +128,24 @@ def test_the_user_guide_lists_every_public_export() -> None:
     assert not missing, f"exports docs/guide.md's 'Public API' section does not list: {missing}"
 
 
+LIBRARY = ("comm", "flat", "runtime", "sharding", "state", "planner", "measure", "models")
+
+
+def test_each_subpackage_exports_only_what_the_guide_documents() -> None:
+    """A subpackage's ``__all__`` is API: every name in it is in docs/guide.md (the CLI's
+    plumbing comes from ``flatshard.cli.internals`` instead)."""
+    import importlib
+
+    guide = (ROOT / "docs" / "guide.md").read_text()
+    undocumented = [
+        f"flatshard.{sub}.{name}"
+        for sub in LIBRARY
+        for name in importlib.import_module(f"flatshard.{sub}").__all__
+        if f"`{name}`" not in guide
+    ]
+    assert not undocumented, f"exported but not in docs/guide.md: {undocumented}"
+
+
 def test_tests_use_public_api_or_the_testing_hook() -> None:
     private = re.compile(r"flatshard(\.\w+)*\._|from flatshard(\.\w+)* import _")
     offenders = [
@@ -152,3 +170,16 @@ def test_one_step_loop_serves_train_the_planner_bench_and_the_harness() -> None:
         assert not calls & {"no_sync", "flatshard.no_sync", "clip_grad_norm_"}, module
         assert not calls & {"flatshard.clip_grad_norm_", "set_requires_all_reduce"}, module
     assert "flatshard.train_step(" in (package / "testing" / "parity.py").read_text()
+
+
+def test_renamed_report_names_still_answer_with_their_new_name() -> None:
+    """``dtype_plan``, ``DtypePlan`` and ``plan_layout`` (renamed: "plan" is the planner's
+    word) still work, with a FutureWarning naming the new name."""
+    import pytest
+
+    with pytest.warns(FutureWarning, match="flatshard.dtype_report"):
+        assert flatshard.dtype_plan is flatshard.dtype_report  # type: ignore[attr-defined]
+    with pytest.warns(FutureWarning, match="flatshard.report.DtypeReport"):
+        assert flatshard.report.DtypePlan is flatshard.report.DtypeReport  # type: ignore[attr-defined]
+    with pytest.warns(FutureWarning, match="flatshard.report.row_layout"):
+        assert flatshard.report.plan_layout is flatshard.report.row_layout  # type: ignore[attr-defined]

@@ -15,6 +15,7 @@ types of layout and dtype reports), ``flatshard.planner`` (the planner's types),
 from __future__ import annotations
 
 import importlib
+import warnings
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
@@ -46,7 +47,7 @@ from flatshard.runtime import (
     StepObserver,
     UnshardHandle,
     clip_grad_norm_,
-    dtype_plan,
+    dtype_report,
     embedding_traffic,
     no_sync,
     register_entry_point,
@@ -59,6 +60,7 @@ from flatshard.runtime import (
     sharding_summary,
     summon_full_params,
     train_step,
+    unit_modules,
     unshard,
 )
 from flatshard.sharding import InitOptions, fully_shard, init_weights, skip_init
@@ -90,11 +92,19 @@ except PackageNotFoundError:  # a source tree on sys.path, not installed
 _LAZY = {"plan": "flatshard.planner", "Plan": "flatshard.planner", "Cluster": "flatshard.planner"}
 
 
+# Old names, still answered for now with a FutureWarning that gives the new one.
+_RENAMED = {"dtype_plan": "dtype_report"}
+
+
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
         return value
+    if name in _RENAMED:
+        new = _RENAMED[name]
+        warnings.warn(f"flatshard.{name} is now flatshard.{new}", FutureWarning, stacklevel=2)
+        return globals()[new]
     raise AttributeError(f"module 'flatshard' has no attribute {name!r}")
 
 
@@ -129,6 +139,7 @@ __all__ = [
     "TableTraffic",
     "UnshardHandle",
     "register_entry_point",
+    "unit_modules",
     "register_matrix_optimizer",
     "set_prefetch",
     # when ranks disagree
@@ -162,6 +173,6 @@ __all__ = [
     "Cluster",
     # reports (their types: flatshard.report)
     "sharding_summary",
-    "dtype_plan",
+    "dtype_report",
     "embedding_traffic",
 ]

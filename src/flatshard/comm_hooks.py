@@ -12,9 +12,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from flatshard.comm import ShardGroups, global_rank, split_division, sum_reduce
+from flatshard.comm import ShardGroups
+from flatshard.comm._collectives import split_division, sum_reduce
+from flatshard.comm._ranks import global_rank
 from flatshard.flat import CommHook
-from flatshard.runtime import units_of
+from flatshard.runtime._unit import units_of
 
 __all__ = ["CommHook", "LowPrecisionHook", "register_comm_hook", "split_division"]
 

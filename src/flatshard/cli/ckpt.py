@@ -14,20 +14,19 @@ from typing import Any
 import torch
 
 from flatshard.cli.config import ConfigError
-from flatshard.state import (
+from flatshard.cli.internals import (
     DEFAULT_SHARD_BYTES,
     EXTRA,
     GROUPS,
     MODEL,
     OPTIM,
-    CheckpointError,
     checkpoint_metadata,
-    export_checkpoint,
     is_tensor_entry,
     load_raw,
     read_manifest,
     verify_files,
 )
+from flatshard.state import CheckpointError, export_checkpoint
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}

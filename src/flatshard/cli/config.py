@@ -20,7 +20,8 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar, cast
 
-from flatshard.comm import ShardingStrategy, not_a_strategy, strategy_names
+from flatshard.cli.internals import not_a_strategy, strategy_names
+from flatshard.comm import ShardingStrategy
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -8,9 +8,9 @@ from typing import NoReturn
 from flatshard.cli import ckpt
 from flatshard.cli.bench import command as bench
 from flatshard.cli.config import ConfigError, OneLineParser
+from flatshard.cli.internals import exit_without_teardown
 from flatshard.cli.plan import command as plan
 from flatshard.cli.train import command as train
-from flatshard.comm import exit_without_teardown
 
 
 def build_parser() -> OneLineParser:

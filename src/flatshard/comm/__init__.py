@@ -8,19 +8,12 @@ diagnosis (``_watchdog``, ``_diagnosis``, ``_record``), the per-step collective 
 check-then-broadcast protocol (``_ranks``), the errors (``_errors``), and local processes
 that start fast (``_processes``).
 
-Layer 1: imports only ``flatshard.measure``-level code and torch. The names below are what
-the layers above the library (the facade and the CLI) may use.
+Layer 1: imports only ``flatshard.measure``-level code and torch. The names below are the
+documented API; the CLI's plumbing comes through ``flatshard.cli.internals``.
 """
 
 from flatshard.comm._checks import Checks, set_checks
-from flatshard.comm._collectives import (
-    ReduceScatter,
-    WaitClock,
-    describe,
-    reduce_scatter_impl,
-    split_division,
-    sum_reduce,
-)
+from flatshard.comm._collectives import split_division
 from flatshard.comm._errors import (
     CollectiveError,
     CollectiveMismatchError,
@@ -28,15 +21,7 @@ from flatshard.comm._errors import (
     PeerLostError,
     SlowCollectiveWarning,
 )
-from flatshard.comm._mesh import (
-    ShardGroups,
-    ShardingStrategy,
-    not_a_strategy,
-    strategy_names,
-    strategy_table,
-)
-from flatshard.comm._processes import exit_without_teardown, fast_context
-from flatshard.comm._ranks import global_rank
+from flatshard.comm._mesh import ShardGroups, ShardingStrategy
 
 __all__ = [
     "Checks",
@@ -44,20 +29,9 @@ __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "PeerLostError",
-    "ReduceScatter",
     "ShardGroups",
     "ShardingStrategy",
     "SlowCollectiveWarning",
-    "WaitClock",
-    "describe",
-    "exit_without_teardown",
-    "fast_context",
-    "global_rank",
-    "not_a_strategy",
-    "reduce_scatter_impl",
     "set_checks",
     "split_division",
-    "strategy_names",
-    "strategy_table",
-    "sum_reduce",
 ]

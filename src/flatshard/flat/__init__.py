@@ -13,31 +13,21 @@ how gathers and reductions travel its group's transport (``_transport``).
 Layer 2: imports ``flatshard.comm`` and below.
 """
 
-from flatshard.flat._layout import FlatLayout, ParamSlot, ShardRange, plan_layout
-from flatshard.flat._mixed_precision import CPUOffload, DtypePlan, DtypeRow, MixedPrecision
-from flatshard.flat._placement import (
-    PlacementRule,
-    Rows,
-    ShardPlacement,
-    TableTraffic,
-    Whole,
-    WholeChoice,
-    placement_rule,
-)
-from flatshard.flat._policy import AutoWrapPolicy, SizePolicy, SublayerPolicy
+from flatshard.flat._layout import FlatLayout, ParamSlot, ShardRange, row_layout
+from flatshard.flat._mixed_precision import CPUOffload, DtypeReport, DtypeRow, MixedPrecision
+from flatshard.flat._placement import Rows, ShardPlacement, TableTraffic, Whole
+from flatshard.flat._policy import SizePolicy, SublayerPolicy
 from flatshard.flat._reduction import CommHook
 from flatshard.flat._row_sparse import RowSparse
 
 __all__ = [
-    "AutoWrapPolicy",
     "CPUOffload",
     "CommHook",
-    "DtypePlan",
+    "DtypeReport",
     "DtypeRow",
     "FlatLayout",
     "MixedPrecision",
     "ParamSlot",
-    "PlacementRule",
     "RowSparse",
     "Rows",
     "ShardPlacement",
@@ -46,7 +36,5 @@ __all__ = [
     "SublayerPolicy",
     "TableTraffic",
     "Whole",
-    "WholeChoice",
-    "placement_rule",
-    "plan_layout",
+    "row_layout",
 ]

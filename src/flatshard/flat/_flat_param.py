@@ -90,7 +90,7 @@ import torch.distributed as dist
 from flatshard.comm._checks import Tag
 from flatshard.comm._collectives import start_all_gather, wait_work
 from flatshard.comm._mesh import ShardGroups
-from flatshard.flat._layout import FlatLayout, ViewPlan, plan_layout
+from flatshard.flat._layout import FlatLayout, ViewSplits, row_layout
 from flatshard.flat._original_param import OriginalParam
 from flatshard.flat._placement import ROWS, GroupPlacement, ShardPlacement
 from flatshard.flat._reduction import GradientReduction
@@ -142,7 +142,7 @@ class FlatParamGroup:
         self.requires_grad = first.requires_grad
         # R where the optimizer state is cut across the replicas too, else 1 (see the note)
         self.splits = groups.splits
-        self.param_layout: FlatLayout = plan_layout(
+        self.param_layout: FlatLayout = row_layout(
             [o.param.shape for o in originals],
             self.factor * self.splits,
             whole=not placement.cuts_rows,
@@ -153,10 +153,10 @@ class FlatParamGroup:
             factor=self.factor,
             shard_numel=self.param_layout.shard_numel * self.splits,
         )
-        self.views = ViewPlan(self.layout, self.rank)  # the shard's rows (F-chunk)
+        self.views = ViewSplits(self.layout, self.rank)  # the shard's rows (F-chunk)
         self.split_rank = groups.replicate_rank if self.splits > 1 else 0
         # The original parameters' rows: the own W-chunk (the whole shard unless split)
-        self.param_views = ViewPlan(self.param_layout, self.rank * self.splits + self.split_rank)
+        self.param_views = ViewSplits(self.param_layout, self.rank * self.splits + self.split_rank)
         self.full_shapes = [slot.shape for slot in self.layout.slots]  # per original
         # Per original: False where a whole-parameter layout puts it in another rank's shard.
         self.owned = [

@@ -21,7 +21,7 @@ possibly with zero rows. The waste is reported as ``alignment_padding_numel``.
 
 [Note: whole-parameter layout]
 A matrix optimizer (Muon, Adafactor, Shampoo) updates each parameter from the whole of it,
-so any cut into rows changes its update. ``plan_layout(..., whole=True)`` cuts no parameter:
+so any cut into rows changes its update. ``row_layout(..., whole=True)`` cuts no parameter:
 each one lies in exactly one rank's chunk, its owner. Owners are chosen largest parameter
 first, each to the least loaded rank so far (ties: the lowest rank), and C is the largest
 load; inside a chunk the owned parameters keep their order. The unsharded buffer is still
@@ -125,7 +125,7 @@ def row_numel(shape: torch.Size) -> int:
     return max(1, math.prod(shape[1:]))
 
 
-def plan_layout(shapes: Sequence[torch.Size], factor: int, *, whole: bool = False) -> FlatLayout:
+def row_layout(shapes: Sequence[torch.Size], factor: int, *, whole: bool = False) -> FlatLayout:
     """Lay out ``shapes`` param-major, cut across F = ``factor`` ranks between rows; with
     ``whole``, each parameter whole in one rank's chunk ([Note: whole-parameter layout])."""
     if factor < 1:
@@ -200,7 +200,7 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class ViewPlan:
+class ViewSplits:
     """How one rank's flat tensors split into per-parameter views, computed once.
 
     Asked for on every unshard and reduction. Each original is one piece of a split of a

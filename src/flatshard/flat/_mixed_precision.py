@@ -95,7 +95,7 @@ class DtypeRow:
 
 
 @dataclass(frozen=True)
-class DtypePlan:
+class DtypeReport:
     """The resolved dtypes of every flat parameter group of a model."""
 
     rows: tuple[DtypeRow, ...]

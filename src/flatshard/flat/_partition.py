@@ -20,7 +20,7 @@ from flatshard.flat._policy import is_within
 
 
 @dataclass
-class UnitPlan:
+class UnitMembers:
     """One unit to build: its module and its parameter groups."""
 
     fqn: str
@@ -40,7 +40,7 @@ def partition(
     unit_names: Collection[str],
     sharded_elsewhere: Mapping[str, Collection[int]],
     rank: int,
-) -> list[UnitPlan]:
+) -> list[UnitMembers]:
     """Assign the root's parameters to ``unit_names`` plus the root ("").
 
     ``sharded_elsewhere`` maps each submodule already sharded by an earlier call to the ids
@@ -53,20 +53,20 @@ def partition(
     # reversed it puts every inner unit before the units around it.
     position = {name: i for i, name in enumerate(modules)}
     names = sorted({"", *unit_names}, key=position.__getitem__)
-    plans = {name: UnitPlan(fqn=name, module=modules[name]) for name in names}
+    units = {name: UnitMembers(fqn=name, module=modules[name]) for name in names}
     members: dict[str, list[OriginalParam]] = {name: [] for name in names}
     for key, orig in originals.items():
         home = max((n for n in names if all(_inside_or_root(o, n) for o in owners[key])), key=len)
         members[home].append(orig)
     for name in names:
-        plans[name].groups = _group(members[name])
+        units[name].groups = _group(members[name])
     for mname, module in modules.items():
         if not is_within(mname, sharded_elsewhere):
             home = max((n for n in names if _inside_or_root(mname, n)), key=len)
-            plans[home].modules.append((mname, module))
+            units[home].modules.append((mname, module))
     # Inner units first: their hooks must exist before an outer unit adopts them. Units
     # without parameters are returned too (they may own buffers to initialize).
-    return [plans[n] for n in reversed(names)]
+    return [units[n] for n in reversed(names)]
 
 
 def _collect(

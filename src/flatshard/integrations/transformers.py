@@ -33,7 +33,7 @@ tests pin them to the installed transformers.
 from __future__ import annotations
 
 import os
-from contextlib import AbstractContextManager, suppress
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,6 @@ from torch import nn
 from transformers import Trainer
 
 import flatshard
-from flatshard.runtime import units_of
 
 CHECKPOINT_DIR = "flatshard"  # inside each checkpoint-N: model and optimizer, sharded
 SCHEDULER_NAME = "scheduler.pt"  # the Trainer's name for it
@@ -172,11 +171,7 @@ def _leave_sharding_to_flatshard(accelerator: Any, sharded: nn.Module) -> None:
 
 
 def _check_sharded(model: object) -> None:
-    sharded = False
-    if isinstance(model, nn.Module):
-        with suppress(ValueError):
-            sharded = bool(units_of(model, "integrations.transformers.FlatshardTrainer"))
-    if not sharded:
+    if not (isinstance(model, nn.Module) and flatshard.unit_modules(model)):
         given = f"a model name ({model!r})" if isinstance(model, str) else f"{type(model).__name__}"
         raise ValueError(
             "flatshard.integrations.transformers: FlatshardTrainer takes a model sharded "

@@ -11,12 +11,11 @@ Layer 6: imports ``flatshard.state`` and below. The public types users plan with
 
 from flatshard.planner._calibrate import cpu_cluster
 from flatshard.planner._cluster import PRESETS, Cluster
-from flatshard.planner._plan import ALLOCATOR_SLACK, Plan, plan
-from flatshard.planner._recommend import Candidate, Problem, best_fit, kept_phrase, recommend
+from flatshard.planner._plan import Plan, plan
+from flatshard.planner._recommend import Candidate, Problem, best_fit, recommend
 from flatshard.planner._simulate import Setup
 
 __all__ = [
-    "ALLOCATOR_SLACK",
     "PRESETS",
     "Candidate",
     "Cluster",
@@ -25,7 +24,6 @@ __all__ = [
     "Setup",
     "best_fit",
     "cpu_cluster",
-    "kept_phrase",
     "plan",
     "recommend",
 ]

@@ -13,14 +13,14 @@ Layer 3: imports ``flatshard.flat`` and below.
 from flatshard.runtime._clip import clip_grad_norm_
 from flatshard.runtime._grad_scaler import ShardedGradScaler
 from flatshard.runtime._hooks import register_entry_point, set_prefetch
-from flatshard.runtime._matrix_optimizers import muon_matrices, register_matrix_optimizer
+from flatshard.runtime._matrix_optimizers import register_matrix_optimizer
 from flatshard.runtime._no_sync import no_sync
 from flatshard.runtime._prefetch import BackwardPrefetch, Prefetch
 from flatshard.runtime._step_loop import StepObserver, train_step
 from flatshard.runtime._summary import (
     FlatParamSummary,
     ShardingSummary,
-    dtype_plan,
+    dtype_report,
     embedding_traffic,
     sharding_summary,
 )
@@ -30,7 +30,7 @@ from flatshard.runtime._switches import (
     set_requires_gradient_sync,
     set_reshard_after_backward,
 )
-from flatshard.runtime._unit import units_of
+from flatshard.runtime._unit import unit_modules
 from flatshard.runtime._unshard import UnshardHandle, reshard, unshard
 
 __all__ = [
@@ -42,9 +42,8 @@ __all__ = [
     "StepObserver",
     "UnshardHandle",
     "clip_grad_norm_",
-    "dtype_plan",
+    "dtype_report",
     "embedding_traffic",
-    "muon_matrices",
     "no_sync",
     "register_entry_point",
     "register_matrix_optimizer",
@@ -56,6 +55,6 @@ __all__ = [
     "sharding_summary",
     "summon_full_params",
     "train_step",
-    "units_of",
+    "unit_modules",
     "unshard",
 ]

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from flatshard.flat._mixed_precision import DtypePlan, DtypeRow, dtype_name
+from flatshard.flat._mixed_precision import DtypeReport, DtypeRow, dtype_name
 from flatshard.flat._placement import TableTraffic
 from flatshard.runtime._unit import units_of
 
@@ -86,11 +86,11 @@ def sharding_summary(model: nn.Module) -> ShardingSummary:
     return ShardingSummary(flat_params=tuple(entries))
 
 
-def dtype_plan(model: nn.Module) -> DtypePlan:
+def dtype_report(model: nn.Module) -> DtypeReport:
     """The resolved dtypes of every flat parameter group: master (and optimizer state),
     all-gather, compute and reduction, and where the master shard lives."""
     rows = []
-    for unit in units_of(model, "dtype_plan"):
+    for unit in units_of(model, "dtype_report"):
         for flat in unit.flat_params:
             rows.append(
                 DtypeRow(
@@ -103,7 +103,7 @@ def dtype_plan(model: nn.Module) -> DtypePlan:
                     master_device=str(flat.shard.device),
                 )
             )
-    return DtypePlan(rows=tuple(rows))
+    return DtypeReport(rows=tuple(rows))
 
 
 def embedding_traffic(model: nn.Module) -> dict[str, TableTraffic]:

@@ -521,6 +521,13 @@ def units_of(model: nn.Module, caller: str) -> list[Unit]:
     return units
 
 
+def unit_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The units inside ``model``: (name relative to ``model``, module) in module order,
+    ``model`` itself ("") if it is one; empty where ``fully_shard`` never ran. What a
+    trainer integration asks to tell a sharded model (FSDP2: ``isinstance(m, FSDPModule)``)."""
+    return [(name, m) for name, m in model.named_modules() if unit_of(m) is not None]
+
+
 def unit_or_error(module: nn.Module, caller: str) -> Unit:
     """The unit rooted at ``module``; an error naming ``caller`` if there is none."""
     unit = unit_of(module)

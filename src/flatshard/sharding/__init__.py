@@ -11,13 +11,11 @@ Layer 4: imports ``flatshard.runtime`` and below.
 
 from flatshard.sharding._fully_shard import fully_shard
 from flatshard.sharding._init import InitOptions, init_weights
-from flatshard.sharding._keep_gathered import shard_keeping_last
 from flatshard.sharding._skip_init import skip_init
 
 __all__ = [
     "InitOptions",
     "fully_shard",
     "init_weights",
-    "shard_keeping_last",
     "skip_init",
 ]

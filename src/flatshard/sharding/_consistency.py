@@ -14,7 +14,7 @@ from torch import nn
 
 from flatshard.comm._ranks import join_name
 from flatshard.flat._lookup_options import LOOKUPS
-from flatshard.flat._partition import UnitPlan
+from flatshard.flat._partition import UnitMembers
 from flatshard.flat._placement import ShardPlacement
 
 _CHUNK_BYTES = 1 << 23  # bytes checksummed at a time
@@ -22,14 +22,14 @@ _WRAP = 1 << 64
 
 
 def structure_lines(
-    plans: list[UnitPlan], strategy: str, placements: Mapping[str, ShardPlacement]
+    units: list[UnitMembers], strategy: str, placements: Mapping[str, ShardPlacement]
 ) -> list[str]:
     """One line per unit, parameter (with its placement) and buffer: what every rank must
     agree on."""
     lines = [strategy]
-    for plan in plans:
-        lines.append(f"unit '{plan.fqn or '<root>'}'")
-        for orig in plan.originals:
+    for members in units:
+        lines.append(f"unit '{members.fqn or '<root>'}'")
+        for orig in members.originals:
             p = orig.param
             lines.append(
                 f"  parameter '{orig.fqn}' shape {tuple(p.shape)} {str(p.dtype)[6:]} "
@@ -37,7 +37,7 @@ def structure_lines(
             )
             lookups = [m for m, _ in orig.usages if isinstance(m, LOOKUPS)]
             lines += [f"  '{orig.fqn}' looked up by {_lookup_line(m)}" for m in lookups]
-        for mname, module in plan.modules:
+        for mname, module in members.modules:
             for bname, buf in module._buffers.items():
                 if buf is not None:
                     name = join_name(mname, bname)
@@ -55,12 +55,12 @@ def _lookup_line(e: nn.Embedding | nn.EmbeddingBag) -> str:
     )
 
 
-def value_lines(plan: UnitPlan, with_params: bool) -> list[str]:
+def value_lines(members: UnitMembers, with_params: bool) -> list[str]:
     """Exact checksums of the unit's buffers (and parameters, before sharding)."""
     named: list[tuple[str, torch.Tensor]] = []
     if with_params:
-        named += [(f"parameter '{o.fqn}'", o.param.detach()) for o in plan.originals]
-    for mname, module in plan.modules:
+        named += [(f"parameter '{o.fqn}'", o.param.detach()) for o in members.originals]
+    for mname, module in members.modules:
         for bname, buf in module._buffers.items():
             if buf is not None:
                 named.append((f"buffer '{join_name(mname, bname)}'", buf))

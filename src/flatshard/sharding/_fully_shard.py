@@ -21,7 +21,7 @@ from flatshard.flat._flat_param import FlatParamGroup, GroupSpec
 from flatshard.flat._lookup_options import LOOKUPS, refuse_lookup_options
 from flatshard.flat._mixed_precision import CPUOffload, MixedPrecision, host_of
 from flatshard.flat._original_param import OriginalParam
-from flatshard.flat._partition import UnitPlan, partition
+from flatshard.flat._partition import UnitMembers, partition
 from flatshard.flat._placement import ROWS, PlacementRule, ShardPlacement, placement_rule
 from flatshard.flat._policy import AutoWrapPolicy, is_within, select_unit_roots
 from flatshard.flat._row_sparse import RowSparse
@@ -133,12 +133,12 @@ def fully_shard(
         unit_names = select_unit_roots(module, auto_wrap_policy, skip=earlier.keys())
         managed = {name: _managed_param_ids(context) for name, context in earlier.items()}
         localize(module, group, rank)  # DTensor (TP) parameters: their local tensors
-        plans = partition(module, unit_names, managed, rank)
-        placements = _placements(plans, placement, strategy, rank)
+        units = partition(module, unit_names, managed, rank)
+        placements = _placements(units, placement, strategy, rank)
         if init.check_consistency:
             check_same_on_all_ranks(
                 structure_lines(
-                    plans, _strategy_line(strategy, group, sharding_factor), placements
+                    units, _strategy_line(strategy, group, sharding_factor), placements
                 ),
                 group,
                 target or _CPU,
@@ -157,14 +157,14 @@ def fully_shard(
             param_init_fn=param_init_fn,
             init=init,
         )
-        _refuse_lookup_options(plans, build)
+        _refuse_lookup_options(units, build)
         limiter = RateLimiter(DEFAULT_LIMIT if prefetch.limit_all_gathers else None)
         context = StepContext(module, group, limiter)
         watch_torch_utilities(context)
         for name, sub_context in earlier.items():
             context.adopt(sub_context, prefix=name, mixed_precision=mixed_precision)
-        for plan in plans:
-            unit = _build_unit(plan, build, rank)
+        for members in units:
+            unit = _build_unit(members, build, rank)
             if unit is not None:
                 context.add(unit)
                 install(unit)
@@ -211,13 +211,13 @@ class _UnitBuild:
         return host_of(self.compute_device) if self.offload else self.compute_device
 
 
-def _build_unit(plan: UnitPlan, build: _UnitBuild, rank: int) -> Unit | None:
+def _build_unit(members: UnitMembers, build: _UnitBuild, rank: int) -> Unit | None:
     """Materialize (or receive) one unit's values, check them, and shard them."""
     policy = build.config.mixed_precision or MixedPrecision()
     # Allocate the shards first: the unit's full tensors then meet nothing else large.
     flat_params = [
         FlatParamGroup(
-            members,
+            group,
             build.groups,
             GroupSpec(
                 master_device=build.master_device,
@@ -228,14 +228,14 @@ def _build_unit(plan: UnitPlan, build: _UnitBuild, rank: int) -> Unit | None:
             ),
             placement,
         )
-        for params, dtype in _split_by_compute_dtype(plan.groups, policy)
-        for placement, members in _split_by_placement(params, build.placements)
+        for params, dtype in _split_by_compute_dtype(members.groups, policy)
+        for placement, group in _split_by_placement(params, build.placements)
     ]
-    _prepare(plan, build, rank)
-    _cast_buffers(plan, policy.buffer_dtype)
+    _prepare(members, build, rank)
+    _cast_buffers(members, policy.buffer_dtype)
     if build.init.check_consistency:
         check_same_on_all_ranks(
-            value_lines(plan, with_params=build.init.compares_weights(build.groups)),
+            value_lines(members, with_params=build.init.compares_weights(build.groups)),
             build.process_group,
             build.compute_device,
             "hold different values",
@@ -247,16 +247,16 @@ def _build_unit(plan: UnitPlan, build: _UnitBuild, rank: int) -> Unit | None:
         flat.load_shard()
     if not flat_params:
         return None
-    unit = Unit(plan.module, plan.fqn, flat_params, plan.modules, build.config)
-    unit.awaiting_load = _awaiting_load(plan)
+    unit = Unit(members.module, members.fqn, flat_params, members.modules, build.config)
+    unit.awaiting_load = _awaiting_load(members)
     return unit
 
 
-def _awaiting_load(plan: UnitPlan) -> list[tuple[str, torch.Tensor]]:
+def _awaiting_load(members: UnitMembers) -> list[tuple[str, torch.Tensor]]:
     """The unit's tensors ``skip_init`` left for ``load_safetensors`` (flat/_awaiting_load.py)."""
-    named: list[tuple[str, torch.Tensor | None]] = [(o.fqn, o.param) for o in plan.originals]
+    named: list[tuple[str, torch.Tensor | None]] = [(o.fqn, o.param) for o in members.originals]
     named += [
-        (join_name(m, b), t) for m, module in plan.modules for b, t in module._buffers.items()
+        (join_name(m, b), t) for m, module in members.modules for b, t in module._buffers.items()
     ]
     return [(name, t) for name, t in named if t is not None and awaits_load(t)]
 
@@ -273,14 +273,14 @@ def _split_by_compute_dtype(
             full = any(isinstance(m, keep) for m, _ in orig.usages) if keep else False
             dtype = policy.compute_dtype(orig.param.dtype, full)
             by_dtype.setdefault(dtype, []).append(orig)
-        split += [(members, dtype) for dtype, members in by_dtype.items()]
+        split += [(same, dtype) for dtype, same in by_dtype.items()]
     return split
 
 
-def _cast_buffers(plan: UnitPlan, dtype: torch.dtype | None) -> None:
+def _cast_buffers(members: UnitMembers, dtype: torch.dtype | None) -> None:
     if dtype is None:
         return
-    for _, module in plan.modules:
+    for _, module in members.modules:
         for name, buf in module._buffers.items():
             if buf is not None and buf.is_floating_point():
                 module._buffers[name] = cast = buf.to(dtype)
@@ -288,7 +288,7 @@ def _cast_buffers(plan: UnitPlan, dtype: torch.dtype | None) -> None:
                     mark_awaiting(cast)
 
 
-def _prepare(plan: UnitPlan, build: _UnitBuild, rank: int) -> None:
+def _prepare(members: UnitMembers, build: _UnitBuild, rank: int) -> None:
     """Materialize, initialize or receive the unit's full values, just before sharding."""
 
     seed = torch.initial_seed() if build.init.seed is None else build.init.seed
@@ -298,13 +298,13 @@ def _prepare(plan: UnitPlan, build: _UnitBuild, rank: int) -> None:
             init_module(module, name, build.param_init_fn, seed)
 
     if not build.init.sync_module_states:
-        materialize_unit(plan, build.device, init, rank)
+        materialize_unit(members, build.device, init, rank)
         return
     source = dist.get_rank(build.process_group) == 0
     # Rank 0 must end with real values (its own init if it built on meta); the others
     # only need storage for what rank 0 sends.
-    materialize_unit(plan, build.device, init if source else None, rank)
-    broadcast_unit(plan, build.process_group)
+    materialize_unit(members, build.device, init if source else None, rank)
+    broadcast_unit(members, build.process_group)
 
 
 def _target_device(
@@ -356,13 +356,13 @@ def _strategy_line(
 
 
 def _placements(
-    plans: list[UnitPlan], rule: PlacementRule, strategy: ShardingStrategy, rank: int
+    units: list[UnitMembers], rule: PlacementRule, strategy: ShardingStrategy, rank: int
 ) -> dict[str, ShardPlacement]:
     """Each parameter's placement by name, as ``rule`` chooses; an error for a parameter
     its placement cannot serve."""
     chosen: dict[str, ShardPlacement] = {}
-    for plan in plans:
-        for orig in plan.originals:
+    for members in units:
+        for orig in members.originals:
             if rule is None:
                 placement: ShardPlacement | None = ROWS
             elif isinstance(rule, ShardPlacement):
@@ -425,11 +425,11 @@ def _renamed_options(
     return placement_rule(module, whole, RowSparse() if sparse else None)
 
 
-def _refuse_lookup_options(plans: list[UnitPlan], build: _UnitBuild) -> None:
+def _refuse_lookup_options(units: list[UnitMembers], build: _UnitBuild) -> None:
     """Every embedding's options, before any unit is built (flat/_lookup_options.py)."""
     sharded = build.groups.shard is not None
-    for plan in plans:
-        for orig in plan.originals:
+    for members in units:
+        for orig in members.originals:
             for module, _ in orig.usages:
                 if isinstance(module, LOOKUPS):
                     trainable = orig.param.requires_grad

@@ -24,7 +24,7 @@ from torch import nn
 from flatshard.comm._collectives import broadcast
 from flatshard.comm._mesh import ShardGroups
 from flatshard.comm._ranks import join_name
-from flatshard.flat._partition import UnitPlan
+from flatshard.flat._partition import UnitMembers
 from flatshard.flat._tensor_parallel import carry
 
 ParamInitFn = Callable[[nn.Module], None]
@@ -131,7 +131,7 @@ def init_module(module: nn.Module, name: str, param_init_fn: ParamInitFn | None,
 
 
 def materialize_unit(
-    plan: UnitPlan,
+    members: UnitMembers,
     device: torch.device | None,
     init: Callable[[str, nn.Module], None] | None,
     rank: int,
@@ -142,19 +142,19 @@ def materialize_unit(
     None (values will come from rank 0), meta tensors are only allocated. Any parameter or
     buffer that was meta and that initialization did not write is an error.
     """
-    fresh = _materialize_params(plan, device) + _materialize_buffers(plan, device)
+    fresh = _materialize_params(members, device) + _materialize_buffers(members, device)
     if init is None or not fresh:
         return
     versions = [tensor._version for _, tensor in fresh]
     # Only modules holding a tensor that came from meta: the others keep their values.
     fresh_ids = {id(tensor) for _, tensor in fresh}
-    for name, module in plan.modules:
+    for name, module in members.modules:
         own = [*module._parameters.values(), *module._buffers.values()]
         if any(id(t) in fresh_ids for t in own if t is not None):
             init(name, module)
-    _adopt_replaced_params(plan)
-    live = {id(o.param) for o in plan.originals}
-    live |= {id(b) for _, m in plan.modules for b in m._buffers.values() if b is not None}
+    _adopt_replaced_params(members)
+    live = {id(o.param) for o in members.originals}
+    live |= {id(b) for _, m in members.modules for b in m._buffers.values() if b is not None}
     # Written in place (version bumped) or replaced by a new tensor: initialized.
     untouched = [
         name
@@ -170,13 +170,13 @@ def materialize_unit(
         )
 
 
-def broadcast_unit(plan: UnitPlan, group: dist.ProcessGroup) -> None:
+def broadcast_unit(members: UnitMembers, group: dist.ProcessGroup) -> None:
     """Copy rank 0's values of the unit's parameters and buffers to every rank.
 
     One broadcast per dtype of the unit: flattened together, then split back.
     """
-    tensors = [o.param.data for o in plan.originals]
-    tensors += [b for _, m in plan.modules for b in m._buffers.values() if b is not None]
+    tensors = [o.param.data for o in members.originals]
+    tensors += [b for _, m in members.modules for b in m._buffers.values() if b is not None]
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for tensor in tensors:
         by_dtype.setdefault(tensor.dtype, []).append(tensor)
@@ -189,11 +189,11 @@ def broadcast_unit(plan: UnitPlan, group: dist.ProcessGroup) -> None:
 
 
 def _materialize_params(
-    plan: UnitPlan, device: torch.device | None
+    members: UnitMembers, device: torch.device | None
 ) -> list[tuple[str, torch.Tensor]]:
     """Replace meta (or off-device) parameters in every module using them (ties kept)."""
     fresh: list[tuple[str, torch.Tensor]] = []
-    for orig in plan.originals:
+    for orig in members.originals:
         old = orig.param
         target = device if device is not None else old.device
         if not old.is_meta and old.device == target:
@@ -213,10 +213,10 @@ def _materialize_params(
 
 
 def _materialize_buffers(
-    plan: UnitPlan, device: torch.device | None
+    members: UnitMembers, device: torch.device | None
 ) -> list[tuple[str, torch.Tensor]]:
     fresh: list[tuple[str, torch.Tensor]] = []
-    for mname, module in plan.modules:
+    for mname, module in members.modules:
         for bname, buf in module._buffers.items():
             if buf is None:
                 continue
@@ -230,9 +230,9 @@ def _materialize_buffers(
     return fresh
 
 
-def _adopt_replaced_params(plan: UnitPlan) -> None:
+def _adopt_replaced_params(members: UnitMembers) -> None:
     """An init function may assign new Parameters; keep them, in every tied usage."""
-    for orig in plan.originals:
+    for orig in members.originals:
         module, name = orig.usages[0]
         current = module._parameters[name]
         if current is not None and current is not orig.param:

@@ -1,26 +1,13 @@
 """State in and out of a sharded model: state dicts, optimizer state, checkpoint
 directories (DCP), safetensors export and sharded loading.
 
-Layer 5: imports ``flatshard.sharding`` and below. Besides the public functions, the
-checkpoint directory's reading side (manifest, entries, raw loads) is here for
-``flatshard ckpt``.
+Layer 5: imports ``flatshard.sharding`` and below. The names below are the documented
+API; the checkpoint directory's reading side (manifest, entries, raw loads) that
+``flatshard ckpt`` needs comes through ``flatshard.cli.internals``.
 """
 
-from flatshard.state._checkpoint import (
-    EXTRA,
-    GROUPS,
-    MODEL,
-    OPTIM,
-    CheckpointError,
-    checkpoint_metadata,
-    is_tensor_entry,
-    load_checkpoint,
-    load_raw,
-    read_manifest,
-    save_checkpoint,
-    verify_files,
-)
-from flatshard.state._export import DEFAULT_SHARD_BYTES, export_checkpoint, export_safetensors
+from flatshard.state._checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from flatshard.state._export import export_checkpoint, export_safetensors
 from flatshard.state._load import load_safetensors
 from flatshard.state._optim_state import (
     full_optim_state_dict,
@@ -35,27 +22,17 @@ from flatshard.state._state_dict import (
 )
 
 __all__ = [
-    "DEFAULT_SHARD_BYTES",
-    "EXTRA",
-    "GROUPS",
-    "MODEL",
-    "OPTIM",
     "CheckpointError",
     "RowShard",
-    "checkpoint_metadata",
     "export_checkpoint",
     "export_safetensors",
     "full_optim_state_dict",
     "full_state_dict",
-    "is_tensor_entry",
     "load_checkpoint",
     "load_optim_state_dict",
-    "load_raw",
     "load_safetensors",
     "load_state_dict",
-    "read_manifest",
     "save_checkpoint",
     "sharded_optim_state_dict",
     "sharded_state_dict",
-    "verify_files",
 ]

@@ -28,8 +28,8 @@ from flatshard.state._checkpoint import (
 )
 from flatshard.state._safetensors import Entry, StreamWriter
 from flatshard.state._state_dict import (
+    HeldRows,
     Names,
-    Place,
     checkpoint_group,
     flat_params,
     model_group,
@@ -182,7 +182,7 @@ def _write_order(model: nn.Module, state: dict[str, torch.Tensor]) -> list[str]:
     return sorted(keys, key=lambda k: (position.get(id(state[k]), last), keys.index(k)))
 
 
-def _full_shape(value: torch.Tensor, places: dict[int, Place]) -> torch.Size:
+def _full_shape(value: torch.Tensor, places: dict[int, HeldRows]) -> torch.Size:
     place = places.get(id(value))
     return place.global_shape if place is not None else value.shape
 

@@ -28,8 +28,8 @@ from flatshard.comm._agreement import check_same_on_all_ranks
 from flatshard.flat._awaiting_load import mark_loaded
 from flatshard.runtime._step import every_rank_calls
 from flatshard.state._state_dict import (
+    HeldRows,
     Names,
-    Place,
     entries_do_not_fit,
     flat_params,
     model_group,
@@ -150,7 +150,7 @@ def _check_names(
     targets: dict[str, torch.Tensor],
     files: dict[str, Path],
     handles: dict[Path, Any],
-    places: dict[int, Place],
+    places: dict[int, HeldRows],
     strict: bool,
 ) -> None:
     """One error for every entry that does not fit: missing, unexpected, mis-shaped."""
@@ -173,7 +173,7 @@ def _check_names(
         raise entries_do_not_fit("load_safetensors", problems)
 
 
-def _read_rows(handle: Any, key: str, place: Place | None) -> torch.Tensor:
+def _read_rows(handle: Any, key: str, place: HeldRows | None) -> torch.Tensor:
     """This rank's rows of tensor ``key`` (all of it for buffers and unsharded tensors).
 
     A tensor-parallel parameter's rows lie in its TP shard: the box from the shard's

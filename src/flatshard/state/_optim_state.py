@@ -29,7 +29,7 @@ from flatshard.comm._collectives import all_gather_object, broadcast
 from flatshard.comm._ranks import checked_on_rank0, global_rank, rank_in
 from flatshard.flat._full_params import copy_out, gather_copies, pack_rows
 from flatshard.runtime._step import every_rank_calls
-from flatshard.state._state_dict import Place, RowShard, flat_params, model_group, param_places
+from flatshard.state._state_dict import HeldRows, RowShard, flat_params, model_group, param_places
 
 OptimStateDict = dict[str, Any]
 
@@ -270,7 +270,7 @@ def _check_groups(
     )
 
 
-def _local_value(name: str, key: str, value: Any, place: Place) -> Any:
+def _local_value(name: str, key: str, value: Any, place: HeldRows) -> Any:
     """This rank's part of one saved state value."""
     if isinstance(value, RowShard):
         if not place.matches(value):
@@ -341,7 +341,7 @@ def _outline(
     model: nn.Module,
     optim: torch.optim.Optimizer,
     state_dict: OptimStateDict,
-    places: dict[int, Place],
+    places: dict[int, HeldRows],
 ) -> OptimStateDict:
     """Rank 0: check a full optimizer state dict; tensors of 1+ dims become ``_Sent``."""
     saved_state, saved_groups = state_dict.get("state"), state_dict.get("param_groups")

@@ -51,7 +51,7 @@ class Entry:
         return numel * torch.empty((), dtype=self.dtype).element_size()
 
 
-def plan_files(entries: list[Entry], max_shard_bytes: int) -> list[tuple[str, list[Entry]]]:
+def split_into_files(entries: list[Entry], max_shard_bytes: int) -> list[tuple[str, list[Entry]]]:
     """Split ``entries`` (in write order) into files of at most ``max_shard_bytes``.
 
     A tensor larger than the limit gets a file of its own.
@@ -129,7 +129,7 @@ class StreamWriter:
     def __init__(self, out_dir: Path, entries: list[Entry], max_shard_bytes: int) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
         self.out_dir = out_dir
-        self.files = plan_files(entries, max_shard_bytes)
+        self.files = split_into_files(entries, max_shard_bytes)
         self._next_file = 0
         self._writer: FileWriter | None = None
         self._handle: BinaryIO | None = None

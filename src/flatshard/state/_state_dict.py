@@ -52,7 +52,7 @@ class RowShard:
 
 
 @dataclass(frozen=True)
-class Place:
+class HeldRows:
     """Where this rank's part of one original parameter lies (see the note above)."""
 
     full_shape: torch.Size
@@ -100,19 +100,19 @@ class Place:
         )
 
 
-def param_places(model: nn.Module) -> dict[int, Place]:
-    """``id(parameter) -> Place`` for every parameter of ``model`` (sharded or not)."""
-    places: dict[int, Place] = {}
+def param_places(model: nn.Module) -> dict[int, HeldRows]:
+    """``id(parameter) -> HeldRows`` for every parameter of ``model`` (sharded or not)."""
+    places: dict[int, HeldRows] = {}
     for flat in flat_params(model):
         held_rows = flat.param_views.held
         for index, (orig, held) in enumerate(zip(flat.originals, held_rows, strict=True)):
             full_shape = flat.full_shapes[index]
-            place = Place(full_shape, held.first_row, held.rows, flat, index, orig.tp)
+            place = HeldRows(full_shape, held.first_row, held.rows, flat, index, orig.tp)
             places[id(orig.param)] = place
     for param in model.parameters():
         if id(param) not in places:
             rows = param.shape[0] if param.dim() else 1
-            places[id(param)] = Place(param.shape, 0, rows)
+            places[id(param)] = HeldRows(param.shape, 0, rows)
     return places
 
 
@@ -290,7 +290,7 @@ def load_state_dict(
 
 
 def _load_one(
-    key: str, target: torch.Tensor, value: RowShard | torch.Tensor, place: Place | None
+    key: str, target: torch.Tensor, value: RowShard | torch.Tensor, place: HeldRows | None
 ) -> str | None:
     """Copy ``value`` into ``target``; a description of the mismatch instead, if any."""
     full_shape = place.global_shape if place is not None else target.shape
@@ -347,7 +347,7 @@ def _load_from_rank0(
 
 def _check_full(
     targets: dict[str, torch.Tensor],
-    places: dict[int, Place],
+    places: dict[int, HeldRows],
     state_dict: dict[str, RowShard | torch.Tensor],
     strict: bool,
 ) -> None:

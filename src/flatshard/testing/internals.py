@@ -23,8 +23,8 @@ from flatshard.comm import _ledger as comm_ledger
 from flatshard.comm._checks import Tag
 from flatshard.comm._collectives import ReduceScatter
 from flatshard.comm._mesh import ranks_per_host
-from flatshard.flat._layout import ViewPlan
-from flatshard.flat._partition import UnitPlan, partition
+from flatshard.flat._layout import ViewSplits
+from flatshard.flat._partition import UnitMembers, partition
 from flatshard.flat._policy import select_unit_roots
 from flatshard.flat._storage import Storage, storage_move
 from flatshard.planner._calibrate import _achieved as fitted_achieved
@@ -49,8 +49,8 @@ __all__ = [
     "ReduceScatter",
     "Storage",
     "TorchReach",
-    "UnitPlan",
-    "ViewPlan",
+    "UnitMembers",
+    "ViewSplits",
     "calibrated_seconds",
     "checkpoint_save_fails",
     "checkpoint_saves_pause",

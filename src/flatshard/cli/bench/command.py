@@ -40,11 +40,11 @@ from flatshard.cli.bench.prediction import predict, predicted_line
 from flatshard.cli.bench.report import chart, scaling_table, summarize, table
 from flatshard.cli.config import add_config_parser, config_from_args
 from flatshard.cli.devices import init_rank, peak_memory_mib, resolve_device
+from flatshard.cli.internals import PlacementRule, WaitClock, fast_context
 from flatshard.cli.lm.optimizers import build_optimizers, placement_for
-from flatshard.comm import WaitClock, describe, fast_context
-from flatshard.flat import PlacementRule
 from flatshard.measure import CollectiveTracker
 from flatshard.models import GPT, GPTBlock
+from flatshard.report import describe_collectives
 
 
 def add_parser(commands: Any) -> None:
@@ -266,7 +266,7 @@ def _serve(
         "tensor_peak_mib": tensor_peak / 2**20,
         # flatshard's time blocked on its collectives: exposed communication on CPU only.
         "waits_measured": system.startswith("flatshard") and device.type == "cpu",
-        "collectives": describe(cast(dist.ProcessGroup, dist.group.WORLD))
+        "collectives": describe_collectives(cast(dist.ProcessGroup, dist.group.WORLD))
         if system == "flatshard"
         else "",
         "collective_output_bytes": int(sum(tracker.bytes.values())),

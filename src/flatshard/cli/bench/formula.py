@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 import flatshard
-from flatshard.comm import ReduceScatter, reduce_scatter_impl
+from flatshard.cli.internals import ReduceScatter, reduce_scatter_impl
 
 STEP_CHECK_BYTES = 8
 

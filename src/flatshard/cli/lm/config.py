@@ -17,10 +17,10 @@ from torch import nn
 
 import flatshard
 from flatshard.cli.config import fail, strategy_option
+from flatshard.cli.internals import AutoWrapPolicy
 from flatshard.cli.lm.lora import parse_lora
 from flatshard.cli.lm.optimizers import OPTIMIZERS
 from flatshard.cli.sizes import parse_size
-from flatshard.flat import AutoWrapPolicy
 
 PRECISIONS = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 SCHEDULES = ("cosine", "linear", "constant")

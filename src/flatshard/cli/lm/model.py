@@ -18,6 +18,7 @@ from torch import nn
 
 import flatshard
 from flatshard.cli.config import ConfigError
+from flatshard.cli.internals import shard_keeping_last
 from flatshard.cli.lm.config import PRECISIONS, TrainConfig, unit_policy
 from flatshard.cli.lm.data import VOCAB
 from flatshard.cli.lm.lora import (
@@ -29,7 +30,6 @@ from flatshard.cli.lm.lora import (
 )
 from flatshard.cli.lm.optimizers import placement_for
 from flatshard.models import GPT, GPTBlock
-from flatshard.sharding import shard_keeping_last
 
 
 @dataclass

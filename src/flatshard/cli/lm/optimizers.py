@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from flatshard.flat import PlacementRule, RowSparse, ShardPlacement, WholeChoice, placement_rule
-from flatshard.runtime import muon_matrices
+from flatshard.cli.internals import PlacementRule, WholeChoice, muon_matrices, placement_rule
+from flatshard.flat import RowSparse, ShardPlacement
 
 OPTIMIZERS = ("adamw", "muon", "adafactor")
 

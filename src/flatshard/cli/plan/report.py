@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from flatshard.cli.config import ConfigError
+from flatshard.cli.internals import ALLOCATOR_SLACK
 from flatshard.cli.sizes import GiB, size
-from flatshard.planner import ALLOCATOR_SLACK, Plan
+from flatshard.planner import Plan
 
 
 def _host_lines(plan: Plan) -> list[str]:

@@ -8,8 +8,9 @@ import shutil
 from pathlib import Path
 
 from flatshard.cli.config import ConfigError
+from flatshard.cli.internals import read_manifest
 from flatshard.cli.lm.config import TrainConfig
-from flatshard.state import CheckpointError, read_manifest
+from flatshard.state import CheckpointError
 
 
 def resume_from(config: TrainConfig) -> Path | None:

@@ -32,6 +32,7 @@ from flatshard.cli.devices import (
     peak_memory_mib,
     resolve_device,
 )
+from flatshard.cli.internals import exit_without_teardown, kept_phrase
 from flatshard.cli.lm.config import PRECISIONS, TrainConfig
 from flatshard.cli.lm.data import VOCAB, Corpus, batch_for_step, decode, encode, load_corpus
 from flatshard.cli.lm.model import (
@@ -54,8 +55,6 @@ from flatshard.cli.train.fit_memory import fit_memory
 from flatshard.cli.train.launch import run_local_ranks, stop_with_parent
 from flatshard.cli.train.predict import Measurement, Prediction, predict_run, prediction_line
 from flatshard.cli.train.progress import MetricsLog, ProgressBar, StepMetrics, plot
-from flatshard.comm import exit_without_teardown
-from flatshard.planner import kept_phrase
 
 PROMPT = "And God said"
 
@@ -390,7 +389,7 @@ def _print_start(trainer: Trainer, backend: str) -> None:
     print(flatshard.sharding_summary(trainer.model))
     if config.mixed_precision != "none":
         print("dtype plan (master = optimizer state dtype):")
-        print(flatshard.dtype_plan(trainer.model))
+        print(flatshard.dtype_report(trainer.model))
 
 
 def _finish(trainer: Trainer, out: Path) -> None:

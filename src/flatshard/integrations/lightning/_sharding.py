@@ -17,7 +17,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as recompute
 
 import flatshard
-from flatshard.runtime import units_of
 
 STATE_DICT_TYPES = ("sharded", "full")
 # fully_shard's keywords the strategies set themselves (the rest pass through)
@@ -74,18 +73,12 @@ class ShardOptions:
 
 
 def is_sharded(module: nn.Module) -> bool:
-    try:
-        units_of(module, "integrations.lightning")
-    except ValueError:
-        return False
-    return True
+    return bool(flatshard.unit_modules(module))
 
 
 def holds_parameters_itself(module: nn.Module) -> bool:
     """Whether ``module`` is a unit of its own (parameters outside the policy's units)."""
-    return is_sharded(module) and any(
-        u.module is module for u in units_of(module, "integrations.lightning")
-    )
+    return any(name == "" for name, _ in flatshard.unit_modules(module))
 
 
 def _check_options(options: dict[str, Any]) -> None:
