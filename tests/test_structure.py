@@ -183,3 +183,15 @@ def test_renamed_report_names_still_answer_with_their_new_name() -> None:
         assert flatshard.report.DtypePlan is flatshard.report.DtypeReport  # type: ignore[attr-defined]
     with pytest.warns(FutureWarning, match="flatshard.report.row_layout"):
         assert flatshard.report.plan_layout is flatshard.report.row_layout  # type: ignore[attr-defined]
+
+
+def test_the_guide_lists_every_fully_shard_option_in_signature_order() -> None:
+    """docs/guide.md's option table of ``fully_shard`` is its keyword-only signature: every
+    option, in order, and nothing else (``**renamed`` takes the old spellings only)."""
+    guide = (ROOT / "docs" / "guide.md").read_text()
+    table = guide.split("## Sharding a model", 1)[1].split("| option | what it sets |", 1)[1]
+    rows = [line for line in table.split("\n\n", 1)[0].splitlines() if line.startswith("| `")]
+    listed = [re.match(r"\| `(\w+)`", row).group(1) for row in rows]  # type: ignore[union-attr]
+    signature = inspect.signature(flatshard.fully_shard)
+    options = [p.name for p in signature.parameters.values() if p.kind is p.KEYWORD_ONLY]
+    assert listed == options
