@@ -149,6 +149,9 @@ CASES = [
         options=(("placement", flatshard.RowSparse()),),
         inputs=distinct_tokens,
     ),
+    # Every unit kept gathered from forward to backward under FULL_SHARD
+    # (set_reshard_after_forward(False)): ZeRO-2's memory, no all-gather in backward.
+    Case("kept-after-forward", gpt, options=(("reshard_after_forward", False),)),
 ]
 
 
@@ -459,3 +462,23 @@ def test_row_sparse_tables_are_planned_with_every_token_distinct(
     assert sorted(op.io_bytes for op in rows) == sorted([n * 8, n * 64 * 4] * 2)
     whole = _nccl_plan(planner, many_tokens, True)
     assert not [op for op in whole.ops if op.collective == "all_to_all"]
+
+
+def test_reshard_after_forward_is_priced(planner: ProcessPoolExecutor) -> None:
+    """set_reshard_after_forward(False) on FULL_SHARD: the plan drops backward's
+    all-gathers (the same count as SHARD_GRAD_OP's) and holds more at its peak."""
+    options = {"loss": language_model_loss, "auto_wrap_policy": {GPTBlock}, "ranks_per_host": 2}
+
+    def planned(**extra: Any) -> flatshard.Plan:
+        done = planner.submit(flatshard.plan, gpt, tokens, **options, **extra)
+        plan: flatshard.Plan = done.result()
+        return plan
+
+    def gathers(plan: flatshard.Plan) -> int:
+        return sum(c.count for c in plan.collectives if c.kind == "all_gather")
+
+    default, kept = planned(), planned(reshard_after_forward=False)
+    zero2 = planned(strategy=flatshard.ShardingStrategy.SHARD_GRAD_OP)
+    assert gathers(kept) == gathers(zero2) < gathers(default)
+    assert kept.peak_memory_bytes > default.peak_memory_bytes
+    assert kept.to_json()["reshard_after_forward"] is False

@@ -165,6 +165,8 @@ def strategy_counts_job(
     model: Any = build(config.model)
     shard_with_flatshard(model, config, group)
     flatshard.set_reshard_after_backward(model, config.reshard_after_backward)
+    if config.reshard_after_forward is not None:
+        flatshard.set_reshard_after_forward(model, config.reshard_after_forward)
     local = slice_batch(next(batches(model, 1)), ctx.rank, config.world_size)
     with CollectiveTracker() as tracker:
         for micro in range(micro_batches):
@@ -251,6 +253,73 @@ def test_units_kept_gathered_after_backward_are_not_gathered_again(
     assert {k: v for k, v in resharding.items() if k != ALL_GATHER} == {
         k: v for k, v in keeping.items() if k != ALL_GATHER
     }
+
+
+@pytest.mark.parametrize(
+    "case", [("FULL_SHARD", 2, None), ("SHARD_GRAD_OP", 2, None), ("HYBRID_SHARD", 4, 2)], ids=_id
+)
+def test_reshard_after_forward_and_gathered_once_accumulation_by_formula(
+    pool: WorkerPool, case: tuple[str, int, int | None]
+) -> None:
+    """N = 4 micro-batches under no_sync, U units of which B = U - 1 blocks (the root is
+    kept from forward to backward by every strategy). set_reshard_after_forward(False):
+    backward gathers nothing again, fewer all-gathers than FULL_SHARD by the blocks it
+    regathers (none fewer than SHARD_GRAD_OP, which keeps them already); True makes
+    SHARD_GRAD_OP regather like FULL_SHARD. With set_reshard_after_backward(False) as well,
+    each unit is gathered once per step: U all-gathers for the N micro-batches, forward and
+    backward."""
+    strategy, world, factor = case
+    n = 4
+
+    def gathers(after_forward: bool | None, after_backward: bool = True) -> int:
+        config = ParityConfig(
+            model="gpt",
+            world_size=world,
+            strategy=strategy,
+            sharding_factor=factor,
+            no_sync=True,
+            reshard_after_backward=after_backward,
+            reshard_after_forward=after_forward,
+        )
+        result = pool.run(strategy_counts_job, config, n)[0]
+        gathers.units = len(result["flats"])  # type: ignore[attr-defined]
+        return int(result["counts"][ALL_GATHER])
+
+    default, kept, resharded = gathers(None), gathers(False), gathers(True)
+    once = gathers(False, after_backward=False)
+    units = gathers.units  # type: ignore[attr-defined]
+    blocks = units - 1
+    # Backward regathers the blocks but the one forward ran last (kept: backward starts
+    # there), which the very first micro-batch does not know yet.
+    regathered = blocks + (n - 1) * (blocks - 1)
+    assert default - kept == (0 if strategy == "SHARD_GRAD_OP" else regathered)
+    assert resharded - kept == regathered
+    checks = kept - n * units  # the end-of-step digests, alike in every run
+    assert once == units + checks
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        ParityConfig(model="gpt", world_size=2, micro_batches=2, reshard_after_forward=False),
+        ParityConfig(
+            model="gpt",
+            world_size=2,
+            strategy="SHARD_GRAD_OP",
+            micro_batches=2,
+            no_sync=True,
+            accumulate_with="switch",
+            reshard_after_forward=True,
+        ),
+    ],
+    ids=["full-shard-kept", "shard-grad-op-resharded"],
+)
+def test_reshard_after_forward_matches_fsdp2_and_the_reference(
+    pool: WorkerPool, config: ParityConfig
+) -> None:
+    """set_reshard_after_forward against the unsharded model and FSDP2 with the same
+    switch, over several steps and micro-batches."""
+    pool.run(parity_job, config, True)
 
 
 @pytest.mark.parametrize(

@@ -119,6 +119,7 @@ class Plan:
             "kept_gathered": self.setup.kept_gathered,
             "cpu_offload": self.setup.cpu_offload,
             "placement": repr(self.setup.placement or Rows()),
+            "reshard_after_forward": self.setup.reshard_after_forward,
             "cluster": self.cluster.name,
         }
 
@@ -144,6 +145,7 @@ def plan(
     cpu_offload: bool = False,
     tensor_parallel: int = 1,
     placement: ShardPlacement | None = None,
+    reshard_after_forward: bool | None = None,
 ) -> Plan:
     """Predict one rank's memory and step time for a training run, without running it.
 
@@ -186,6 +188,9 @@ def plan(
             simulated batch has no token values, so the plan takes every token id distinct
             (at most the vocabulary): the most bytes a batch of that many tokens can move;
             real text, whose frequent tokens repeat, moves fewer.
+        reshard_after_forward: ``flatshard.set_reshard_after_forward(model, value)`` on the
+            sharded model: False keeps every unit gathered from forward to backward
+            (backward gathers nothing, for the memory); None: as the strategy says.
 
     The peak is the steady-state step's most live tensor bytes on the rank, the
     quantity ``flatshard bench`` and the tests measure at the dispatcher; on the rank the
@@ -217,6 +222,7 @@ def plan(
         cpu_offload=cpu_offload,
         tensor_parallel=tensor_parallel,
         placement=placement,
+        reshard_after_forward=reshard_after_forward,
     )
     return plan_setup(build, inputs, loss or _default_loss, setup, machines)
 

@@ -35,6 +35,7 @@ from flatshard.runtime._matrix_optimizers import muon_matrices
 from flatshard.runtime._prefetch import Prefetch
 from flatshard.runtime._step_loop import StepObserver, train_step
 from flatshard.runtime._summary import sharding_summary
+from flatshard.runtime._switches import set_reshard_after_forward
 from flatshard.sharding._keep_gathered import shard_keeping_last
 
 Inputs = Callable[[], tuple[torch.Tensor, ...]]
@@ -76,6 +77,8 @@ class Setup:
     # fully_shard's placement for every parameter it serves (RowSparse(): lookups and
     # their gradients priced for distinct token ids, [Note: row-sparse tables in a plan]).
     placement: ShardPlacement | None = None
+    # set_reshard_after_forward(model, value) after sharding; None: as the strategy says.
+    reshard_after_forward: bool | None = None
 
 
 @dataclass
@@ -227,7 +230,10 @@ def shard(model: nn.Module, setup: Setup, **extra: Any) -> nn.Module:
         matrices = muon_matrices(model, _blocks(setup.auto_wrap_policy))
         whole = lambda name, param: id(param) in matrices  # noqa: E731
         options["placement"] = placement_rule(model, whole, setup.placement)
-    return shard_keeping_last(model, setup.kept_gathered, **options)
+    sharded = shard_keeping_last(model, setup.kept_gathered, **options)
+    if setup.reshard_after_forward is not None:
+        set_reshard_after_forward(sharded, setup.reshard_after_forward)
+    return sharded
 
 
 def _blocks(policy: AutoWrapPolicy) -> set[type[nn.Module]] | None:

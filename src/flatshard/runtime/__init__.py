@@ -29,6 +29,7 @@ from flatshard.runtime._switches import (
     set_requires_all_reduce,
     set_requires_gradient_sync,
     set_reshard_after_backward,
+    set_reshard_after_forward,
 )
 from flatshard.runtime._unit import unit_modules
 from flatshard.runtime._unshard import UnshardHandle, reshard, unshard
@@ -52,6 +53,7 @@ __all__ = [
     "set_requires_all_reduce",
     "set_requires_gradient_sync",
     "set_reshard_after_backward",
+    "set_reshard_after_forward",
     "sharding_summary",
     "summon_full_params",
     "train_step",

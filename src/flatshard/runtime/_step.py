@@ -60,6 +60,9 @@ class StepContext:
         # False (set_reshard_after_backward): units stay gathered after backward for the
         # next micro-batch's forward; a shard written since is gathered again.
         self.reshard_after_backward = True
+        # set_reshard_after_forward: True/False for every unit, whatever its strategy;
+        # None: as the strategy says (FULL_SHARD reshards, SHARD_GRAD_OP keeps).
+        self.reshard_after_forward: bool | None = None
         # False (set_requires_all_reduce), hybrid: reduce-scatter inside the shard group
         # only; the replicas' all-reduce comes, over the sum, once it is True again.
         self.all_reduce_replicas = True
@@ -335,6 +338,7 @@ _IN_THE_STEP = frozenset(
         "torch.nn.utils.clip_grad_norm_",
         "set_requires_gradient_sync",
         "set_reshard_after_backward",
+        "set_reshard_after_forward",
         "set_requires_all_reduce",
     }
 )

@@ -1,6 +1,6 @@
 """Switches of a sharded model's step, named after FSDP2's methods so that migrating is a
-rename: ``set_requires_gradient_sync``, ``set_reshard_after_backward`` and
-``set_requires_all_reduce``.
+rename: ``set_requires_gradient_sync``, ``set_reshard_after_backward``,
+``set_reshard_after_forward`` and ``set_requires_all_reduce``.
 
 Each applies to a whole model (every unit of the ``fully_shard`` call on it, bottom-up
 calls included), until set again. Ranks that set different values would issue different
@@ -35,6 +35,24 @@ def set_reshard_after_backward(model: nn.Module, reshard_after_backward: bool) -
     value = bool(reshard_after_backward)
     for context in _agreed(model, "set_reshard_after_backward", value):
         context.reshard_after_backward = value
+
+
+def set_reshard_after_forward(model: nn.Module, reshard_after_forward: bool) -> None:
+    """False: units keep their gathered parameters from forward to backward (backward
+    gathers nothing; ZeRO-2's memory for ZeRO-3's strategy); True: every unit frees them
+    after forward, also under SHARD_GRAD_OP. With ``set_reshard_after_backward(False)``
+    too, each unit is gathered once per optimizer step across all its micro-batches.
+    The root and the last unit of the forward order keep theirs either way (backward
+    starts with them). FSDP2's ``model.set_reshard_after_forward(bool)``; FSDP2's int (a
+    smaller group to reshard to) has no counterpart here."""
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(
+            "flatshard.set_reshard_after_forward: pass True or False, got "
+            f"{reshard_after_forward!r} (FSDP2's int, resharding to a smaller group, has no "
+            "counterpart: use HYBRID_SHARD for gathers inside a host)"
+        )
+    for context in _agreed(model, "set_reshard_after_forward", reshard_after_forward):
+        context.reshard_after_forward = reshard_after_forward
 
 
 def set_requires_all_reduce(model: nn.Module, requires_all_reduce: bool) -> None:

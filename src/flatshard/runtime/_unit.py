@@ -113,6 +113,7 @@ class UnitStep(Protocol):
 
     root: nn.Module
     reshard_after_backward: bool  # False: stay gathered for the next micro-batch
+    reshard_after_forward: bool | None  # None: as the unit's strategy says
     order: ExecutionOrder  # units in forward order, this iteration and the last
     rate_limiter: RateLimiter
     ledger: StepLedger  # collectives issued since the ranks last compared them
@@ -374,11 +375,11 @@ class Unit:
             # Kept until backward: the root and the last unit of the forward order
             # (backward starts with them, they would be gathered again at once, with no
             # compute to hide the wait), and units whose strategy keeps parameters from
-            # forward to backward (SHARD_GRAD_OP, ZERO2).
+            # forward to backward (SHARD_GRAD_OP, ZERO2) or set_reshard_after_forward(False).
             keep = needs_grad and (
                 self.is_root
                 or self.context.order.ended_last_forward(self)
-                or not self.config.strategy.reshard_after_forward
+                or not self.reshards_after_forward
             )
             hidden_graph = not needs_grad and self._may_hide_graph(output)
             self.expects_backward |= hidden_graph  # its gradient may still come
@@ -390,6 +391,13 @@ class Unit:
                 self.context.rate_limiter.resharded()
             self.context.forward_ended()
         return output
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        """Whether forward frees the gathered parameters (backward gathers them again):
+        ``set_reshard_after_forward``, else the strategy."""
+        chosen = self.context.reshard_after_forward
+        return self.config.strategy.reshard_after_forward if chosen is None else chosen
 
     def pre_backward(self, *unused: Any) -> None:
         with traced(f"pre_backward {self.label}"):

@@ -51,6 +51,8 @@ class ParityConfig:
     # which FSDP2 has too).
     accumulate_with: str = "no_sync"
     reshard_after_backward: bool = True  # False: set_reshard_after_backward(model, False)
+    # set_reshard_after_forward(model, value) (FSDP2: the same method); None: not called
+    reshard_after_forward: bool | None = None
     # Hybrid: set_requires_all_reduce(False) for all micro-batches but the last (flatshard
     # and FSDP2 alike): reduce-scatters only, the replicas' all-reduce once per step.
     all_reduce_last: bool = False
@@ -146,6 +148,10 @@ def train(
     optim = make_optimizer(model, config.lr, config.optimizer)
     if not config.reshard_after_backward and kind == "flatshard":
         flatshard.set_reshard_after_backward(model, False)
+    if config.reshard_after_forward is not None and kind == "flatshard":
+        flatshard.set_reshard_after_forward(model, config.reshard_after_forward)
+    if config.reshard_after_forward is not None and kind == "fsdp2":
+        cast(Any, model).set_reshard_after_forward(config.reshard_after_forward)
     loss_fn = cast(Callable[[Batch], torch.Tensor], cast(Any, model).loss)
     result = RunResult()
     loop = _library_loop(config, kind)
