@@ -302,3 +302,16 @@ def test_unit_modules_lists_the_units_by_name(local_group: dist.ProcessGroup) ->
     assert [name for name, _ in flatshard.unit_modules(model)] == ["0", "2"]
     assert flatshard.unit_modules(model[2]) == [("", model[2])]
     assert flatshard.unit_modules(model[1]) == []
+
+
+def test_gradient_divide_factor_refuses_what_it_cannot_serve(
+    local_group: dist.ProcessGroup,
+) -> None:
+    model = flatshard.fully_shard(nn.Linear(4, 4))
+    for bad in (0, -1.0, float("nan"), True, "2"):
+        with pytest.raises(ValueError, match=r"factor must be a positive number or None"):
+            flatshard.set_gradient_divide_factor(model, bad)  # type: ignore[arg-type]
+    comm_hooks.register_comm_hook(model, lambda grad, groups: grad)
+    with pytest.raises(ValueError, match=r"unit '<root>' reduces through a communication hook"):
+        flatshard.set_gradient_divide_factor(model, 2.0)
+    flatshard.set_gradient_divide_factor(model, None)  # back to W: allowed

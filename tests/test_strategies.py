@@ -686,3 +686,51 @@ def test_hybrid_calls_share_their_groups(pool: WorkerPool) -> None:
     """Four hybrid fully_shard calls (three blocks, then the root) at 2 x 2 create the two
     shard and two replicate groups once (on NCCL each group is a communicator per rank)."""
     assert pool.run(hybrid_groups_job)[0] == 4
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        ParityConfig(model="gpt", world_size=2, gradient_divide_factor=1.0),
+        ParityConfig(model="gpt", world_size=2, gradient_divide_factor=3.0, clip=0.5),
+        ParityConfig(
+            model="gpt", world_size=2, gradient_divide_factor=0.5, micro_batches=2, no_sync=True
+        ),
+    ],
+    ids=["sum", "by-3-clipped", "by-half-accumulated"],
+)
+def test_gradient_divide_factor_matches_the_reference(
+    pool: WorkerPool, config: ParityConfig
+) -> None:
+    """set_gradient_divide_factor(model, f): gradients summed over the ranks divided by
+    f instead of W, as the unsharded model's with its loss scaled by W / f."""
+    pool.run(parity_job, config, False)
+
+
+def test_gradient_divide_factor_matches_fsdp2(pool: WorkerPool) -> None:
+    config = ParityConfig(model="gpt", world_size=2, gradient_divide_factor=1.0)
+    pool.run(parity_job, config, True)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        ParityConfig(
+            model="gpt",
+            world_size=4,
+            strategy="HYBRID_SHARD",
+            sharding_factor=2,
+            gradient_divide_factor=2.0,
+            micro_batches=2,
+            all_reduce_last=True,
+        ),
+        ParityConfig(
+            model="vocab_gpt", world_size=2, gradient_divide_factor=1.0, sparse_embeddings=True
+        ),
+    ],
+    ids=["hybrid-owed", "row-sparse"],
+)
+def test_gradient_divide_factor_meets_hybrid_and_row_sparse_tables(
+    pool: WorkerPool, config: ParityConfig
+) -> None:
+    pool.run(parity_job, config, False)

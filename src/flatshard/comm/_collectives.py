@@ -66,7 +66,7 @@ class PendingReduction(NamedTuple):
     input: torch.Tensor  # (C * F,) the unsharded gradient
     output: torch.Tensor  # (C,) this rank's averaged shard once ``work`` is done
     finish: Callable[[], None] | None = None
-    post_divide: int = 1  # the part of W divided after the sum (see split_division)
+    post_divide: float = 1  # the part of W divided after the sum (see split_division)
     # Hybrid: the reduce-scatter the all-reduce was chained after, held (with what its
     # side stream still reads) until this reduction is waited for.
     after: PendingReduction | None = None
@@ -308,7 +308,11 @@ def describe(group: dist.ProcessGroup) -> str:
 
 
 def reduce_gradient(
-    grad: torch.Tensor, groups: ShardGroups, tag: Tag | None, across_replicas: bool = True
+    grad: torch.Tensor,
+    groups: ShardGroups,
+    tag: Tag | None,
+    across_replicas: bool = True,
+    division: tuple[float, float] | None = None,
 ) -> PendingReduction:
     """Average ``grad`` (C * F,) over all W ranks; this rank keeps its chunk (C,).
 
@@ -318,9 +322,11 @@ def reduce_gradient(
     (``split_division``), so that low-precision sums neither overflow nor underflow.
     ``across_replicas=False``: the reduce-scatter alone, still divided by all of W, so that
     a later sum across the replicas (``all_reduce``) of such chunks is the average.
+    ``division``: (before, after) the sum, for a divisor other than W
+    (``gradient_division``).
     """
-    pre, post = split_division(groups.world_size)
-    if pre > 1:
+    pre, post = division or split_division(groups.world_size)
+    if pre != 1:
         grad.div_(pre)
     summed = groups if across_replicas else ShardGroups(groups.shard, None)
     return _start_sum(grad, summed, tag)._replace(post_divide=post)
@@ -381,12 +387,23 @@ def split_division(world_size: int) -> tuple[int, int]:
     return pre, world_size // pre
 
 
+def gradient_division(world_size: int, factor: float | None) -> tuple[float, float]:
+    """(before, after) the sum for dividing a gradient by ``factor`` (None: W, the
+    average): a whole factor is split as W is (``split_division``), another is divided
+    after the sum."""
+    if factor is None:
+        return split_division(world_size)
+    if float(factor).is_integer():
+        return split_division(int(factor))
+    return 1, factor
+
+
 def wait_reduction(pending: PendingReduction) -> torch.Tensor:
     """Block until the reduction is done; returns this rank's averaged shard."""
     wait_work(pending.work)
     if pending.finish is not None:
         pending.finish()
-    if pending.post_divide > 1:
+    if pending.post_divide != 1:
         pending.output.div_(pending.post_divide)
     return pending.output
 

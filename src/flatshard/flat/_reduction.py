@@ -18,7 +18,7 @@ from flatshard.comm._checks import Tag, current_tag, tagged
 from flatshard.comm._collectives import (
     PendingReduction,
     all_reduce,
-    split_division,
+    gradient_division,
     sum_reduce,
     wait_reduction,
 )
@@ -79,6 +79,14 @@ class GradientReduction:
         # of W, not yet summed across the replicas ([Note: row-sparse embedding tables])
         self.sparse_sum: torch.Tensor | None = None
         self._sparse_across = True
+        # set_gradient_divide_factor: what the summed gradient is divided by (None: W)
+        self.divide_factor: float | None = None
+
+    @property
+    def division(self) -> tuple[float, float]:
+        """(before, after) the sum: the gradient is divided by W (the average), or by the
+        factor ``flatshard.set_gradient_divide_factor`` set."""
+        return gradient_division(self.flat.groups.world_size, self.divide_factor)
 
     def start(self, all_reduce: bool = True) -> None:
         """Reduce the accumulated flat gradient (zeros if none arrived), without waiting.
@@ -104,6 +112,12 @@ class GradientReduction:
                     "HYBRID_SHARD_OPTIM must also cut the gradient across the replicas; "
                     "use HYBRID_SHARD with the hook, or register no hook"
                 )
+            if self.divide_factor is not None:
+                raise RuntimeError(
+                    "flatshard: a communication hook does the whole reduction, its "
+                    "division too: flatshard.set_gradient_divide_factor does not apply to "
+                    "its unit; divide in the hook, or register no hook"
+                )
             if hybrid and (not all_reduce or self.owed is not None):
                 raise RuntimeError(
                     "flatshard.set_requires_all_reduce(False) does not apply to a unit with "
@@ -117,7 +131,7 @@ class GradientReduction:
             # The replicas' sum of a chunk owed from earlier micro-batches comes at finish,
             # over the total: this reduction scatters only.
             across = not hybrid or (all_reduce and self.owed is None)
-            self.pending = self.flat.transport.reduce(grad, groups, tag, across)
+            self.pending = self.flat.transport.reduce(grad, groups, tag, across, self.division)
         self._across_now = all_reduce
         self.done_in_backward = True
 
@@ -163,8 +177,8 @@ class GradientReduction:
             return
         self.sparse_sum = None
         groups = self.flat.groups
-        _, post = split_division(groups.world_size)
-        if post > 1:
+        _, post = self.division
+        if post != 1:
             part.div_(post)
         if groups.replicate is not None:
             if self.owed is not None or not self._sparse_across:

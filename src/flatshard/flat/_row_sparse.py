@@ -69,7 +69,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flatshard.comm._collectives import all_gather_into, exchange_rows, split_division
+from flatshard.comm._collectives import all_gather_into, exchange_rows
 from flatshard.comm._diagnosis import SAME_CALLS
 from flatshard.comm._errors import CollectiveMismatchError
 from flatshard.comm._mesh import ShardingStrategy
@@ -382,8 +382,8 @@ class RowSparseTable(GroupPlacement):
         flat, me = self.flat, self.flat.rank
         ids, rows = self._merged()
         rows = rows.to(flat.reduce_dtype)
-        pre, _ = split_division(flat.groups.world_size)
-        if pre > 1:
+        pre, _ = flat.reduction.division  # as the dense reduction divides
+        if pre != 1:
             rows.div_(pre)
         matrix = self._count_matrix(ids, "gradient")
         send = matrix[me][:-1]

@@ -33,10 +33,16 @@ class Transport:
         return start_all_gather(unsharded, source, group, tag)
 
     def reduce(
-        self, grad: torch.Tensor, groups: ShardGroups, tag: Tag | None, across_replicas: bool
+        self,
+        grad: torch.Tensor,
+        groups: ShardGroups,
+        tag: Tag | None,
+        across_replicas: bool,
+        division: tuple[float, float],
     ) -> PendingReduction:
-        """Average ``grad`` (C * F,) over the W ranks; this rank keeps its chunk (C,)."""
-        return reduce_gradient(grad, groups, tag, across_replicas=across_replicas)
+        """Sum ``grad`` (C * F,) over the W ranks divided as ``division`` says (before,
+        after the sum; W by default: the average); this rank keeps its chunk (C,)."""
+        return reduce_gradient(grad, groups, tag, across_replicas, division)
 
 
 IDENTITY = Transport()

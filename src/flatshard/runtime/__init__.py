@@ -26,6 +26,7 @@ from flatshard.runtime._summary import (
 )
 from flatshard.runtime._summon import summon_full_params
 from flatshard.runtime._switches import (
+    set_gradient_divide_factor,
     set_requires_all_reduce,
     set_requires_gradient_sync,
     set_reshard_after_backward,
@@ -49,6 +50,7 @@ __all__ = [
     "register_entry_point",
     "register_matrix_optimizer",
     "reshard",
+    "set_gradient_divide_factor",
     "set_prefetch",
     "set_requires_all_reduce",
     "set_requires_gradient_sync",

@@ -1,6 +1,7 @@
 """Switches of a sharded model's step, named after FSDP2's methods so that migrating is a
 rename: ``set_requires_gradient_sync``, ``set_reshard_after_backward``,
-``set_reshard_after_forward`` and ``set_requires_all_reduce``.
+``set_reshard_after_forward`` and ``set_requires_all_reduce``; and
+``set_gradient_divide_factor``.
 
 Each applies to a whole model (every unit of the ``fully_shard`` call on it, bottom-up
 calls included), until set again. Ranks that set different values would issue different
@@ -11,9 +12,13 @@ and its value through the c10d store: a rank that differs raises
 
 from __future__ import annotations
 
+import math
+
 from torch import nn
 
+from flatshard.comm._ranks import global_rank
 from flatshard.runtime._step import StepContext, collective_call, contexts_under
+from flatshard.runtime._unit import units_of
 
 
 def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
@@ -66,6 +71,36 @@ def set_requires_all_reduce(model: nn.Module, requires_all_reduce: bool) -> None
     value = bool(requires_all_reduce)
     for context in _agreed(model, "set_requires_all_reduce", value):
         context.all_reduce_replicas = value
+
+
+def set_gradient_divide_factor(model: nn.Module, factor: float | None) -> None:
+    """Divide the summed gradients of every unit inside ``model`` by ``factor`` instead of
+    W, the number of ranks (None: W again, the average). E.g. ``factor=1`` sums them, for
+    losses already normalized over the global batch. A whole factor is divided partly
+    before and partly after the sum, as W is (``flatshard.comm_hooks.split_division``);
+    another after it. Row-sparse tables' gradients are divided alike. Not with a
+    communication hook (it does the whole reduction). FSDP2's
+    ``module.set_gradient_divide_factor(factor)``, for every unit inside ``model``."""
+    if factor is not None and (
+        isinstance(factor, bool)
+        or not isinstance(factor, int | float)
+        or not math.isfinite(factor)
+        or factor <= 0
+    ):
+        raise ValueError(
+            f"flatshard.set_gradient_divide_factor: factor must be a positive number or "
+            f"None (divide by the world size), got {factor!r} (rank {global_rank()})"
+        )
+    for unit in units_of(model, "set_gradient_divide_factor"):
+        for flat in unit.trainable:
+            if factor is not None and flat.reduction.comm_hook is not None:
+                raise ValueError(
+                    f"flatshard.set_gradient_divide_factor: unit '{unit.label}' reduces "
+                    f"through a communication hook, which does the whole reduction, its "
+                    f"division too (rank {global_rank()}); divide in the hook, or register "
+                    "no hook (flatshard.comm_hooks.register_comm_hook(model, None))."
+                )
+            flat.reduction.divide_factor = None if factor is None else float(factor)
 
 
 def _agreed(model: nn.Module, caller: str, value: bool) -> list[StepContext]:

@@ -53,6 +53,10 @@ class ParityConfig:
     reshard_after_backward: bool = True  # False: set_reshard_after_backward(model, False)
     # set_reshard_after_forward(model, value) (FSDP2: the same method); None: not called
     reshard_after_forward: bool | None = None
+    # set_gradient_divide_factor (FSDP2: the same method on each module); None: W. The
+    # reference scales its loss by W / factor, which the factor does to the gradients.
+    gradient_divide_factor: float | None = None
+    gradient_scale: float = 1.0  # (set by run_reference from the factor)
     # Hybrid: set_requires_all_reduce(False) for all micro-batches but the last (flatshard
     # and FSDP2 alike): reduce-scatters only, the replicas' all-reduce once per step.
     all_reduce_last: bool = False
@@ -148,6 +152,15 @@ def train(
     optim = make_optimizer(model, config.lr, config.optimizer)
     if not config.reshard_after_backward and kind == "flatshard":
         flatshard.set_reshard_after_backward(model, False)
+    if config.gradient_divide_factor is not None and kind == "flatshard":
+        flatshard.set_gradient_divide_factor(model, config.gradient_divide_factor)
+    if config.gradient_divide_factor is not None and kind == "fsdp2":
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in model.modules():
+            if isinstance(module, FSDPModule):  # (gloo has no PREMUL_SUM: sums only)
+                module.set_gradient_divide_factor(config.gradient_divide_factor)
+                module.set_force_sum_reduction_for_comms(True)
     if config.reshard_after_forward is not None and kind == "flatshard":
         flatshard.set_reshard_after_forward(model, config.reshard_after_forward)
     if config.reshard_after_forward is not None and kind == "fsdp2":
@@ -186,7 +199,7 @@ def train(
                 loss = sum(loss_fn(chunk) for chunk in chunks) / (
                     config.forwards_per_backward * config.micro_batches
                 )
-                torch.autograd.backward(cast(torch.Tensor, loss))
+                torch.autograd.backward(cast(torch.Tensor, loss) * config.gradient_scale)
             step_loss += cast(torch.Tensor, loss).detach()
         if config.clip is not None:
             result.norms.append(_clip(model, kind, config))
@@ -418,7 +431,11 @@ def run_reference(config: ParityConfig) -> RunResult:
     """The non-sharded model trained on the whole global batch in this process."""
     model = build_model(config)
     # One process sees the whole batch: micro-batching must match the ranks' split.
-    result = train(model, replace(config, world_size=1), 0, 1, None, "reference")
+    factor = config.gradient_divide_factor
+    scale = 1.0 if factor is None else config.world_size / factor
+    result = train(
+        model, replace(config, world_size=1, gradient_scale=scale), 0, 1, None, "reference"
+    )
     result.params = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     return result
 
