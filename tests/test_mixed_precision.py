@@ -62,6 +62,43 @@ def test_bf16_parity_with_fsdp2_and_reference(pool: WorkerPool, reduce_dtype: st
     pool.run(mixed_job, config)
 
 
+def test_output_dtype_parity_with_fsdp2(pool: WorkerPool) -> None:
+    """MixedPrecision(output_dtype=torch.float32): the model's bf16 outputs cast to fp32,
+    as FSDP2's MixedPrecisionPolicy(output_dtype=...) on the root casts them: the same
+    run."""
+    config = ParityConfig(
+        model="gpt",
+        world_size=2,
+        param_dtype="bfloat16",
+        output_dtype="float32",
+        optimizer="sgd",
+        steps=3,
+    )
+    pool.run(mixed_job, config)
+
+
+def output_dtype_job(ctx: WorkerContext) -> list[str] | None:
+    group = ctx.group(2)
+    if group is None:
+        return None
+    model: Any = build("gpt")
+    policy = flatshard.MixedPrecision(BF16, output_dtype=torch.float32)
+    units = set(model.UNIT_CLASSES)
+    flatshard.fully_shard(
+        model, auto_wrap_policy=units, process_group=group, mixed_precision=policy
+    )
+    seen: list[str] = []
+    for module in (model.blocks[0], model):  # a unit inside: as computed; the model: cast
+        module.register_forward_hook(lambda m, a, out: seen.append(str(out.dtype)))
+    batch = slice_batch(next(batches(model, 1)), ctx.rank, 2)
+    model.loss(batch).backward()
+    return seen
+
+
+def test_output_dtype_casts_the_models_outputs(pool: WorkerPool) -> None:
+    assert pool.run(output_dtype_job)[0] == ["torch.bfloat16", "torch.float32"]
+
+
 def gathered_bytes_job(ctx: WorkerContext, param_dtype: str | None) -> int | None:
     group = ctx.group(2)
     if group is None:

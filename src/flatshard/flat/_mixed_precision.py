@@ -27,6 +27,10 @@ class MixedPrecision:
             (``param_dtype``, or the master dtype for ``keep_full_precision`` modules).
         buffer_dtype: buffers are cast to it once, at ``fully_shard``.
         cast_forward_inputs: cast floating-point inputs of each unit to ``param_dtype``.
+        output_dtype: cast the floating-point outputs of the module ``fully_shard`` is
+            called on (the model's forward output) to it, e.g. ``torch.float32`` for a
+            loss computed outside the model; None: as computed. FSDP2's
+            ``MixedPrecisionPolicy.output_dtype``, given to the root's call.
         keep_full_precision: module classes (e.g. ``{nn.LayerNorm}``) whose parameters
             stay in the master dtype; their inputs are cast up and outputs back down.
     """
@@ -35,10 +39,11 @@ class MixedPrecision:
     reduce_dtype: torch.dtype | None = None
     buffer_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+    output_dtype: torch.dtype | None = None
     keep_full_precision: Collection[type[nn.Module]] = field(default_factory=frozenset)
 
     def __post_init__(self) -> None:
-        for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+        for name in ("param_dtype", "reduce_dtype", "buffer_dtype", "output_dtype"):
             value = getattr(self, name)
             if value is not None and value not in _FLOATS:
                 raise ValueError(

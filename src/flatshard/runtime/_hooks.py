@@ -89,6 +89,11 @@ def _weakly(
     return call
 
 
+def install_output_cast(module: nn.Module, dtype: torch.dtype) -> None:
+    """``module``'s floating-point outputs cast to ``dtype`` (``MixedPrecision.output_dtype``)."""
+    module.register_forward_hook(_eager(partial(_cast_output, dtype)))
+
+
 def _eager(hook: F) -> F:
     """``hook`` run eagerly, never traced by torch.compile.
 

@@ -26,7 +26,7 @@ from flatshard.flat._placement import ROWS, PlacementRule, ShardPlacement, place
 from flatshard.flat._policy import AutoWrapPolicy, is_within, select_unit_roots
 from flatshard.flat._row_sparse import RowSparse
 from flatshard.flat._tensor_parallel import global_shapes, localize
-from flatshard.runtime._hooks import install
+from flatshard.runtime._hooks import install, install_output_cast
 from flatshard.runtime._prefetch import Prefetch
 from flatshard.runtime._rate_limiter import DEFAULT_LIMIT, RateLimiter
 from flatshard.runtime._step import CONTEXT_ATTR, StepContext, context_of
@@ -168,6 +168,8 @@ def fully_shard(
             if unit is not None:
                 context.add(unit)
                 install(unit)
+        if mixed_precision is not None and mixed_precision.output_dtype is not None:
+            install_output_cast(module, mixed_precision.output_dtype)
         module.__dict__[CONTEXT_ATTR] = context
         # transformers keeps ranks decoding in step (generate's synced_gpus) for modules
         # marked so, as FSDP2's integration marks them: a rank that stops early keeps

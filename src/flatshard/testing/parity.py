@@ -67,6 +67,7 @@ class ParityConfig:
     clip_with: str = "flatshard"
     comm_hook: str | None = None  # None | "bf16" | "fp16"
     param_dtype: str | None = None  # mixed precision: "bfloat16" | "float16"
+    output_dtype: str | None = None  # MixedPrecision / MixedPrecisionPolicy output_dtype
     reduce_dtype: str | None = None  # None: float32 when param_dtype is set
     offload: bool = False  # CPUOffload(params=True)
     backward_prefetch: str | None = "BACKWARD_PRE"  # a flatshard.BackwardPrefetch name
@@ -331,7 +332,10 @@ def shard_with_flatshard(model: nn.Module, config: ParityConfig, group: dist.Pro
     options: dict[str, Any] = {"process_group": group, "strategy": strategy}
     param_dtype, reduce_dtype = _dtypes(config)
     if param_dtype is not None:
-        options["mixed_precision"] = flatshard.MixedPrecision(param_dtype, reduce_dtype)
+        output = getattr(torch, config.output_dtype) if config.output_dtype else None
+        options["mixed_precision"] = flatshard.MixedPrecision(
+            param_dtype, reduce_dtype, output_dtype=output
+        )
     if config.offload:
         options["cpu_offload"] = flatshard.CPUOffload()
     if config.sparse_embeddings:
@@ -420,11 +424,16 @@ def shard_with_fsdp2(model: nn.Module, config: ParityConfig, group: dist.Process
     reshard = config.strategy == "FULL_SHARD"
     mesh = DeviceMesh.from_group(group, torch.device(config.device).type)
     param_dtype, reduce_dtype = _dtypes(config)
+    output = getattr(torch, config.output_dtype) if config.output_dtype else None
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    root_policy = MixedPrecisionPolicy(  # output_dtype: the model's outputs, as flatshard
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype, output_dtype=output
+    )
     classes = tuple(cast(Any, model).UNIT_CLASSES)
     units = [m for m in reversed(list(model.modules())) if isinstance(m, classes)]
-    for module in [*units, model]:  # innermost first
+    for module in units:  # innermost first
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=root_policy)
 
 
 def run_reference(config: ParityConfig) -> RunResult:
