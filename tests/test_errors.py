@@ -315,3 +315,38 @@ def test_gradient_divide_factor_refuses_what_it_cannot_serve(
     with pytest.raises(ValueError, match=r"unit '<root>' reduces through a communication hook"):
         flatshard.set_gradient_divide_factor(model, 2.0)
     flatshard.set_gradient_divide_factor(model, None)  # back to W: allowed
+
+
+def test_a_parameter_asked_whole_and_row_sparse_is_refused(
+    local_group: dist.ProcessGroup,
+) -> None:
+    """An embedding table kept whole for a matrix optimizer and looked up row-sparse
+    (``--optimizer adafactor --sparse-embeddings``) gets one error, not one of the two."""
+    model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4))
+    with (
+        pytest.warns(FutureWarning),
+        pytest.raises(ValueError, match=r"'0\.weight' was asked to lie whole .* RowSparse\(\)"),
+    ):
+        flatshard.fully_shard(model, whole_params=True, sparse_embeddings=True)
+
+
+def test_train_step_takes_a_module_around_the_sharded_model(
+    local_group: dist.ProcessGroup,
+) -> None:
+    """Accumulating with a reduction per micro-batch touches the replicas' switch only for
+    hybrid units: a wrapper around a FULL_SHARD model steps as the model would."""
+    torch.manual_seed(0)
+    model = flatshard.fully_shard(nn.Linear(4, 4))
+    wrapper = nn.Sequential(model)
+    optim = torch.optim.SGD(wrapper.parameters(), lr=0.1)
+    before = model.weight.detach().clone()
+    norm = flatshard.train_step(
+        wrapper,
+        [optim],
+        lambda i: wrapper(torch.ones(2, 4)).sum(),
+        2,
+        accumulation="reduce",
+        clip=10.0,
+    )
+    assert norm is not None and float(norm) > 0
+    assert not torch.equal(model.weight.detach(), before)

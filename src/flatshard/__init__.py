@@ -94,6 +94,10 @@ except PackageNotFoundError:  # a source tree on sys.path, not installed
 _LAZY = {"plan": "flatshard.planner", "Plan": "flatshard.planner", "Cluster": "flatshard.planner"}
 
 
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
+
+
 # Old names, still answered for now with a FutureWarning that gives the new one.
 _RENAMED = {"dtype_plan": "dtype_report"}
 

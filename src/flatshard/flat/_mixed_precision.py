@@ -39,8 +39,8 @@ class MixedPrecision:
     reduce_dtype: torch.dtype | None = None
     buffer_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
-    output_dtype: torch.dtype | None = None
     keep_full_precision: Collection[type[nn.Module]] = field(default_factory=frozenset)
+    output_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype", "buffer_dtype", "output_dtype"):

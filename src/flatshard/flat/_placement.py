@@ -167,18 +167,27 @@ def placement_rule(
     """The rule that keeps the parameters ``whole`` picks whole (all with True) and gives
     the rest ``others`` where it serves them (e.g. ``RowSparse()``: the embedding tables):
     what the CLI, the planner and the old ``whole_params``/``sparse_embeddings`` ask."""
-    if not callable(whole):
-        return Whole() if whole else others
+    if not callable(whole) and not whole:
+        return others
     usages: dict[int, list[tuple[nn.Module, str]]] = {}
-    for module in model.modules():
-        for name, param in module._parameters.items():
-            if param is not None:
-                usages.setdefault(id(param), []).append((module, name))
 
     def rule(name: str, param: nn.Parameter) -> ShardPlacement | None:
-        if whole(name, param):
-            return Whole()
+        if not usages:  # on the first call: the parameters fully_shard sees (localized)
+            for module in model.modules():
+                for key, value in module._parameters.items():
+                    if value is not None:
+                        usages.setdefault(id(value), []).append((module, key))
         orig = OriginalParam(param, name, usages.get(id(param), []))
-        return others if others is not None and others.serves(orig) else None
+        served = others is not None and others.serves(orig)
+        if whole is True or (callable(whole) and whole(name, param)):
+            if served:
+                raise ValueError(
+                    f"flatshard.fully_shard: '{name}' was asked to lie whole on one rank "
+                    f"(Whole(), for a matrix optimizer) and to be placed {others!r}; give it "
+                    "one placement (e.g. leave the embedding tables out of the optimizer "
+                    "that needs whole matrices, or drop the row-sparse tables)."
+                )
+            return Whole()
+        return others if served else None
 
     return rule

@@ -21,8 +21,15 @@ from flatshard.runtime._clip import clip_grad_norm_
 from flatshard.runtime._grad_scaler import ShardedGradScaler
 from flatshard.runtime._no_sync import no_sync
 from flatshard.runtime._switches import set_requires_all_reduce
+from flatshard.runtime._unit import unit_of
 
 ACCUMULATIONS = ("no_sync", "reduce")
+
+
+def _hybrid(model: nn.Module) -> bool:
+    """Whether a unit inside ``model`` replicates across groups (an all-reduce to defer)."""
+    units = [unit_of(m) for m in model.modules()]
+    return any(f.groups.replicate is not None for u in units if u for f in u.flat_params)
 
 
 class StepObserver:
@@ -70,11 +77,12 @@ def train_step(
     if micro_batches < 1:
         raise ValueError(f"flatshard.train_step: micro_batches must be >= 1, got {micro_batches}")
     watch = observer or StepObserver()
+    once_across = accumulation == "reduce" and micro_batches > 1 and _hybrid(model)
     for micro in range(micro_batches):
         last = micro == micro_batches - 1
         quiet = accumulation == "no_sync" and not last
-        if accumulation == "reduce" and micro_batches > 1:
-            set_requires_all_reduce(model, last)  # hybrid: the replicas' sum once
+        if once_across:
+            set_requires_all_reduce(model, last)  # the replicas' sum once
         with no_sync(model) if quiet else nullcontext():
             loss = micro_loss(micro) / micro_batches
             torch.autograd.backward(scaler.scale(loss) if scaler is not None else loss)

@@ -23,7 +23,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from flatshard.runtime._optimizer_steps import before_step
-from flatshard.runtime._sharded_models import sharded_contexts, watch, watched_contexts
+from flatshard.runtime._sharded_models import watch, watched_contexts
 from flatshard.runtime._step import StepContext
 from flatshard.runtime._torch_norm import TorchNorms
 from flatshard.runtime._zero_grad import ZeroGrads
@@ -60,8 +60,10 @@ class TorchReach:
             self._zero_grads.remove()
 
     def remove_if_unused(self) -> None:
-        """Remove everything once no sharded model is alive."""
-        if not sharded_contexts():
+        """Remove everything once no sharded model is alive, counting one whose
+        ``fully_shard`` is still building it (it has no unit yet: a collection of an older
+        model then must not take the hooks from under it)."""
+        if not watched_contexts():
             self.remove()
 
 
