@@ -19,7 +19,7 @@ the step context asks it how the reduction is waited for and to finish it
 (``reduction_waits_for_backward_end``, ``finish_reduction``), ``zero_grad`` asks it to drop
 what it keeps (``drop_pending``), the hooks register what it asks for
 (``forward_pre_hooks``), reports and refusals read ``traffic``, ``serves_lookups`` and
-``comm_hook_refusal``. The unit, runtime and state layers call these and never ask which
+``comm_hook_conflict``. The unit, runtime and state layers call these and never ask which
 placement a group has. The planner prices a placement by running it on the meta device, so
 it needs nothing more. Both gather and reduction send their payloads through the group's
 ``Transport`` (``_transport.py``): a codec seam, the identity today.
@@ -100,7 +100,8 @@ class GroupPlacement:
         return None
 
     def comm_hook_conflict(self) -> str | None:
-        """Why a communication hook cannot reduce this group, or None."""
+        """The name of what a communication hook cannot reduce in this group (a row-sparse
+        table's lookup rows), or None."""
         return None
 
 
@@ -171,14 +172,18 @@ def placement_rule(
         return others
     usages: dict[int, list[tuple[nn.Module, str]]] = {}
 
-    def rule(name: str, param: nn.Parameter) -> ShardPlacement | None:
+    def serves(name: str, param: nn.Parameter) -> bool:
+        if others is None:
+            return False
         if not usages:  # on the first call: the parameters fully_shard sees (localized)
             for module in model.modules():
                 for key, value in module._parameters.items():
                     if value is not None:
                         usages.setdefault(id(value), []).append((module, key))
-        orig = OriginalParam(param, name, usages.get(id(param), []))
-        served = others is not None and others.serves(orig)
+        return others.serves(OriginalParam(param, name, usages.get(id(param), [])))
+
+    def rule(name: str, param: nn.Parameter) -> ShardPlacement | None:
+        served = serves(name, param)
         if whole is True or (callable(whole) and whole(name, param)):
             if served:
                 raise ValueError(

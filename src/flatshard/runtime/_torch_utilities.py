@@ -52,9 +52,9 @@ class TorchReach:
             self._zero_grads.install()
 
     def remove(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
         if self._hooks:
+            for hook in self._hooks:
+                hook.remove()
             self._hooks = []
             self._norms.remove()
             self._zero_grads.remove()

@@ -45,7 +45,6 @@ from flatshard.sharding._init import (
 
 M = TypeVar("M", bound=nn.Module)
 _CPU = torch.device("cpu")
-# whole_params: all parameters, none, or those a predicate of (name, parameter) picks.
 
 
 def fully_shard(
@@ -114,8 +113,8 @@ def fully_shard(
             None`` keeps only the matrices whole. ``flatshard.RowSparse()``: an
             ``nn.Embedding`` weight looked up row-sparse (each forward fetches its tokens'
             rows, not the whole table); given for the whole model it serves every embedding
-            weight. Not with ``max_norm``,
-            tensor-parallel tables, HYBRID_SHARD_OPTIM or a communication hook.
+            weight. Not with ``max_norm``, tensor-parallel tables, HYBRID_SHARD_OPTIM or a
+            communication hook.
     """
     _check_distributed()
     placement = _renamed_options(module, placement, renamed)

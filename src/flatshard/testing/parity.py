@@ -225,8 +225,8 @@ def _library_loop(config: ParityConfig, kind: str) -> StepLoop | None:
     if config.clip is not None and (config.clip_with != "flatshard" or config.norm_type != 2.0):
         return None
     if not config.reshard_after_backward or (
-        config.micro_batches > 1 and not config.no_sync and not config.all_reduce_last
-    ):
+        config.micro_batches > 1 and config.no_sync == config.all_reduce_last
+    ):  # (no_sync meeting the replicas' switch stays on the harness's own loop)
         return None
     accumulation = "no_sync" if config.no_sync else "reduce"
 
