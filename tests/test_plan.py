@@ -53,6 +53,10 @@ def gpt(checkpointing: bool = False) -> nn.Module:
     return model
 
 
+def untied_gpt() -> nn.Module:
+    return GPT(VOCAB, 64, 4, 3, SEQ, tied=False)
+
+
 def tp_gpt(tp: DeviceMesh) -> nn.Module:
     """The GPT with each block's MLP split over ``tp`` (Megatron's column then row)."""
     model = gpt()
@@ -482,3 +486,21 @@ def test_reshard_after_forward_is_priced(planner: ProcessPoolExecutor) -> None:
     assert gathers(kept) == gathers(zero2) < gathers(default)
     assert kept.peak_memory_bytes > default.peak_memory_bytes
     assert kept.to_json()["reshard_after_forward"] is False
+
+
+def test_unshard_in_backward_is_priced(planner: ProcessPoolExecutor) -> None:
+    """set_unshard_in_backward(table, False) on the two embedding units: the plan drops
+    their backward all-gathers, one each per step, and nothing else."""
+    options = {
+        "loss": language_model_loss,
+        "auto_wrap_policy": {GPTBlock, nn.Embedding},
+        "ranks_per_host": 2,
+    }
+
+    def gathers(**extra: Any) -> int:
+        plan: flatshard.Plan = planner.submit(
+            flatshard.plan, untied_gpt, tokens, **options, **extra
+        ).result()
+        return sum(c.count for c in plan.collectives if c.kind == "all_gather")
+
+    assert gathers() - gathers(no_unshard_in_backward=("tok", "pos")) == 2

@@ -734,3 +734,106 @@ def test_gradient_divide_factor_meets_hybrid_and_row_sparse_tables(
     pool: WorkerPool, config: ParityConfig
 ) -> None:
     pool.run(parity_job, config, False)
+
+
+# ---------------------------------------------------------------- set_unshard_in_backward
+EMBEDDINGS = ("tok", "pos")  # EmbeddingUnitsGPT's tables: units no backward op reads
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        ParityConfig(
+            model="embedding_units_gpt",
+            world_size=2,
+            micro_batches=2,
+            no_unshard_in_backward=EMBEDDINGS,
+            clip=0.5,
+        ),
+        ParityConfig(
+            model="embedding_units_gpt",
+            world_size=2,
+            strategy="SHARD_GRAD_OP",
+            micro_batches=2,
+            no_sync=True,
+            accumulate_with="switch",
+            no_unshard_in_backward=("tok",),
+        ),
+    ],
+    ids=["full-shard-clipped", "shard-grad-op-accumulated"],
+)
+def test_unshard_in_backward_off_matches_fsdp2_and_the_reference(
+    pool: WorkerPool, config: ParityConfig
+) -> None:
+    """set_unshard_in_backward(table, False) on the embedding units: their gradients are
+    reduced as always, against the unsharded model and FSDP2 with the same switch."""
+    pool.run(parity_job, config, True)
+
+
+def unshard_in_backward_counts_job(
+    ctx: WorkerContext, strategy: str, off: tuple[str, ...], micro_batches: int
+) -> dict[str, Any] | None:
+    group = ctx.group(2)
+    if group is None:
+        return None
+    config = ParityConfig(model="embedding_units_gpt", world_size=2, strategy=strategy)
+    model: Any = build(config.model)
+    shard_with_flatshard(model, config, group)
+    for name in off:
+        flatshard.set_unshard_in_backward(model.get_submodule(name), False)
+    local = slice_batch(next(batches(model, 1)), ctx.rank, 2)
+    with CollectiveTracker() as tracker:
+        for micro in range(micro_batches):
+            model.loss(slice_batch(local, micro, micro_batches)).backward()
+    return dict(tracker.counts)
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+def test_unshard_in_backward_off_gathers_the_unit_once_per_forward(
+    pool: WorkerPool, strategy: str
+) -> None:
+    """N = 3 backward passes: FULL_SHARD gathers each table again in each backward, so
+    switching both off saves 2 x N all-gathers; SHARD_GRAD_OP kept them from forward to
+    backward (no saving: forward now frees them). Reductions are unchanged."""
+    n = 3
+    default = pool.run(unshard_in_backward_counts_job, strategy, (), n)[0]
+    off = pool.run(unshard_in_backward_counts_job, strategy, EMBEDDINGS, n)[0]
+    saved = len(EMBEDDINGS) * n if strategy == "FULL_SHARD" else 0
+    assert default[ALL_GATHER] - off[ALL_GATHER] == saved
+    assert {k: v for k, v in default.items() if k != ALL_GATHER} == {
+        k: v for k, v in off.items() if k != ALL_GATHER
+    }
+
+
+def unshard_in_backward_misuse_job(ctx: WorkerContext) -> list[str] | None:
+    group = ctx.group(2)
+    if group is None:
+        return None
+    config = ParityConfig(model="embedding_units_gpt", world_size=2)
+    model: Any = build(config.model)
+    shard_with_flatshard(model, config, group)
+    messages = []
+    for call in (
+        lambda: flatshard.set_unshard_in_backward(model.blocks[0].attn, False),  # no unit
+        lambda: flatshard.set_unshard_in_backward(model.tok, 0),  # not a bool
+    ):
+        try:
+            call()
+        except (TypeError, ValueError) as error:
+            messages.append(str(error))
+    # A unit whose backward does read its parameters: the claim is wrong, and backward
+    # fails (never a silent gradient from a freed buffer).
+    flatshard.set_unshard_in_backward(model.blocks[1], False)
+    try:
+        model.loss(slice_batch(next(batches(model, 1)), ctx.rank, 2)).backward()
+    except RuntimeError as error:
+        messages.append(str(error))
+    return messages
+
+
+def test_unshard_in_backward_misuse_is_an_error(pool: WorkerPool) -> None:
+    for messages in pool.run(unshard_in_backward_misuse_job)[:2]:
+        assert len(messages) == 3, messages
+        assert "is not a flatshard unit" in messages[0]
+        assert "pass True or False, got 0" in messages[1]
+        assert "storage of size 0" in messages[2]

@@ -120,6 +120,7 @@ class Plan:
             "cpu_offload": self.setup.cpu_offload,
             "placement": repr(self.setup.placement or Rows()),
             "reshard_after_forward": self.setup.reshard_after_forward,
+            "no_unshard_in_backward": list(self.setup.no_unshard_in_backward),
             "cluster": self.cluster.name,
         }
 
@@ -146,6 +147,7 @@ def plan(
     tensor_parallel: int = 1,
     placement: ShardPlacement | None = None,
     reshard_after_forward: bool | None = None,
+    no_unshard_in_backward: tuple[str, ...] = (),
 ) -> Plan:
     """Predict one rank's memory and step time for a training run, without running it.
 
@@ -191,6 +193,9 @@ def plan(
         reshard_after_forward: ``flatshard.set_reshard_after_forward(model, value)`` on the
             sharded model: False keeps every unit gathered from forward to backward
             (backward gathers nothing, for the memory); None: as the strategy says.
+        no_unshard_in_backward: the units (module names, e.g. ``("tok_embeddings",)``)
+            ``flatshard.set_unshard_in_backward(unit, False)`` is called on: backward
+            gathers them no more.
 
     The peak is the steady-state step's most live tensor bytes on the rank, the
     quantity ``flatshard bench`` and the tests measure at the dispatcher; on the rank the
@@ -223,6 +228,7 @@ def plan(
         tensor_parallel=tensor_parallel,
         placement=placement,
         reshard_after_forward=reshard_after_forward,
+        no_unshard_in_backward=tuple(no_unshard_in_backward),
     )
     return plan_setup(build, inputs, loss or _default_loss, setup, machines)
 

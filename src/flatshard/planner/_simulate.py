@@ -35,7 +35,7 @@ from flatshard.runtime._matrix_optimizers import muon_matrices
 from flatshard.runtime._prefetch import Prefetch
 from flatshard.runtime._step_loop import StepObserver, train_step
 from flatshard.runtime._summary import sharding_summary
-from flatshard.runtime._switches import set_reshard_after_forward
+from flatshard.runtime._switches import set_reshard_after_forward, set_unshard_in_backward
 from flatshard.sharding._keep_gathered import shard_keeping_last
 
 Inputs = Callable[[], tuple[torch.Tensor, ...]]
@@ -79,6 +79,8 @@ class Setup:
     placement: ShardPlacement | None = None
     # set_reshard_after_forward(model, value) after sharding; None: as the strategy says.
     reshard_after_forward: bool | None = None
+    # Units (module names) set_unshard_in_backward(unit, False): backward gathers them not.
+    no_unshard_in_backward: tuple[str, ...] = ()
 
 
 @dataclass
@@ -233,6 +235,8 @@ def shard(model: nn.Module, setup: Setup, **extra: Any) -> nn.Module:
     sharded = shard_keeping_last(model, setup.kept_gathered, **options)
     if setup.reshard_after_forward is not None:
         set_reshard_after_forward(sharded, setup.reshard_after_forward)
+    for name in setup.no_unshard_in_backward:
+        set_unshard_in_backward(sharded.get_submodule(name), False)
     return sharded
 
 

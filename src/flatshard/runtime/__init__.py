@@ -31,6 +31,7 @@ from flatshard.runtime._switches import (
     set_requires_gradient_sync,
     set_reshard_after_backward,
     set_reshard_after_forward,
+    set_unshard_in_backward,
 )
 from flatshard.runtime._unit import unit_modules
 from flatshard.runtime._unshard import UnshardHandle, reshard, unshard
@@ -56,6 +57,7 @@ __all__ = [
     "set_requires_gradient_sync",
     "set_reshard_after_backward",
     "set_reshard_after_forward",
+    "set_unshard_in_backward",
     "sharding_summary",
     "summon_full_params",
     "train_step",

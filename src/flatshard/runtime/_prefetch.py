@@ -62,6 +62,7 @@ class Prefetchable(Gathering, Protocol):
     """What prefetch needs of a unit (``Unit``)."""
 
     prefetch_targets: PrefetchTargets  # explicit targets (set_prefetch), else predicted
+    unshard_in_backward: bool  # False: never gathered in backward, prefetch neither
 
     @property
     def label(self) -> str: ...

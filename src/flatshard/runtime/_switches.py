@@ -1,7 +1,7 @@
 """Switches of a sharded model's step, named after FSDP2's methods so that migrating is a
 rename: ``set_requires_gradient_sync``, ``set_reshard_after_backward``,
 ``set_reshard_after_forward`` and ``set_requires_all_reduce``; and
-``set_gradient_divide_factor``.
+``set_gradient_divide_factor`` and ``set_unshard_in_backward``.
 
 Each applies to a whole model (every unit of the ``fully_shard`` call on it, bottom-up
 calls included), until set again. Ranks that set different values would issue different
@@ -18,7 +18,7 @@ from torch import nn
 
 from flatshard.comm._ranks import global_rank
 from flatshard.runtime._step import StepContext, collective_call, contexts_under
-from flatshard.runtime._unit import units_of
+from flatshard.runtime._unit import unit_or_error, units_of
 
 
 def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
@@ -101,6 +101,23 @@ def set_gradient_divide_factor(model: nn.Module, factor: float | None) -> None:
                     "no hook (flatshard.comm_hooks.register_comm_hook(model, None))."
                 )
             flat.reduction.divide_factor = None if factor is None else float(factor)
+
+
+def set_unshard_in_backward(module: nn.Module, unshard_in_backward: bool) -> None:
+    """False: backward does not gather the unit ``module`` (one ``fully_shard`` made a
+    unit: not the units inside it, as FSDP2's), for a unit no backward op reads the
+    parameters of, e.g. an embedding table's: one all-gather less per step, and forward
+    frees the buffer at once. Its gradient is reduced as always. If a backward op does
+    read them, it fails in torch (out of bounds for storage of size 0) ([Note: a unit
+    backward does not read]). FSDP2's ``module.set_unshard_in_backward(False)``."""
+    if not isinstance(unshard_in_backward, bool):
+        raise TypeError(
+            f"flatshard.set_unshard_in_backward: pass True or False, got {unshard_in_backward!r}"
+        )
+    unit = unit_or_error(module, "set_unshard_in_backward")
+    unit.require_idle("set_unshard_in_backward", "call it between steps.")
+    with collective_call(module, f"set_unshard_in_backward({unshard_in_backward})"):
+        unit.unshard_in_backward = unshard_in_backward
 
 
 def _agreed(model: nn.Module, caller: str, value: bool) -> list[StepContext]:

@@ -38,6 +38,17 @@ see the sharded leaves and their gradients, exactly as without ``unshard``. A mo
 the unit called on its own between steps (``model.head(x)``) gets the views for that call.
 The buffers follow the shard's writes like any gathered buffer ([Note: stale gathers]):
 after the model's optimizer steps, the next use gathers again.
+
+[Note: a unit backward does not read]
+``flatshard.set_unshard_in_backward(module, False)`` says that no backward op of the unit
+reads its parameters (an embedding table: its backward needs only the indices). Its
+forward then frees the gathered buffer even where it would keep it (the root, the last
+unit of forward, ZeRO-2 strategies), and backward gathers nothing: autograd holds the
+views forward made, and a gradient needs only their shapes, so the flat gradient still
+arrives and is reduced as always. Were the claim wrong, the backward op reading a view of
+the freed buffer fails in torch ("setStorage: ... out of bounds for storage of size 0"),
+as FSDP2's does. A recomputation inside backward (activation checkpointing) still gathers:
+that forward does read the parameters.
 """
 
 from __future__ import annotations
@@ -155,6 +166,9 @@ class Unit:
         for flat in flat_params:
             flat.on_collective = self._record
         self.prefetch_targets = PrefetchTargets()  # set_prefetch
+        # False: backward does not gather the unit (set_unshard_in_backward; [Note: a unit
+        # backward does not read])
+        self.unshard_in_backward = True
         self.context: UnitStep  # set when a StepContext adds the unit (see UnitStep)
         self.hold = Hold.NONE  # flatshard.unshard, summon_full_params
         self.held_calls = 0  # modules of a held unit running outside its forward
@@ -376,10 +390,14 @@ class Unit:
             # (backward starts with them, they would be gathered again at once, with no
             # compute to hide the wait), and units whose strategy keeps parameters from
             # forward to backward (SHARD_GRAD_OP, ZERO2) or set_reshard_after_forward(False).
-            keep = needs_grad and (
-                self.is_root
-                or self.context.order.ended_last_forward(self)
-                or not self.reshards_after_forward
+            keep = (
+                needs_grad
+                and self.unshard_in_backward
+                and (
+                    self.is_root
+                    or self.context.order.ended_last_forward(self)
+                    or not self.reshards_after_forward
+                )
             )
             hidden_graph = not needs_grad and self._may_hide_graph(output)
             self.expects_backward |= hidden_graph  # its gradient may still come
@@ -407,7 +425,8 @@ class Unit:
             # and checkpoint recomputation reading them would save other tensors than
             # forward did.
             with torch.enable_grad():
-                self.unshard()
+                if self.unshard_in_backward:
+                    self.unshard()
                 if self.config.prefetch.backward is BackwardPrefetch.BACKWARD_PRE:
                     self._prefetch_backward()
 
@@ -459,7 +478,8 @@ class Unit:
         return self.context.tag(self.label)
 
     def _prefetch_backward(self) -> None:
-        issue(backward_targets(self, self.context.order), self.context.rate_limiter)
+        targets = backward_targets(self, self.context.order)
+        issue([u for u in targets if u.unshard_in_backward], self.context.rate_limiter)
 
     def _inputs_grad_done(self) -> None:
         self.pending_input_grads -= 1

@@ -60,7 +60,7 @@ class MLPStack(nn.Module):
 class TinyGPT(GPT):
     """A small GPT with its LM head tied to the token embedding."""
 
-    UNIT_CLASSES = frozenset({GPTBlock})
+    UNIT_CLASSES: frozenset[type[nn.Module]] = frozenset({GPTBlock})
 
     def __init__(
         self, vocab: int = 37, dim: int = 16, heads: int = 2, layers: int = 3, seq_len: int = 9
@@ -75,6 +75,17 @@ class TinyGPT(GPT):
         x, y = batch
         out: torch.Tensor = F.cross_entropy(self(x).flatten(0, 1), y.flatten())
         return out
+
+
+class EmbeddingUnitsGPT(TinyGPT):
+    """A TinyGPT with a head of its own whose two embedding tables are units of their own:
+    no backward op reads them (``set_unshard_in_backward``)."""
+
+    UNIT_CLASSES: frozenset[type[nn.Module]] = frozenset({GPTBlock, nn.Embedding})
+
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        GPT.__init__(self, vocab=37, dim=16, heads=2, layers=3, seq_len=9, tied=False)
 
 
 class VocabGPT(TinyGPT):
@@ -249,6 +260,7 @@ MODELS: dict[str, type[nn.Module]] = {
     "reuse": Reuse,
     "mlp": MLPStack,
     "gpt": TinyGPT,
+    "embedding_units_gpt": EmbeddingUnitsGPT,
     "vocab_gpt": VocabGPT,
     "untied_vocab_gpt": UntiedVocabGPT,
     "padded_vocab_gpt": PaddedVocabGPT,

@@ -57,6 +57,8 @@ class ParityConfig:
     # reference scales its loss by W / factor, which the factor does to the gradients.
     gradient_divide_factor: float | None = None
     gradient_scale: float = 1.0  # (set by run_reference from the factor)
+    # Units (module names) set_unshard_in_backward(module, False) (FSDP2: the same method)
+    no_unshard_in_backward: tuple[str, ...] = ()
     # Hybrid: set_requires_all_reduce(False) for all micro-batches but the last (flatshard
     # and FSDP2 alike): reduce-scatters only, the replicas' all-reduce once per step.
     all_reduce_last: bool = False
@@ -164,6 +166,12 @@ def train(
                 module.set_force_sum_reduction_for_comms(True)
     if config.reshard_after_forward is not None and kind == "flatshard":
         flatshard.set_reshard_after_forward(model, config.reshard_after_forward)
+    for name in config.no_unshard_in_backward if kind != "reference" else ():
+        module = model.get_submodule(name)
+        if kind == "flatshard":
+            flatshard.set_unshard_in_backward(module, False)
+        else:
+            cast(Any, module).set_unshard_in_backward(False)
     if config.reshard_after_forward is not None and kind == "fsdp2":
         cast(Any, model).set_reshard_after_forward(config.reshard_after_forward)
     loss_fn = cast(Callable[[Batch], torch.Tensor], cast(Any, model).loss)
