@@ -31,6 +31,7 @@ from flatshard.testing.models import build
 from flatshard.testing.parity import (
     ParityConfig,
     batches,
+    install_custom_comms,
     parity_job,
     shard_with_flatshard,
     slice_batch,
@@ -837,3 +838,118 @@ def test_unshard_in_backward_misuse_is_an_error(pool: WorkerPool) -> None:
         assert "is not a flatshard unit" in messages[0]
         assert "pass True or False, got 0" in messages[1]
         assert "storage of size 0" in messages[2]
+
+
+# ---------------------------------------------------------------- custom collectives
+@pytest.mark.parametrize(
+    ("config", "against_fsdp2"),
+    [
+        (ParityConfig(model="gpt", world_size=2, micro_batches=2, custom_comms=True), True),
+        (
+            ParityConfig(
+                model="gpt",
+                world_size=2,
+                strategy="SHARD_GRAD_OP",
+                micro_batches=2,
+                no_sync=True,
+                accumulate_with="switch",
+                custom_comms=True,
+                clip=0.5,
+            ),
+            True,
+        ),
+        (
+            ParityConfig(
+                model="nested",
+                world_size=4,
+                strategy="HYBRID_SHARD",
+                sharding_factor=2,
+                custom_comms=True,
+                optimizer="sgd",
+            ),
+            False,
+        ),
+    ],
+    ids=["full-shard-fsdp2", "shard-grad-op-accumulated-fsdp2", "hybrid"],
+)
+def test_custom_collectives_match_fsdp2_and_the_reference(
+    pool: WorkerPool, config: ParityConfig, against_fsdp2: bool
+) -> None:
+    """set_custom_all_gather / set_custom_reduce_scatter with FSDP2's comm objects
+    (torch's collectives behind them) on every unit: the same training as without."""
+    pool.run(parity_job, config, against_fsdp2)
+
+
+def custom_comms_counts_job(ctx: WorkerContext) -> dict[str, Any] | None:
+    group = ctx.group(2)
+    if group is None:
+        return None
+    config = ParityConfig(model="gpt", world_size=2)
+    model: Any = build(config.model)
+    shard_with_flatshard(model, config, group)
+    gather, scatter = install_custom_comms(model, "flatshard")
+    local = slice_batch(next(batches(model, 1)), ctx.rank, 2)
+    with CollectiveTracker() as tracker:
+        model.loss(local).backward()
+    units = len(flatshard.unit_modules(model))
+    return {
+        "counts": dict(tracker.counts),
+        "gather": gather.calls,
+        "scatter": scatter.calls,
+        "units": units,
+    }
+
+
+def test_custom_collectives_carry_every_gather_and_reduce_scatter(pool: WorkerPool) -> None:
+    """One step of a FULL_SHARD TinyGPT (U units, U - 1 blocks gathered again in backward):
+    the user's all-gather is called U + (U - 1) times, the reduce-scatter U times, and the
+    gradients travel by reduce_scatter_tensor, none by gloo's all-to-all form."""
+    result = pool.run(custom_comms_counts_job)[0]
+    units = result["units"]
+    assert result["gather"] == 2 * units - 1
+    assert result["scatter"] == units
+    assert result["counts"] == {
+        ALL_GATHER: 2 * units - 1 + STEP_CHECK,
+        REDUCE_SCATTER: units,
+    }
+
+
+def custom_comms_misuse_job(ctx: WorkerContext) -> list[str] | None:
+    group = ctx.group(2)
+    if group is None:
+        return None
+
+    def refusal(call: Any) -> str:
+        try:
+            call()
+        except (TypeError, ValueError) as error:
+            return str(error)
+        return "no error"
+
+    def no_op(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    gpt: Any = build("gpt")
+    shard_with_flatshard(gpt, ParityConfig(model="gpt", world_size=2), group)
+    comm_hooks.register_comm_hook(gpt, comm_hooks.LowPrecisionHook(torch.bfloat16))
+    tables: Any = build("vocab_gpt")
+    config = ParityConfig(model="vocab_gpt", world_size=2, sparse_embeddings=True)
+    shard_with_flatshard(tables, config, group)  # the root holds the row-sparse table
+    custom: Any = build("gpt")
+    shard_with_flatshard(custom, ParityConfig(model="gpt", world_size=2), group)
+    flatshard.set_custom_reduce_scatter(custom, no_op)
+    hook = comm_hooks.LowPrecisionHook(torch.bfloat16)
+    return [
+        refusal(lambda: flatshard.set_custom_all_gather(gpt, 3)),
+        refusal(lambda: flatshard.set_custom_reduce_scatter(gpt, no_op)),
+        refusal(lambda: flatshard.set_custom_all_gather(tables, no_op)),
+        refusal(lambda: comm_hooks.register_comm_hook(custom, hook)),
+    ]
+
+
+def test_custom_collectives_misuse_is_an_error(pool: WorkerPool) -> None:
+    for messages in pool.run(custom_comms_misuse_job)[:2]:
+        assert "comm must be callable" in messages[0]
+        assert "reduces through a communication hook" in messages[1]
+        assert "holds the row-sparse table 'tok.weight'" in messages[2]
+        assert "reduce-scatters with a custom collective" in messages[3]

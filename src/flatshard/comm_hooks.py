@@ -42,6 +42,14 @@ def register_comm_hook(model: nn.Module, hook: CommHook | None) -> None:
             "without tables (for block in model.blocks: register_comm_hook(block, hook)), "
             "or give the tables the placement flatshard.Rows()."
         )
+    custom = [u.label for u in units for f in u.trainable if f.transport.reduce_scatter]
+    if hook is not None and custom:
+        raise ValueError(
+            f"flatshard.comm_hooks.register_comm_hook: unit '{custom[0]}' reduce-scatters "
+            f"with a custom collective (flatshard.set_custom_reduce_scatter), and a hook does "
+            f"the whole reduction (rank {global_rank()}); reduce-scatter in the hook, or "
+            "set_custom_reduce_scatter(unit, None) first."
+        )
     for unit in units:
         for flat in unit.trainable:
             flat.reduction.comm_hook = hook

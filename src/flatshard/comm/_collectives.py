@@ -12,9 +12,10 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
+from datetime import timedelta
 from enum import Enum
 from functools import partial
-from typing import Any, ClassVar, NamedTuple, cast
+from typing import Any, ClassVar, NamedTuple, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,51 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _ALL_REDUCE = dist.all_reduce
 _ALL_TO_ALL = dist.all_to_all_single
+
+
+class AllGatherComm(Protocol):
+    """A user's all-gather (FSDP2's ``AllGather``, whose ``allocate`` flatshard does not
+    call: the buffers are the FlatParameter's own): fill ``output_tensor`` (C * F,) with
+    every rank's ``input_tensor`` (C,) in rank order; a ``Work`` when ``async_op``, or None
+    once done."""
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None: ...
+
+
+class ReduceScatterComm(Protocol):
+    """A user's reduce-scatter (FSDP2's ``ReduceScatter``): ``output_tensor`` (C,) gets
+    this rank's chunk of ``input_tensor`` (C * F,) reduced with ``op`` (flatshard's is
+    always ``SUM``) over ``group``; a ``Work`` when ``async_op``, or None once done."""
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp.RedOpType,
+        async_op: bool = False,
+    ) -> dist.Work | None: ...
+
+
+class _Done(dist.Work):
+    """The work of a user's collective that returned None: done when it returned."""
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _custom(launch: Callable[[], dist.Work | None]) -> Callable[[], dist.Work]:
+    """``launch`` of a user's collective, its None (already done) as a finished work."""
+    return lambda: launch() or _Done()
 
 
 class WaitClock:
@@ -103,14 +149,19 @@ def all_gather_into(
 
 
 def start_all_gather(
-    unsharded: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, tag: Tag | None = None
+    unsharded: torch.Tensor,
+    shard: torch.Tensor,
+    group: dist.ProcessGroup,
+    tag: Tag | None = None,
+    comm: AllGatherComm | None = None,
 ) -> dist.Work:
     """``all_gather_into`` without waiting: ``wait_work`` before reading ``unsharded``.
 
     ``shard`` must stay alive until then (the collective reads it in the background).
+    ``comm``: a user's all-gather instead of torch's (``set_custom_all_gather``).
     """
-    launch = partial(_ALL_GATHER, unsharded, shard, group=group, async_op=True)
-    return _issue(group, "all_gather", shard, tag, launch)
+    launch = partial(comm or _ALL_GATHER, unsharded, shard, group=group, async_op=True)
+    return _issue(group, "all_gather", shard, tag, _custom(launch) if comm else launch)
 
 
 def exchange_rows(
@@ -313,6 +364,7 @@ def reduce_gradient(
     tag: Tag | None,
     across_replicas: bool = True,
     division: tuple[float, float] | None = None,
+    comm: ReduceScatterComm | None = None,
 ) -> PendingReduction:
     """Average ``grad`` (C * F,) over all W ranks; this rank keeps its chunk (C,).
 
@@ -323,16 +375,19 @@ def reduce_gradient(
     ``across_replicas=False``: the reduce-scatter alone, still divided by all of W, so that
     a later sum across the replicas (``all_reduce``) of such chunks is the average.
     ``division``: (before, after) the sum, for a divisor other than W
-    (``gradient_division``).
+    (``gradient_division``). ``comm``: a user's reduce-scatter for the one inside the
+    shard group (``set_custom_reduce_scatter``).
     """
     pre, post = division or split_division(groups.world_size)
     if pre != 1:
         grad.div_(pre)
     summed = groups if across_replicas else ShardGroups(groups.shard, None)
-    return _start_sum(grad, summed, tag)._replace(post_divide=post)
+    return _start_sum(grad, summed, tag, comm)._replace(post_divide=post)
 
 
-def _start_sum(grad: torch.Tensor, groups: ShardGroups, tag: Tag | None) -> PendingReduction:
+def _start_sum(
+    grad: torch.Tensor, groups: ShardGroups, tag: Tag | None, comm: ReduceScatterComm | None
+) -> PendingReduction:
     """Start summing ``grad`` (C * F,) over all W ranks into this rank's chunk (C,)."""
     if groups.shard is None and groups.split_across_replicas:  # F = 1: ZeRO-2 over replicas
         assert groups.replicate is not None
@@ -345,7 +400,7 @@ def _start_sum(grad: torch.Tensor, groups: ShardGroups, tag: Tag | None) -> Pend
             work = _start_all_reduce(grad, groups.replicate, tag)
         return PendingReduction(work=work, input=grad, output=grad)
     output = grad.new_empty(grad.numel() // groups.factor)  # (C,)
-    scattered = _start_scatter_sum(output, grad, groups, tag)
+    scattered = _start_scatter_sum(output, grad, groups, tag, comm)
     if groups.replicate is None:
         return scattered
     # [Note: hybrid reduction off the compute stream]
@@ -420,11 +475,21 @@ def sum_reduce(grad: torch.Tensor, groups: ShardGroups, tag: Tag | None = None) 
 
 
 def _start_scatter_sum(
-    output: torch.Tensor, grad: torch.Tensor, groups: ShardGroups, tag: Tag | None
+    output: torch.Tensor,
+    grad: torch.Tensor,
+    groups: ShardGroups,
+    tag: Tag | None,
+    comm: ReduceScatterComm | None = None,
 ) -> PendingReduction:
-    """Start summing ``grad`` (C * F,) over the shard group into ``output`` (C,)."""
+    """Start summing ``grad`` (C * F,) over the shard group into ``output`` (C,), with
+    ``comm`` if given (a user's reduce-scatter)."""
     assert groups.shard is not None
     group, size = groups.shard, output.numel()
+    if comm is not None:
+        launch = partial(comm, output, grad, group, op=dist.ReduceOp.SUM, async_op=True)
+        return PendingReduction(
+            _issue(group, "reduce_scatter", grad, tag, _custom(launch)), grad, output
+        )
     impl = reduce_scatter_impl(group)
     if impl is ReduceScatter.ALL_TO_ALL:
         received = torch.empty_like(grad)  # (F, C): every rank's copy of this rank's chunk

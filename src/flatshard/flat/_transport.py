@@ -6,20 +6,35 @@ tensors as they are: the shard in the compute dtype, the gradient in the reduce 
 codec (e.g. one byte per weight with row-wise scales) subclasses it: ``gather`` may send
 an encoded payload and decode into ``unsharded`` when its work is waited for, ``reduce`` the
 same for gradients, so the unit, the runtime and the state layers never see the encoding.
+The collectives themselves are torch's, or a user's (FSDP2's ``set_custom_all_gather`` /
+``set_custom_reduce_scatter``): ``all_gather`` and ``reduce_scatter``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from flatshard.comm._checks import Tag
-from flatshard.comm._collectives import PendingReduction, reduce_gradient, start_all_gather
+from flatshard.comm._collectives import (
+    AllGatherComm,
+    PendingReduction,
+    ReduceScatterComm,
+    reduce_gradient,
+    start_all_gather,
+)
 from flatshard.comm._mesh import ShardGroups
 
 
+@dataclass(frozen=True)
 class Transport:
-    """Sends a group's payloads unchanged (the identity codec)."""
+    """Sends a group's payloads unchanged (the identity codec), by torch's collectives or
+    the user's given here (None: torch's)."""
+
+    all_gather: AllGatherComm | None = None
+    reduce_scatter: ReduceScatterComm | None = None  # the one inside the shard group
 
     def gather(
         self,
@@ -30,7 +45,7 @@ class Transport:
     ) -> dist.Work:
         """All-gather ``source`` (C,) of every rank into ``unsharded`` (C * F,), without
         waiting; ``unsharded`` is complete once the work is waited for."""
-        return start_all_gather(unsharded, source, group, tag)
+        return start_all_gather(unsharded, source, group, tag, self.all_gather)
 
     def reduce(
         self,
@@ -42,7 +57,7 @@ class Transport:
     ) -> PendingReduction:
         """Sum ``grad`` (C * F,) over the W ranks divided as ``division`` says (before,
         after the sum; W by default: the average); this rank keeps its chunk (C,)."""
-        return reduce_gradient(grad, groups, tag, across_replicas, division)
+        return reduce_gradient(grad, groups, tag, across_replicas, division, self.reduce_scatter)
 
 
 IDENTITY = Transport()

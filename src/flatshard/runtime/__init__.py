@@ -11,6 +11,7 @@ Layer 3: imports ``flatshard.flat`` and below.
 """
 
 from flatshard.runtime._clip import clip_grad_norm_
+from flatshard.runtime._custom_comms import set_custom_all_gather, set_custom_reduce_scatter
 from flatshard.runtime._grad_scaler import ShardedGradScaler
 from flatshard.runtime._hooks import register_entry_point, set_prefetch
 from flatshard.runtime._matrix_optimizers import register_matrix_optimizer
@@ -51,6 +52,8 @@ __all__ = [
     "register_entry_point",
     "register_matrix_optimizer",
     "reshard",
+    "set_custom_all_gather",
+    "set_custom_reduce_scatter",
     "set_gradient_divide_factor",
     "set_prefetch",
     "set_requires_all_reduce",

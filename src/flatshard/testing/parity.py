@@ -57,6 +57,9 @@ class ParityConfig:
     # reference scales its loss by W / factor, which the factor does to the gradients.
     gradient_divide_factor: float | None = None
     gradient_scale: float = 1.0  # (set by run_reference from the factor)
+    # set_custom_all_gather / set_custom_reduce_scatter on every unit (FSDP2: the same
+    # methods) with TorchAllGather / TorchReduceScatter: torch's collectives, counted
+    custom_comms: bool = False
     # Units (module names) set_unshard_in_backward(module, False) (FSDP2: the same method)
     no_unshard_in_backward: tuple[str, ...] = ()
     # Hybrid: set_requires_all_reduce(False) for all micro-batches but the last (flatshard
@@ -166,6 +169,8 @@ def train(
                 module.set_force_sum_reduction_for_comms(True)
     if config.reshard_after_forward is not None and kind == "flatshard":
         flatshard.set_reshard_after_forward(model, config.reshard_after_forward)
+    if config.custom_comms and kind != "reference":
+        install_custom_comms(model, kind)
     for name in config.no_unshard_in_backward if kind != "reference" else ():
         module = model.get_submodule(name)
         if kind == "flatshard":
@@ -218,6 +223,68 @@ def train(
             dist.all_reduce(step_loss, group=group)
         result.losses.append(step_loss.item() / shard_count)
     return result
+
+
+class TorchAllGather:
+    """A user's all-gather in FSDP2's form (``AllGather``): torch's, counting its calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def allocate(
+        self, size: tuple[int, ...], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        self.calls += 1
+        work: dist.Work | None = dist.all_gather_into_tensor(
+            output_tensor, input_tensor, group=group, async_op=async_op
+        )
+        return work
+
+
+class TorchReduceScatter(TorchAllGather):
+    """A user's reduce-scatter in FSDP2's form (``ReduceScatter``): torch's
+    ``reduce_scatter_tensor`` (gloo's: an all-reduce and a copy), counting its calls."""
+
+    def __call__(  # type: ignore[override]
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp.RedOpType,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        self.calls += 1
+        work: dist.Work | None = dist.reduce_scatter_tensor(
+            output_tensor, input_tensor, op=op, group=group, async_op=async_op
+        )
+        return work
+
+
+def install_custom_comms(model: nn.Module, kind: str) -> tuple[TorchAllGather, TorchReduceScatter]:
+    """One counting all-gather and reduce-scatter on every unit of ``model`` (flatshard's
+    units, or FSDP2's modules)."""
+    gather, scatter = TorchAllGather(), TorchReduceScatter()
+    if kind == "flatshard":
+        for _, module in flatshard.unit_modules(model):
+            flatshard.set_custom_all_gather(module, gather)
+            flatshard.set_custom_reduce_scatter(module, scatter)
+        return gather, scatter
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_custom_all_gather(cast(Any, gather))
+            module.set_custom_reduce_scatter(cast(Any, scatter))
+    return gather, scatter
 
 
 StepLoop = Callable[[nn.Module, torch.optim.Optimizer, Batch, torch.Tensor, RunResult], None]
