@@ -953,3 +953,81 @@ def test_custom_collectives_misuse_is_an_error(pool: WorkerPool) -> None:
         assert "reduces through a communication hook" in messages[1]
         assert "holds the row-sparse table 'tok.weight'" in messages[2]
         assert "reduce-scatters with a custom collective" in messages[3]
+
+
+# ---------------------------------------------------------------- separate reduction group
+# The twin groups are made by every rank of the world, so these models span the pool's 4.
+# FSDP2's own switch makes its group with use_local_synchronization, which hangs in this
+# pool (its ranks made different groups before: pytorch/pytorch#173608): no FSDP2 run.
+@pytest.mark.parametrize(
+    "config",
+    [
+        ParityConfig(
+            model="gpt", world_size=4, micro_batches=2, separate_reduce_scatter_group=True
+        ),
+        ParityConfig(
+            model="gpt",
+            world_size=4,
+            strategy="HYBRID_SHARD",
+            sharding_factor=2,
+            micro_batches=2,
+            all_reduce_last=True,
+            separate_reduce_scatter_group=True,
+            clip=0.5,
+        ),
+        ParityConfig(
+            model="vocab_gpt",
+            world_size=4,
+            sparse_embeddings=True,
+            separate_reduce_scatter_group=True,
+        ),
+    ],
+    ids=["full-shard", "hybrid-owed-clipped", "row-sparse"],
+)
+def test_separate_reduce_scatter_group_matches_the_reference(
+    pool: WorkerPool, config: ParityConfig
+) -> None:
+    pool.run(parity_job, config, False)
+
+
+def separate_group_job(ctx: WorkerContext, enable_after: bool) -> dict[str, Any] | None:
+    group = ctx.group(4)
+    assert group is not None
+    model: Any = build("gpt")
+    shard_with_flatshard(model, ParityConfig(model="gpt", world_size=4), group)
+    flatshard.set_separate_reduce_scatter_group(model, True)
+    flatshard.set_separate_reduce_scatter_group(model, enable_after)
+    gather, scatter = install_custom_comms(model, "flatshard")
+    model.loss(slice_batch(next(batches(model, 1)), ctx.rank, 4)).backward()
+    return {"gather": gather.groups, "scatter": scatter.groups, "shard": group.group_name}
+
+
+@pytest.mark.parametrize("enable", [True, False])
+def test_reductions_take_a_group_of_their_own(pool: WorkerPool, enable: bool) -> None:
+    """Every reduce-scatter on one twin group, every all-gather on the shard group; set
+    False again, both on the shard group."""
+    for result in pool.run(separate_group_job, enable):
+        assert result["gather"] == {result["shard"]}
+        if enable:
+            assert len(result["scatter"]) == 1
+            assert result["scatter"] != result["gather"]
+        else:
+            assert result["scatter"] == {result["shard"]}
+
+
+def separate_group_refusal_job(ctx: WorkerContext) -> str | None:
+    group = ctx.group(2)
+    if group is None:
+        return None
+    model: Any = build("gpt")
+    shard_with_flatshard(model, ParityConfig(model="gpt", world_size=2), group)
+    try:
+        flatshard.set_separate_reduce_scatter_group(model, True)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_separate_reduce_scatter_group_needs_the_whole_world(pool: WorkerPool) -> None:
+    for message in pool.run(separate_group_refusal_job)[:2]:
+        assert "sharded over 2 of the 4 ranks" in message

@@ -380,3 +380,65 @@ def _groups(shard: dist.ProcessGroup | None, replicate: dist.ProcessGroup | None
         return group if group is not None and dist.get_world_size(group) > 1 else None
 
     return ShardGroups(shard=real(shard), replicate=real(replicate))
+
+
+def reduction_groups(
+    shards: list[dist.ProcessGroup], model: dist.ProcessGroup
+) -> list[dist.ProcessGroup]:
+    """For each of ``shards`` (a model's distinct shard groups, in the same order on every
+    rank), a process group of its own over the same ranks in the same order, for gradient
+    reductions (``set_separate_reduce_scatter_group``). Made once per world and rank list.
+
+    [Note: reductions on their own group]
+    Collectives on one process group are started in the order they were issued, so an
+    all-gather issued after a large reduce-scatter waits for it: on gloo a 2 MB all-gather
+    behind a 50 MB all-to-all finished with it in a third of the tries, on a group of its
+    own in none (docs/performance.md). NCCL runs one collective at a time per communicator
+    the same way. On a twin group the two progress together.
+
+    Every rank of the world makes every twin (``new_group`` without local synchronization:
+    with it, torch hangs where the ranks made different groups before, as every hybrid
+    world's ranks have; pytorch/pytorch#173608). So ``model`` must be the whole world, and
+    the ranks first exchange their shard groups' ranks to make the same twins in one order.
+    """
+    world = _world()
+    if dist.get_world_size(model) != dist.get_world_size():
+        raise ValueError(
+            f"flatshard.set_separate_reduce_scatter_group: the model is sharded over "
+            f"{dist.get_world_size(model)} of the {dist.get_world_size()} ranks (rank "
+            f"{dist.get_rank()}), and every rank of the world must make the reduction "
+            "groups; shard it over the whole world, or leave the reductions on the shard "
+            "group."
+        )
+    if not _TWINS:
+        atexit.register(_TWINS.clear)  # see _release_at_exit in runtime/_step.py
+    mine = [tuple(dist.get_process_group_ranks(s)) for s in shards]
+    everyone: list[list[tuple[int, ...]] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine, group=model)
+    wanted = sorted({ranks for lists in everyone for ranks in lists or []})
+    for ranks in wanted:
+        cached = _TWINS.get((id(world), ranks))
+        if cached is not None and cached[0] is world:
+            continue
+        twin: dist.ProcessGroup | None = dist.new_group(list(ranks), backend=_backend(shards))
+        _TWINS[(id(world), ranks)] = (world, twin)
+    twins = []
+    for ranks in mine:
+        twin = _TWINS[(id(world), ranks)][1]
+        if twin is None or tuple(dist.get_process_group_ranks(twin)) != ranks:
+            raise ValueError(
+                f"flatshard.set_separate_reduce_scatter_group: the shard group's ranks "
+                f"{list(ranks)} are not in ascending order (rank {dist.get_rank()}), so no "
+                "group over them keeps each rank's chunk of a reduction; build the group "
+                "(or mesh) with its ranks in ascending order."
+            )
+        twins.append(twin)
+    return twins
+
+
+def _backend(shards: list[dist.ProcessGroup]) -> str | None:
+    return str(dist.get_backend(shards[0])) if shards else None
+
+
+# (id of the world group, ranks) -> (that world group, this rank's twin over them, or None)
+_TWINS: dict[tuple[int, tuple[int, ...]], tuple[dist.ProcessGroup, dist.ProcessGroup | None]] = {}

@@ -7,12 +7,14 @@ codec (e.g. one byte per weight with row-wise scales) subclasses it: ``gather`` 
 an encoded payload and decode into ``unsharded`` when its work is waited for, ``reduce`` the
 same for gradients, so the unit, the runtime and the state layers never see the encoding.
 The collectives themselves are torch's, or a user's (FSDP2's ``set_custom_all_gather`` /
-``set_custom_reduce_scatter``): ``all_gather`` and ``reduce_scatter``.
+``set_custom_reduce_scatter``): ``all_gather`` and ``reduce_scatter``; reductions inside the
+shard group may take a group of their own (``reduce_group``, [Note: reductions on their
+own group] in ``comm/_mesh.py``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -35,6 +37,7 @@ class Transport:
 
     all_gather: AllGatherComm | None = None
     reduce_scatter: ReduceScatterComm | None = None  # the one inside the shard group
+    reduce_group: dist.ProcessGroup | None = None  # the shard group's twin for reductions
 
     def gather(
         self,
@@ -57,6 +60,8 @@ class Transport:
     ) -> PendingReduction:
         """Sum ``grad`` (C * F,) over the W ranks divided as ``division`` says (before,
         after the sum; W by default: the average); this rank keeps its chunk (C,)."""
+        if self.reduce_group is not None and groups.shard is not None:
+            groups = replace(groups, shard=self.reduce_group)
         return reduce_gradient(grad, groups, tag, across_replicas, division, self.reduce_scatter)
 
 

@@ -32,6 +32,7 @@ from flatshard.runtime._switches import (
     set_requires_gradient_sync,
     set_reshard_after_backward,
     set_reshard_after_forward,
+    set_separate_reduce_scatter_group,
     set_unshard_in_backward,
 )
 from flatshard.runtime._unit import unit_modules
@@ -60,6 +61,7 @@ __all__ = [
     "set_requires_gradient_sync",
     "set_reshard_after_backward",
     "set_reshard_after_forward",
+    "set_separate_reduce_scatter_group",
     "set_unshard_in_backward",
     "sharding_summary",
     "summon_full_params",

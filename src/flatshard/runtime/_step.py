@@ -94,6 +94,7 @@ class StepContext:
         for unit in self.units:
             for flat in unit.flat_params:
                 flat.groups = ShardGroups(shard=None, replicate=None)
+                flat.transport = replace(flat.transport, reduce_group=None)
 
     def tag(self, unit: str = "", phase: str | None = None) -> Tag:
         """What a collective issued now is for (see ``comm/_watchdog.py``)."""

@@ -1,7 +1,8 @@
 """Switches of a sharded model's step, named after FSDP2's methods so that migrating is a
 rename: ``set_requires_gradient_sync``, ``set_reshard_after_backward``,
 ``set_reshard_after_forward`` and ``set_requires_all_reduce``; and
-``set_gradient_divide_factor`` and ``set_unshard_in_backward``.
+``set_gradient_divide_factor``, ``set_unshard_in_backward`` and
+``set_separate_reduce_scatter_group``.
 
 Each applies to a whole model (every unit of the ``fully_shard`` call on it, bottom-up
 calls included), until set again. Ranks that set different values would issue different
@@ -13,9 +14,12 @@ and its value through the c10d store: a rank that differs raises
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
+import torch.distributed as dist
 from torch import nn
 
+from flatshard.comm._mesh import reduction_groups
 from flatshard.comm._ranks import global_rank
 from flatshard.runtime._step import StepContext, collective_call, contexts_under
 from flatshard.runtime._unit import unit_or_error, units_of
@@ -118,6 +122,30 @@ def set_unshard_in_backward(module: nn.Module, unshard_in_backward: bool) -> Non
     unit.require_idle("set_unshard_in_backward", "call it between steps.")
     with collective_call(module, f"set_unshard_in_backward({unshard_in_backward})"):
         unit.unshard_in_backward = unshard_in_backward
+
+
+def set_separate_reduce_scatter_group(model: nn.Module, enable: bool = True) -> None:
+    """True: every unit inside ``model`` reduces its gradients inside its shard group on a
+    process group of its own over the same ranks (made once per shard group), so that an
+    all-gather never waits behind a reduce-scatter issued before it; False: on the shard
+    group again. The replicas' all-reduce (hybrid) and a communication hook's collectives
+    are unchanged. FSDP2's ``model.set_separate_reduce_scatter_group(enable)``."""
+    if not isinstance(enable, bool):
+        raise TypeError(
+            f"flatshard.set_separate_reduce_scatter_group: pass True or False, got {enable!r}"
+        )
+    contexts = _agreed(model, "set_separate_reduce_scatter_group", enable)
+    flats = [f for c in contexts for u in c.units for f in u.flat_params]
+    twins: dict[int, dist.ProcessGroup] = {}
+    if enable:
+        shards = list({id(s): s for f in flats if (s := f.groups.shard) is not None}.values())
+        model_group = contexts[0].process_group
+        if shards and model_group is not None:
+            made = reduction_groups(shards, model_group)
+            twins = {id(s): t for s, t in zip(shards, made, strict=True)}
+    for flat in flats:
+        twin = twins.get(id(flat.groups.shard)) if flat.groups.shard is not None else None
+        flat.transport = replace(flat.transport, reduce_group=twin)
 
 
 def _agreed(model: nn.Module, caller: str, value: bool) -> list[StepContext]:

@@ -60,6 +60,8 @@ class ParityConfig:
     # set_custom_all_gather / set_custom_reduce_scatter on every unit (FSDP2: the same
     # methods) with TorchAllGather / TorchReduceScatter: torch's collectives, counted
     custom_comms: bool = False
+    # set_separate_reduce_scatter_group(model, True) (FSDP2: the same method)
+    separate_reduce_scatter_group: bool = False
     # Units (module names) set_unshard_in_backward(module, False) (FSDP2: the same method)
     no_unshard_in_backward: tuple[str, ...] = ()
     # Hybrid: set_requires_all_reduce(False) for all micro-batches but the last (flatshard
@@ -171,6 +173,10 @@ def train(
         flatshard.set_reshard_after_forward(model, config.reshard_after_forward)
     if config.custom_comms and kind != "reference":
         install_custom_comms(model, kind)
+    if config.separate_reduce_scatter_group and kind == "flatshard":
+        flatshard.set_separate_reduce_scatter_group(model, True)
+    if config.separate_reduce_scatter_group and kind == "fsdp2":
+        cast(Any, model).set_separate_reduce_scatter_group(True)
     for name in config.no_unshard_in_backward if kind != "reference" else ():
         module = model.get_submodule(name)
         if kind == "flatshard":
@@ -230,6 +236,7 @@ class TorchAllGather:
 
     def __init__(self) -> None:
         self.calls = 0
+        self.groups: set[str] = set()  # the names of the groups it was called on
 
     def allocate(
         self, size: tuple[int, ...], *, dtype: torch.dtype, device: torch.device
@@ -244,6 +251,7 @@ class TorchAllGather:
         async_op: bool = False,
     ) -> dist.Work | None:
         self.calls += 1
+        self.groups.add(group.group_name)
         work: dist.Work | None = dist.all_gather_into_tensor(
             output_tensor, input_tensor, group=group, async_op=async_op
         )
@@ -263,6 +271,7 @@ class TorchReduceScatter(TorchAllGather):
         async_op: bool = False,
     ) -> dist.Work | None:
         self.calls += 1
+        self.groups.add(group.group_name)
         work: dist.Work | None = dist.reduce_scatter_tensor(
             output_tensor, input_tensor, op=op, group=group, async_op=async_op
         )

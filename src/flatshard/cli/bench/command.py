@@ -84,15 +84,18 @@ def run(args: argparse.Namespace) -> int:
             else:
                 predicted = predict(config)
                 print(predicted_line(predicted, summary["flatshard"]))
-        waits = {
-            k[len("wait_s ") :]: v
-            for k, v in summary.get("flatshard", {}).items()
-            if k.startswith("wait_s ") and v >= 0.0005
-        }
-        if waits and config.device == "cpu":
-            top = sorted(waits.items(), key=lambda kv: -kv[1])[:6]
-            shown = ", ".join(f"{unit} {s:.3f}" for unit, s in top)
-            print(f"flatshard exposed wait per unit (rank 0, s per step, largest first): {shown}")
+        for system in (s for s in summary if s.startswith("flatshard")):
+            waits = {
+                k[len("wait_s ") :]: v
+                for k, v in summary[system].items()
+                if k.startswith("wait_s ") and v >= 0.0005
+            }
+            if waits and config.device == "cpu":
+                top = sorted(waits.items(), key=lambda kv: -kv[1])[:6]
+                shown = ", ".join(f"{unit} {s:.3f}" for unit, s in top)
+                print(
+                    f"{system} exposed wait per unit (rank 0, s per step, largest first): {shown}"
+                )
         if "embedding_bytes_per_step" in summary.get("flatshard", {}):
             row = summary["flatshard"]
             print(
@@ -396,6 +399,10 @@ def _wrap(model: GPT, system: str, device: torch.device, placement: PlacementRul
         return flatshard.fully_shard(model, auto_wrap_policy={GPTBlock}, **options)
     if system == "flatshard-dense":
         return flatshard.fully_shard(model, auto_wrap_policy={GPTBlock}, **options)
+    if system == "flatshard-twin":
+        sharded = flatshard.fully_shard(model, auto_wrap_policy={GPTBlock}, **options)
+        flatshard.set_separate_reduce_scatter_group(sharded, True)
+        return sharded
     if system == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 

@@ -11,7 +11,9 @@ SYSTEMS = ("flatshard", "fsdp2", "ddp", "floor")
 # Also available, not run by default: flatshard without any prefetch (what prefetch buys).
 # flatshard-dense: flatshard with its embedding tables gathered whole, whatever
 # --sparse-embeddings says (what row-sparse tables buy, side by side).
-EXTRA_SYSTEMS = ("flatshard-noprefetch", "flatshard-debug", "flatshard-dense")
+# flatshard-twin: flatshard with its reductions on a process group of their own
+# (set_separate_reduce_scatter_group).
+EXTRA_SYSTEMS = ("flatshard-noprefetch", "flatshard-debug", "flatshard-dense", "flatshard-twin")
 
 
 ACCUMULATIONS = ("no_sync", "reduce", "keep")
@@ -45,7 +47,8 @@ class BenchConfig:
     systems: str = ""
     """comma-separated subset of flatshard,fsdp2,ddp,floor,flatshard-noprefetch,
     flatshard-debug (every collective checked across ranks first: Checks(debug=True)),
-    flatshard-dense (embedding tables gathered whole: --sparse-embeddings off for it);
+    flatshard-dense (embedding tables gathered whole: --sparse-embeddings off for it),
+    flatshard-twin (reductions on a process group of their own);
     default: flatshard,fsdp2,ddp,floor (without fsdp2 for --optimizer muon or adafactor)"""
     optimizer: str = "adamw"
     """adamw | muon | adafactor, as in flatshard train: muon and adafactor shard whole
