@@ -355,8 +355,10 @@ def test_train_step_takes_a_module_around_the_sharded_model(
 def test_the_new_switches_refuse_what_they_cannot_do(local_group: dist.ProcessGroup) -> None:
     model = flatshard.fully_shard(nn.Linear(4, 4))
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(TypeError, match=r"pass True or False, got 2 .*HYBRID_SHARD"):
-        flatshard.set_reshard_after_forward(model, 2)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"pass True, False or a number of ranks >= 2.*got 1"):
+        flatshard.set_reshard_after_forward(model, 1)
+    with pytest.raises(ValueError, match=r"no unit of Linear is sharded across more than one"):
+        flatshard.set_reshard_after_forward(model, 2)
     loss = lambda i: model(torch.ones(1, 4)).sum()  # noqa: E731
     with pytest.raises(ValueError, match=r"accumulation must be 'no_sync' or 'reduce'"):
         flatshard.train_step(model, [optim], loss, 2, accumulation="keep")

@@ -504,3 +504,42 @@ def test_unshard_in_backward_is_priced(planner: ProcessPoolExecutor) -> None:
         return sum(c.count for c in plan.collectives if c.kind == "all_gather")
 
     assert gathers() - gathers(no_unshard_in_backward=("tok", "pos")) == 2
+
+
+def test_reshard_after_forward_to_a_host_and_separate_reductions_are_priced(
+    planner: ProcessPoolExecutor,
+) -> None:
+    """2 hosts x 2 ranks on NCCL: set_reshard_after_forward(model, 2) keeps backward's
+    all-gathers inside a host (as many, cheaper, more memory: half of each unit kept);
+    set_separate_reduce_scatter_group puts the reductions on a stream of their own (the
+    same collectives, a step no slower)."""
+    options = {
+        "loss": language_model_loss,
+        "auto_wrap_policy": {GPTBlock},
+        "cluster": "a100-80gb",
+        "hosts": 2,
+        "ranks_per_host": 2,
+    }
+
+    def planned(**extra: Any) -> flatshard.Plan:
+        plan: flatshard.Plan = planner.submit(
+            flatshard.plan, gpt, tokens, **options, **extra
+        ).result()
+        return plan
+
+    def gathers(plan: flatshard.Plan) -> Any:
+        return next(c for c in plan.collectives if c.kind == "all_gather")
+
+    default, to_host = planned(), planned(reshard_after_forward=2)
+    assert gathers(default).links == "inter-host"
+    assert "intra-host" in gathers(to_host).links
+    assert gathers(to_host).count == gathers(default).count
+    assert gathers(to_host).seconds < gathers(default).seconds
+    assert to_host.peak_memory_bytes > default.peak_memory_bytes
+    assert to_host.to_json()["reshard_after_forward"] == 2
+    separate = planned(separate_reduce_scatter_group=True)
+    assert [(c.kind, c.count) for c in separate.collectives] == [
+        (c.kind, c.count) for c in default.collectives
+    ]
+    assert separate.step.seconds <= default.step.seconds
+    assert separate.to_json()["separate_reduce_scatter_group"] is True

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import flatshard
 from flatshard import comm_hooks
@@ -1031,3 +1032,183 @@ def separate_group_refusal_job(ctx: WorkerContext) -> str | None:
 def test_separate_reduce_scatter_group_needs_the_whole_world(pool: WorkerPool) -> None:
     for message in pool.run(separate_group_refusal_job)[:2]:
         assert "sharded over 2 of the 4 ranks" in message
+
+
+# ---------------------------------------------------------------- reshard to N ranks
+@pytest.mark.parametrize(
+    "config",
+    [
+        ParityConfig(model="gpt", world_size=4, micro_batches=2, reshard_after_forward=2),
+        ParityConfig(
+            model="gpt",
+            world_size=4,
+            strategy="SHARD_GRAD_OP",
+            micro_batches=2,
+            no_sync=True,
+            reshard_after_forward=2,
+            checkpoint="inside",
+            clip=0.5,
+        ),
+        ParityConfig(
+            model="nested",
+            world_size=4,
+            strategy="HYBRID_SHARD",
+            sharding_factor=4,
+            reshard_after_forward=2,
+            reshard_after_backward=False,
+            micro_batches=2,
+            no_sync=True,
+            optimizer="sgd",
+        ),
+    ],
+    ids=["full-shard", "zero2-accumulated-checkpointed", "hybrid-kept-after-backward"],
+)
+def test_reshard_after_forward_to_fewer_ranks_matches_the_reference(
+    pool: WorkerPool, config: ParityConfig
+) -> None:
+    """set_reshard_after_forward(model, 2) at 4 ranks: backward gathers each unit from
+    the parts kept in groups of 2; the training is the unsharded model's."""
+    pool.run(parity_job, config, False)
+
+
+class GatherInputs(TorchDispatchMode):
+    """The elements each all-gather sends from this rank, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[int] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if "allgather" in str(func.overloadpacket):
+            self.sent.append(int(args[1].numel()))
+        return func(*args, **(kwargs or {}))
+
+
+def reshard_to_job(ctx: WorkerContext, size: int | bool) -> dict[str, Any] | None:
+    group = ctx.group(4)
+    assert group is not None
+    model: Any = build("gpt")
+    shard_with_flatshard(model, ParityConfig(model="gpt", world_size=4), group)
+    flatshard.set_reshard_after_forward(model, size)
+    loss = model.loss(slice_batch(next(batches(model, 1)), ctx.rank, 4))
+    with GatherInputs() as inputs:
+        loss.backward()
+    flats = flatshard.sharding_summary(model).flat_params
+    return {
+        "sent": inputs.sent,
+        "unsharded": {f.unit: f.shard_numel * f.factor for f in flats},
+    }
+
+
+def test_reshard_after_forward_to_fewer_ranks_by_formula(pool: WorkerPool) -> None:
+    """The first backward of TinyGPT at W = 4 (the root kept; every block gathered again:
+    the first forward does not know yet which block ends it): FULL_SHARD sends L / 4 per
+    block, N = 2 sends L / 2 from the part kept in its group of 2 (half the ranks, the
+    same buffer)."""
+    full = pool.run(reshard_to_job, True)[0]
+    halves = pool.run(reshard_to_job, 2)[0]
+    regathered = sorted(n for u, n in full["unsharded"].items() if u != "<root>")
+    assert sorted(n for n in full["sent"] if n * 4 in regathered) == [n // 4 for n in regathered]
+    assert sorted(n for n in halves["sent"] if n * 2 in regathered) == [n // 2 for n in regathered]
+    assert len(full["sent"]) == len(halves["sent"])
+
+
+def reshard_to_refusal_job(ctx: WorkerContext) -> list[str] | None:
+    group = ctx.group(4)
+    assert group is not None
+    model: Any = build("gpt")
+    shard_with_flatshard(model, ParityConfig(model="gpt", world_size=4), group)
+    messages = []
+    for bad in (3, 1, 2.0):
+        try:
+            flatshard.set_reshard_after_forward(model, bad)  # type: ignore[arg-type]
+        except (TypeError, ValueError) as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_reshard_after_forward_to_a_non_divisor_is_an_error(pool: WorkerPool) -> None:
+    for messages in pool.run(reshard_to_refusal_job):
+        assert "3 ranks do not divide the 4 ranks of a shard group" in messages[0]
+        assert "got 1" in messages[1]
+        assert "got 2.0" in messages[2]
+
+
+# ---------------------------------------------------------------- parameters left alone
+@pytest.mark.parametrize(
+    ("config", "against_fsdp2"),
+    [
+        (
+            ParityConfig(
+                model="gpt",
+                world_size=2,
+                micro_batches=2,
+                no_sync=True,
+                accumulate_with="switch",
+                unmanaged=("ln_f.weight", "blocks.1.ln1.bias"),
+            ),
+            True,
+        ),
+        (
+            ParityConfig(
+                model="gpt",
+                world_size=2,
+                policy="bottom_up",
+                unmanaged=("blocks.0.mlp.0.weight", "pos.weight"),
+                clip=0.5,
+            ),
+            False,
+        ),
+    ],
+    ids=["fsdp2-ignored-params", "bottom-up-clipped"],
+)
+def test_unmanaged_parameters_match_fsdp2_ignored_params_and_the_reference(
+    pool: WorkerPool, config: ParityConfig, against_fsdp2: bool
+) -> None:
+    """placement Unmanaged() for some parameters (FSDP2's ignored_params): whole on every
+    rank, their gradients averaged by hand before each step; the rest sharded as always.
+    Bottom-up, the later call on the root leaves the blocks' choice alone."""
+    pool.run(parity_job, config, against_fsdp2)
+
+
+def unmanaged_state_job(ctx: WorkerContext, path: str) -> dict[str, Any] | None:
+    group = ctx.group(2)
+    if group is None:
+        return None
+    config = ParityConfig(model="gpt", world_size=2, unmanaged=("ln_f.weight",))
+
+    def sharded() -> Any:
+        model: Any = build("gpt")
+        shard_with_flatshard(model, config, group)
+        return model
+
+    model = sharded()
+    left = model.get_parameter("ln_f.weight")
+    summary = flatshard.sharding_summary(model)
+    in_groups = any("ln_f.weight" in f.param_names for f in summary.flat_params)
+    with torch.no_grad():
+        left.fill_(2.0 + ctx.rank)  # each rank's own, as a user who never averages it
+    full = flatshard.full_state_dict(model)
+    flatshard.save_checkpoint(path, model)
+    fresh = sharded()
+    flatshard.load_checkpoint(path, fresh)
+    loaded = fresh.get_parameter("ln_f.weight").detach()
+    return {
+        "in_groups": in_groups,
+        "shape": tuple(left.shape),
+        "full_equal": ctx.rank != 0 or torch.equal(full["ln_f.weight"], left.detach()),
+        "loaded": loaded,
+    }
+
+
+def test_unmanaged_parameters_in_state_dicts_and_checkpoints(
+    pool: WorkerPool, tmp_path: Any
+) -> None:
+    results = pool.run(unmanaged_state_job, str(tmp_path / "ckpt"))[:2]
+    for result in results:
+        assert not result["in_groups"]
+        assert result["shape"] == (16,)  # whole on every rank
+        assert result["full_equal"]
+    # One rank's copy (DCP saves a replicated tensor once), the same on both after loading
+    assert torch.equal(results[0]["loaded"], results[1]["loaded"])
+    assert results[0]["loaded"][0].item() in (2.0, 3.0)

@@ -38,6 +38,7 @@ from flatshard.flat import (
     SizePolicy,
     SublayerPolicy,
     TableTraffic,
+    Unmanaged,
     Whole,
 )
 from flatshard.runtime import (
@@ -127,6 +128,7 @@ __all__ = [
     "MixedPrecision",
     "CPUOffload",
     "Rows",
+    "Unmanaged",
     "Whole",
     "RowSparse",
     "ShardPlacement",

@@ -387,7 +387,7 @@ def reduction_groups(
 ) -> list[dist.ProcessGroup]:
     """For each of ``shards`` (a model's distinct shard groups, in the same order on every
     rank), a process group of its own over the same ranks in the same order, for gradient
-    reductions (``set_separate_reduce_scatter_group``). Made once per world and rank list.
+    reductions (``set_separate_reduce_scatter_group``).
 
     [Note: reductions on their own group]
     Collectives on one process group are started in the order they were issued, so an
@@ -395,50 +395,83 @@ def reduction_groups(
     behind a 50 MB all-to-all finished with it in a third of the tries, on a group of its
     own in none (docs/performance.md). NCCL runs one collective at a time per communicator
     the same way. On a twin group the two progress together.
+    """
+    wanted = [tuple(dist.get_process_group_ranks(s)) for s in shards]
+    return _groups_over(wanted, model, "set_separate_reduce_scatter_group", _REDUCTIONS)
 
-    Every rank of the world makes every twin (``new_group`` without local synchronization:
-    with it, torch hangs where the ranks made different groups before, as every hybrid
-    world's ranks have; pytorch/pytorch#173608). So ``model`` must be the whole world, and
-    the ranks first exchange their shard groups' ranks to make the same twins in one order.
+
+def post_forward_groups(
+    shards: list[dist.ProcessGroup], size: int, model: dist.ProcessGroup
+) -> list[dist.ProcessGroup]:
+    """For each of ``shards``, the group of ``size`` consecutive ranks of it this rank is
+    in (``set_reshard_after_forward(model, size)``: backward gathers inside it); an error
+    naming the group if ``size`` does not divide its size."""
+    wanted = []
+    for shard in shards:
+        ranks = dist.get_process_group_ranks(shard)
+        if len(ranks) % size:
+            raise ValueError(
+                f"flatshard.set_reshard_after_forward: {size} ranks do not divide the "
+                f"{len(ranks)} ranks of a shard group {ranks} (rank {dist.get_rank()}); "
+                f"give a divisor of {len(ranks)} (e.g. the ranks per host), or True/False."
+            )
+        start = ranks.index(dist.get_rank()) // size * size
+        wanted.append(tuple(ranks[start : start + size]))
+    return _groups_over(wanted, model, "set_reshard_after_forward", f"post-forward {size}")
+
+
+def _groups_over(
+    wanted: list[tuple[int, ...]], model: dist.ProcessGroup, caller: str, kind: str
+) -> list[dist.ProcessGroup]:
+    """A process group over each of ``wanted`` (this rank's rank lists; every rank asks
+    for as many, in the same order), each in the order given. Made once per world, rank
+    list and ``kind`` (a twin is another group than the post-forward group it equals).
+
+    Every rank of the world makes every group (``new_group`` without local
+    synchronization: with it, torch hangs where the ranks made different groups before,
+    as every hybrid world's ranks have; pytorch/pytorch#173608). So ``model`` must be the
+    whole world, and the ranks first exchange what they want, to make the same groups in
+    one order.
     """
     world = _world()
     if dist.get_world_size(model) != dist.get_world_size():
         raise ValueError(
-            f"flatshard.set_separate_reduce_scatter_group: the model is sharded over "
-            f"{dist.get_world_size(model)} of the {dist.get_world_size()} ranks (rank "
-            f"{dist.get_rank()}), and every rank of the world must make the reduction "
-            "groups; shard it over the whole world, or leave the reductions on the shard "
-            "group."
+            f"flatshard.{caller}: the model is sharded over {dist.get_world_size(model)} of "
+            f"the {dist.get_world_size()} ranks (rank {dist.get_rank()}), and every rank of "
+            "the world must make the groups it needs; shard it over the whole world."
         )
-    if not _TWINS:
-        atexit.register(_TWINS.clear)  # see _release_at_exit in runtime/_step.py
-    mine = [tuple(dist.get_process_group_ranks(s)) for s in shards]
+    if not _MADE:
+        atexit.register(_MADE.clear)  # see _release_at_exit in runtime/_step.py
     everyone: list[list[tuple[int, ...]] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine, group=model)
-    wanted = sorted({ranks for lists in everyone for ranks in lists or []})
+    dist.all_gather_object(everyone, wanted, group=model)
+    backend = str(dist.get_backend(model))
+    for ranks in sorted({ranks for lists in everyone for ranks in lists or []}):
+        cached = _MADE.get((id(world), ranks, kind))
+        if cached is None or cached[0] is not world:
+            group: dist.ProcessGroup | None = dist.new_group(list(ranks), backend=backend)
+            _MADE[(id(world), ranks, kind)] = (world, group)
+    made = []
     for ranks in wanted:
-        cached = _TWINS.get((id(world), ranks))
-        if cached is not None and cached[0] is world:
-            continue
-        twin: dist.ProcessGroup | None = dist.new_group(list(ranks), backend=_backend(shards))
-        _TWINS[(id(world), ranks)] = (world, twin)
-    twins = []
-    for ranks in mine:
-        twin = _TWINS[(id(world), ranks)][1]
-        if twin is None or tuple(dist.get_process_group_ranks(twin)) != ranks:
+        group = _MADE[(id(world), ranks, kind)][1]
+        if group is None or tuple(dist.get_process_group_ranks(group)) != ranks:
             raise ValueError(
-                f"flatshard.set_separate_reduce_scatter_group: the shard group's ranks "
-                f"{list(ranks)} are not in ascending order (rank {dist.get_rank()}), so no "
-                "group over them keeps each rank's chunk of a reduction; build the group "
-                "(or mesh) with its ranks in ascending order."
+                f"flatshard.{caller}: the shard group's ranks {list(ranks)} are not in "
+                f"ascending order (rank {dist.get_rank()}), so no group over them keeps "
+                "each rank's chunk; build the group (or mesh) with its ranks in ascending "
+                "order."
             )
-        twins.append(twin)
-    return twins
+        made.append(group)
+    return made
 
 
-def _backend(shards: list[dist.ProcessGroup]) -> str | None:
-    return str(dist.get_backend(shards[0])) if shards else None
+def is_reduction_group(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` is a twin made for reductions (the planner gives them a timeline
+    of their own)."""
+    return any(made[1] is group for (_, _, kind), made in _MADE.items() if kind == _REDUCTIONS)
 
 
-# (id of the world group, ranks) -> (that world group, this rank's twin over them, or None)
-_TWINS: dict[tuple[int, tuple[int, ...]], tuple[dist.ProcessGroup, dist.ProcessGroup | None]] = {}
+_REDUCTIONS = "twins"
+# (id of the world group, ranks, kind) -> (that world group, this rank's group, or None)
+_MADE: dict[
+    tuple[int, tuple[int, ...], str], tuple[dist.ProcessGroup, dist.ProcessGroup | None]
+] = {}

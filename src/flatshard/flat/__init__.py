@@ -15,7 +15,7 @@ Layer 2: imports ``flatshard.comm`` and below.
 
 from flatshard.flat._layout import FlatLayout, ParamSlot, ShardRange, row_layout
 from flatshard.flat._mixed_precision import CPUOffload, DtypeReport, DtypeRow, MixedPrecision
-from flatshard.flat._placement import Rows, ShardPlacement, TableTraffic, Whole
+from flatshard.flat._placement import Rows, ShardPlacement, TableTraffic, Unmanaged, Whole
 from flatshard.flat._policy import SizePolicy, SublayerPolicy
 from flatshard.flat._reduction import CommHook
 from flatshard.flat._row_sparse import RowSparse
@@ -35,6 +35,7 @@ __all__ = [
     "SizePolicy",
     "SublayerPolicy",
     "TableTraffic",
+    "Unmanaged",
     "Whole",
     "row_layout",
 ]

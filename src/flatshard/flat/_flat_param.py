@@ -76,6 +76,18 @@ into the shard (``refresh``), decided by the shard's generation ([Note: stale ga
 which every rank sees alike.
 Anything gathered from the originals' layout (state dicts, optimizer state) goes through
 the same two steps (``gather_region``).
+
+[Note: resharding to a smaller group after forward]
+``set_reshard_after_forward(model, N)`` (FSDP2's int): forward frees the gathered buffer
+but keeps 1/N of it, the part this rank holds in its group of N consecutive shard ranks
+(``post_forward_group``, e.g. the ranks of one host), and backward all-gathers the buffer
+from those parts inside that group: traffic inside a host in backward, for L / N elements
+kept per unit where FULL_SHARD keeps L / F. The buffer the parts make is the gathered
+buffer itself: L = C * F elements cut into N equal parts, in the order of the shard
+ranks, which the group keeps. A part is used only at the generation it was cut at ([Note:
+stale gathers]): after a write of the shard it is dropped and the next use gathers from
+the shards over the whole shard group. It is dropped once used; a forward whose backward
+never comes leaves it until the next gather of the group, which then uses it.
 """
 
 from __future__ import annotations
@@ -189,6 +201,11 @@ class FlatParamGroup:
         # tag to issue it with. The unit records it in its root's ledger (see comm/_ledger.py).
         self.on_collective: Callable[[str, int], Tag | None] = _ignore
         self.transport: Transport = IDENTITY  # how gathers and reductions travel
+        # set_reshard_after_forward(model, N): forward keeps this rank's part for its group
+        # of N shard ranks; backward gathers from the parts ([Note: resharding to a smaller
+        # group after forward]). The part: (its elements, the generation it was cut at).
+        self.post_forward_group: dist.ProcessGroup | None = None
+        self._part: tuple[torch.Tensor, int] | None = None
         self._allocate_unsharded()
         self.reduction = GradientReduction(self)
         # What the group does where its placement decides ([Note: one placement protocol])
@@ -321,8 +338,12 @@ class FlatParamGroup:
             self._unsharded_data.copy_(source)
             self._move(Storage.GATHERED)
             return
+        group = self.groups.shard
+        part, self._part = self._part, None
+        if part is not None and part[1] == self.generation and self.post_forward_group:
+            source, group = part[0], self.post_forward_group
         tag = self.on_collective("all_gather", source.numel())
-        work = self.transport.gather(self._unsharded_data, source, self.groups.shard, tag)
+        work = self.transport.gather(self._unsharded_data, source, group, tag)
         self._gather = (work, source)  # the source must outlive the collective
         self._move(Storage.GATHERING)
 
@@ -365,6 +386,21 @@ class FlatParamGroup:
         shard is waited for first. Every rank calls it alike."""
         self.finish_unshard()
         self.generation += 1
+        self._part = None  # cut from the old shards
+
+    def reshard_after_forward(self) -> bool:
+        """``reshard``, keeping this rank's part for its post-forward group if it has one
+        ([Note: resharding to a smaller group after forward]). Returns whether memory was
+        freed."""
+        self.finish_unshard()
+        group = self.post_forward_group
+        if group is not None and self.storage is Storage.GATHERED and not self.aliases_shard:
+            parts = group.size()
+            size = self.layout.unsharded_numel // parts
+            start = group.rank() * size
+            cut = self._unsharded_data[start : start + size].clone()
+            self._part = (cut, self._gathered_generation)
+        return self.reshard()
 
     @property
     def unshard_allocates(self) -> bool:

@@ -1,13 +1,15 @@
 """Placements: how each parameter lies across its shard group, as one value and one protocol.
 
 ``fully_shard(placement=...)`` chooses a placement per parameter: a ``ShardPlacement``
-value, or a rule ``(name, parameter) -> ShardPlacement | None``. Three exist:
+value, or a rule ``(name, parameter) -> ShardPlacement | None``. Four exist:
 
 - ``Rows()`` (the default): the row-aligned layout, every rank a slice of whole rows.
 - ``Whole()``: no parameter cut; each lies whole in one rank's shard, for optimizers that
   update a matrix as a whole (``flat/_layout.py``, [Note: whole-parameter layout]).
 - ``RowSparse()`` (``_row_sparse.py``): an ``nn.Embedding`` weight whose lookups fetch only
   their rows from the ranks that hold them.
+- ``Unmanaged()``: left out of every flat group (FSDP2's ``ignored_params``): the parameter
+  stays whole on every rank, is never gathered, and its gradient is not reduced.
 
 [Note: one placement protocol]
 A placement is two objects. The value (``ShardPlacement``) acts at build time: which
@@ -112,6 +114,7 @@ class ShardPlacement:
     alone: ClassVar[bool] = False  # each parameter in a flat group of its own
     cuts_rows: ClassVar[bool] = True  # False: each parameter whole in one rank's shard
     serves_lookups: ClassVar[bool] = False  # embedding lookups take a path of their own
+    manages: ClassVar[bool] = True  # False: in no flat group (the unit leaves it alone)
 
     def serves(self, orig: OriginalParam) -> bool:
         """Whether this placement, given for the whole model, applies to ``orig`` (the
@@ -150,6 +153,19 @@ class Whole(ShardPlacement):
                 "HYBRID_SHARD or FULL_SHARD with Whole()"
             )
         return None
+
+
+@dataclass(frozen=True)
+class Unmanaged(ShardPlacement):
+    """Left alone (FSDP2's ``ignored_params``): the parameter is in no flat group, stays
+    whole on every rank (materialized and moved with its unit), and its gradient is each
+    rank's own, never reduced: average it yourself (``dist.all_reduce``) before the step if
+    the ranks are to agree. State dicts and checkpoints hold it as a replicated tensor (a
+    checkpoint keeps one rank's copy and loads it on every rank);
+    ``flatshard.clip_grad_norm_`` counts it once. A later ``fully_shard`` on an enclosing
+    module leaves it alone too."""
+
+    manages: ClassVar[bool] = False
 
 
 ROWS = Rows()

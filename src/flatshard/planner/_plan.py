@@ -121,6 +121,7 @@ class Plan:
             "placement": repr(self.setup.placement or Rows()),
             "reshard_after_forward": self.setup.reshard_after_forward,
             "no_unshard_in_backward": list(self.setup.no_unshard_in_backward),
+            "separate_reduce_scatter_group": self.setup.separate_reduce_scatter_group,
             "cluster": self.cluster.name,
         }
 
@@ -146,8 +147,9 @@ def plan(
     cpu_offload: bool = False,
     tensor_parallel: int = 1,
     placement: ShardPlacement | None = None,
-    reshard_after_forward: bool | None = None,
+    reshard_after_forward: bool | int | None = None,
     no_unshard_in_backward: tuple[str, ...] = (),
+    separate_reduce_scatter_group: bool = False,
 ) -> Plan:
     """Predict one rank's memory and step time for a training run, without running it.
 
@@ -192,10 +194,14 @@ def plan(
             real text, whose frequent tokens repeat, moves fewer.
         reshard_after_forward: ``flatshard.set_reshard_after_forward(model, value)`` on the
             sharded model: False keeps every unit gathered from forward to backward
-            (backward gathers nothing, for the memory); None: as the strategy says.
+            (backward gathers nothing, for the memory); None: as the strategy says. An
+            int N: backward gathers inside groups of N ranks (e.g. ``ranks_per_host``),
+            from the 1/N of each unit kept after forward.
         no_unshard_in_backward: the units (module names, e.g. ``("tok_embeddings",)``)
             ``flatshard.set_unshard_in_backward(unit, False)`` is called on: backward
             gathers them no more.
+        separate_reduce_scatter_group: ``flatshard.set_separate_reduce_scatter_group``:
+            the reductions on a communication stream of their own in the step's timing.
 
     The peak is the steady-state step's most live tensor bytes on the rank, the
     quantity ``flatshard bench`` and the tests measure at the dispatcher; on the rank the
@@ -229,6 +235,7 @@ def plan(
         placement=placement,
         reshard_after_forward=reshard_after_forward,
         no_unshard_in_backward=tuple(no_unshard_in_backward),
+        separate_reduce_scatter_group=separate_reduce_scatter_group,
     )
     return plan_setup(build, inputs, loss or _default_loss, setup, machines)
 

@@ -26,6 +26,8 @@ from torch.distributed import distributed_c10d as c10d
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from flatshard.comm._mesh import is_reduction_group
+
 # What a storage holds, by when and by which op it was made (see ``Recorder.tag_of``).
 PARAMETERS = "sharded parameters and buffers"
 BATCH = "input batch"
@@ -68,6 +70,8 @@ class Op:
     backward: bool
     dtype: torch.dtype | None = None  # compute: of its first output
     hosts: int = 1  # collective: hosts its group spans (see ``Recorder.ranks_per_host``)
+    # collective: on a process group of the reductions' own (set_separate_reduce_scatter_group)
+    own_group: bool = False
     read_bytes: tuple[int, ...] = ()  # compute: bytes it reads of each of ``reads``
 
 
@@ -289,6 +293,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 writes=tuple(self._serials(written)),
                 backward=self.backward,
                 hosts=len({r // self.ranks_per_host for r in ranks}),
+                own_group=is_reduction_group(group),
             )
         )
 

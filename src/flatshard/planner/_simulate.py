@@ -35,7 +35,11 @@ from flatshard.runtime._matrix_optimizers import muon_matrices
 from flatshard.runtime._prefetch import Prefetch
 from flatshard.runtime._step_loop import StepObserver, train_step
 from flatshard.runtime._summary import sharding_summary
-from flatshard.runtime._switches import set_reshard_after_forward, set_unshard_in_backward
+from flatshard.runtime._switches import (
+    set_reshard_after_forward,
+    set_separate_reduce_scatter_group,
+    set_unshard_in_backward,
+)
 from flatshard.sharding._keep_gathered import shard_keeping_last
 
 Inputs = Callable[[], tuple[torch.Tensor, ...]]
@@ -77,8 +81,11 @@ class Setup:
     # fully_shard's placement for every parameter it serves (RowSparse(): lookups and
     # their gradients priced for distinct token ids, [Note: row-sparse tables in a plan]).
     placement: ShardPlacement | None = None
-    # set_reshard_after_forward(model, value) after sharding; None: as the strategy says.
-    reshard_after_forward: bool | None = None
+    # set_reshard_after_forward(model, value) after sharding (an int N: backward gathers
+    # inside groups of N ranks); None: as the strategy says.
+    reshard_after_forward: bool | int | None = None
+    # set_separate_reduce_scatter_group(model, True): reductions on a group of their own.
+    separate_reduce_scatter_group: bool = False
     # Units (module names) set_unshard_in_backward(unit, False): backward gathers them not.
     no_unshard_in_backward: tuple[str, ...] = ()
 
@@ -235,6 +242,8 @@ def shard(model: nn.Module, setup: Setup, **extra: Any) -> nn.Module:
     sharded = shard_keeping_last(model, setup.kept_gathered, **options)
     if setup.reshard_after_forward is not None:
         set_reshard_after_forward(sharded, setup.reshard_after_forward)
+    if setup.separate_reduce_scatter_group:
+        set_separate_reduce_scatter_group(sharded, True)
     for name in setup.no_unshard_in_backward:
         set_unshard_in_backward(sharded.get_submodule(name), False)
     return sharded

@@ -10,8 +10,11 @@ an all-reduce twice the steps and the bytes. Ops wait for what they read: a unit
 compute for its all-gather, a reduce-scatter for its gradient. A collective is issued
 where the runtime issued it, so it cannot start before the compute issued ahead of it
 has finished (prefetch overlaps the next unit's all-gather with this unit's compute, as
-the runtime intends). Where communication cannot overlap compute (``Cluster.overlap``
-False: gloo on a few CPU cores, ``design/PEERS.md``), everything runs on one timeline.
+the runtime intends). Reductions on a process group of their own
+(``set_separate_reduce_scatter_group``) run on a communication stream of their own, so an
+all-gather does not queue behind them (their bandwidth is not shared: an optimistic
+bound). Where communication cannot overlap compute (``Cluster.overlap`` False: gloo on a
+few CPU cores, ``design/PEERS.md``), everything runs on one timeline.
 
 With CPU offload, ops that write the host's storages run at the host's speed (the
 optimizer's step, ``Cluster.host``), and an op that reads storages of the other side
@@ -70,7 +73,8 @@ def collective_time(op: Op, cluster: Cluster) -> float:
 
 def step_time(ops: Sequence[Op], cluster: Cluster, host: frozenset[int] = frozenset()) -> StepTime:
     ready: dict[int, float] = {}  # storage serial -> when its last writer finishes
-    compute_at = comm_at = 0.0
+    compute_at = 0.0
+    comm_at = [0.0, 0.0]  # the communication streams: the shard group's, the reductions'
     busy_compute = busy_comm = waited = 0.0
     for op in ops:
         after = max((ready.get(s, 0.0) for s in op.reads), default=0.0)
@@ -83,16 +87,17 @@ def step_time(ops: Sequence[Op], cluster: Cluster, host: frozenset[int] = frozen
             end = compute_at
         else:
             cost = collective_time(op, cluster)
-            start = max(comm_at, after, compute_at)
-            comm_at = start + cost
+            stream = int(op.own_group)
+            start = max(comm_at[stream], after, compute_at)
+            comm_at[stream] = start + cost
             busy_comm += cost
-            end = comm_at
+            end = comm_at[stream]
             if not cluster.overlap:  # one timeline: compute waits for the collective
                 waited += end - compute_at
                 compute_at = end
         for serial in op.writes:
             ready[serial] = end
-    total = max(compute_at, comm_at)
+    total = max(compute_at, *comm_at)
     flops = sum(op.flops for op in ops)
     exposed = waited + (total - compute_at)
     return StepTime(total, busy_compute, busy_comm, exposed, flops)

@@ -77,8 +77,11 @@ def check_in_shards(flat_params: list[FlatParamGroup]) -> None:
         )
 
 
-def check_parameters(root: nn.Module, flat_params: list[FlatParamGroup]) -> None:
-    """An error naming parameters added, removed or replaced in ``root`` since sharding."""
+def check_parameters(
+    root: nn.Module, flat_params: list[FlatParamGroup], left_alone: set[int]
+) -> None:
+    """An error naming parameters added, removed or replaced in ``root`` since sharding
+    (those the placement rule left alone, ``left_alone``, are the user's)."""
     sharded = {id(o.param): o.fqn for f in flat_params for o in f.originals}
     showing_views = {id(o.param) for f in flat_params if f.views_registered for o in f.originals}
     found: set[int] = set()
@@ -89,7 +92,9 @@ def check_parameters(root: nn.Module, flat_params: list[FlatParamGroup]) -> None
                 continue
             if id(param) in sharded:
                 found.add(id(param))
-            elif isinstance(param, nn.Parameter):  # not a view flatshard registered
+            elif (
+                isinstance(param, nn.Parameter) and id(param) not in left_alone
+            ):  # not a view flatshard registered
                 added.append(f"'{join_name(module_name, name)}'")
     removed = [
         f"'{fqn}'" for key, fqn in sharded.items() if key not in found and key not in showing_views

@@ -53,6 +53,8 @@ class StepContext:
         self.process_group: dist.ProcessGroup | None = process_group
         self.rate_limiter = rate_limiter  # Prefetch.limit_all_gathers (see _rate_limiter.py)
         self.units: list[Unit] = []  # inner units first; forward order is not assumed
+        # Parameters the placement rule left alone (Unmanaged()): in no flat group, by design
+        self.left_alone: list[nn.Parameter] = []
         self.order = ExecutionOrder()
         self.ledger = StepLedger()  # collectives issued since the ranks last compared them
         self.changes = ChangeWatch()  # parameters registered since the last check
@@ -118,6 +120,7 @@ class StepContext:
                 unit.inherit(replace(mixed_precision, keep_full_precision=frozenset()))
             self.add(unit)
         other.units = []
+        self.left_alone += other.left_alone
 
     def originals(self) -> Iterator[OriginalParam]:
         """Every original parameter of the model's units."""
@@ -137,7 +140,8 @@ class StepContext:
     def check_unchanged(self) -> None:
         """An error if parameters were added, removed or replaced since ``fully_shard``."""
         if self.changes.to_check:
-            check_parameters(self.root, [f for u in self.units for f in u.flat_params])
+            flats = [f for u in self.units for f in u.flat_params]
+            check_parameters(self.root, flats, {id(p) for p in self.left_alone})
             self.changes.to_check = False
 
     def reduce(self, flat: FlatParamGroup) -> None:

@@ -19,7 +19,7 @@ from dataclasses import replace
 import torch.distributed as dist
 from torch import nn
 
-from flatshard.comm._mesh import reduction_groups
+from flatshard.comm._mesh import post_forward_groups, reduction_groups
 from flatshard.comm._ranks import global_rank
 from flatshard.runtime._step import StepContext, collective_call, contexts_under
 from flatshard.runtime._unit import unit_or_error, units_of
@@ -46,22 +46,43 @@ def set_reshard_after_backward(model: nn.Module, reshard_after_backward: bool) -
         context.reshard_after_backward = value
 
 
-def set_reshard_after_forward(model: nn.Module, reshard_after_forward: bool) -> None:
+def set_reshard_after_forward(model: nn.Module, reshard_after_forward: bool | int) -> None:
     """False: units keep their gathered parameters from forward to backward (backward
     gathers nothing; ZeRO-2's memory for ZeRO-3's strategy); True: every unit frees them
     after forward, also under SHARD_GRAD_OP. With ``set_reshard_after_backward(False)``
     too, each unit is gathered once per optimizer step across all its micro-batches.
     The root and the last unit of the forward order keep theirs either way (backward
-    starts with them). FSDP2's ``model.set_reshard_after_forward(bool)``; FSDP2's int (a
-    smaller group to reshard to) has no counterpart here."""
-    if not isinstance(reshard_after_forward, bool):
+    starts with them). An int N (FSDP2's): forward keeps 1/N of each unit, this rank's
+    part in its group of N consecutive shard ranks (e.g. one host), and backward gathers
+    inside that group ([Note: resharding to a smaller group after forward]); N divides
+    every shard group's size, and the model spans the world (every rank makes the groups).
+    FSDP2's ``model.set_reshard_after_forward``."""
+    value = reshard_after_forward
+    if not isinstance(value, int) or (not isinstance(value, bool) and value < 2):
         raise TypeError(
-            "flatshard.set_reshard_after_forward: pass True or False, got "
-            f"{reshard_after_forward!r} (FSDP2's int, resharding to a smaller group, has no "
-            "counterpart: use HYBRID_SHARD for gathers inside a host)"
+            "flatshard.set_reshard_after_forward: pass True, False or a number of ranks "
+            f">= 2 to reshard to, got {value!r} (rank {global_rank()})"
         )
-    for context in _agreed(model, "set_reshard_after_forward", reshard_after_forward):
-        context.reshard_after_forward = reshard_after_forward
+    contexts = _agreed(model, "set_reshard_after_forward", value)
+    flats = [f for c in contexts for u in c.units for f in u.flat_params]
+    groups: dict[int, dist.ProcessGroup] = {}
+    if not isinstance(value, bool):
+        shards = list({id(s): s for f in flats if (s := f.groups.shard) is not None}.values())
+        model_group = contexts[0].process_group
+        if not shards or model_group is None:
+            raise ValueError(
+                f"flatshard.set_reshard_after_forward: no unit of {type(model).__name__} is "
+                f"sharded across more than one rank (rank {global_rank()}), so there are no "
+                f"{value} ranks to reshard to; pass True or False."
+            )
+        made = post_forward_groups(shards, value, model_group)
+        groups = {id(s): g for s, g in zip(shards, made, strict=True)}
+    for context in contexts:
+        context.reshard_after_forward = bool(value)
+    for flat in flats:
+        shard = flat.groups.shard
+        keeps_part = shard is not None and not flat.placement.serves_lookups
+        flat.post_forward_group = groups.get(id(shard)) if keeps_part else None
 
 
 def set_requires_all_reduce(model: nn.Module, requires_all_reduce: bool) -> None:
@@ -148,7 +169,7 @@ def set_separate_reduce_scatter_group(model: nn.Module, enable: bool = True) -> 
         flat.transport = replace(flat.transport, reduce_group=twin)
 
 
-def _agreed(model: nn.Module, caller: str, value: bool) -> list[StepContext]:
+def _agreed(model: nn.Module, caller: str, value: bool | int) -> list[StepContext]:
     """The model's step contexts, once every rank made the same call with ``value``."""
     contexts = contexts_under(model, caller)
     outer = [c for c in contexts if c.root is not model]

@@ -162,6 +162,9 @@ def fully_shard(
         watch_torch_utilities(context)
         for name, sub_context in earlier.items():
             context.adopt(sub_context, prefix=name, mixed_precision=mixed_precision)
+        context.left_alone += [
+            o.param for m in units for o in m.originals if not placements[o.fqn].manages
+        ]
         for members in units:
             unit = _build_unit(members, build, rank)
             if unit is not None:
@@ -448,6 +451,8 @@ def _split_by_placement(
     alone: list[tuple[ShardPlacement, list[OriginalParam]]] = []
     for orig in params:
         placement = placements[orig.fqn]
+        if not placement.manages:
+            continue  # left alone: in no flat group (Unmanaged())
         if placement.alone:
             alone.append((placement, [orig]))
         else:
@@ -527,9 +532,10 @@ def _earlier_contexts(module: nn.Module) -> dict[str, StepContext]:
 
 
 def _managed_param_ids(context: StepContext) -> set[int]:
+    """The parameters an earlier call took: its flat groups' and those it left alone."""
     return {
         id(orig.param)
         for unit in context.units
         for flat in unit.flat_params
         for orig in flat.originals
-    }
+    } | {id(p) for p in context.left_alone}

@@ -51,8 +51,9 @@ class ParityConfig:
     # which FSDP2 has too).
     accumulate_with: str = "no_sync"
     reshard_after_backward: bool = True  # False: set_reshard_after_backward(model, False)
-    # set_reshard_after_forward(model, value) (FSDP2: the same method); None: not called
-    reshard_after_forward: bool | None = None
+    # set_reshard_after_forward(model, value) (FSDP2: the same method; an int N: FSDP2's
+    # fully_shard(reshard_after_forward=N)); None: not called
+    reshard_after_forward: bool | int | None = None
     # set_gradient_divide_factor (FSDP2: the same method on each module); None: W. The
     # reference scales its loss by W / factor, which the factor does to the gradients.
     gradient_divide_factor: float | None = None
@@ -62,6 +63,9 @@ class ParityConfig:
     custom_comms: bool = False
     # set_separate_reduce_scatter_group(model, True) (FSDP2: the same method)
     separate_reduce_scatter_group: bool = False
+    # Parameters (names) flatshard leaves alone, Unmanaged() (FSDP2: ignored_params); the
+    # runs average their gradients by hand before each step, as their users must
+    unmanaged: tuple[str, ...] = ()
     # Units (module names) set_unshard_in_backward(module, False) (FSDP2: the same method)
     no_unshard_in_backward: tuple[str, ...] = ()
     # Hybrid: set_requires_all_reduce(False) for all micro-batches but the last (flatshard
@@ -98,6 +102,8 @@ class ParityConfig:
             )
         if GLOBAL_BATCH % (self.world_size * self.micro_batches * self.forwards_per_backward):
             raise ValueError(f"{self} does not split the global batch of {GLOBAL_BATCH}")
+        if self.unmanaged and self.sparse_embeddings:
+            raise ValueError("unmanaged and sparse_embeddings are one placement rule each")
         for name in (self.strategy, self.root_strategy or self.strategy):
             flatshard.ShardingStrategy[name]  # an unknown name fails here
 
@@ -183,7 +189,7 @@ def train(
             flatshard.set_unshard_in_backward(module, False)
         else:
             cast(Any, module).set_unshard_in_backward(False)
-    if config.reshard_after_forward is not None and kind == "fsdp2":
+    if isinstance(config.reshard_after_forward, bool) and kind == "fsdp2":
         cast(Any, model).set_reshard_after_forward(config.reshard_after_forward)
     loss_fn = cast(Callable[[Batch], torch.Tensor], cast(Any, model).loss)
     result = RunResult()
@@ -221,6 +227,8 @@ def train(
                 )
                 torch.autograd.backward(cast(torch.Tensor, loss) * config.gradient_scale)
             step_loss += cast(torch.Tensor, loss).detach()
+        if config.unmanaged and group is not None and kind != "reference":
+            _average_by_hand(model, config.unmanaged, group)
         if config.clip is not None:
             result.norms.append(_clip(model, kind, config))
         optim.step()
@@ -296,6 +304,16 @@ def install_custom_comms(model: nn.Module, kind: str) -> tuple[TorchAllGather, T
     return gather, scatter
 
 
+def _average_by_hand(model: nn.Module, names: tuple[str, ...], group: dist.ProcessGroup) -> None:
+    """What a user of Unmanaged() (FSDP2's ignored_params) does before the step if the
+    ranks are to agree: average those gradients across the ranks."""
+    for name in names:
+        grad = model.get_parameter(name).grad
+        if grad is not None:
+            dist.all_reduce(grad, group=group)
+            grad.div_(dist.get_world_size(group))
+
+
 StepLoop = Callable[[nn.Module, torch.optim.Optimizer, Batch, torch.Tensor, RunResult], None]
 
 
@@ -304,7 +322,7 @@ def _library_loop(config: ParityConfig, kind: str) -> StepLoop | None:
     clip), so that the loop ``flatshard train`` and the planner run is itself held to the
     reference; None where a run asks for another way (the gradient-sync switch, torch's
     clip, a replica all-reduce per micro-batch, units kept gathered)."""
-    if kind != "flatshard" or config.accumulate_with != "no_sync":
+    if kind != "flatshard" or config.accumulate_with != "no_sync" or config.unmanaged:
         return None
     if config.clip is not None and (config.clip_with != "flatshard" or config.norm_type != 2.0):
         return None
@@ -424,6 +442,9 @@ def shard_with_flatshard(model: nn.Module, config: ParityConfig, group: dist.Pro
         options["cpu_offload"] = flatshard.CPUOffload()
     if config.sparse_embeddings:
         options["placement"] = flatshard.RowSparse()
+    if config.unmanaged:
+        left = {id(model.get_parameter(name)) for name in config.unmanaged}
+        options["placement"] = lambda name, p: flatshard.Unmanaged() if id(p) in left else None
     backward = config.backward_prefetch
     options["prefetch"] = flatshard.Prefetch(
         backward=None if backward is None else flatshard.BackwardPrefetch[backward],
@@ -505,7 +526,9 @@ def shard_with_fsdp2(model: nn.Module, config: ParityConfig, group: dist.Process
     if config.strategy not in ("FULL_SHARD", "SHARD_GRAD_OP") or config.root_strategy:
         raise ValueError(f"no FSDP2 counterpart for {config}")
 
-    reshard = config.strategy == "FULL_SHARD"
+    reshard: bool | int = config.strategy == "FULL_SHARD"
+    if not isinstance(config.reshard_after_forward, bool | None):  # an int: at fully_shard
+        reshard = config.reshard_after_forward
     mesh = DeviceMesh.from_group(group, torch.device(config.device).type)
     param_dtype, reduce_dtype = _dtypes(config)
     output = getattr(torch, config.output_dtype) if config.output_dtype else None
@@ -515,9 +538,22 @@ def shard_with_fsdp2(model: nn.Module, config: ParityConfig, group: dist.Process
     )
     classes = tuple(cast(Any, model).UNIT_CLASSES)
     units = [m for m in reversed(list(model.modules())) if isinstance(m, classes)]
+    ignored = {model.get_parameter(name) for name in config.unmanaged} or None
     for module in units:  # innermost first
-        fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=root_policy)
+        fully_shard(
+            module,
+            mesh=mesh,
+            reshard_after_forward=reshard,
+            mp_policy=policy,
+            ignored_params=ignored,
+        )
+    fully_shard(
+        model,
+        mesh=mesh,
+        reshard_after_forward=reshard,
+        mp_policy=root_policy,
+        ignored_params=ignored,
+    )
 
 
 def run_reference(config: ParityConfig) -> RunResult:
