@@ -340,8 +340,9 @@ class FlatParamGroup:
             return
         group = self.groups.shard
         part, self._part = self._part, None
-        if part is not None and part[1] == self.generation and self.post_forward_group:
-            source, group = part[0], self.post_forward_group
+        smaller = self.post_forward_group
+        if part is not None and part[1] == self.generation and smaller is not None:
+            source, group = part[0], smaller  # [Note: resharding to a smaller group ...]
         tag = self.on_collective("all_gather", source.numel())
         work = self.transport.gather(self._unsharded_data, source, group, tag)
         self._gather = (work, source)  # the source must outlive the collective
