@@ -11,20 +11,18 @@ wall and the CPU seconds (all of rank 0's threads) per step.
 
 from __future__ import annotations
 
-import socket
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from two_ranks import on_two_ranks
 
 DIM, LAYERS, STEPS = 512, 8, 5
 
 
-def run(rank: int, world: int, port: int, results: Any) -> None:
+def run(rank: int, world: int, address: str, results: Any) -> None:
     torch.set_num_threads(1)
-    address = f"tcp://127.0.0.1:{port}"
     dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world)
     block = 12 * DIM * DIM + 13 * DIM  # one GPT block's parameters
     root = (256 + 128) * DIM + 2 * DIM  # token and position tables, final norm
@@ -59,17 +57,7 @@ def run(rank: int, world: int, port: int, results: Any) -> None:
 
 
 def main() -> None:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=run, args=(r, 2, port, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    wall, cpu = results.get()
-    for p in procs:
-        p.join()
+    wall, cpu = on_two_ranks(run)
     print(f"byte-gpt's collectives alone, 2 ranks, gloo: {wall:.3f} s wall, {cpu:.3f} s CPU")
 
 

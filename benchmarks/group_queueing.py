@@ -11,20 +11,18 @@ it. See ``flatshard.set_separate_reduce_scatter_group`` and docs/performance.md.
 
 from __future__ import annotations
 
-import socket
 import statistics
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from two_ranks import on_two_ranks
 
 TRIES = 15
 
 
-def run(rank: int, world: int, port: int, results: Any) -> None:
-    address = f"tcp://127.0.0.1:{port}"
+def run(rank: int, world: int, address: str, results: Any) -> None:
     dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world)
     first = dist.new_group(list(range(world)))
     second = dist.new_group(list(range(world)))
@@ -49,21 +47,11 @@ def run(rank: int, world: int, port: int, results: Any) -> None:
 
 
 def main() -> None:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=run, args=(r, 2, port, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for mode, tries in results.get().items():
+    for mode, tries in on_two_ranks(run).items():
         small = statistics.median(a for a, _ in tries)
         big = statistics.median(b for _, b in tries)
         behind = sum(1 for a, b in tries if b - a < 0.003) / len(tries)
         print(f"{mode}: all-gather {small:.4f} s, all-to-all {big:.4f} s, behind it {behind:.0%}")
-    for p in procs:
-        p.join()
 
 
 if __name__ == "__main__":
