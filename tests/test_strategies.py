@@ -881,31 +881,44 @@ def test_custom_collectives_match_fsdp2_and_the_reference(
     pool.run(parity_job, config, against_fsdp2)
 
 
-def custom_comms_counts_job(ctx: WorkerContext) -> dict[str, Any] | None:
+def custom_comms_counts_job(ctx: WorkerContext, blocking: bool) -> dict[str, Any] | None:
     group = ctx.group(2)
     if group is None:
         return None
     config = ParityConfig(model="gpt", world_size=2)
+    plain: Any = build(config.model)
+    shard_with_flatshard(plain, config, group)
     model: Any = build(config.model)
     shard_with_flatshard(model, config, group)
-    gather, scatter = install_custom_comms(model, "flatshard")
+    gather, scatter = install_custom_comms(model, "flatshard", blocking)
     local = slice_batch(next(batches(model, 1)), ctx.rank, 2)
+    plain.loss(local).backward()
     with CollectiveTracker() as tracker:
         model.loss(local).backward()
     units = len(flatshard.unit_modules(model))
+    grads = [p.grad for p in model.parameters()]
     return {
         "counts": dict(tracker.counts),
         "gather": gather.calls,
         "scatter": scatter.calls,
         "units": units,
+        "same_grads": all(
+            (a is None and b is None) or torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+            for a, b in zip(grads, [p.grad for p in plain.parameters()], strict=True)
+        ),
     }
 
 
-def test_custom_collectives_carry_every_gather_and_reduce_scatter(pool: WorkerPool) -> None:
+@pytest.mark.parametrize("blocking", [False, True], ids=["work", "done-on-return"])
+def test_custom_collectives_carry_every_gather_and_reduce_scatter(
+    pool: WorkerPool, blocking: bool
+) -> None:
     """One step of a FULL_SHARD TinyGPT (U units, U - 1 blocks gathered again in backward):
     the user's all-gather is called U + (U - 1) times, the reduce-scatter U times, and the
-    gradients travel by reduce_scatter_tensor, none by gloo's all-to-all form."""
-    result = pool.run(custom_comms_counts_job)[0]
+    gradients travel by reduce_scatter_tensor, none by gloo's all-to-all form; they equal
+    torch's collectives' gradients, whether the comms return a work or None (done)."""
+    result = pool.run(custom_comms_counts_job, blocking)[0]
+    assert result["same_grads"]
     units = result["units"]
     assert result["gather"] == 2 * units - 1
     assert result["scatter"] == units

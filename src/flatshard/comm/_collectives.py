@@ -75,7 +75,12 @@ class _Done(dist.Work):
 
 def _custom(launch: Callable[[], dist.Work | None]) -> Callable[[], dist.Work]:
     """``launch`` of a user's collective, its None (already done) as a finished work."""
-    return lambda: launch() or _Done()
+
+    def launched() -> dist.Work:
+        work = launch()
+        return _Done() if work is None else work
+
+    return launched
 
 
 class WaitClock:

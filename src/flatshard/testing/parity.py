@@ -242,9 +242,10 @@ def train(
 class TorchAllGather:
     """A user's all-gather in FSDP2's form (``AllGather``): torch's, counting its calls."""
 
-    def __init__(self) -> None:
+    def __init__(self, blocking: bool = False) -> None:
         self.calls = 0
         self.groups: set[str] = set()  # the names of the groups it was called on
+        self.blocking = blocking  # done on return, returning None (async_op ignored)
 
     def allocate(
         self, size: tuple[int, ...], *, dtype: torch.dtype, device: torch.device
@@ -261,7 +262,7 @@ class TorchAllGather:
         self.calls += 1
         self.groups.add(group.group_name)
         work: dist.Work | None = dist.all_gather_into_tensor(
-            output_tensor, input_tensor, group=group, async_op=async_op
+            output_tensor, input_tensor, group=group, async_op=async_op and not self.blocking
         )
         return work
 
@@ -281,15 +282,17 @@ class TorchReduceScatter(TorchAllGather):
         self.calls += 1
         self.groups.add(group.group_name)
         work: dist.Work | None = dist.reduce_scatter_tensor(
-            output_tensor, input_tensor, op=op, group=group, async_op=async_op
+            output_tensor, input_tensor, op=op, group=group, async_op=async_op and not self.blocking
         )
         return work
 
 
-def install_custom_comms(model: nn.Module, kind: str) -> tuple[TorchAllGather, TorchReduceScatter]:
+def install_custom_comms(
+    model: nn.Module, kind: str, blocking: bool = False
+) -> tuple[TorchAllGather, TorchReduceScatter]:
     """One counting all-gather and reduce-scatter on every unit of ``model`` (flatshard's
-    units, or FSDP2's modules)."""
-    gather, scatter = TorchAllGather(), TorchReduceScatter()
+    units, or FSDP2's modules); ``blocking``: each done on return, returning None."""
+    gather, scatter = TorchAllGather(blocking), TorchReduceScatter(blocking)
     if kind == "flatshard":
         for _, module in flatshard.unit_modules(model):
             flatshard.set_custom_all_gather(module, gather)
