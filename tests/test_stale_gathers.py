@@ -6,7 +6,7 @@ gather unused; a forward with grad but no backward leaves the root and the last 
 gathered. ``optimizer.step()`` then writes the shards, and the next forward used to compute
 on the gathered pre-step copy: silently wrong. Each case is compared with an unsharded
 model that takes the same steps; fused optimizers (which write the parameters without
-bumping their version counters) too.
+bumping their version counters) too, and an update written by hand (no optimizer at all).
 """
 
 from __future__ import annotations
@@ -42,6 +42,13 @@ def _sequence(model: nn.Module, case: str, rank: int, parts: int) -> list[float]
         losses.append(loss.item())
         if step == 1:  # after an order to prefetch from; before the step writes the shards
             _side_call(m, batches[2], case)
+        if case.endswith("by hand"):  # no torch optimizer: nothing flatshard sees writes
+            with torch.no_grad():
+                for param in model.parameters():
+                    if param.grad is not None:
+                        param.add_(param.grad, alpha=-0.5)
+                        param.grad = None
+            continue
         optim.step()
         optim.zero_grad()
     return losses
@@ -76,6 +83,7 @@ def stale_job(ctx: WorkerContext, case: str) -> list[float] | None:
         "no_grad forward",
         "forward without backward",
         "forward without backward, fused",  # the Hugging Face Trainer's default optimizer
+        "forward without backward, update by hand",
     ],
 )
 def test_no_gather_survives_a_step(pool: WorkerPool, case: str) -> None:

@@ -56,10 +56,12 @@ moves for another model's optimizer, on one rank). ``shards_written`` is called 
 owner of each such event: the step pre-hook of an optimizer that holds the model's
 parameters (``runtime/_optimizer_steps.py``), the loads, ``summon_full_params``'s
 write-back, and, for a model no torch optimizer steps (a hand-written update through
-``p.data``), each synchronized backward. It waits for a gather in flight and bumps the
-generation; ``start_unshard`` (every gather, prefetched or not, and a row-sparse table's
-lookup through ``drop_stale_gather``) finds a buffer gathered at an older generation,
-frees it and gathers again. Every rank makes the same calls, so every rank decides alike.
+``p.data``), each synchronized backward and the root's next forward after a forward whose
+backward never came (what it kept was gathered after the backward's mark). It waits for
+a gather in flight and bumps the generation; ``start_unshard`` (every gather, prefetched
+or not, and a row-sparse table's lookup through ``drop_stale_gather``) finds a buffer
+gathered at an older generation, frees it and gathers again. Every rank makes the same
+calls, so every rank decides alike.
 
 [Note: optimizer state sharded across the replicas]
 HYBRID_SHARD_OPTIM keeps HYBRID_SHARD's parameters (each rank holds 1/F, gathered inside

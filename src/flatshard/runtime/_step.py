@@ -170,6 +170,11 @@ class StepContext:
         if unit.is_root:
             if any(u.expects_backward for u in self.units):
                 self._agree_backward_skipped()
+                if not self.stepped_by_optimizer:
+                    # What that forward kept (the root, the last unit, a part cut for N
+                    # ranks) was gathered after the last backward's "written" mark, and a
+                    # hand-written update may have followed it: nothing may be reused.
+                    self._gradients_delivered()
             self.forward_depth = 0  # a new iteration: forget a forward that raised
             self._free_kept(but=unit)
         self.forward_depth += 1
