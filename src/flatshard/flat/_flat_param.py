@@ -104,12 +104,13 @@ import torch.distributed as dist
 from flatshard.comm._checks import Tag
 from flatshard.comm._collectives import start_all_gather, wait_work
 from flatshard.comm._mesh import ShardGroups
+from flatshard.flat._gather_codec import GatherCodec
 from flatshard.flat._layout import FlatLayout, ViewSplits, row_layout
 from flatshard.flat._original_param import OriginalParam
 from flatshard.flat._placement import ROWS, GroupPlacement, ShardPlacement
 from flatshard.flat._reduction import GradientReduction
 from flatshard.flat._storage import Holding, Storage, storage_move
-from flatshard.flat._transport import IDENTITY, Transport
+from flatshard.flat._transport import IDENTITY, Gathering, Transport
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,7 @@ class GroupSpec:
     compute_dtype: torch.dtype | None = None  # None: the parameters' own dtype
     reduce_dtype: torch.dtype | None = None  # None: the compute dtype
     offload: bool = False  # CPUOffload: every use on the compute device copies the shard
+    gather_dtype: torch.dtype | None = None  # the policy's; the placement may choose another
 
 
 def allocate_storage(tensor: torch.Tensor, nbytes: int) -> None:
@@ -192,7 +194,7 @@ class FlatParamGroup:
         # (original's index, its module's parameter dict, its name there), on first use.
         self._registrations: list[tuple[int, dict[str, torch.Tensor], str]] | None = None
         self.has_tp = any(o.tp is not None for o in originals)  # DTensor parameters
-        self._gather: tuple[dist.Work, torch.Tensor] | None = None  # started, not waited
+        self._gather: Gathering | None = None  # started, not waited for
         self.holding = Holding.ORIGINALS
         # Writes of the shard flatshard knows of ([Note: stale gathers]); the generation the
         # buffer was gathered at, and the one the replicas' regions were last refreshed at.
@@ -212,6 +214,10 @@ class FlatParamGroup:
         self.reduction = GradientReduction(self)
         # What the group does where its placement decides ([Note: one placement protocol])
         self.placement: GroupPlacement = placement.bind(self)
+        self.placement_value = placement
+        gather = placement.gathered_in(spec.gather_dtype)
+        if gather is not None:
+            self.set_gather_dtype(gather)
 
     def load_shard(self) -> None:
         """Copy this rank's rows of the (full) originals into the shard; they become views."""
@@ -259,10 +265,11 @@ class FlatParamGroup:
 
     @property
     def aliases_shard(self) -> bool:
-        """F = 1 in the master dtype and device, not offloaded: the shard is the unsharded
-        buffer."""
+        """F = 1 in the master dtype and device, not offloaded, not encoded: the shard is
+        the unsharded buffer."""
         return (
             not self.needs_all_gather
+            and self.transport.codec is None
             and not self.offloaded
             and self.compute_dtype == self.shard.dtype
             and self.compute_device == self.shard.device
@@ -300,6 +307,20 @@ class FlatParamGroup:
         self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype
         self._allocate_unsharded()
 
+    def set_gather_dtype(self, dtype: torch.dtype | None) -> None:
+        """Gather in ``dtype`` (int8 or float8 with row scales, or a cast; None: the
+        compute dtype) from now on ([Note: row-wise quantized all-gather]); while sharded."""
+        self.finish_unshard()
+        if self.is_unsharded and not self.aliases_shard:
+            raise RuntimeError(
+                "a flat parameter group's gather dtype can only change while sharded"
+            )
+        codec = None
+        if dtype is not None and dtype != self.compute_dtype:
+            codec = GatherCodec(self.layout, self.rank, dtype)
+        self.transport = replace(self.transport, codec=codec)
+        self._allocate_unsharded()
+
     # ------------------------------------------------------------------ unshard / reshard
     @property
     def is_unsharded(self) -> bool:
@@ -332,29 +353,35 @@ class FlatParamGroup:
             return
         allocate_storage(self._unsharded_data, self._unsharded_nbytes)
         self._gathered_generation = self.generation
-        # Cast once per unshard (not once per op), before communicating.
-        source = self.shard.to(
-            self.compute_device, self.compute_dtype, non_blocking=True, copy=self.offloaded
-        )
-        if self.groups.shard is None:
-            self._unsharded_data.copy_(source)
-            self._move(Storage.GATHERED)
-            return
-        group = self.groups.shard
         part, self._part = self._part, None
         smaller = self.post_forward_group
         if part is not None and part[1] == self.generation and smaller is not None:
-            source, group = part[0], smaller  # [Note: resharding to a smaller group ...]
-        tag = self.on_collective("all_gather", source.numel())
-        work = self.transport.gather(self._unsharded_data, source, group, tag)
-        self._gather = (work, source)  # the source must outlive the collective
+            # [Note: resharding to a smaller group after forward]: the part is decoded
+            self._gather = self.transport.gather(
+                self._unsharded_data, part[0], smaller, self.on_collective, encoded=False
+            )
+            self._move(Storage.GATHERING)
+            return
+        # Cast once per unshard (not once per op), before communicating; a codec encodes
+        # from the master dtype.
+        dtype = self.transport.source_dtype(self.shard.dtype, self.compute_dtype)
+        source = self.shard.to(self.compute_device, dtype, non_blocking=True, copy=self.offloaded)
+        if self.groups.shard is None and self.transport.codec is None:
+            self._unsharded_data.copy_(source)
+            self._move(Storage.GATHERED)
+            return
+        self._gather = self.transport.gather(
+            self._unsharded_data, source, self.groups.shard, self.on_collective
+        )
         self._move(Storage.GATHERING)
 
     def finish_unshard(self) -> None:
-        """Wait for a started all-gather; the buffer is then safe to read."""
+        """Wait for a started all-gather (and decode it); the buffer is then safe to read."""
         if self._gather is not None:
-            wait_work(self._gather[0])
-            self._gather = None
+            gathering, self._gather = self._gather, None
+            wait_work(gathering.work)
+            if gathering.finish is not None:
+                gathering.finish()
             self._move(Storage.GATHERED)
 
     def unshard(self) -> None:

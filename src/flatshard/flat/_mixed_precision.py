@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from flatshard.flat._gather_codec import gather_dtype_error
+
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -33,6 +35,15 @@ class MixedPrecision:
             ``MixedPrecisionPolicy.output_dtype``, given to the root's call.
         keep_full_precision: module classes (e.g. ``{nn.LayerNorm}``) whose parameters
             stay in the master dtype; their inputs are cast up and outputs back down.
+        gather_dtype: the dtype parameters travel in when all-gathered, decoded into the
+            compute dtype before the unit runs (None: the compute dtype).
+            ``torch.int8``, ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``: one byte per
+            weight and one float32 scale per row, computed by each rank from its own rows
+            of the master weights (the same at every world size); vectors (biases, norm
+            weights) and ``keep_full_precision`` modules travel in the compute dtype.
+            ``torch.bfloat16`` / ``torch.float16``: a cast of every parameter. Optimizer,
+            master weights, state dicts and the gradient reduction are unchanged. Per
+            parameter: ``flatshard.Rows(gather_dtype=...)`` in ``placement``.
     """
 
     param_dtype: torch.dtype | None = None
@@ -41,8 +52,12 @@ class MixedPrecision:
     cast_forward_inputs: bool = True
     keep_full_precision: Collection[type[nn.Module]] = field(default_factory=frozenset)
     output_dtype: torch.dtype | None = None
+    gather_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
+        error = gather_dtype_error(self.gather_dtype, "MixedPrecision(gather_dtype=...)")
+        if error is not None:
+            raise ValueError(error)
         for name in ("param_dtype", "reduce_dtype", "buffer_dtype", "output_dtype"):
             value = getattr(self, name)
             if value is not None and value not in _FLOATS:

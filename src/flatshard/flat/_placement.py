@@ -24,7 +24,8 @@ what it keeps (``drop_pending``), the hooks register what it asks for
 ``comm_hook_conflict``. The unit, runtime and state layers call these and never ask which
 placement a group has. The planner prices a placement by running it on the meta device, so
 it needs nothing more. Both gather and reduction send their payloads through the group's
-``Transport`` (``_transport.py``): a codec seam, the identity today.
+``Transport`` (``_transport.py``), whose codec ``gathered_in`` chooses (the dtype on the
+wire: ``_gather_codec.py``).
 
 To add a placement, open this file: subclass ``ShardPlacement`` (a frozen dataclass) and,
 where run time differs from rows, ``GroupPlacement``; export the value from ``flatshard``.
@@ -36,9 +37,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
+import torch
 from torch import nn
 
 from flatshard.comm._mesh import ShardingStrategy
+from flatshard.flat._gather_codec import SCALED, gather_dtype_error
 from flatshard.flat._original_param import OriginalParam
 
 if TYPE_CHECKING:
@@ -129,10 +132,50 @@ class ShardPlacement:
         """The run-time side of a built flat group of this placement."""
         return GroupPlacement(flat)
 
+    def gathered_in(self, policy: torch.dtype | None) -> torch.dtype | None:
+        """The dtype the group's parameters are all-gathered in, given the mixed-precision
+        policy's ``gather_dtype`` (None: the compute dtype, no codec)."""
+        return policy
+
 
 @dataclass(frozen=True)
 class Rows(ShardPlacement):
-    """The default: the row-aligned layout, each rank holding a slice of whole rows."""
+    """The default: the row-aligned layout, each rank holding a slice of whole rows.
+
+    ``gather_dtype``: the dtype these parameters travel in when gathered, instead of the
+    ``MixedPrecision(gather_dtype=...)`` of their ``fully_shard`` call (None: that one):
+    ``torch.int8``, ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` with one scale per
+    row (parameters of two or more dimensions), ``torch.bfloat16`` or ``torch.float16`` as
+    a cast, or the compute dtype to keep a parameter (e.g. an embedding table) exact under
+    a quantizing policy. Given for the whole model, a quantizing ``Rows`` serves the
+    matrices; the vectors keep the policy's.
+    """
+
+    gather_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        error = gather_dtype_error(self.gather_dtype, "flatshard.Rows(gather_dtype=...)")
+        if error is not None:
+            raise ValueError(error)
+
+    def __repr__(self) -> str:
+        return "Rows()" if self.gather_dtype is None else f"Rows(gather_dtype={self.gather_dtype})"
+
+    def serves(self, orig: OriginalParam) -> bool:
+        return self.gather_dtype not in SCALED or orig.param.dim() >= 2
+
+    def refusal(self, orig: OriginalParam, strategy: ShardingStrategy) -> str | None:
+        if self.gather_dtype in SCALED and orig.param.dim() < 2:
+            return (
+                f"a parameter of shape {tuple(orig.param.shape)} has rows of one element, "
+                f"and {self.gather_dtype} with a float32 scale per row would send 5 bytes "
+                "per element: quantize matrices only (vectors travel in the compute dtype "
+                "under MixedPrecision(gather_dtype=...)), or give it Rows()"
+            )
+        return None
+
+    def gathered_in(self, policy: torch.dtype | None) -> torch.dtype | None:
+        return policy if self.gather_dtype is None else self.gather_dtype
 
 
 @dataclass(frozen=True)

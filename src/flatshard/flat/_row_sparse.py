@@ -113,6 +113,9 @@ class RowSparse(ShardPlacement):
             return "a tensor-parallel (DTensor) weight is sharded by its own mesh: use Rows()"
         return None
 
+    def gathered_in(self, policy: torch.dtype | None) -> torch.dtype | None:
+        return None  # lookups move rows in the compute dtype; a gather must match them
+
     def bind(self, flat: FlatParamGroup) -> GroupPlacement:
         # With F = 1 every row is local: the table is gathered (a no-op) like any group.
         return RowSparseTable(flat) if flat.needs_all_gather else GroupPlacement(flat)

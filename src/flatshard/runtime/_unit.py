@@ -213,6 +213,8 @@ class Unit:
         for flat in self.flat_params:
             compute = policy.compute_dtype(flat.shard.dtype, full_precision_module=False)
             flat.set_compute_dtype(compute, policy.gradient_reduce_dtype(compute))
+            if flat.shard.is_floating_point():
+                flat.set_gather_dtype(flat.placement_value.gathered_in(policy.gather_dtype))
 
     def full_precision_modules(self) -> list[nn.Module]:
         """Modules inside the unit whose parameters compute in the master dtype."""

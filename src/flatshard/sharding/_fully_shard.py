@@ -229,10 +229,11 @@ def _build_unit(members: UnitMembers, build: _UnitBuild, rank: int) -> Unit | No
                 compute_dtype=dtype,
                 reduce_dtype=policy.gradient_reduce_dtype(dtype),
                 offload=build.offload,
+                gather_dtype=gather,
             ),
             placement,
         )
-        for params, dtype in _split_by_compute_dtype(members.groups, policy)
+        for params, dtype, gather in _split_by_compute_dtype(members.groups, policy)
         for placement, group in _split_by_placement(params, build.placements)
     ]
     _prepare(members, build, rank)
@@ -267,17 +268,19 @@ def _awaiting_load(members: UnitMembers) -> list[tuple[str, torch.Tensor]]:
 
 def _split_by_compute_dtype(
     groups: list[list[OriginalParam]], policy: MixedPrecision
-) -> list[tuple[list[OriginalParam], torch.dtype]]:
-    """Parameters of ``keep_full_precision`` modules compute apart, in their own dtype."""
+) -> list[tuple[list[OriginalParam], torch.dtype, torch.dtype | None]]:
+    """Parameters of ``keep_full_precision`` modules compute apart, in their own dtype, and
+    are gathered unencoded: (members, compute dtype, the policy's gather dtype for them)."""
     keep = tuple(policy.keep_full_precision)
-    split: list[tuple[list[OriginalParam], torch.dtype]] = []
+    split: list[tuple[list[OriginalParam], torch.dtype, torch.dtype | None]] = []
     for params in groups:
-        by_dtype: dict[torch.dtype, list[OriginalParam]] = {}
+        by_dtype: dict[tuple[torch.dtype, torch.dtype | None], list[OriginalParam]] = {}
         for orig in params:
             full = any(isinstance(m, keep) for m, _ in orig.usages) if keep else False
             dtype = policy.compute_dtype(orig.param.dtype, full)
-            by_dtype.setdefault(dtype, []).append(orig)
-        split += [(same, dtype) for dtype, same in by_dtype.items()]
+            gather = None if full or not orig.param.is_floating_point() else policy.gather_dtype
+            by_dtype.setdefault((dtype, gather), []).append(orig)
+        split += [(same, dtype, gather) for (dtype, gather), same in by_dtype.items()]
     return split
 
 
@@ -501,7 +504,8 @@ def _check_inherited_precision(
     flat parameter groups were made by the earlier call: silently computing them in low
     precision would ignore what the user asked for.
     """
-    if policy is None or policy.param_dtype is None or not policy.keep_full_precision:
+    lowered = policy is not None and (policy.param_dtype or policy.gather_dtype) is not None
+    if policy is None or not lowered or not policy.keep_full_precision:
         return
     keep = tuple(policy.keep_full_precision)
     for prefix, context in earlier.items():
@@ -514,8 +518,9 @@ def _check_inherited_precision(
                 label = join_name(prefix, unit.fqn)
                 raise ValueError(
                     f"flatshard.fully_shard (rank {rank}): unit '{label}' was sharded by an "
-                    "earlier fully_shard call without mixed_precision, so it would compute its "
-                    f"{', '.join(kept)} parameters in {policy.param_dtype} although "
+                    "earlier fully_shard call without mixed_precision, so it would compute or "
+                    f"gather its {', '.join(kept)} parameters in "
+                    f"{policy.param_dtype or policy.gather_dtype} although "
                     "keep_full_precision names them. Pass the same mixed_precision to the "
                     f"earlier call on '{prefix}'."
                 )

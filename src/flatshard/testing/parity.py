@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, cast
@@ -86,6 +86,10 @@ class ParityConfig:
     limit_all_gathers: bool = True  # the rate limiter
     device: str = "cpu"  # where models and batches live ("cuda": tests/test_gpu.py)
     sparse_embeddings: bool = False  # fully_shard(placement=flatshard.RowSparse())
+    # MixedPrecision(gather_dtype=...): "int8" | "float8_e4m3fn" | "bfloat16" | ...; the
+    # reference computes with its weights quantized and dequantized the same way
+    # (``quantized_weights``), from before the step's first forward to its last backward
+    gather_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.accumulate_with not in ("no_sync", "switch"):
@@ -221,7 +225,8 @@ def train(
                     flatshard.set_requires_all_reduce(model, last)
                 else:
                     cast(Any, model).set_requires_all_reduce(last)
-            with _accumulation(model, kind, keep_local, config.accumulate_with):
+            quantized = quantized_weights(model, config) if kind == "reference" else nullcontext()
+            with _accumulation(model, kind, keep_local, config.accumulate_with), quantized:
                 loss = sum(loss_fn(chunk) for chunk in chunks) / (
                     config.forwards_per_backward * config.micro_batches
                 )
@@ -436,10 +441,11 @@ def shard_with_flatshard(model: nn.Module, config: ParityConfig, group: dist.Pro
     strategy = flatshard.ShardingStrategy[config.strategy]
     options: dict[str, Any] = {"process_group": group, "strategy": strategy}
     param_dtype, reduce_dtype = _dtypes(config)
-    if param_dtype is not None:
+    gather = getattr(torch, config.gather_dtype) if config.gather_dtype else None
+    if param_dtype is not None or gather is not None:
         output = getattr(torch, config.output_dtype) if config.output_dtype else None
         options["mixed_precision"] = flatshard.MixedPrecision(
-            param_dtype, reduce_dtype, output_dtype=output
+            param_dtype, reduce_dtype, output_dtype=output, gather_dtype=gather
         )
     if config.offload:
         options["cpu_offload"] = flatshard.CPUOffload()
@@ -584,10 +590,11 @@ def run_mixed_reference(config: ParityConfig) -> RunResult:
     loss_fn = cast(Callable[[Batch], torch.Tensor], cast(Any, compute).loss)
     result = RunResult()
     pairs = list(zip(compute.parameters(), master.parameters(), strict=True))
+    skip = _ungathered(master, config)
     for batch in batches(master, config.steps, config.device):
         with torch.no_grad():
             for low, full in pairs:
-                low.copy_(full)
+                low.copy_(full if id(full) in skip else _quantized(full, config))
         loss = loss_fn(batch)
         torch.autograd.backward(loss)
         for low, full in pairs:
@@ -599,6 +606,57 @@ def run_mixed_reference(config: ParityConfig) -> RunResult:
         result.losses.append(loss.item())
     result.params = {n: p.detach().cpu().clone() for n, p in master.named_parameters()}
     return result
+
+
+def _ungathered(model: nn.Module, config: ParityConfig) -> set[int]:
+    """Ids of the parameters flatshard never gathers in this scenario: those left alone,
+    and the row-sparse tables (a tied table is the head's weight too)."""
+    ids = {id(model.get_parameter(name)) for name in config.unmanaged}
+    if config.sparse_embeddings:
+        ids |= {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    return ids
+
+
+def _quantized(weight: torch.Tensor, config: ParityConfig) -> torch.Tensor:
+    """``weight`` as a gather in ``config.gather_dtype`` delivers it, computed here on its
+    own from the formula of [Note: row-wise quantized all-gather] (not by flatshard's
+    codec): a scale per row of a matrix, a cast of everything for a float dtype."""
+    if config.gather_dtype is None:
+        return weight
+    dtype = getattr(torch, config.gather_dtype)
+    if dtype.is_floating_point and dtype.itemsize > 1:
+        return weight.to(dtype).to(weight.dtype)
+    if weight.dim() < 2:
+        return weight
+    limit = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}[dtype]
+    rows = weight.detach().reshape(weight.shape[0], -1).float()
+    scale = rows.abs().amax(dim=1) / limit
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = rows / scale[:, None]
+    if dtype == torch.int8:
+        q = q.round()
+    sent = q.clamp(-limit, limit).to(dtype)
+    return (sent.float() * scale[:, None]).to(weight.dtype).reshape(weight.shape)
+
+
+@contextmanager
+def quantized_weights(model: nn.Module, config: ParityConfig) -> Iterator[None]:
+    """The reference's weights quantized and dequantized as ``config.gather_dtype``
+    gathers them, while inside (forward and backward: autograd reads the weights it saved);
+    the master weights again after, for the optimizer (straight-through gradients)."""
+    if config.gather_dtype is None:
+        yield
+        return
+    skip = _ungathered(model, config)
+    masters = [(p, p.data) for p in model.parameters()]
+    for param in model.parameters():
+        if id(param) not in skip:
+            param.data = _quantized(param.data, config)
+    try:
+        yield
+    finally:
+        for param, data in masters:
+            param.data = data
 
 
 def run_on_time_and_late(config: ParityConfig, group: dist.ProcessGroup) -> RunResult:

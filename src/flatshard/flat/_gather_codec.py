@@ -1,0 +1,207 @@
+"""Gathers that send fewer bytes than the compute dtype: one byte per weight with a scale
+per row (int8, float8), or a plain cast (bfloat16, float16); ``MixedPrecision(
+gather_dtype=...)`` for the units of a ``fully_shard`` call, ``Rows(gather_dtype=...)``
+per parameter. The group's ``Transport`` carries the codec (``_transport.py``).
+
+[Note: row-wise quantized all-gather]
+Each rank holds whole rows of every parameter ([Note: row-aligned layout]), so it can
+quantize its rows with one scale per row from its own shard, with no collective for the
+scales (per-tensor schemes all-reduce every tensor's amax first), and the result does not
+depend on how the rows are cut across ranks: the weights a unit computes with are the same
+function of the master weights at every world size. For a row ``x`` of a parameter of two
+or more dimensions (a row is ``numel // shape[0]`` elements), in float32::
+
+    scale = amax(|x|) / QMAX               (1 where that is 0; QMAX: 127 for int8,
+                                            448 for float8_e4m3fn, 57344 for float8_e5m2)
+    q     = clamp(x / scale, -QMAX, QMAX)  (int8: rounded to nearest first), sent as the
+                                            gather dtype
+    x'    = (float32(q) * scale)            cast to the compute dtype
+
+Vectors and scalars (a row of one element: biases, norm weights) would need a scale per
+element, more bytes than they save, so they travel in the compute dtype beside the rows.
+A rank's payload is one byte tensor: its scales (float32), its vectors' elements, its
+quantized rows (one byte per element of its shard), each part padded to 8 bytes and
+sized for the rank that has the most, so that every rank sends the same number of bytes
+and the all-gather stays one collective of bytes (any backend can send bytes, whatever the
+gather dtype). Decoding writes every rank's rows into the unsharded buffer and zeroes the
+padding between them. A cast dtype (bfloat16, float16) sends the whole shard cast, and
+decoding casts it back. Each gather encodes the shard as it is then (FULL_SHARD: twice
+per step), so a write of the shard flatshard does not know of is never hidden by an old
+encoding. Gradients are those of the decoded weights, applied to the master weights
+(straight-through), and reduced as always (``reduce_dtype``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flatshard.flat._layout import FlatLayout
+
+SCALED: dict[torch.dtype, float] = {
+    torch.int8: 127.0,
+    torch.float8_e4m3fn: 448.0,
+    torch.float8_e5m2: 57344.0,
+}
+"""Gather dtypes sent with one float32 scale per row, and their largest magnitude."""
+
+CAST = (torch.bfloat16, torch.float16, torch.float32)
+"""Gather dtypes sent as a plain cast of the shard."""
+
+_ALIGN = 8  # bytes: each part of a payload starts aligned for any element type
+
+
+def gather_dtype_error(dtype: object, where: str) -> str | None:
+    """Why ``dtype`` cannot be a gather dtype (``where``: the option, for the message)."""
+    if dtype is None or dtype in SCALED or dtype in CAST:
+        return None
+    names = ", ".join(str(d) for d in (*SCALED, *CAST))
+    return f"{where} must be None or one of {names}; got {dtype!r}"
+
+
+def quantize_rows(rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values to send as ``dtype``, one float32 scale per row) of a (rows, k) tensor, as
+    [Note: row-wise quantized all-gather] says; the values are float32 still."""
+    x = rows.float()
+    limit = SCALED[dtype]
+    scale = x.abs().amax(dim=1) / limit
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = x / scale[:, None]
+    if dtype == torch.int8:
+        q = q.round_()
+    return q.clamp_(-limit, limit), scale
+
+
+@dataclass(frozen=True)
+class _Rows:
+    offset: int  # first element in the rank's shard
+    rows: int
+    row_numel: int
+    scale_index: int  # first scale in the rank's scales
+
+
+@dataclass(frozen=True)
+class _Span:
+    offset: int  # first element in the rank's shard
+    numel: int
+    index: int  # first element in the rank's vector part (gaps: unused)
+
+
+@dataclass(frozen=True)
+class _RankPayload:
+    """What one rank's shard holds, as the codec encodes it."""
+
+    rows: tuple[_Rows, ...]  # quantized
+    vectors: tuple[_Span, ...]  # sent in the compute dtype
+    gaps: tuple[_Span, ...]  # padding between and after the parameters
+
+
+class GatherCodec:
+    """Encodes this rank's shard of one flat group into the bytes it sends, and decodes
+    every rank's into the unsharded buffer ([Note: row-wise quantized all-gather])."""
+
+    def __init__(self, layout: FlatLayout, rank: int, dtype: torch.dtype) -> None:
+        self.layout = layout
+        self.rank = rank
+        self.dtype = dtype  # the gather dtype
+        self.scaled = dtype in SCALED
+        self._ranks = [self._rank_payload(r) for r in range(layout.factor)]
+        self._scales = max(sum(p.rows for p in r.rows) for r in self._ranks)
+        self._vector_numel = max(sum(v.numel for v in r.vectors) for r in self._ranks)
+
+    def _rank_payload(self, rank: int) -> _RankPayload:
+        rows: list[_Rows] = []
+        vectors: list[_Span] = []
+        covered: list[tuple[int, int]] = []
+        scales = vector_numel = 0
+        for slot in self.layout.slots:
+            held = self.layout.shard_range(slot, rank)
+            if held.numel == 0:
+                continue
+            covered.append((held.local_offset, held.numel))
+            if len(slot.shape) >= 2:
+                rows.append(_Rows(held.local_offset, held.rows, slot.row_numel, scales))
+                scales += held.rows
+            else:
+                vectors.append(_Span(held.local_offset, held.numel, vector_numel))
+                vector_numel += held.numel
+        gaps: list[_Span] = []
+        at = 0
+        for offset, numel in sorted(covered):
+            if offset > at:
+                gaps.append(_Span(at, offset - at, 0))
+            at = max(at, offset + numel)
+        if at < self.layout.shard_numel:
+            gaps.append(_Span(at, self.layout.shard_numel - at, 0))
+        return _RankPayload(tuple(rows), tuple(vectors), tuple(gaps))
+
+    def _parts(self, compute: torch.dtype) -> tuple[int, int, int]:
+        """Byte offsets of the vectors and the quantized rows in a payload, its size."""
+        vectors = _aligned(4 * self._scales)
+        rows = vectors + _aligned(self._vector_numel * compute.itemsize)
+        return vectors, rows, _aligned(rows + self.layout.shard_numel)
+
+    def payload_numel(self, compute: torch.dtype) -> int:
+        """Bytes one rank sends."""
+        if not self.scaled:
+            return _aligned(self.layout.shard_numel * self.dtype.itemsize)
+        return self._parts(compute)[2]
+
+    def encode(self, shard: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
+        """This rank's payload (bytes) from its ``shard`` (C,) (the master weights, on the
+        compute device), for a buffer in ``compute``."""
+        payload = torch.zeros(self.payload_numel(compute), dtype=torch.uint8, device=shard.device)
+        if not self.scaled:
+            payload[: shard.numel() * self.dtype.itemsize].view(self.dtype).copy_(shard)
+            return payload
+        scales, vectors, rows = self._views(payload, compute)
+        mine = self._ranks[self.rank]
+        for part in mine.rows:
+            end = part.offset + part.rows * part.row_numel
+            q, scale = quantize_rows(shard[part.offset : end].view(part.rows, -1), self.dtype)
+            rows[part.offset : end].view(part.rows, -1).copy_(q)
+            scales[part.scale_index : part.scale_index + part.rows].copy_(scale)
+        for span in mine.vectors:
+            vectors[span.index : span.index + span.numel].copy_(
+                shard[span.offset : span.offset + span.numel]
+            )
+        return payload
+
+    def decode(self, gathered: torch.Tensor, unsharded: torch.Tensor) -> None:
+        """Write every rank's payload in ``gathered`` (F payloads, in rank order) into
+        ``unsharded`` (C * F,), laid out as the group's buffer."""
+        size, chunk = self.payload_numel(unsharded.dtype), self.layout.shard_numel
+        for rank, payload in enumerate(self._ranks):
+            out = unsharded[rank * chunk : (rank + 1) * chunk]
+            sent = gathered[rank * size : (rank + 1) * size]
+            if not self.scaled:
+                out.copy_(sent[: chunk * self.dtype.itemsize].view(self.dtype))
+                continue
+            scales, vectors, rows = self._views(sent, unsharded.dtype)
+            for part in payload.rows:
+                end = part.offset + part.rows * part.row_numel
+                q = rows[part.offset : end].view(part.rows, -1).float()
+                scale = scales[part.scale_index : part.scale_index + part.rows]
+                out[part.offset : end].view(part.rows, -1).copy_(q * scale[:, None])
+            for span in payload.vectors:
+                out[span.offset : span.offset + span.numel].copy_(
+                    vectors[span.index : span.index + span.numel]
+                )
+            for gap in payload.gaps:
+                out[gap.offset : gap.offset + gap.numel].zero_()
+
+    def _views(
+        self, payload: torch.Tensor, compute: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The scales (float32), vectors (``compute``) and rows (gather dtype) of a payload."""
+        vectors, rows, _ = self._parts(compute)
+        return (
+            payload[: 4 * self._scales].view(torch.float32),
+            payload[vectors : vectors + self._vector_numel * compute.itemsize].view(compute),
+            payload[rows : rows + self.layout.shard_numel].view(self.dtype),
+        )
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
