@@ -117,11 +117,16 @@ def test_config_file_and_flags(tmp_path: Path) -> None:
 def test_train_with_muon_shards_whole_parameters_and_resumes_exactly(tmp_path: Path) -> None:
     """--optimizer muon: Muon on the blocks' matrices, AdamW on the rest, every parameter
     whole on one rank; a resume from step 4 logs the first run's losses for steps 5-8
-    (Muon's momentum and AdamW's moments restored from one checkpoint)."""
+    (Muon's momentum and AdamW's moments restored from one checkpoint). With int8 gathers
+    (whole parameters quantized row by row, as cut ones; the checkpoint holds the master
+    weights)."""
     common = [*TINY, "--steps", "8", "--optimizer", "MUON", "--sample-bytes", "0"]
+    common += ["--gather-dtype", "int8"]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     out = _train(*common, "--ckpt-every", "4", "--out-dir", str(whole))
-    assert "2 ranks (gloo, FULL_SHARD, Muon + AdamW, whole parameters)" in out, out
+    banner = "2 ranks (gloo, FULL_SHARD, int8 gathers with row scales, Muon + AdamW, whole "
+    assert banner in out, out
+    assert re.search(r"blocks\.0 +\d+ +float32 +int8\+scales +float32", out), out
     losses = _losses(whole)
     assert losses[8] < losses[1], losses
     ckpt = whole / "checkpoints" / "step_000004"
@@ -158,6 +163,7 @@ BAD_TOML = {"unknown": "stepz = 3", "type": 'steps = "many"', "syntax": "steps =
         (["--dim", "10", "--heads", "3"], "--dim (10) must be a multiple of --heads (3)"),
         (["--lr", "-1"], "--lr must be > 0"),
         (["--mixed-precision", "fp8"], "--mixed-precision must be one of none, bf16, fp16"),
+        (["--gather-dtype", "int4"], "--gather-dtype must be one of none, int8, fp8, fp8-e5m2"),
         (["--strategy", "ZERO4"], "--strategy must be one of FULL_SHARD"),
         (
             ["--strategy", "full_shrd"],
@@ -366,6 +372,18 @@ def test_bench_accumulation_modes_move_the_bytes_they_should(tmp_path: Path) -> 
         assert all(row["median_step_s"] > 0 for row in systems.values()), systems
         moved[accum] = systems["flatshard"]["collective_output_bytes"]
     assert moved["keep"] < moved["no_sync"] < moved["reduce"], moved
+
+
+def test_bench_gathers_in_fewer_bytes(tmp_path: Path) -> None:
+    """The gather systems send their parameters in bf16 (half of fp32's bytes) and int8
+    (a quarter, plus a scale per row of 64): the all-gathers' output bytes per step."""
+    argv = ["--dim", "64", "--layers", "2", "--heads", "2", "--vocab", "64", "--seq-len", "8"]
+    argv += ["--batch", "2", "--steps", "1", "--warmup", "1", "--rounds", "1"]
+    argv += ["--systems", "flatshard,flatshard-gather-bf16,flatshard-gather-int8"]
+    systems = _bench(argv, tmp_path)[0]["systems"]
+    gathered = {s: row["all_gather_bytes"] for s, row in systems.items()}
+    assert 0.49 < gathered["flatshard-gather-bf16"] / gathered["flatshard"] < 0.51, gathered
+    assert 0.25 < gathered["flatshard-gather-int8"] / gathered["flatshard"] < 0.3, gathered
 
 
 def test_bench_rejects_unknown_systems(capsys: pytest.CaptureFixture[str]) -> None:

@@ -543,3 +543,37 @@ def test_reshard_after_forward_to_a_host_and_separate_reductions_are_priced(
     ]
     assert separate.step.seconds <= default.step.seconds
     assert separate.to_json()["separate_reduce_scatter_group"] is True
+
+
+def test_quantized_gathers_are_priced(planner: ProcessPoolExecutor) -> None:
+    """MixedPrecision(gather_dtype=...): as many all-gathers, their bytes by the codec's
+    format (one byte per element, a float32 scale per row of 64, vectors in fp32), and a
+    faster step on a cluster whose links bound it."""
+    options = {
+        "loss": language_model_loss,
+        "auto_wrap_policy": {GPTBlock},
+        "cluster": "a100-80gb",
+        "hosts": 2,
+        "ranks_per_host": 1,
+    }
+
+    def planned(**extra: Any) -> flatshard.Plan:
+        plan: flatshard.Plan = planner.submit(
+            flatshard.plan, gpt, tokens, **options, **extra
+        ).result()
+        return plan
+
+    def gathers(plan: flatshard.Plan) -> Any:
+        return next(c for c in plan.collectives if c.kind == "all_gather")
+
+    plain, bf16, int8 = (
+        planned(),
+        planned(gather_dtype=torch.bfloat16),
+        planned(gather_dtype=torch.int8),
+    )
+    assert gathers(plain).count == gathers(bf16).count == gathers(int8).count
+    # bf16: half of fp32's bytes (the 8-byte digests of the step check aside)
+    assert abs(gathers(bf16).bytes / gathers(plain).bytes - 0.5) < 0.01
+    # int8: the matrices at (1 + 4 / 64) / 4 of fp32's bytes, the vectors at 1
+    assert 0.26 < gathers(int8).bytes / gathers(plain).bytes < 0.3
+    assert gathers(int8).seconds < gathers(bf16).seconds < gathers(plain).seconds

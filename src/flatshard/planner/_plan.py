@@ -138,6 +138,7 @@ def plan(
     strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
     sharding_factor: int | None = None,
     mixed_precision: torch.dtype | None = None,
+    gather_dtype: torch.dtype | None = None,
     prefetch: Prefetch | None = None,
     grad_accum: int = 1,
     accumulation: str = "no_sync",
@@ -168,6 +169,9 @@ def plan(
         sharding_factor: F for the hybrid strategies (default: ``ranks_per_host``, as
             ``fully_shard`` defaults to under torchrun).
         mixed_precision: the compute and all-gather dtype (gradients reduced in fp32).
+        gather_dtype: ``MixedPrecision(gather_dtype=...)``: the dtype parameters travel in
+            when all-gathered (int8 / float8 with a scale per row, or a cast); the plan
+            prices the bytes sent and the encoding's buffers.
         accumulation: how ``grad_accum`` micro-batches but the last run: "no_sync" (no
             reduction, the unsharded gradients kept) or "reduce" (a reduction each, sharded
             gradients; hybrid: the reduce-scatter alone, the replicas' all-reduce once, as
@@ -222,6 +226,7 @@ def plan(
         strategy=strategy,
         sharding_factor=sharding_factor,
         param_dtype=mixed_precision,
+        gather_dtype=gather_dtype,
         prefetch=prefetch,
         grad_accum=grad_accum,
         accumulation=accumulation,

@@ -59,6 +59,7 @@ class Setup:
     strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
     sharding_factor: int | None = None
     param_dtype: torch.dtype | None = None  # mixed precision: compute and all-gather dtype
+    gather_dtype: torch.dtype | None = None  # MixedPrecision(gather_dtype=...)
     prefetch: Prefetch | None = None
     grad_accum: int = 1
     # Micro-batches but the last: "no_sync" (no reduction, unsharded gradients kept) or
@@ -267,8 +268,11 @@ def shard_options(setup: Setup) -> dict[str, Any]:
     }
     if setup.sharding_factor:
         options["sharding_factor"] = setup.sharding_factor
-    if setup.param_dtype is not None:
-        options["mixed_precision"] = MixedPrecision(setup.param_dtype, torch.float32)
+    if setup.param_dtype is not None or setup.gather_dtype is not None:
+        reduce = None if setup.param_dtype is None else torch.float32
+        options["mixed_precision"] = MixedPrecision(
+            setup.param_dtype, reduce, gather_dtype=setup.gather_dtype
+        )
     if setup.cpu_offload:
         options["cpu_offload"] = CPUOffload()
     return options

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from flatshard.flat._flat_param import FlatParamGroup
 from flatshard.flat._mixed_precision import DtypeReport, DtypeRow, dtype_name
 from flatshard.flat._placement import TableTraffic
 from flatshard.runtime._unit import units_of
@@ -97,13 +98,22 @@ def dtype_report(model: nn.Module) -> DtypeReport:
                     unit=unit.label,
                     params=len(flat.originals),
                     master=dtype_name(flat.shard.dtype),
-                    all_gather=dtype_name(flat.compute_dtype) if flat.needs_all_gather else "-",
+                    all_gather=_gathered_as(flat),
                     compute=dtype_name(flat.compute_dtype),
                     reduce=dtype_name(flat.reduce_dtype) if flat.requires_grad else "-",
                     master_device=str(flat.shard.device),
                 )
             )
     return DtypeReport(rows=tuple(rows))
+
+
+def _gathered_as(flat: FlatParamGroup) -> str:
+    """The all-gather's dtype: the compute dtype, or what the codec sends ("int8+scales"
+    with a scale per row); "-" where nothing is gathered (F = 1)."""
+    codec = flat.transport.codec
+    if codec is None:
+        return dtype_name(flat.compute_dtype) if flat.needs_all_gather else "-"
+    return dtype_name(codec.dtype) + ("+scales" if codec.scaled else "")
 
 
 def embedding_traffic(model: nn.Module) -> dict[str, TableTraffic]:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 import flatshard
-from flatshard.cli.bench.config import PRESETS, BenchConfig
+from flatshard.cli.bench.config import GATHER_SYSTEMS, PRESETS, BenchConfig
 from flatshard.cli.bench.formula import flatshard_formulas
 from flatshard.cli.bench.memory import steady_state_peak
 from flatshard.cli.bench.prediction import predict, predicted_line
@@ -42,7 +42,7 @@ from flatshard.cli.config import add_config_parser, config_from_args
 from flatshard.cli.devices import init_rank, peak_memory_mib, resolve_device
 from flatshard.cli.internals import PlacementRule, WaitClock, fast_context
 from flatshard.cli.lm.optimizers import build_optimizers, placement_for
-from flatshard.measure import CollectiveTracker
+from flatshard.measure import ALL_GATHER, CollectiveTracker
 from flatshard.models import GPT, GPTBlock
 from flatshard.report import describe_collectives
 
@@ -253,7 +253,8 @@ def _serve(
         answers.put({"rank": rank, "time": elapsed, "wait": WaitClock.seconds - waited})
         step += 1
     formulas = {"rest": -1, "collective": -1}  # -1: no formula for this system
-    if system.startswith("flatshard") and config.grad_accum == 1:  # formulas of one batch
+    plain = system.startswith("flatshard") and system not in GATHER_SYSTEMS
+    if plain and config.grad_accum == 1:  # formulas of one batch (fp32 gathers)
         formulas = flatshard_formulas(model, optim, config.layers, config.nproc)
     tables = flatshard.embedding_traffic(model) if system.startswith("flatshard") else {}
     embedding = _embedding_report(tables, step, next(model.parameters()).element_size())
@@ -273,6 +274,7 @@ def _serve(
         if system == "flatshard"
         else "",
         "collective_output_bytes": int(sum(tracker.bytes.values())),
+        "all_gather_bytes": int(tracker.bytes[ALL_GATHER]),
         "peak_mem_mib": peak_memory_mib(device),
         **embedding,
         **waits,
@@ -403,6 +405,11 @@ def _wrap(model: GPT, system: str, device: torch.device, placement: PlacementRul
         sharded = flatshard.fully_shard(model, auto_wrap_policy={GPTBlock}, **options)
         flatshard.set_separate_reduce_scatter_group(sharded, True)
         return sharded
+    if system in GATHER_SYSTEMS:
+        policy = flatshard.MixedPrecision(gather_dtype=GATHER_SYSTEMS[system])
+        return flatshard.fully_shard(
+            model, auto_wrap_policy={GPTBlock}, mixed_precision=policy, **options
+        )
     if system == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from flatshard.cli.config import ConfigError
 from flatshard.cli.lm.optimizers import OPTIMIZERS, needs_whole_params
 
@@ -13,7 +15,20 @@ SYSTEMS = ("flatshard", "fsdp2", "ddp", "floor")
 # --sparse-embeddings says (what row-sparse tables buy, side by side).
 # flatshard-twin: flatshard with its reductions on a process group of their own
 # (set_separate_reduce_scatter_group).
-EXTRA_SYSTEMS = ("flatshard-noprefetch", "flatshard-debug", "flatshard-dense", "flatshard-twin")
+# flatshard-gather-int8 / -fp8 / -bf16: flatshard gathering its parameters in that dtype
+# (MixedPrecision(gather_dtype=...)), computing in fp32 like the others.
+GATHER_SYSTEMS = {
+    "flatshard-gather-int8": torch.int8,
+    "flatshard-gather-fp8": torch.float8_e4m3fn,
+    "flatshard-gather-bf16": torch.bfloat16,
+}
+EXTRA_SYSTEMS = (
+    "flatshard-noprefetch",
+    "flatshard-debug",
+    "flatshard-dense",
+    "flatshard-twin",
+    *GATHER_SYSTEMS,
+)
 
 
 ACCUMULATIONS = ("no_sync", "reduce", "keep")
@@ -48,7 +63,10 @@ class BenchConfig:
     """comma-separated subset of flatshard,fsdp2,ddp,floor,flatshard-noprefetch,
     flatshard-debug (every collective checked across ranks first: Checks(debug=True)),
     flatshard-dense (embedding tables gathered whole: --sparse-embeddings off for it),
-    flatshard-twin (reductions on a process group of their own);
+    flatshard-twin (reductions on a process group of their own),
+    flatshard-gather-int8, flatshard-gather-fp8, flatshard-gather-bf16 (parameters
+    all-gathered in that dtype, one byte per weight with a scale per row for int8 and fp8,
+    decoded to fp32 before each block runs: MixedPrecision(gather_dtype=...));
     default: flatshard,fsdp2,ddp,floor (without fsdp2 for --optimizer muon or adafactor)"""
     optimizer: str = "adamw"
     """adamw | muon | adafactor, as in flatshard train: muon and adafactor shard whole

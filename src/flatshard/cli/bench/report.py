@@ -22,6 +22,7 @@ def summarize(
             "formula_rest_mib": system_runs[0]["formula_rest_mib"],
             "formula_collective_bytes": system_runs[0]["formula_collective_bytes"],
             "collective_output_bytes": system_runs[0]["collective_output_bytes"],
+            "all_gather_bytes": system_runs[0]["all_gather_bytes"],
         }
         embedding = (
             "embedding_bytes_per_step",

@@ -23,6 +23,15 @@ from flatshard.cli.lm.optimizers import OPTIMIZERS
 from flatshard.cli.sizes import parse_size
 
 PRECISIONS = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# The dtype parameters travel in when all-gathered (MixedPrecision(gather_dtype=...))
+GATHER_DTYPES = {
+    "none": None,
+    "int8": torch.int8,
+    "fp8": torch.float8_e4m3fn,
+    "fp8-e5m2": torch.float8_e5m2,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
 SCHEDULES = ("cosine", "linear", "constant")
 UNITS = ("blocks", "sublayers")
 
@@ -108,6 +117,12 @@ class TrainConfig:
     (FULL_SHARD, HYBRID_SHARD): no all-gather when backward reaches them, more memory"""
     mixed_precision: str = "none"
     """none | bf16 | fp16 (fp16 adds a ShardedGradScaler)"""
+    gather_dtype: str = "none"
+    """the dtype parameters travel in when all-gathered, decoded into the compute dtype
+    before each unit runs: int8 | fp8 (float8_e4m3fn) | fp8-e5m2, one byte per weight
+    and a float32 scale per row of each matrix (vectors stay in the compute dtype); bf16 |
+    fp16, a cast; none: the compute dtype. Master weights, optimizer, checkpoints and the
+    gradient reduction are unchanged (MixedPrecision(gather_dtype=...))"""
     checkpoint_activations: bool = False
     """recompute each block's activations in backward (less memory, more compute)"""
     cpu_offload: bool = False
@@ -173,6 +188,7 @@ class TrainConfig:
             fail("weight_decay" if self.weight_decay < 0 else "clip", "must be >= 0")
         _one_of(self, "lr_schedule", SCHEDULES)
         _one_of(self, "mixed_precision", tuple(PRECISIONS))
+        _one_of(self, "gather_dtype", tuple(GATHER_DTYPES))
         object.__setattr__(self, "strategy", strategy_option(self.strategy).name)  # as named
         if self.keep_gathered and self.sharding_strategy.kept_gathered is None:
             fail("keep_gathered", f"applies to FULL_SHARD and HYBRID_SHARD, not {self.strategy}")

@@ -19,7 +19,7 @@ from torch import nn
 import flatshard
 from flatshard.cli.config import ConfigError
 from flatshard.cli.internals import shard_keeping_last
-from flatshard.cli.lm.config import PRECISIONS, TrainConfig, unit_policy
+from flatshard.cli.lm.config import GATHER_DTYPES, PRECISIONS, TrainConfig, unit_policy
 from flatshard.cli.lm.data import VOCAB
 from flatshard.cli.lm.lora import (
     adapter_init,
@@ -155,8 +155,11 @@ def shard_language_model(lm: LanguageModel, config: TrainConfig, device: torch.d
     options: dict[str, Any] = {"strategy": config.sharding_strategy}
     if config.sharding_factor:
         options["sharding_factor"] = config.sharding_factor
-    if low is not None:
-        options["mixed_precision"] = flatshard.MixedPrecision(low, reduce_dtype=torch.float32)
+    gather = GATHER_DTYPES[config.gather_dtype]
+    if low is not None or gather is not None:
+        options["mixed_precision"] = flatshard.MixedPrecision(
+            low, reduce_dtype=None if low is None else torch.float32, gather_dtype=gather
+        )
     if config.cpu_offload:
         options["cpu_offload"] = flatshard.CPUOffload()
     options["placement"] = placement_for(

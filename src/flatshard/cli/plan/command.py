@@ -32,7 +32,7 @@ from flatshard.cli.config import (
     flag,
     strategy_option,
 )
-from flatshard.cli.lm.config import PRECISIONS, UNITS, TrainConfig, unit_policy
+from flatshard.cli.lm.config import GATHER_DTYPES, PRECISIONS, UNITS, TrainConfig, unit_policy
 from flatshard.cli.lm.optimizers import tables_placement
 from flatshard.cli.lm.planned import PlannedModel, language_model_loss, planned_model
 from flatshard.cli.plan.report import chart, table
@@ -81,6 +81,10 @@ class PlanConfig:
     (FULL_SHARD, HYBRID_SHARD): no all-gather when backward reaches them"""
     mixed_precision: str = "none"
     """none | bf16 | fp16: compute and all-gather dtype (gradients reduced in fp32)"""
+    gather_dtype: str = "none"
+    """int8 | fp8 | fp8-e5m2 (one byte per weight, a scale per row) | bf16 | fp16 (a
+    cast) | none: the dtype parameters travel in when all-gathered, as train
+    --gather-dtype"""
     checkpoint_activations: bool = False
     """recompute each block's activations in backward"""
     cpu_offload: bool = False
@@ -121,6 +125,7 @@ class PlanConfig:
                 fail(name, f"must be >= {least}, got {getattr(self, name)}")
         for name, allowed in (
             ("mixed_precision", tuple(PRECISIONS)),
+            ("gather_dtype", tuple(GATHER_DTYPES)),
             ("optimizer", ("adamw", "adam", "sgd-momentum", "sgd", "muon")),
             ("cluster", CLUSTERS),
             ("units", UNITS),
@@ -184,6 +189,7 @@ def _plan(config: PlanConfig, model: PlannedModel, checkpointing: bool) -> flats
         strategy=strategy,
         sharding_factor=config.sharding_factor or None,
         mixed_precision=PRECISIONS[config.mixed_precision],
+        gather_dtype=GATHER_DTYPES[config.gather_dtype],
         grad_accum=config.grad_accum,
         optimizer=config.optimizer,
         keep_gathered=config.keep_gathered,

@@ -378,6 +378,7 @@ def _print_start(trainer: Trainer, backend: str) -> None:
         f"{trainer.world} ranks ({backend}, {config.sharding_strategy.name}{units}"
         f"{kept_phrase(config.keep_gathered)}{', CPU offload' if config.cpu_offload else ''}"
         f"{', row-sparse embeddings' if config.sparse_embeddings else ''}"
+        f"{_gather_phrase(config.gather_dtype)}"
         f"{_optimizer_phrase(config.optimizer)}), {config.steps} steps"
     )
     print(
@@ -387,9 +388,16 @@ def _print_start(trainer: Trainer, backend: str) -> None:
     if config.grad_accum > 1:
         print(_accumulation_line(config))
     print(flatshard.sharding_summary(trainer.model))
-    if config.mixed_precision != "none":
+    if config.mixed_precision != "none" or config.gather_dtype != "none":
         print("dtype plan (master = optimizer state dtype):")
         print(flatshard.dtype_report(trainer.model))
+
+
+def _gather_phrase(gather_dtype: str) -> str:
+    if gather_dtype == "none":
+        return ""
+    scaled = " with row scales" if gather_dtype in ("int8", "fp8", "fp8-e5m2") else ""
+    return f", {gather_dtype} gathers{scaled}"
 
 
 def _finish(trainer: Trainer, out: Path) -> None:

@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 
 from flatshard.cli.config import ConfigError
-from flatshard.cli.lm.config import PRECISIONS, TrainConfig, unit_policy
+from flatshard.cli.lm.config import GATHER_DTYPES, PRECISIONS, TrainConfig, unit_policy
 from flatshard.cli.lm.data import VOCAB
 from flatshard.cli.lm.optimizers import tables_placement
 from flatshard.cli.lm.planned import language_model_loss, planned_model
@@ -38,6 +38,7 @@ def fit_memory(
         world_size=world,
         auto_wrap_policy=unit_policy(model.unit_classes, config.units),
         param_dtype=PRECISIONS[config.mixed_precision],
+        gather_dtype=GATHER_DTYPES[config.gather_dtype],
         grad_accum=config.grad_accum,
         optimizer="muon" if config.optimizer == "muon" else "adamw",
         clip=config.clip > 0,

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flatshard.cli.lm.config import PRECISIONS, TrainConfig, unit_policy
+from flatshard.cli.lm.config import GATHER_DTYPES, PRECISIONS, TrainConfig, unit_policy
 from flatshard.cli.lm.data import VOCAB
 from flatshard.cli.lm.optimizers import tables_placement
 from flatshard.cli.lm.planned import language_model_loss, planned_model
@@ -55,6 +55,7 @@ def predict_run(config: TrainConfig, world: int, local_ranks: int) -> Prediction
         strategy=config.sharding_strategy,
         sharding_factor=config.sharding_factor or None,
         mixed_precision=PRECISIONS[config.mixed_precision],
+        gather_dtype=GATHER_DTYPES[config.gather_dtype],
         grad_accum=config.grad_accum,
         accumulation="no_sync" if config.accum_no_sync else "reduce",
         optimizer=config.optimizer,
