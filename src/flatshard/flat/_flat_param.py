@@ -104,7 +104,7 @@ import torch.distributed as dist
 from flatshard.comm._checks import Tag
 from flatshard.comm._collectives import start_all_gather, wait_work
 from flatshard.comm._mesh import ShardGroups
-from flatshard.flat._gather_codec import GatherCodec
+from flatshard.flat._gather_codec import SCALED, GatherCodec
 from flatshard.flat._layout import FlatLayout, ViewSplits, row_layout
 from flatshard.flat._original_param import OriginalParam
 from flatshard.flat._placement import ROWS, GroupPlacement, ShardPlacement
@@ -316,8 +316,9 @@ class FlatParamGroup:
                 "a flat parameter group's gather dtype can only change while sharded"
             )
         codec = None
-        if dtype is not None and dtype != self.compute_dtype:
-            codec = GatherCodec(self.layout, self.rank, dtype)
+        matrices = any(len(slot.shape) >= 2 for slot in self.layout.slots)
+        if dtype is not None and dtype != self.compute_dtype and (matrices or dtype not in SCALED):
+            codec = GatherCodec(self.layout, self.rank, dtype)  # vectors alone: unencoded
         self.transport = replace(self.transport, codec=codec)
         self._allocate_unsharded()
 

@@ -121,8 +121,9 @@ class TrainConfig:
     """the dtype parameters travel in when all-gathered, decoded into the compute dtype
     before each unit runs: int8 | fp8 (float8_e4m3fn) | fp8-e5m2, one byte per weight
     and a float32 scale per row of each matrix (vectors stay in the compute dtype); bf16 |
-    fp16, a cast; none: the compute dtype. Master weights, optimizer, checkpoints and the
-    gradient reduction are unchanged (MixedPrecision(gather_dtype=...))"""
+    fp16, a cast; none: the compute dtype. With int8 and fp8 the embedding tables (and a
+    head tied to one) stay in the compute dtype. Master weights, optimizer, checkpoints and
+    the gradient reduction are unchanged (MixedPrecision(gather_dtype=...))"""
     checkpoint_activations: bool = False
     """recompute each block's activations in backward (less memory, more compute)"""
     cpu_offload: bool = False
