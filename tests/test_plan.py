@@ -513,23 +513,7 @@ def test_reshard_after_forward_to_a_host_and_separate_reductions_are_priced(
     all-gathers inside a host (as many, cheaper, more memory: half of each unit kept);
     set_separate_reduce_scatter_group puts the reductions on a stream of their own (the
     same collectives, a step no slower)."""
-    options = {
-        "loss": language_model_loss,
-        "auto_wrap_policy": {GPTBlock},
-        "cluster": "a100-80gb",
-        "hosts": 2,
-        "ranks_per_host": 2,
-    }
-
-    def planned(**extra: Any) -> flatshard.Plan:
-        plan: flatshard.Plan = planner.submit(
-            flatshard.plan, gpt, tokens, **options, **extra
-        ).result()
-        return plan
-
-    def gathers(plan: flatshard.Plan) -> Any:
-        return next(c for c in plan.collectives if c.kind == "all_gather")
-
+    planned = partial(_two_hosts, planner, 2)
     default, to_host = planned(), planned(reshard_after_forward=2)
     assert gathers(default).links == "inter-host"
     assert "intra-host" in gathers(to_host).links
@@ -549,23 +533,7 @@ def test_quantized_gathers_are_priced(planner: ProcessPoolExecutor) -> None:
     """MixedPrecision(gather_dtype=...): as many all-gathers, their bytes by the codec's
     format (one byte per element, a float32 scale per row of 64, vectors in fp32), and a
     faster step on a cluster whose links bound it."""
-    options = {
-        "loss": language_model_loss,
-        "auto_wrap_policy": {GPTBlock},
-        "cluster": "a100-80gb",
-        "hosts": 2,
-        "ranks_per_host": 1,
-    }
-
-    def planned(**extra: Any) -> flatshard.Plan:
-        plan: flatshard.Plan = planner.submit(
-            flatshard.plan, gpt, tokens, **options, **extra
-        ).result()
-        return plan
-
-    def gathers(plan: flatshard.Plan) -> Any:
-        return next(c for c in plan.collectives if c.kind == "all_gather")
-
+    planned = partial(_two_hosts, planner, 1)
     plain, bf16, int8 = (
         planned(),
         planned(gather_dtype=torch.bfloat16),
@@ -577,3 +545,22 @@ def test_quantized_gathers_are_priced(planner: ProcessPoolExecutor) -> None:
     # int8: the matrices at (1 + 4 / 64) / 4 of fp32's bytes, the vectors at 1
     assert 0.26 < gathers(int8).bytes / gathers(plain).bytes < 0.3
     assert gathers(int8).seconds < gathers(bf16).seconds < gathers(plain).seconds
+
+
+def _two_hosts(planner: ProcessPoolExecutor, ranks_per_host: int, **extra: Any) -> flatshard.Plan:
+    """The GPT planned on 2 hosts of the a100-80gb cluster (NCCL), with ``extra``."""
+    options = {"loss": language_model_loss, "auto_wrap_policy": {GPTBlock}, "hosts": 2}
+    plan: flatshard.Plan = planner.submit(
+        flatshard.plan,
+        gpt,
+        tokens,
+        cluster="a100-80gb",
+        ranks_per_host=ranks_per_host,
+        **options,
+        **extra,
+    ).result()
+    return plan
+
+
+def gathers(plan: flatshard.Plan) -> Any:
+    return next(c for c in plan.collectives if c.kind == "all_gather")
