@@ -177,6 +177,16 @@ def mismatch_job(ctx: WorkerContext, case: str) -> str:
             model.tok.padding_idx = 0  # type: ignore[union-attr]
         if odd and case == "sparse":  # served row-sparse here, but still another model
             model.tok.sparse = True  # type: ignore[union-attr]
+    if case == "gather_dtype":  # each rank's payload a different size: gloo would abort
+        options["mixed_precision"] = flatshard.MixedPrecision(
+            gather_dtype=torch.int8 if odd else None,
+            keep_full_precision={nn.LayerNorm, nn.Embedding, nn.GELU},  # a set: any order
+        )
+    if case == "none":  # the same policy, its set of classes built in another order
+        kept = [nn.LayerNorm, nn.Embedding, nn.GELU]
+        options["mixed_precision"] = flatshard.MixedPrecision(
+            keep_full_precision=set(reversed(kept) if odd else kept)
+        )
     if case == "weights" and odd:
         with torch.no_grad():
             model.head.weight.add_(1e-3)  # type: ignore[union-attr, operator]
@@ -203,6 +213,7 @@ def mismatch_job(ctx: WorkerContext, case: str) -> str:
         ("weights", "parameter 'head.weight' checksum"),
         ("padding_idx", "'tok.weight' looked up by nn.Embedding(padding_idx=0,"),
         ("sparse", "scale_grad_by_freq=False, sparse=True)"),
+        ("gather_dtype", "gather_dtype=torch.int8, output_dtype=None"),
     ],
 )
 def test_mismatched_ranks_fail_on_every_rank(pool: WorkerPool, case: str, expected: str) -> None:

@@ -137,7 +137,9 @@ def fully_shard(
         if init.check_consistency:
             check_same_on_all_ranks(
                 structure_lines(
-                    units, _strategy_line(strategy, group, sharding_factor), placements
+                    units,
+                    _strategy_line(strategy, group, sharding_factor, mixed_precision),
+                    placements,
                 ),
                 group,
                 target or _CPU,
@@ -354,11 +356,25 @@ def _check_backend_reaches(
 
 
 def _strategy_line(
-    strategy: ShardingStrategy, group: dist.ProcessGroup, sharding_factor: int | None
+    strategy: ShardingStrategy,
+    group: dist.ProcessGroup,
+    sharding_factor: int | None,
+    policy: MixedPrecision | None,
 ) -> str:
+    """The options every rank must pass alike. Dtypes matter beyond the numbers: ranks
+    gathering in different dtypes send payloads of different sizes, which the backend
+    aborts on rather than naming."""
     line = f"strategy {strategy.name} over {dist.get_world_size(group)} ranks"
     if sharding_factor is not None:
         line += f", sharding_factor {sharding_factor}"
+    if policy is not None:
+        kept = sorted(c.__qualname__ for c in policy.keep_full_precision)  # a set: by name
+        line += (
+            f", mixed_precision(param_dtype={policy.param_dtype}, "
+            f"reduce_dtype={policy.reduce_dtype}, buffer_dtype={policy.buffer_dtype}, "
+            f"gather_dtype={policy.gather_dtype}, output_dtype={policy.output_dtype}, "
+            f"cast_forward_inputs={policy.cast_forward_inputs}, keep_full_precision={kept})"
+        )
     return line
 
 
