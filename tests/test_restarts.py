@@ -1,6 +1,8 @@
 """Crash and restart as an operator meets it: a rank SIGKILLed mid-run and once more while
 a checkpoint is being written, under ``flatshard train --max-restarts`` (torch's elastic
-agent) and under the torchrun recipe of docs/cli.md. The ranks restart, resume from the last
+agent) and under the torchrun recipe of docs/cli.md; and a rank SIGKILLed while
+``--ckpt-async``'s writer thread writes (training having gone on): ``--resume auto`` takes
+the checkpoint before it. The ranks restart, resume from the last
 whole checkpoint, and log exactly the losses of an uninterrupted run."""
 
 from __future__ import annotations
@@ -159,6 +161,26 @@ def test_torchrun_recipe_resumes_exactly_after_two_kills(
     _, back_after = _kill_twice([*command, "--out-dir", str(tmp_path)], tmp_path)
     assert _losses(tmp_path) == uninterrupted
     print(f"torchrun: first resumed step logged {back_after:.1f} s after the kill")
+
+
+def test_a_kill_during_a_background_write_resumes_from_the_checkpoint_before(
+    tmp_path: Path, uninterrupted: dict[int, float], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # docs/cli.md says why
+    run = [*TORCHRUN[:-2], "-m", "flatshard.cli.main", "train", *RUN, "--ckpt-async"]
+    run += ["--resume", "auto", "--out-dir", str(tmp_path)]
+    ckpts = tmp_path / "checkpoints"
+    env = _slow_saves(tmp_path.parent / f"{tmp_path.name}-env")  # each write lasts 1 s more
+    proc = subprocess.Popen(run, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    _wait(lambda: (ckpts / "step_000016.partial").exists())  # step 8's is whole by then
+    assert (ckpts / "step_000008" / "flatshard.json").exists()
+    _kill(proc.pid, 0)
+    proc.communicate(timeout=120)
+    assert not (ckpts / "step_000016").exists()  # killed within the writer's pause
+    done = subprocess.run(run, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resumed from {ckpts / 'step_000008'} at step 8" in done.stdout, done.stdout
+    assert _losses(tmp_path) == uninterrupted  # bit-identical
 
 
 def test_two_torchrun_agents_as_two_nodes(tmp_path: Path) -> None:

@@ -73,6 +73,7 @@ from flatshard.runtime import (
 from flatshard.sharding import InitOptions, fully_shard, init_weights, skip_init
 from flatshard.state import (
     CheckpointError,
+    CheckpointSave,
     RowShard,
     export_checkpoint,
     export_safetensors,
@@ -180,6 +181,7 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "CheckpointError",
+    "CheckpointSave",
     "export_safetensors",
     "export_checkpoint",
     # pretrained weights

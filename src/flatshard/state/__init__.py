@@ -6,7 +6,9 @@ API; the checkpoint directory's reading side (manifest, entries, raw loads) that
 ``flatshard ckpt`` needs comes through ``flatshard.cli.internals``.
 """
 
-from flatshard.state._checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from flatshard.state._async_save import CheckpointSave
+from flatshard.state._checkpoint import load_checkpoint, save_checkpoint
+from flatshard.state._errors import CheckpointError
 from flatshard.state._export import export_checkpoint, export_safetensors
 from flatshard.state._load import load_safetensors
 from flatshard.state._optim_state import (
@@ -23,6 +25,7 @@ from flatshard.state._state_dict import (
 
 __all__ = [
     "CheckpointError",
+    "CheckpointSave",
     "RowShard",
     "export_checkpoint",
     "export_safetensors",

@@ -23,7 +23,7 @@ import shutil
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeGuard, cast
+from typing import TYPE_CHECKING, Any, Literal, TypeGuard, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,8 @@ from torch import nn
 from flatshard.comm._collectives import all_gather_object, barrier
 from flatshard.comm._ranks import rank_in
 from flatshard.runtime._step import every_rank_calls
+from flatshard.state._async_save import CheckpointSave, Exchange, settle_pending, start_save
+from flatshard.state._errors import CheckpointError
 from flatshard.state._optim_state import (
     OptimStateDict,
     is_row_shape,
@@ -59,10 +61,6 @@ MODEL, OPTIM, GROUPS, EXTRA = "model/", "optim/", "optim/param_groups", "extra/"
 Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded (missing, foreign, truncated, corrupt) or saved."""
-
-
 def _listed(optimizer: Optimizers) -> list[torch.optim.Optimizer]:
     if optimizer is None:
         return []
@@ -74,6 +72,46 @@ def _groups_key(index: int) -> str:
 
 
 # ---------------------------------------------------------------- saving
+def exchange_over(group: dist.ProcessGroup | None) -> Exchange:
+    """flatshard's collectives (watched, tagged) over ``group`` (None: a process alone)."""
+    if group is None:
+        return Exchange(lambda obj: [obj], lambda: None)
+    return Exchange(lambda obj: all_gather_object(obj, group), lambda: barrier(group))
+
+
+@overload
+def save_checkpoint(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: Optimizers = None,
+    *,
+    extra: dict[str, Any] | None = None,
+    async_op: Literal[False] = False,
+) -> None: ...
+
+
+@overload
+def save_checkpoint(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: Optimizers = None,
+    *,
+    extra: dict[str, Any] | None = None,
+    async_op: Literal[True],
+) -> CheckpointSave: ...
+
+
+@overload
+def save_checkpoint(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: Optimizers = None,
+    *,
+    extra: dict[str, Any] | None = None,
+    async_op: bool,
+) -> CheckpointSave | None: ...
+
+
 @every_rank_calls("save_checkpoint", model_arg=1)
 def save_checkpoint(
     path: str | os.PathLike[str],
@@ -81,7 +119,8 @@ def save_checkpoint(
     optimizer: Optimizers = None,
     *,
     extra: dict[str, Any] | None = None,
-) -> None:
+    async_op: bool = False,
+) -> CheckpointSave | None:
     """Write model, optimizer and ``extra`` state to the directory ``path``, atomically.
 
     A collective over the model's ranks (every rank calls it with the same ``path`` on a
@@ -92,12 +131,39 @@ def save_checkpoint(
     flatshard units is saved by the calling process alone: call it from one process only.
     ``optimizer`` may be a list of optimizers over disjoint parameters (Muon and AdamW);
     load it with the same list.
+
+    ``async_op=True``: copy the state to host memory (a staging buffer kept for the next
+    save) and return a ``CheckpointSave`` at once; a background thread writes and commits
+    it. Training may change the model and optimizer meanwhile: the checkpoint holds the
+    state of this call. One asynchronous save at a time per process: the next
+    ``save_checkpoint`` or ``load_checkpoint`` waits for it first. A failed write raises
+    ``CheckpointError`` on every rank from ``wait()`` and from the next
+    ``save_checkpoint``/``load_checkpoint``; ``<path>`` appears only when whole, so a
+    crash meanwhile leaves the previous checkpoint the newest whole one. Call ``wait()``
+    before ``dist.destroy_process_group()``; at exit, Python finishes a pending save.
     """
+    settle_pending("save_checkpoint")
     target = Path(path)
     group = checkpoint_group(model)
     partial = target.with_name(target.name + ".partial")
+    state = _collect_state(model, _listed(optimizer), extra, group)
+    if async_op:
+        return start_save(target, partial, state, group, write_or_clean_up)
+    write_or_clean_up(target, partial, state, group, exchange_over(group))
+    return None
+
+
+def write_or_clean_up(
+    target: Path,
+    partial: Path,
+    state: dict[str, Any],
+    group: dist.ProcessGroup | None,
+    exchange: Exchange,
+) -> None:
+    """Write ``state`` to ``partial`` and swap it in as ``target``; on failure remove
+    ``partial`` and say a full disk in words."""
     try:
-        _save(target, partial, model, _listed(optimizer), extra)
+        _write_and_commit(target, partial, state, group, exchange)
     except Exception as error:
         if rank_in(group) == 0:
             shutil.rmtree(partial, ignore_errors=True)  # or it keeps the disk full
@@ -122,41 +188,62 @@ def _out_of_space(error: BaseException | None, depth: int = 0) -> bool:
     return _out_of_space(error.__cause__ or error.__context__, depth + 1)
 
 
-def _save(
-    target: Path,
-    partial: Path,
+def _collect_state(
     model: nn.Module,
     optimizers: list[torch.optim.Optimizer],
     extra: dict[str, Any] | None,
-) -> None:
-    group = checkpoint_group(model)
-    rank = rank_in(group)
-    if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-    barrier(group)
+    group: dist.ProcessGroup | None,
+) -> dict[str, Any]:
+    """This rank's entries of the checkpoint (its rows; the live tensors, not copies)."""
     state: dict[str, Any] = {MODEL + k: v for k, v in sharded_state_dict(model).items()}
     for index, optimizer in enumerate(optimizers):
         entries = _optim_entries(sharded_optim_state_dict(model, optimizer), index)
         _check_disjoint(state, entries, index)
         state.update(entries)
-    state[f"{EXTRA}{rank}"] = extra if extra is not None else {}
+    state[f"{EXTRA}{rank_in(group)}"] = extra if extra is not None else {}
+    return state
+
+
+def _write_and_commit(
+    target: Path,
+    partial: Path,
+    state: dict[str, Any],
+    group: dist.ProcessGroup | None,
+    exchange: Exchange,
+) -> None:
+    """DCP's write into ``partial``, the manifest, the swap: raises on every rank or none
+    (DCP agrees on its failures; the checksums and the commit are exchanged)."""
+    rank = rank_in(group)
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+    exchange.barrier()
     from flatshard.state._dcp import write  # DCP: imported when first used
 
     write(partial, state, group)
-    files = _share_of_checksums(partial, group)
+    files = _share_of_checksums(partial, group, exchange)
+    failed = None
     if rank == 0:
         manifest = {
             "format": FORMAT,
             "version": VERSION,
             "world_size": dist.get_world_size(group) if group is not None else 1,
             "torch": torch.__version__,
-            "has_optimizer": bool(optimizers),
-            "optimizers": len(optimizers),
+            "has_optimizer": GROUPS in state,
+            "optimizers": sum(_groups_key(i) in state for i in range(len(state))),
             "files": files,
         }
-        (partial / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-        _swap_in(partial, target)
-    barrier(group)
+        try:
+            (partial / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+            _swap_in(partial, target)
+        except OSError as error:
+            failed = error
+    outcome = exchange.gather(None if failed is None else str(failed))
+    if failed is not None:
+        raise failed
+    if outcome[0] is not None:
+        raise CheckpointError(
+            f"flatshard.save_checkpoint: rank 0 could not commit {target}: {outcome[0]}"
+        )
 
 
 def _optim_entries(osd: OptimStateDict, index: int) -> dict[str, Any]:
@@ -198,16 +285,25 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _share_of_checksums(directory: Path, group: dist.ProcessGroup | None) -> dict[str, Any]:
-    """Size and CRC32 of every file, each rank reading a share of them."""
+def _share_of_checksums(
+    directory: Path, group: dist.ProcessGroup | None, exchange: Exchange
+) -> dict[str, Any]:
+    """Size and CRC32 of every file, each rank reading a share of them; an error on every
+    rank if any rank could not read its share."""
     names = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name != MANIFEST)
-    world = dist.get_world_size(group) if group is not None else 1
-    rank = rank_in(group)
-    mine = {name: _file_facts(directory / name) for name in names[rank::world]}
-    if group is None:
-        return mine
-    shares = cast(list[dict[str, Any] | None], all_gather_object(mine, group))
-    return {k: v for share in shares if share for k, v in share.items()}
+    mine: dict[str, Any] | str
+    try:
+        world = dist.get_world_size(group) if group is not None else 1
+        mine = {name: _file_facts(directory / name) for name in names[rank_in(group) :: world]}
+    except OSError as error:
+        mine = str(error)
+    shares = exchange.gather(mine)
+    problems = [f"rank {r}: {share}" for r, share in enumerate(shares) if isinstance(share, str)]
+    if problems:
+        raise CheckpointError(
+            f"flatshard.save_checkpoint: could not read back {directory}: " + "; ".join(problems)
+        )
+    return {k: v for share in cast(list[dict[str, Any]], shares) for k, v in share.items()}
 
 
 def _file_facts(path: Path) -> dict[str, int]:
@@ -236,6 +332,7 @@ def load_checkpoint(
     rank's ``extra`` as saved (rank 0's when the saving run had fewer ranks). A list of
     optimizers loads what ``save_checkpoint`` saved from the same list.
     """
+    settle_pending("load_checkpoint")  # the path may be the one being written
     optimizers = _listed(optimizer)
     target = Path(path)
     group = checkpoint_group(model)

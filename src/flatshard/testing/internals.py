@@ -40,7 +40,7 @@ from flatshard.runtime._step import context_of
 from flatshard.runtime._torch_utilities import TorchReach
 from flatshard.runtime._unit import units_of
 from flatshard.sharding._init import with_index as device_with_index
-from flatshard.state import _checkpoint
+from flatshard.state import _async_save, _checkpoint, _dcp
 
 __all__ = [
     "CalibratedSpeeds",
@@ -52,8 +52,10 @@ __all__ = [
     "UnitMembers",
     "ViewSplits",
     "calibrated_seconds",
+    "checkpoint_file_reads_fail",
     "checkpoint_save_fails",
     "checkpoint_saves_pause",
+    "checkpoint_writes_start_after",
     "collective_tag",
     "comm_collectives",
     "comm_ledger",
@@ -72,6 +74,7 @@ __all__ = [
     "ranks_per_host",
     "rate_limiter_of",
     "select_unit_roots",
+    "staging_buffers",
     "storage_move",
     "units_of",
 ]
@@ -170,6 +173,44 @@ def checkpoint_saves_pause(seconds: float) -> None:
         return real(*args)
 
     _checkpoint._share_of_checksums = paused  # type: ignore[assignment]
+
+
+@contextmanager
+def checkpoint_writes_start_after(seconds: float) -> Iterator[None]:
+    """Inside: each save's DCP write starts ``seconds`` late, so that an asynchronous
+    save's writer runs while training changes the live state."""
+    real = _dcp.write
+
+    def late(*args: Any) -> None:
+        time.sleep(seconds)
+        real(*args)
+
+    _dcp.write = late  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        _dcp.write = real
+
+
+@contextmanager
+def checkpoint_file_reads_fail(error: OSError) -> Iterator[None]:
+    """Inside: this process cannot read back the files it wrote (its share of the
+    checksums fails with ``error``; the other ranks read theirs)."""
+
+    def fail(*args: Any) -> None:
+        raise error
+
+    real = _checkpoint._file_facts
+    _checkpoint._file_facts = fail  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        _checkpoint._file_facts = real
+
+
+def staging_buffers() -> dict[str, torch.Tensor]:
+    """The host buffers this process's asynchronous saves copy the state into."""
+    return _async_save._STAGING.buffers
 
 
 def collective_tag() -> Tag:

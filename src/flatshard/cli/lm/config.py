@@ -158,6 +158,10 @@ class TrainConfig:
     """save a checkpoint every this many steps and at the end (0: never)"""
     keep_ckpts: int = 2
     """checkpoints to keep (older ones are deleted)"""
+    ckpt_async: bool = False
+    """save checkpoints in the background: each save copies the state to host memory and
+    training goes on while a thread writes it (a checkpoint counts once whole; a crash
+    meanwhile resumes from the one before)"""
     resume: str = ""
     """continue from a checkpoint directory; 'latest' (the newest in --ckpt-dir); or 'auto'
     (the newest whole one, else start afresh: for jobs restarted after a crash)"""

@@ -171,6 +171,7 @@ class Trainer:
         low = PRECISIONS[config.mixed_precision]
         self.scaler = flatshard.ShardedGradScaler(device.type, enabled=low is torch.float16)
         self.step = 0
+        self.pending: flatshard.CheckpointSave | None = None  # --ckpt-async's last save
 
     def loss(self, idx: torch.Tensor) -> torch.Tensor:
         logits = self.lm.logits(self.model, idx[:, :-1].to(self.device))
@@ -234,7 +235,11 @@ class Trainer:
         path = self.config.checkpoint_dir / f"step_{self.step:06d}"
         extra = {"step": self.step, "rng": torch.get_rng_state(), "config": asdict(self.config)}
         extra["world"] = self.world  # a resume at another world size says what changes
-        flatshard.save_checkpoint(path, self.model, self.optims, extra=extra)
+        # With --ckpt-async it is written in the background; the next save waits for it,
+        # and only whole checkpoints are listed (a '.partial' one is not pruned or counted).
+        self.pending = flatshard.save_checkpoint(
+            path, self.model, self.optims, extra=extra, async_op=self.config.ckpt_async
+        )
         if self.rank == 0:
             for old in saved_checkpoints(self.config.checkpoint_dir)[: -self.config.keep_ckpts]:
                 shutil.rmtree(old, ignore_errors=True)
@@ -291,9 +296,26 @@ def _train(config: TrainConfig, store: str | None, prediction: Prediction | None
         backend = backend_for(config.device)
         if backend == "gloo":
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        _loop(Trainer(config, device, prediction), backend)
+        trainer = Trainer(config, device, prediction)
+        try:
+            _loop(trainer, backend)
+        finally:  # a save being written needs the process groups: it ends first
+            _settle_save(trainer, failing=sys.exc_info()[0] is not None)
     finally:
         dist.destroy_process_group()
+
+
+def _settle_save(trainer: Trainer, failing: bool) -> None:
+    """Wait for --ckpt-async's last save; while another error is raised, say its failure
+    instead of raising it over that error."""
+    if trainer.pending is None:
+        return
+    try:
+        trainer.pending.wait()
+    except flatshard.CheckpointError as error:
+        if not failing:
+            raise
+        print(f"flatshard train: {error}", file=sys.stderr)
 
 
 def _loop(trainer: Trainer, backend: str) -> None:
