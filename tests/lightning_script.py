@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import flatshard
+from flatshard.testing.internals import checkpoint_writes_start_after
 
 PACKAGE = sys.argv[2] if len(sys.argv) > 2 else "lightning"
 L: Any = importlib.import_module(PACKAGE)  # Trainer, LightningModule, Callback in both
@@ -129,6 +130,7 @@ def fit(kind: str, steps: int = STEPS, **options: Any) -> dict[str, Any]:
     """Train; the per-step losses of this rank and the validation loss after."""
     ckpt_path = options.pop("ckpt_path", None)
     save_to = options.pop("save_to", None)
+    every_step_to = options.pop("every_step_to", None)  # ModelCheckpoint, newest one kept
     trainer_options = {
         k: options.pop(k)
         for k in ("gradient_clip_val", "accumulate_grad_batches", "precision", "plugins")
@@ -139,16 +141,27 @@ def fit(kind: str, steps: int = STEPS, **options: Any) -> dict[str, Any]:
     if options.pop("init_weights", False):  # the weights a meta build gets (ddp's reference)
         flatshard.init_weights(model, init_module, 0)
     losses = Losses()
+    callbacks: list[Any] = [losses]
+    if every_step_to is not None:
+        callbacks.append(
+            L.pytorch.callbacks.ModelCheckpoint(
+                dirpath=every_step_to,
+                every_n_train_steps=1,
+                save_top_k=1,
+                monitor="step",
+                mode="max",
+            )
+        )
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
         strategy=strategy(kind, **options),
         max_steps=steps,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=every_step_to is not None,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[losses],
+        callbacks=callbacks,
         num_sanity_val_steps=0,
         limit_val_batches=2,
         limit_train_batches=2,  # epochs of 2 steps: a checkpoint after 2 resumes at an epoch
@@ -183,6 +196,22 @@ def shared(out: Path, state_dict_types: tuple[str, ...]) -> dict[str, Any]:
     return results
 
 
+def _watch_removals(directory: Path) -> list[bool]:
+    """For each checkpoint the strategy removes: whether another one was whole then (it
+    must be: until the newer one is whole, the older one is the newest whole one)."""
+    checkpoints = importlib.import_module(f"flatshard.integrations.{_INTEGRATION}._checkpoints")
+    real = checkpoints.remove
+    seen: list[bool] = []
+
+    def remove(path: Path) -> None:
+        others = [p for p in directory.iterdir() if p != path]
+        seen.append(any((p / "flatshard.json").exists() for p in others))
+        real(path)
+
+    checkpoints.remove = remove
+    return seen
+
+
 def write(out: Path, results: dict[str, Any]) -> None:
     rank = torch.distributed.get_rank()
     (out / f"rank{rank}.json").write_text(json.dumps(results))
@@ -211,6 +240,19 @@ def main(out: Path) -> None:
     fp16 = FlatshardPrecision("16-mixed")
     results["fp16"] = fit("FULL_SHARD", steps=2, gradient_clip_val=0.05, plugins=[fp16])
     results["fp16_scale"] = float(cast(Any, fp16.scaler).get_scale())
+    # Saved in the background: resumes as the synchronous save does; ModelCheckpoint's
+    # removal of the older checkpoint waits for the newer one to be whole
+    saved = str(out / "half-async.ckpt")
+    fit("FULL_SHARD", steps=2, save_to=saved, gradient_clip_val=0.05, async_checkpoint=True)
+    results["resumed_async"] = fit(
+        "FULL_SHARD", ckpt_path=saved, gradient_clip_val=0.05, async_checkpoint=True
+    )
+    every = out / "every-step"
+    removals = _watch_removals(every)
+    with checkpoint_writes_start_after(0.2):  # each write outlasts a step
+        results["async_every_step"] = fit("FULL_SHARD", async_checkpoint=True, every_step_to=every)
+    results["async_kept"] = sorted(p.name for p in every.iterdir())
+    results["removed_with_a_whole_one_left"] = removals
     write(out, results)
 
 

@@ -30,6 +30,7 @@ from flatshard.integrations.lightning import (  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("lightning_script.py")
 FABRIC_SCRIPT = Path(__file__).with_name("fabric_script.py")
+STEPS = 4  # lightning_script.STEPS
 TOLERANCE = 1e-5
 
 
@@ -95,6 +96,16 @@ def test_resume_from_a_checkpoint_continues_as_ddp_does(
         # The first resumed step is the uninterrupted run's third: weights and data restored
         assert abs(resumed["losses"][0] - run["FULL_SHARD"]["losses"][2]) <= TOLERANCE
     assert runs[0][f"kind_{state_dict_type}"] == ("dir" if state_dict_type == "sharded" else "file")
+
+
+def test_async_checkpoints_resume_as_synchronous_ones(runs: list[dict[str, Any]]) -> None:
+    for run in runs:
+        assert run["resumed_async"]["losses"] == run["resumed_sharded"]["losses"]
+        assert run["resumed_async"]["val_loss"] == run["resumed_sharded"]["val_loss"]
+    # ModelCheckpoint(save_top_k=1) saved at every step and removed the one before, each
+    # removal waiting for the newer save: the last one alone is left, whole
+    assert runs[0]["async_kept"] == [f"epoch=1-step={STEPS}.ckpt"], runs[0]["async_kept"]
+    assert runs[0]["removed_with_a_whole_one_left"] == [True] * (STEPS - 1)
 
 
 def test_a_model_built_on_meta_in_configure_model(runs: list[dict[str, Any]]) -> None:

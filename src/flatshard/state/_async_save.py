@@ -38,7 +38,6 @@ import copy
 import dataclasses
 import sys
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple, cast
@@ -68,14 +67,12 @@ class CheckpointSave:
 
     ``wait()`` blocks until it is committed (or raises ``CheckpointError`` on every rank
     if the write failed); ``done()`` says whether the writer has finished.
-    ``staged_bytes``: this rank's state copied to host memory for it; ``stall_s``: the
-    seconds ``save_checkpoint`` took in the calling thread (collecting and staging).
+    ``staged_bytes``: this rank's state copied to host memory for it.
     """
 
     def __init__(self, path: Path, staged_bytes: int) -> None:
         self.path = path
         self.staged_bytes = staged_bytes
-        self.stall_s = 0.0
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -166,7 +163,6 @@ def start_save(
     write: Write,
 ) -> CheckpointSave:
     """Stage ``state`` and start ``write`` of it in the background (every rank calls it)."""
-    start = time.perf_counter()
     writer_group = _writer_group(group)
     staged, nbytes = _STAGING.stage(state)
     save = CheckpointSave(target, nbytes)
@@ -176,7 +172,6 @@ def start_save(
     save._thread = thread
     _PENDING.append(save)
     thread.start()
-    save.stall_s = time.perf_counter() - start
     return save
 
 

@@ -34,15 +34,26 @@ def is_sharded_checkpoint(path: Path) -> bool:
 
 
 def save_sharded(
-    checkpoint: dict[str, Any], path: Path, model: nn.Module, optimizers: list[Any]
-) -> None:
-    """Every rank: write a Trainer ``checkpoint`` as a flatshard checkpoint directory."""
+    checkpoint: dict[str, Any],
+    path: Path,
+    model: nn.Module,
+    optimizers: list[Any],
+    async_op: bool = False,
+) -> flatshard.CheckpointSave | None:
+    """Every rank: write a Trainer ``checkpoint`` as a flatshard checkpoint directory (in
+    the background with ``async_op``: its handle)."""
     rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
     saved = optimizers if "optimizer_states" in checkpoint else []  # weights_only saves
-    write(path, model, saved, rest)
+    return write(path, model, saved, rest, async_op)
 
 
-def write(path: Path, model: nn.Module, optimizers: list[Any], rest: dict[str, Any]) -> None:
+def write(
+    path: Path,
+    model: nn.Module,
+    optimizers: list[Any],
+    rest: dict[str, Any],
+    async_op: bool = False,
+) -> flatshard.CheckpointSave | None:
     """Every rank: model and optimizers through flatshard, ``rest`` (Lightning's own
     state) as ``torch.save`` bytes in the checkpoint's extra."""
     if path.is_file():
@@ -53,7 +64,9 @@ def write(path: Path, model: nn.Module, optimizers: list[Any], rest: dict[str, A
     buffer = io.BytesIO()
     torch.save(rest, buffer)
     blob = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-    flatshard.save_checkpoint(path, model, optimizers or None, extra={LIGHTNING_KEY: blob})
+    return flatshard.save_checkpoint(
+        path, model, optimizers or None, extra={LIGHTNING_KEY: blob}, async_op=async_op
+    )
 
 
 def read(

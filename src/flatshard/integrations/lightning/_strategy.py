@@ -88,6 +88,11 @@ class FlatshardStrategy(ParallelStrategy):
             backward (non-reentrant ``torch.utils.checkpoint``).
         state_dict_type: ``"sharded"`` (each rank writes its rows; the default) or
             ``"full"`` (rank 0 writes one file with full tensors).
+        async_checkpoint: sharded checkpoints are written in the background
+            (``flatshard.save_checkpoint(..., async_op=True)``): ``trainer.save_checkpoint``
+            and ``ModelCheckpoint`` return once the state is copied to host memory. A
+            checkpoint ``ModelCheckpoint`` drops is removed only once the newer one is
+            whole; the next save, a load and the end of fitting wait for the write.
         process_group_backend: "gloo", "nccl", ...; by default the device's.
         fully_shard_options: the other ``flatshard.fully_shard`` keywords
             (``sharding_factor``, ``param_init_fn``, ``prefetch``, ``init``, ``placement``).
@@ -104,10 +109,20 @@ class FlatshardStrategy(ParallelStrategy):
         cpu_offload: flatshard.CPUOffload | None = None,
         activation_checkpointing_policy: set[type[nn.Module]] | None = None,
         state_dict_type: str = "sharded",
+        async_checkpoint: bool = False,
         process_group_backend: str | None = None,
         **fully_shard_options: Any,
     ) -> None:
         super().__init__()
+        if async_checkpoint and state_dict_type != "sharded":
+            raise ValueError(
+                "flatshard.integrations.lightning: async_checkpoint=True writes sharded "
+                f"checkpoints; state_dict_type={state_dict_type!r} writes one file from rank "
+                "0 (use Lightning's AsyncCheckpointIO plugin for that)."
+            )
+        self.async_checkpoint = async_checkpoint
+        self._pending: flatshard.CheckpointSave | None = None
+        self._doomed: list[Path] = []  # removals waiting for the pending save to commit
         self.options = ShardOptions(
             auto_wrap_policy,
             sharding_strategy,
@@ -263,8 +278,11 @@ class FlatshardStrategy(ParallelStrategy):
             )
         path = Path(self.broadcast(str(filepath)))  # rank 0's name for every rank
         if self.options.state_dict_type == "sharded":
+            self._settle_saves()
             optimizers = [_unwrapped(o) for o in self.optimizers]
-            _checkpoints.save_sharded(checkpoint, path, self._module, optimizers)
+            self._pending = _checkpoints.save_sharded(
+                checkpoint, path, self._module, optimizers, async_op=self.async_checkpoint
+            )
         elif self.is_global_zero:
             if _checkpoints.is_sharded_checkpoint(path):
                 _checkpoints.remove(path)
@@ -272,6 +290,7 @@ class FlatshardStrategy(ParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
         path = Path(self.broadcast(str(checkpoint_path)))
+        self._settle_saves()
         return _checkpoints.load(
             path,
             self._module,
@@ -287,10 +306,24 @@ class FlatshardStrategy(ParallelStrategy):
         pass  # load_checkpoint loaded the optimizers
 
     def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:
+        if self._pending is not None and not self._pending.done():
+            self._doomed.append(Path(filepath))  # kept until the newer one is whole
+        elif self.is_global_zero:
             _checkpoints.remove(Path(filepath))
 
+    def _settle_saves(self) -> None:
+        """Wait for the background save (raising its failure on every rank), then remove
+        the checkpoints it replaces; a failed save keeps them."""
+        pending, self._pending = self._pending, None
+        doomed, self._doomed = self._doomed, []
+        if pending is not None:
+            pending.wait()
+        if self.is_global_zero:
+            for path in doomed:
+                _checkpoints.remove(path)
+
     def teardown(self) -> None:
+        self._settle_saves()
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         self.cluster_environment.teardown()
