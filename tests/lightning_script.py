@@ -172,7 +172,8 @@ def fit(kind: str, steps: int = STEPS, **options: Any) -> dict[str, Any]:
         trainer.save_checkpoint(save_to)
     validated = trainer.validate(model, loader(), verbose=False)[0]["val_loss"]
     meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
-    return {"losses": losses.losses, "val_loss": validated, "meta_left": meta}
+    background = bool(getattr(trainer.strategy, "saves_in_background", False))
+    return {"losses": losses.losses, "val_loss": validated, "meta_left": meta, "bg": background}
 
 
 def shared(out: Path, state_dict_types: tuple[str, ...]) -> dict[str, Any]:
@@ -240,17 +241,21 @@ def main(out: Path) -> None:
     fp16 = FlatshardPrecision("16-mixed")
     results["fp16"] = fit("FULL_SHARD", steps=2, gradient_clip_val=0.05, plugins=[fp16])
     results["fp16_scale"] = float(cast(Any, fp16.scaler).get_scale())
-    # Saved in the background: resumes as the synchronous save does; ModelCheckpoint's
+    # Saved in the background (Lightning's AsyncCheckpointIO plugin): resumes as the
+    # synchronous save does; ModelCheckpoint's
     # removal of the older checkpoint waits for the newer one to be whole
     saved = str(out / "half-async.ckpt")
-    fit("FULL_SHARD", steps=2, save_to=saved, gradient_clip_val=0.05, async_checkpoint=True)
+    background = {"plugins": [L.pytorch.plugins.io.AsyncCheckpointIO()]}
+    fit("FULL_SHARD", steps=2, save_to=saved, gradient_clip_val=0.05, **background)
+    background = {"plugins": [L.pytorch.plugins.io.AsyncCheckpointIO()]}
     results["resumed_async"] = fit(
-        "FULL_SHARD", ckpt_path=saved, gradient_clip_val=0.05, async_checkpoint=True
+        "FULL_SHARD", ckpt_path=saved, gradient_clip_val=0.05, **background
     )
     every = out / "every-step"
     removals = _watch_removals(every)
     with checkpoint_writes_start_after(0.2):  # each write outlasts a step
-        results["async_every_step"] = fit("FULL_SHARD", async_checkpoint=True, every_step_to=every)
+        background = {"plugins": [L.pytorch.plugins.io.AsyncCheckpointIO()]}
+        results["async_every_step"] = fit("FULL_SHARD", every_step_to=every, **background)
     results["async_kept"] = sorted(p.name for p in every.iterdir())
     results["removed_with_a_whole_one_left"] = removals
     write(out, results)

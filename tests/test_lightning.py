@@ -100,6 +100,8 @@ def test_resume_from_a_checkpoint_continues_as_ddp_does(
 
 def test_async_checkpoints_resume_as_synchronous_ones(runs: list[dict[str, Any]]) -> None:
     for run in runs:
+        assert run["resumed_async"]["bg"] and run["async_every_step"]["bg"]
+        assert not run["resumed_sharded"]["bg"]
         assert run["resumed_async"]["losses"] == run["resumed_sharded"]["losses"]
         assert run["resumed_async"]["val_loss"] == run["resumed_sharded"]["val_loss"]
     # ModelCheckpoint(save_top_k=1) saved at every step and removed the one before, each

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.fabric.utilities.optimizer import _optimizers_to_device
     from lightning.fabric.utilities.seed import reset_seed
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
     from lightning.pytorch.strategies import ParallelStrategy
     from lightning.pytorch.strategies.launchers.subprocess_script import (
         _SubprocessScriptLauncher,
@@ -56,6 +57,7 @@ else:
     _optimizers_to_device = _lightning.fabric("utilities.optimizer")._optimizers_to_device
     reset_seed = _lightning.fabric("utilities.seed").reset_seed
     ParallelStrategy = _lightning.trainer("strategies").ParallelStrategy
+    AsyncCheckpointIO = _lightning.trainer("plugins.io").AsyncCheckpointIO
     _SubprocessScriptLauncher = _lightning.trainer(
         "strategies.launchers.subprocess_script"
     )._SubprocessScriptLauncher
@@ -88,11 +90,6 @@ class FlatshardStrategy(ParallelStrategy):
             backward (non-reentrant ``torch.utils.checkpoint``).
         state_dict_type: ``"sharded"`` (each rank writes its rows; the default) or
             ``"full"`` (rank 0 writes one file with full tensors).
-        async_checkpoint: sharded checkpoints are written in the background
-            (``flatshard.save_checkpoint(..., async_op=True)``): ``trainer.save_checkpoint``
-            and ``ModelCheckpoint`` return once the state is copied to host memory. A
-            checkpoint ``ModelCheckpoint`` drops is removed only once the newer one is
-            whole; the next save, a load and the end of fitting wait for the write.
         process_group_backend: "gloo", "nccl", ...; by default the device's.
         fully_shard_options: the other ``flatshard.fully_shard`` keywords
             (``sharding_factor``, ``param_init_fn``, ``prefetch``, ``init``, ``placement``).
@@ -109,18 +106,10 @@ class FlatshardStrategy(ParallelStrategy):
         cpu_offload: flatshard.CPUOffload | None = None,
         activation_checkpointing_policy: set[type[nn.Module]] | None = None,
         state_dict_type: str = "sharded",
-        async_checkpoint: bool = False,
         process_group_backend: str | None = None,
         **fully_shard_options: Any,
     ) -> None:
         super().__init__()
-        if async_checkpoint and state_dict_type != "sharded":
-            raise ValueError(
-                "flatshard.integrations.lightning: async_checkpoint=True writes sharded "
-                f"checkpoints; state_dict_type={state_dict_type!r} writes one file from rank "
-                "0 (use Lightning's AsyncCheckpointIO plugin for that)."
-            )
-        self.async_checkpoint = async_checkpoint
         self._pending: flatshard.CheckpointSave | None = None
         self._doomed: list[Path] = []  # removals waiting for the pending save to commit
         self.options = ShardOptions(
@@ -281,7 +270,7 @@ class FlatshardStrategy(ParallelStrategy):
             self._settle_saves()
             optimizers = [_unwrapped(o) for o in self.optimizers]
             self._pending = _checkpoints.save_sharded(
-                checkpoint, path, self._module, optimizers, async_op=self.async_checkpoint
+                checkpoint, path, self._module, optimizers, async_op=self.saves_in_background
             )
         elif self.is_global_zero:
             if _checkpoints.is_sharded_checkpoint(path):
@@ -304,6 +293,13 @@ class FlatshardStrategy(ParallelStrategy):
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         pass  # load_checkpoint loaded the optimizers
+
+    @property
+    def saves_in_background(self) -> bool:
+        """``Trainer(plugins=[AsyncCheckpointIO()])``, Lightning's asynchronous checkpoints:
+        sharded ones go through ``flatshard.save_checkpoint(..., async_op=True)`` (the
+        plugin's own thread writes the full ones)."""
+        return isinstance(self.checkpoint_io, AsyncCheckpointIO)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self._pending is not None and not self._pending.done():
