@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from tests.test_checkpoint import SPLIT, STEPS, Layout, _model_in, resume_job, train_steps
+from torch import nn
 
 import flatshard
 from flatshard.testing.internals import (
@@ -28,6 +28,7 @@ from flatshard.testing.internals import (
 from flatshard.testing.models import build
 from flatshard.testing.parity import make_optimizer
 from flatshard.testing.workers import WorkerContext, WorkerPool
+from test_checkpoint import SPLIT, STEPS, Layout, _model_in, resume_job, train_steps
 
 LATE_S = 0.3  # the writer starts this late: the training after the call changes the state
 
@@ -99,15 +100,24 @@ def test_async_save_resumes_bitwise_at_the_same_and_another_world_size(
         assert r["staged_bytes"] == r["model_bytes"] + moments + r["rng_bytes"], r
 
 
-def failing_save_job(ctx: WorkerContext, directory: str) -> dict[str, Any] | None:
-    """Rank 1 cannot read back its files during an asynchronous save over a whole
-    checkpoint: every rank is told, at ``wait`` and once more at the next save."""
+def _trained_mlp(ctx: WorkerContext) -> tuple[nn.Module, torch.optim.Optimizer, Any] | None:
+    """The MLP sharded over ranks 0-1 and trained a step (None on the other ranks)."""
     group = ctx.group(2)
     if group is None:
         return None
     model = flatshard.fully_shard(build("mlp"), process_group=group)
     optim = make_optimizer(model, 1e-2, "adamw")
     train_steps(model, optim, range(1), group)
+    return model, optim, group
+
+
+def failing_save_job(ctx: WorkerContext, directory: str) -> dict[str, Any] | None:
+    """Rank 1 cannot read back its files during an asynchronous save over a whole
+    checkpoint: every rank is told, at ``wait`` and once more at the next save."""
+    trained = _trained_mlp(ctx)
+    if trained is None:
+        return None
+    model, optim, group = trained
     path = f"{directory}/ckpt"
     flatshard.save_checkpoint(path, model, optim, extra={"step": 1})
     train_steps(model, optim, range(1, 2), group)
@@ -152,12 +162,10 @@ def test_a_failed_background_write_is_raised_on_every_rank(
 def staging_job(ctx: WorkerContext, directory: str) -> dict[str, Any] | None:
     """Two asynchronous saves of the same state: the second copies into the first's
     buffers (no new host memory); a save of other shapes replaces them."""
-    group = ctx.group(2)
-    if group is None:
+    trained = _trained_mlp(ctx)
+    if trained is None:
         return None
-    model = flatshard.fully_shard(build("mlp"), process_group=group)
-    optim = make_optimizer(model, 1e-2, "adamw")
-    train_steps(model, optim, range(1), group)
+    model, optim, _ = trained
     flatshard.save_checkpoint(f"{directory}/a", model, optim, async_op=True).wait()
     first = {k: v.data_ptr() for k, v in staging_buffers().items()}
     flatshard.save_checkpoint(f"{directory}/b", model, optim, async_op=True).wait()
