@@ -82,8 +82,17 @@ def test_fully_shard_takes_at_most_eleven_options_including_the_contract() -> No
 
 
 # Where a placement's kind may be named: the placement modules themselves.
-PLACEMENT_MODULES = {"_placement.py", "_row_sparse.py", "_transport.py"}
-KINDS = {"Rows", "Whole", "RowSparse", "RowSparseTable", "GroupPlacement", "TableProxy"}
+PLACEMENT_MODULES = {"_placement.py", "_row_sparse.py", "_transport.py", "_experts.py"}
+KINDS = {
+    "Rows",
+    "Whole",
+    "RowSparse",
+    "RowSparseTable",
+    "GroupPlacement",
+    "TableProxy",
+    "Experts",
+    "ExpertSlice",
+}
 
 
 def test_no_code_outside_the_placements_asks_which_placement_a_group_has() -> None:

@@ -31,6 +31,7 @@ from flatshard.comm import (
 )
 from flatshard.flat import (
     CPUOffload,
+    Experts,
     MixedPrecision,
     Rows,
     RowSparse,
@@ -132,6 +133,7 @@ __all__ = [
     "Unmanaged",
     "Whole",
     "RowSparse",
+    "Experts",
     "ShardPlacement",
     "Prefetch",
     "BackwardPrefetch",

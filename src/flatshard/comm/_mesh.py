@@ -168,6 +168,10 @@ class ShardGroups:
     replicate: dist.ProcessGroup | None
     # HYBRID_SHARD_OPTIM: gradients and optimizer state are cut across the replicas too
     split_across_replicas: bool = False
+    # Experts: the ranks a gradient is averaged over when more ranks than the shard and
+    # replicate groups feed it (the other expert-parallel ranks' tokens, through the
+    # all-to-all): the model's W ([Note: expert parallelism])
+    averaged_over: int | None = None
 
     @property
     def factor(self) -> int:
@@ -185,7 +189,14 @@ class ShardGroups:
     @property
     def world_size(self) -> int:
         """W = F * replicas: the ranks a gradient is averaged over."""
+        if self.averaged_over is not None:
+            return self.averaged_over
         return self.factor * self.replicate_size
+
+    @property
+    def communicates(self) -> bool:
+        """Whether a gradient is summed over other ranks (else only divided)."""
+        return self.shard is not None or self.replicate is not None
 
     @property
     def replicate_rank(self) -> int:
@@ -462,6 +473,30 @@ def _groups_over(
             )
         made.append(group)
     return made
+
+
+def expert_groups(
+    model: dist.ProcessGroup, degree: int
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """This rank's (expert-parallel group, expert data-parallel group) for ``degree``
+    (None: a group of one rank): the model's ranks, in its order, cut into EP groups of
+    ``degree`` consecutive ranks; the ranks at the same place in every EP group hold the
+    same experts and form the expert data-parallel group ([Note: expert parallelism]).
+
+    A degree of 1 or of the model's size needs no new group; any other is made by every
+    rank of the world (``_groups_over``).
+    """
+    ranks = dist.get_process_group_ranks(model)
+    size, me = len(ranks), ranks.index(dist.get_rank())
+    if degree == 1:
+        return None, model if size > 1 else None
+    if degree == size:
+        return model, None
+    start = me // degree * degree
+    ep = tuple(ranks[start : start + degree])
+    dp = tuple(ranks[me % degree :: degree])
+    made = _groups_over([ep, dp], model, "Experts", f"experts {degree}")
+    return made[0], made[1]
 
 
 def is_reduction_group(group: dist.ProcessGroup) -> bool:

@@ -14,7 +14,7 @@ import torch
 
 from flatshard.comm._collectives import all_gather_into
 from flatshard.flat._flat_param import FlatParamGroup
-from flatshard.flat._tensor_parallel import TensorParallel
+from flatshard.flat._tensor_parallel import SplitParam
 
 
 def gather_full(
@@ -48,15 +48,18 @@ def gather_copies(
     (which every view keeps alive) is freed on return, before the next gather.
     """
     views = gather_full(flat, region)[1]
-    if not keep:
+    # Expert slices are joined over their EP group, whose ranks keep or not alike only
+    # when every rank keeps: all of them join, and only the keepers return the result.
+    joins = any(o.tp is not None and o.tp.varies_in_model_group for o in flat.originals)
+    if not keep and not joins:
         return []
     copies = [copy_out(view, cpu_offload) for view in views]
-    if flat.has_tp:  # a DTensor parameter's local shard -> the global tensor (a TP collective)
+    if flat.has_tp:  # a local part -> the global tensor (a collective over TP or EP)
         copies = [_global(orig.tp, c, flat) for orig, c in zip(flat.originals, copies, strict=True)]
-    return copies
+    return copies if keep else []
 
 
-def _global(tp: TensorParallel | None, local: torch.Tensor, flat: FlatParamGroup) -> torch.Tensor:
+def _global(tp: SplitParam | None, local: torch.Tensor, flat: FlatParamGroup) -> torch.Tensor:
     """The global tensor of a DTensor parameter from every TP rank's ``local``.
 
     Every TP peer keeps (or does not keep) alike: they are rank ``r`` of their own dp groups.

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from flatshard.flat._tensor_parallel import TensorParallel, tensor_parallel
+from flatshard.flat._tensor_parallel import SplitParam, tensor_parallel
 
 
 @dataclass
@@ -18,6 +18,7 @@ class OriginalParam:
     usages: list[tuple[nn.Module, str]] = field(default_factory=list)
 
     @property
-    def tp(self) -> TensorParallel | None:
-        """Set when it was a DTensor parameter (see [Note: DTensor parameters])."""
+    def tp(self) -> SplitParam | None:
+        """Set when its local tensor is a part of a global one: a DTensor parameter ([Note:
+        DTensor parameters]) or experts ([Note: expert parallelism])."""
         return tensor_parallel(self.param)

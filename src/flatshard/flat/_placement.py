@@ -33,14 +33,15 @@ where run time differs from rows, ``GroupPlacement``; export the value from ``fl
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from flatshard.comm._mesh import ShardingStrategy
+from flatshard.comm._mesh import ShardGroups, ShardingStrategy
 from flatshard.flat._gather_codec import SCALED, gather_dtype_error
 from flatshard.flat._original_param import OriginalParam
 
@@ -118,6 +119,7 @@ class ShardPlacement:
     cuts_rows: ClassVar[bool] = True  # False: each parameter whole in one rank's shard
     serves_lookups: ClassVar[bool] = False  # embedding lookups take a path of their own
     manages: ClassVar[bool] = True  # False: in no flat group (the unit leaves it alone)
+    keeps_part: ClassVar[bool] = False  # True: each rank keeps a part (``take_part``)
 
     def serves(self, orig: OriginalParam) -> bool:
         """Whether this placement, given for the whole model, applies to ``orig`` (the
@@ -136,6 +138,17 @@ class ShardPlacement:
         """The dtype the group's parameters are all-gathered in, given the mixed-precision
         policy's ``gather_dtype`` (None: the compute dtype, no codec)."""
         return policy
+
+    def take_part(
+        self, orig: OriginalParam, model: dist.ProcessGroup, base: ShardGroups, rank: int
+    ) -> None:
+        """Before sharding: replace ``orig.param`` (everywhere the model registers it) by
+        the part of it this rank keeps, if the placement keeps only a part (experts).
+        ``model``: the ranks the model is sharded over; ``base``: their groups."""
+
+    def shard_groups(self, base: ShardGroups, members: Sequence[OriginalParam]) -> ShardGroups:
+        """Where a flat group of ``members`` lives (``base``: the ``fully_shard`` call's)."""
+        return base
 
 
 @dataclass(frozen=True)

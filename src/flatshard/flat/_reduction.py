@@ -102,7 +102,7 @@ class GradientReduction:
         grad = grad.to(self.flat.reduce_dtype).contiguous()
         groups = self.flat.groups
         tag = None
-        if groups.world_size > 1:
+        if groups.communicates:
             tag = self.flat.on_collective("reduce", grad.numel())
         hybrid = groups.replicate is not None
         if self.comm_hook is not None:

@@ -27,7 +27,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, ClassVar, cast
 
 import torch
 import torch.distributed as dist
@@ -42,14 +42,66 @@ _ATTR = "_flatshard_tensor_parallel"
 
 
 @dataclass(frozen=True)
-class TensorParallel:
+class SplitParam:
+    """A parameter whose local tensor is this rank's part of a global tensor that other
+    ranks hold other parts of: tensor parallelism (``TensorParallel``) or expert
+    parallelism (``flat/_experts.py``). Norms, full state dicts and checkpoint chunks ask
+    it, not which it is."""
+
+    # Whether the model's ranks hold different parts (experts) rather than the TP ranks
+    # beside them (fully_shard's startup check compares the values across the model's ranks)
+    varies_in_model_group: ClassVar[bool] = False
+
+    shape: torch.Size  # the global tensor's
+    stride: tuple[int, ...]
+    offset: tuple[int, ...]  # where this rank's local tensor starts in the global tensor
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the ranks of ``group`` hold different parts (else each holds all of it)."""
+        raise NotImplementedError
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The ranks that hold the parts."""
+        raise NotImplementedError
+
+    @property
+    def local_shape(self) -> torch.Size:
+        raise NotImplementedError
+
+    @property
+    def holds_first(self) -> bool:
+        """Whether this rank holds the part at offset 0 (the one that writes files)."""
+        return not any(self.offset)
+
+    @property
+    def how(self) -> str:
+        """How it is split, in the user's words."""
+        raise NotImplementedError
+
+    def wrap(self, local: torch.Tensor) -> torch.Tensor:
+        """``local`` as the model's forward reads it."""
+        return local
+
+    def full(self, local: torch.Tensor) -> torch.Tensor:
+        """The global tensor from every rank's ``local`` (a collective over ``group``)."""
+        raise NotImplementedError
+
+    def local_part(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the global tensor ``full`` (a view)."""
+        part = full
+        for dim, (start, size) in enumerate(zip(self.offset, self.local_shape, strict=True)):
+            part = part.narrow(dim, start, size)
+        return part
+
+
+@dataclass(frozen=True)
+class TensorParallel(SplitParam):
     """How a parameter was a DTensor: its TP mesh, placements and global shape."""
 
     mesh: DeviceMesh
     placements: tuple[Placement, ...]
-    shape: torch.Size
-    stride: tuple[int, ...]
-    offset: tuple[int, ...]  # where this rank's local tensor starts in the global tensor
 
     @property
     def sharded(self) -> bool:
@@ -59,6 +111,14 @@ class TensorParallel:
     @property
     def group(self) -> dist.ProcessGroup:
         return self.mesh.get_group()
+
+    @property
+    def holds_first(self) -> bool:
+        return bool(self.mesh.get_local_rank() == 0)
+
+    @property
+    def how(self) -> str:
+        return "by tensor parallelism"
 
     def wrap(self, local: torch.Tensor) -> DTensor:
         """``local`` (this rank's TP shard) as the DTensor the TP layers expect."""
@@ -75,13 +135,6 @@ class TensorParallel:
         full: torch.Tensor = self.wrap(local).full_tensor()
         return full
 
-    def local_part(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's TP shard of the global tensor ``full`` (a view)."""
-        part = full
-        for dim, (start, size) in enumerate(zip(self.offset, self.local_shape, strict=True)):
-            part = part.narrow(dim, start, size)
-        return part
-
     @property
     def local_shape(self) -> torch.Size:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -90,10 +143,16 @@ class TensorParallel:
         return torch.Size(shape)
 
 
-def tensor_parallel(param: torch.Tensor) -> TensorParallel | None:
-    """The DTensor facts of a parameter ``localize`` replaced (None for others)."""
+def tensor_parallel(param: torch.Tensor) -> SplitParam | None:
+    """How a parameter is split across other ranks: what ``localize`` found of a DTensor,
+    or what ``Experts`` cut (None for others)."""
     found = getattr(param, _ATTR, None)
-    return found if isinstance(found, TensorParallel) else None
+    return found if isinstance(found, SplitParam) else None
+
+
+def mark_split(param: torch.Tensor, split: SplitParam) -> None:
+    """Record how ``param`` (a local tensor) is split across ranks."""
+    setattr(param, _ATTR, split)
 
 
 def carry(old: torch.Tensor, new: torch.Tensor) -> None:
@@ -117,7 +176,7 @@ def global_shapes(module: nn.Module) -> Iterator[None]:
     fan-in from the local shape. On the global tensor it draws what the model without
     TP draws, and each rank keeps its part: one module's global weights at a time.
     """
-    swapped: list[tuple[str, nn.Parameter, nn.Parameter, int, TensorParallel]] = []
+    swapped: list[tuple[str, nn.Parameter, nn.Parameter, int, SplitParam]] = []
     for name, local in list(module._parameters.items()):
         tp = tensor_parallel(local) if local is not None else None
         if local is None or tp is None or not tp.sharded:
@@ -183,18 +242,24 @@ def _describe(param: DTensor, fqn: str, group: dist.ProcessGroup, rank: int) -> 
     if problem:
         raise ValueError(f"flatshard.fully_shard: parameter '{fqn}' is {problem} (rank {rank}).")
     _, offset = compute_local_shape_and_global_offset(param.shape, mesh, placements)
-    return TensorParallel(mesh, placements, param.shape, param.stride(), tuple(offset))
+    return TensorParallel(
+        shape=param.shape,
+        stride=param.stride(),
+        offset=tuple(offset),
+        mesh=mesh,
+        placements=placements,
+    )
 
 
-def spanning_group(dp: dist.ProcessGroup, tps: list[TensorParallel]) -> dist.ProcessGroup:
+def spanning_group(dp: dist.ProcessGroup, tps: list[SplitParam]) -> dist.ProcessGroup:
     """A group holding every rank of dp x tp: what a checkpoint's ranks write together.
 
     The data-parallel group alone would leave each TP shard's writers unaware of the others
     (one directory, several DCP coordinators). Found among the groups that exist: the TP
     group (at dp 1) or the world (dp x tp spans it).
     """
-    if not tps:
-        return dp
+    if not tps or dist.get_world_size(dp) == dist.get_world_size():
+        return dp  # experts: the model's group spans the world
     tp = tps[0].group
     if any(
         set(dist.get_process_group_ranks(t.group)) != set(dist.get_process_group_ranks(tp))

@@ -99,7 +99,7 @@ def refuse_row_shards(optimizer: torch.optim.Optimizer, params: list[torch.Tenso
 def _how_cut(factor: int, orig: OriginalParam) -> str:
     parts = [f"into rows across {factor} ranks"] if factor > 1 else []
     if orig.tp is not None and orig.tp.sharded:
-        parts.append("by tensor parallelism")
+        parts.append(orig.tp.how)
     return " and ".join(parts)
 
 

@@ -59,7 +59,11 @@ def value_lines(members: UnitMembers, with_params: bool) -> list[str]:
     """Exact checksums of the unit's buffers (and parameters, before sharding)."""
     named: list[tuple[str, torch.Tensor]] = []
     if with_params:
-        named += [(f"parameter '{o.fqn}'", o.param.detach()) for o in members.originals]
+        named += [
+            (f"parameter '{o.fqn}'", o.param.detach())
+            for o in members.originals
+            if o.tp is None or not o.tp.varies_in_model_group
+        ]
     for mname, module in members.modules:
         for bname, buf in module._buffers.items():
             if buf is not None:

@@ -148,8 +148,10 @@ def fully_shard(
                 "fully_shard options on every rank.",
             )
         _check_split_options(strategy, cpu_offload, rank)
+        groups = resolve_groups(strategy, process_group, sharding_factor)
+        _take_parts(units, placements, group, groups, init, rank)
         build = _UnitBuild(
-            groups=resolve_groups(strategy, process_group, sharding_factor),
+            groups=groups,
             process_group=group,
             config=UnitConfig(strategy, mixed_precision, prefetch),
             device=target,
@@ -224,7 +226,7 @@ def _build_unit(members: UnitMembers, build: _UnitBuild, rank: int) -> Unit | No
     flat_params = [
         FlatParamGroup(
             group,
-            build.groups,
+            placement.shard_groups(build.groups, group),
             GroupSpec(
                 master_device=build.master_device,
                 compute_device=build.compute_device,
@@ -257,6 +259,28 @@ def _build_unit(members: UnitMembers, build: _UnitBuild, rank: int) -> Unit | No
     unit = Unit(members.module, members.fqn, flat_params, members.modules, build.config)
     unit.awaiting_load = _awaiting_load(members)
     return unit
+
+
+def _take_parts(
+    units: list[UnitMembers],
+    placements: dict[str, ShardPlacement],
+    group: dist.ProcessGroup,
+    groups: ShardGroups,
+    init: InitOptions,
+    rank: int,
+) -> None:
+    """Parameters whose placement keeps a part on each rank (experts) become that part."""
+    kept = [o for m in units for o in m.originals if placements[o.fqn].keeps_part]
+    if kept and init.sync_module_states:
+        raise ValueError(
+            f"flatshard.fully_shard: '{kept[0].fqn}' is placed {placements[kept[0].fqn]!r}, "
+            f"each rank keeping its own experts (rank {rank}), and sync_module_states "
+            "would give every rank rank 0's; build the model with the same seed on every "
+            "rank, or on the meta device (each rank initializes the whole weight and keeps "
+            "its part)."
+        )
+    for orig in kept:
+        placements[orig.fqn].take_part(orig, group, groups, rank)
 
 
 def _awaiting_load(members: UnitMembers) -> list[tuple[str, torch.Tensor]]:

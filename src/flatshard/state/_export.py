@@ -65,7 +65,7 @@ def export_safetensors(
     keep = rank_in(model_group(model)) == 0
     # With tensor parallelism each TP peer of rank 0 gathers too (the TP collectives need
     # them); only TP rank 0 writes.
-    write = keep and all(tp.mesh.get_local_rank() == 0 for tp in tensor_parallel_of(model))
+    write = keep and all(tp.holds_first for tp in tensor_parallel_of(model))
     state = renamed(plain_state_dict(model), names, "export_safetensors")
     keys_of: dict[int, list[str]] = {}
     for key, value in state.items():

@@ -25,7 +25,7 @@ from flatshard.comm._ranks import checked_on_rank0, global_rank, rank_in
 from flatshard.flat._flat_param import FlatParamGroup
 from flatshard.flat._full_params import copy_out, gather_copies
 from flatshard.flat._layout import rows_shape
-from flatshard.flat._tensor_parallel import TensorParallel, spanning_group
+from flatshard.flat._tensor_parallel import SplitParam, spanning_group
 from flatshard.runtime._step import context_of, every_rank_calls
 from flatshard.runtime._unit import unit_of
 
@@ -60,7 +60,7 @@ class HeldRows:
     rows: int
     flat: FlatParamGroup | None = None  # None: not sharded, every rank holds all of it
     index: int = 0  # the parameter's position in ``flat``
-    tp: TensorParallel | None = None  # a DTensor parameter: full_shape is its TP shard's
+    tp: SplitParam | None = None  # a DTensor or expert parameter: full_shape is its local part's
 
     @property
     def global_shape(self) -> torch.Size:
@@ -195,7 +195,7 @@ def checkpoint_group(model: nn.Module) -> dist.ProcessGroup | None:
     return spanning_group(group, tensor_parallel_of(model)) if group is not None else None
 
 
-def tensor_parallel_of(model: nn.Module) -> list[TensorParallel]:
+def tensor_parallel_of(model: nn.Module) -> list[SplitParam]:
     """What each of the model's DTensor parameters was (see [Note: DTensor parameters])."""
     return [orig.tp for flat in flat_params(model) for orig in flat.originals if orig.tp]
 

@@ -319,3 +319,90 @@ class Trunk(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.a(x)
         return self.b(h), self.c(h)
+
+
+class GroupedExperts(nn.Module):
+    """Stacked experts as torchtitan's ``GroupedExperts`` takes them: called with tokens
+    sorted by expert and the count per expert, it runs expert ``i`` on its rows. Under
+    ``flatshard.Experts`` it holds (and is called for) this rank's experts only."""
+
+    def __init__(self, experts: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(experts, dim, hidden) / dim**0.5)
+        self.w2 = nn.Parameter(torch.randn(experts, hidden, dim) / hidden**0.5)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        rows = torch.split(x, counts.tolist())
+        outs = [torch.relu(r @ self.w1[i]) @ self.w2[i] for i, r in enumerate(rows)]
+        return torch.cat(outs)
+
+
+class MoELayer(nn.Module):
+    """Top-k routing over ``GroupedExperts``, dropless; the load-balancing loss of the
+    last forward in ``aux_loss`` (the fraction of assignments times the mean router
+    probability per expert, Switch Transformer's)."""
+
+    def __init__(self, experts: int, dim: int, hidden: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.experts = GroupedExperts(experts, dim, hidden)
+        self.aux_loss = torch.zeros(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        probs = torch.softmax(self.router(tokens), dim=-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)  # (T, k)
+        experts = probs.shape[-1]
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        source = order // self.top_k  # the token of each sorted assignment
+        counts = torch.bincount(flat, minlength=experts)
+        out = self.experts(tokens[source], counts) * weights.reshape(-1)[order, None]
+        combined = torch.zeros_like(tokens).index_add(0, source, out)
+        share = counts.to(probs.dtype) / flat.numel()
+        self.aux_loss = experts * (share * probs.mean(0)).sum()
+        return combined.view_as(x)
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, experts: int, dim: int, hidden: int, top_k: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.moe = MoELayer(experts, dim, hidden, top_k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = x + self.moe(self.norm(x))
+        return out
+
+
+class TinyMoE(nn.Module):
+    """Linear in, ``layers`` MoE blocks, linear out: the test suite's mixture of experts.
+    ``loss``: the mean squared error plus 0.01 times the blocks' load-balancing losses."""
+
+    def __init__(
+        self, experts: int = 4, dim: int = 8, hidden: int = 16, layers: int = 2, top_k: int = 2
+    ) -> None:
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(MoEBlock(experts, dim, hidden, top_k) for _ in range(layers))
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        out: torch.Tensor = self.out(x)
+        return out
+
+    def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        fit = F.mse_loss(self(x), y)
+        aux = sum((b.moe.aux_loss for b in self.blocks), torch.zeros(()))
+        out: torch.Tensor = fit + 0.01 * aux
+        return out
+
+
+def experts_of(name: str, param: nn.Parameter) -> bool:
+    """Whether ``name`` is a stacked expert weight of ``TinyMoE`` (or torchtitan's MoE)."""
+    return ".experts." in f".{name}"

@@ -1,0 +1,298 @@
+"""Expert parallelism: ``flatshard.Experts(degree)`` ([Note: expert parallelism]).
+
+The test suite's mixture of experts (``TinyMoE``: top-2 routing over 4 stacked experts in
+each of 2 blocks, dropless, with a load-balancing loss) trains as DDP trains the unsharded
+model: each rank its own rows of the batch (so routing is per rank), gradients averaged
+over the ranks, the global norm clipped, AdamW. The reference runs that in one process
+(rank by rank, gradients summed and divided by W). Swept: EP 2 x data 2 and EP 4 at 4
+ranks, EP 2 at 2 ranks, EP 1; FULL_SHARD, SHARD_GRAD_OP and NO_SHARD; flatshard's and
+torch's ``clip_grad_norm_``; accumulation with ``no_sync``. A checkpoint saved at EP 2 x
+data 2 resumes at EP 4, without experts at all, and at EP 1 x data 2. Misuse is a named
+error on every rank.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import flatshard
+from flatshard.testing.models import MoEBlock, TinyMoE, experts_of
+from flatshard.testing.workers import WorkerContext, WorkerPool
+
+ROWS, STEPS, MORE, MAX_NORM = 8, 3, 2, 0.5  # ROWS: the global batch
+
+
+def _batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(3)
+    return [
+        (torch.randn(ROWS, 8, generator=gen), torch.randn(ROWS, 8, generator=gen))
+        for _ in range(count)
+    ]
+
+
+def _mine(
+    batch: tuple[torch.Tensor, torch.Tensor], rank: int, world: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = ROWS // world
+    return batch[0][rank * rows : (rank + 1) * rows], batch[1][rank * rows : (rank + 1) * rows]
+
+
+class Reference:
+    """The unsharded model trained with DDP's semantics, in one process."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.model = TinyMoE()
+        self.optim = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+
+    def step(self, batch: tuple[torch.Tensor, torch.Tensor], world: int) -> tuple[float, float]:
+        """(mean loss over the ranks, gradient norm before clipping)."""
+        total = 0.0
+        for rank in range(world):
+            loss = self.model.loss(_mine(batch, rank, world)) / world
+            loss.backward()
+            total += float(loss.detach())
+        norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), MAX_NORM))
+        self.optim.step()
+        self.optim.zero_grad()
+        return total, norm
+
+
+def _sharded(group: dist.ProcessGroup, degree: int | None, strategy: str = "FULL_SHARD") -> TinyMoE:
+    torch.manual_seed(0)
+    model = TinyMoE()
+    flatshard.fully_shard(
+        model,
+        auto_wrap_policy={MoEBlock},
+        process_group=group,
+        strategy=strategy,
+        placement=None
+        if degree is None
+        else lambda name, p: flatshard.Experts(degree) if experts_of(name, p) else None,
+    )
+    return model
+
+
+def _train(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    group: dist.ProcessGroup,
+    clip: str = "flatshard",
+    micro: int = 1,
+) -> list[tuple[float, float]]:
+    """(mean loss over the ranks, gradient norm) per step; ``micro`` micro-batches each."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    out = []
+    for batch in batches:
+        x, y = _mine(batch, rank, world)
+        total = torch.zeros(())
+        for i in range(micro):
+            part = (x[i::micro], y[i::micro])
+            if i < micro - 1:
+                with flatshard.no_sync(model):
+                    loss = model.loss(part) / micro
+                    loss.backward()
+            else:
+                loss = model.loss(part) / micro
+                loss.backward()
+            total += loss.detach()
+        if clip == "torch":
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        else:
+            norm = flatshard.clip_grad_norm_(model, MAX_NORM)
+        optim.step()
+        optim.zero_grad()
+        dist.all_reduce(total, group=group)
+        out.append((float(total) / world, float(norm)))
+    return out
+
+
+def parity_job(
+    ctx: WorkerContext, world: int, degree: int, strategy: str, clip: str, micro: int
+) -> dict[str, Any] | None:
+    group = ctx.group(world)
+    if group is None:
+        return None
+    model = _sharded(group, degree, strategy)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batches = _batches(STEPS)
+    got = _train(model, optim, batches, group, clip, micro)
+    full = flatshard.full_state_dict(model)
+    with flatshard.summon_full_params(model):  # the unsharded parameters: this rank's experts
+        local = {n: tuple(p.shape) for n, p in model.named_parameters() if experts_of(n, p)}
+    if ctx.rank != 0:
+        return None
+    reference = Reference()
+    if micro > 1:  # each rank's loss is the mean of its micro-batches' means
+        expected = []
+        for batch in batches:
+            parts = []
+            for rank in range(world):
+                x, y = _mine(batch, rank, world)
+                parts += [(x[i::micro], y[i::micro]) for i in range(micro)]
+            total = 0.0
+            for part in parts:
+                loss = reference.model.loss(part) / len(parts)
+                loss.backward()
+                total += float(loss.detach())
+            norm = float(torch.nn.utils.clip_grad_norm_(reference.model.parameters(), MAX_NORM))
+            reference.optim.step()
+            reference.optim.zero_grad()
+            expected.append((total, norm))
+    else:
+        expected = [reference.step(batch, world) for batch in batches]
+    want = reference.model.state_dict()
+    diff = max(float((full[k] - v).abs().max()) for k, v in want.items())
+    return {"got": got, "expected": expected, "diff": diff, "local": local}
+
+
+@pytest.mark.parametrize(
+    ("world", "degree", "strategy", "clip", "micro"),
+    [
+        (4, 2, "FULL_SHARD", "flatshard", 1),
+        (4, 4, "SHARD_GRAD_OP", "torch", 1),
+        (2, 2, "FULL_SHARD", "torch", 1),
+        (4, 2, "NO_SHARD", "flatshard", 1),
+        (4, 1, "FULL_SHARD", "flatshard", 1),
+        (4, 2, "FULL_SHARD", "flatshard", 2),
+    ],
+)
+def test_experts_train_as_ddp_trains_the_unsharded_model(
+    pool: WorkerPool, world: int, degree: int, strategy: str, clip: str, micro: int
+) -> None:
+    result = pool.run(parity_job, world, degree, strategy, clip, micro)[0]
+    for (loss, norm), (want_loss, want_norm) in zip(result["got"], result["expected"], strict=True):
+        assert loss == pytest.approx(want_loss, rel=1e-5, abs=1e-6)
+        assert norm == pytest.approx(want_norm, rel=1e-5)
+    assert all(norm > MAX_NORM for _, norm in result["expected"]), "the clip must act"
+    assert result["diff"] < 1e-5
+    # Each rank holds its experts only: 4 / degree of them.
+    assert result["local"]["blocks.0.moe.experts.w1"] == (4 // degree, 8, 16)
+
+
+def divided_by_group_job(ctx: WorkerContext) -> list[tuple[float, float]] | None:
+    """The control: the expert gradients divided by their data-parallel group's size (2)
+    instead of W (4), as a per-group average would, drift from the reference."""
+    group = ctx.group(4)
+    assert group is not None
+    model = _sharded(group, 2)
+    for block in model.blocks:
+        flatshard.set_gradient_divide_factor(block, 2.0)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return _train(model, optim, _batches(STEPS), group)
+
+
+def test_dividing_expert_gradients_by_their_group_is_what_the_parity_test_catches(
+    pool: WorkerPool,
+) -> None:
+    got = pool.run(divided_by_group_job)[0]
+    reference = Reference()
+    expected = [reference.step(batch, 4) for batch in _batches(STEPS)]
+    assert got[0][1] != pytest.approx(expected[0][1], rel=1e-3)
+
+
+def save_job(ctx: WorkerContext, directory: str) -> list[tuple[float, float]]:
+    """EP 2 x data 2: train, save, train on."""
+    group = ctx.group(4)
+    assert group is not None
+    model = _sharded(group, 2)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batches = _batches(STEPS + MORE)
+    _train(model, optim, batches[:STEPS], group)
+    flatshard.save_checkpoint(Path(directory) / "ckpt", model, optim)
+    return _train(model, optim, batches[STEPS:], group)
+
+
+def resume_job(
+    ctx: WorkerContext, directory: str, world: int, degree: int | None
+) -> list[tuple[float, float]] | None:
+    group = ctx.group(world)
+    if group is None:
+        return None
+    model = _sharded(group, degree)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    flatshard.load_checkpoint(Path(directory) / "ckpt", model, optim)
+    return _train(model, optim, _batches(STEPS + MORE)[STEPS:], group)
+
+
+def test_a_checkpoint_at_ep2_x_data2_resumes_at_other_ep_degrees(
+    pool: WorkerPool, tmp_path: Path
+) -> None:
+    saved = pool.run(save_job, str(tmp_path))[0]
+    for degree in (4, None):  # the same 4 ranks: the same losses
+        resumed = pool.run(resume_job, str(tmp_path), 4, degree)[0]
+        assert _flat(resumed) == pytest.approx(_flat(saved), rel=1e-5), degree
+    # EP 1 x data 2: 2 ranks, so each rank's batch (and routing) changes; the reference
+    # trains at 4 ranks, then at 2.
+    resumed = pool.run(resume_job, str(tmp_path), 2, 1)[0]
+    reference = Reference()
+    batches = _batches(STEPS + MORE)
+    for batch in batches[:STEPS]:
+        reference.step(batch, 4)
+    expected = [reference.step(batch, 2) for batch in batches[STEPS:]]
+    assert _flat(resumed) == pytest.approx(_flat(expected), rel=1e-5)
+
+
+def _flat(pairs: list[tuple[float, float]]) -> list[float]:
+    return [value for pair in pairs for value in pair]
+
+
+def misuse_job(ctx: WorkerContext, case: str) -> str:
+    group = ctx.group(2 if case == "counts" else 4)  # counts: one EP group, both ranks
+    if group is None:
+        return "outside"
+    try:
+        if case == "indivisible":
+            _sharded(group, 3)
+        elif case == "disagree":
+            _sharded(group, 2 if ctx.rank == 0 else 4)
+        elif case == "counts":
+            model = _sharded(group, 2)
+            experts = model.blocks[0].moe.experts
+            counts = torch.tensor([1, 1, 1, 1])
+            if ctx.rank == 1:
+                counts = torch.tensor([1, 1, 1])
+            experts(torch.zeros(int(counts.sum()), 8), counts)
+        elif case == "sync":
+            torch.manual_seed(0)
+            model = TinyMoE()
+            flatshard.fully_shard(
+                model,
+                placement=lambda n, p: flatshard.Experts(2) if experts_of(n, p) else None,
+                init=flatshard.InitOptions(sync_module_states=True),
+            )
+    except (ValueError, TypeError) as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("indivisible", "4 experts (dim 0 of shape (4, 8, 16)) are not divisible by the "),
+        ("disagree", "built different models or sharding options"),
+        ("counts", "do not match"),
+        ("sync", "sync_module_states would give every rank rank 0's"),
+    ],
+)
+def test_misuse_is_a_named_error_on_every_rank(pool: WorkerPool, case: str, expected: str) -> None:
+    errors = pool.run(misuse_job, case)
+    for rank, error in enumerate(errors):
+        if case == "counts" and rank > 1:
+            assert error == "outside"
+        elif case == "counts" and rank == 1:
+            assert "the counts have shape (3,), expected (4,)" in error
+        else:
+            assert expected in error, (rank, error)
+
+
+def test_experts_degree_must_be_a_whole_number() -> None:
+    with pytest.raises(ValueError, match="degree must be a whole number >= 1"):
+        flatshard.Experts(0)
