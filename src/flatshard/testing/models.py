@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -398,7 +398,8 @@ class TinyMoE(nn.Module):
     def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
         fit = F.mse_loss(self(x), y)
-        aux = sum((b.moe.aux_loss for b in self.blocks), torch.zeros(()))
+        blocks = cast(list[MoEBlock], list(self.blocks))
+        aux = torch.stack([b.moe.aux_loss for b in blocks]).sum()
         out: torch.Tensor = fit + 0.01 * aux
         return out
 
