@@ -22,6 +22,8 @@ import torch.distributed as dist
 from torch import nn
 
 import flatshard
+from flatshard.cli.bench.formula import flatshard_formulas
+from flatshard.measure import ALL_GATHER, ALL_REDUCE, CollectiveTracker
 from flatshard.testing.models import MoEBlock, TinyMoE, experts_of
 from flatshard.testing.workers import WorkerContext, WorkerPool
 
@@ -196,6 +198,50 @@ def test_dividing_expert_gradients_by_their_group_is_what_the_parity_test_catche
     reference = Reference()
     expected = [reference.step(batch, 4) for batch in _batches(STEPS)]
     assert got[0][1] != pytest.approx(expected[0][1], rel=1e-3)
+
+
+def bytes_job(ctx: WorkerContext, degree: int | None) -> dict[str, Any]:
+    """One tracked step after a warm-up one: bytes by kind, and the formula's parts."""
+    group = ctx.group(4)
+    assert group is not None
+    model = _sharded(group, degree)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batches = _batches(2)
+    _train(model, optim, batches[:1], group)
+    tracker = CollectiveTracker()
+    with tracker:
+        _train(model, optim, batches[1:], group)
+    return {"bytes": dict(tracker.bytes), "formula": flatshard_formulas(model, [optim], 2, 4)}
+
+
+def test_bytes_per_step_by_formula_against_the_data_parallel_layout(pool: WorkerPool) -> None:
+    """All-gathers per rank: each unsharded group (experts: W / E ranks' shards) gathered
+    in forward and again in backward but the root's and the last block's, and the step
+    check's 8 bytes per rank. The rest (gloo's reductions, and the tokens' all-to-alls):
+    summed over the ranks, since routing decides where rows go but not how many leave:
+    W x T x k rows per MoE layer each way in forward (dispatch, combine) and in backward,
+    plus one exchange of counts per forward (E rows of 2 + n / E int64 per rank)."""
+    world, degree, experts, dim, layers, top_k = 4, 2, 4, 8, 2, 2
+    tokens = ROWS // world
+    split, dense = pool.run(bytes_job, degree), pool.run(bytes_job, None)
+
+    def rest(ranks: list[dict[str, Any]]) -> int:
+        kinds = (ALL_GATHER, ALL_REDUCE)
+        return sum(n for r in ranks for k, n in r["bytes"].items() if k not in kinds)
+
+    for ranks in (split, dense):
+        for rank in ranks:
+            want = rank["formula"]["gathered"] + rank["formula"]["check"]
+            assert rank["bytes"][ALL_GATHER] == want
+    rows = 4 * world * tokens * top_k * dim * 4
+    counts = world * degree * (2 + experts // degree) * 8
+    reduced = sum(r["formula"]["reduced"] for r in split)
+    assert rest(split) == reduced + layers * (rows + counts)
+    assert rest(dense) == sum(r["formula"]["reduced"] for r in dense)
+    # The experts are half the parameters here; split over 2, their gathers and
+    # reductions halve, which is what the tokens' traffic buys.
+    expert_share = split[0]["bytes"][ALL_GATHER] / dense[0]["bytes"][ALL_GATHER]
+    assert expert_share < 0.8, expert_share
 
 
 def save_job(ctx: WorkerContext, directory: str) -> list[tuple[float, float]]:

@@ -7,7 +7,9 @@ for SDPA (no FlexAttention kernels on a CPU). Each rank trains on its slice of t
 the reference is the unsharded model with each rank's loss backpropagated separately and
 the gradients averaged, as DDP would: MoE routing depends on the batch, so the global batch
 in one forward would route differently. Clipping and SGD with momentum on both sides;
-parameters after three steps within fp32 rounding.
+parameters after three steps within fp32 rounding. DeepSeek-V3's routed experts also run
+expert parallel (``flatshard.Experts``: EP 2 at 2 ranks, EP 2 x data 2 at 4), through
+torchtitan's own ``GroupedExperts`` and dispatcher.
 """
 
 from __future__ import annotations
@@ -57,8 +59,14 @@ def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
 
 
+def _placement(sparse: bool, experts: int | None) -> flatshard.ShardPlacement | Any:
+    if experts is not None:  # its routed experts' stacked weights, split over EP groups
+        return lambda name, p: flatshard.Experts(experts) if ".inner_experts." in name else None
+    return flatshard.RowSparse() if sparse else None
+
+
 def titan_job(
-    ctx: WorkerContext, kind: str, tied: bool, sparse: bool, world: int
+    ctx: WorkerContext, kind: str, tied: bool, sparse: bool, world: int, experts: int | None
 ) -> dict[str, Any] | None:
     group = ctx.group(world)
     if group is None:
@@ -71,7 +79,7 @@ def titan_job(
         model,
         auto_wrap_policy={block},
         process_group=group,
-        placement=flatshard.RowSparse() if sparse else None,
+        placement=_placement(sparse, experts),
     )
     # SGD: Adam's update divides by the gradient's own scale, so a rounding difference in
     # a near-zero gradient becomes a whole step's difference; SGD keeps it a rounding one.
@@ -92,6 +100,8 @@ def titan_job(
         torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
         ref_optim.step()
         ref_optim.zero_grad()
+    with flatshard.summon_full_params(model):  # the routed experts this rank holds
+        local = {n: p.shape[0] for n, p in model.named_parameters() if "inner_experts" in n}
     full = flatshard.full_state_dict(model)  # (every rank takes part; rank 0 holds it)
     traffic = flatshard.embedding_traffic(model) if sparse else {}
     if ctx.rank != 0:
@@ -104,28 +114,34 @@ def titan_job(
         "params": {n: t for n, t in full.items() if n not in counted},
         "expected": {n: t for n, t in expected.items() if n not in counted},
         "lookups": {name: t.lookups for name, t in traffic.items()},
+        "local_experts": local,
     }
 
 
 @pytest.mark.parametrize(
-    ("kind", "tied", "sparse", "world"),
+    ("kind", "tied", "sparse", "world", "experts"),
     [
-        ("llama3", False, False, 2),
-        ("llama3", False, True, 3),
-        ("llama3", True, True, 2),
-        ("deepseek_v3", False, False, 2),
-        ("deepseek_v3", False, True, 2),
+        ("llama3", False, False, 2, None),
+        ("llama3", False, True, 3, None),
+        ("llama3", True, True, 2, None),
+        ("deepseek_v3", False, False, 2, None),
+        ("deepseek_v3", False, True, 2, None),
+        ("deepseek_v3", False, False, 2, 2),  # expert parallel: EP 2
+        ("deepseek_v3", False, False, 4, 2),  # EP 2 x data 2
     ],
 )
 def test_torchtitan_models_train_like_ddp(
-    pool: WorkerPool, kind: str, tied: bool, sparse: bool, world: int
+    pool: WorkerPool, kind: str, tied: bool, sparse: bool, world: int, experts: int | None
 ) -> None:
-    result = pool.run(titan_job, kind, tied, sparse, world)[0]
+    result = pool.run(titan_job, kind, tied, sparse, world, experts)[0]
     assert result["params"].keys() == result["expected"].keys()
     for name, expected in result["expected"].items():
         try:
             torch.testing.assert_close(result["params"][name], expected.detach())
         except AssertionError as error:
             raise AssertionError(f"parameter '{name}': {error}") from None
+    held = 8 // (experts or 1)  # the debug model's 8 routed experts, split over EP ranks
+    if kind == "deepseek_v3":
+        assert set(result["local_experts"].values()) == {held}, result["local_experts"]
     if sparse:  # the token table was looked up row-sparse at every step
         assert result["lookups"]["tok_embeddings.weight"] == STEPS, result["lookups"]

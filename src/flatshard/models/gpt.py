@@ -1,5 +1,6 @@
 """A GPT in one sitting (nanoGPT's shape): causal attention blocks, LM head tied to the
-token embedding (or untied). Used by ``flatshard train`` and by the tests.
+token embedding (or untied), each block's MLP dense or a mixture of experts. Used by
+``flatshard train``, ``flatshard bench`` and the tests.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from typing import cast
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from flatshard.models.moe import MoELayer
 
 
 class Attention(nn.Module):
@@ -36,12 +39,17 @@ class Attention(nn.Module):
 
 
 class GPTBlock(nn.Module):
-    def __init__(self, dim: int, heads: int, seq_len: int) -> None:
+    def __init__(self, dim: int, heads: int, seq_len: int, experts: int = 0) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(dim)
         self.attn = Attention(dim, heads, seq_len)
         self.ln2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.mlp: nn.Module = (
+            # top-2 of ``experts``, each half the dense MLP's width: the same compute a token
+            MoELayer(experts, dim, 2 * dim, top_k=2)
+            if experts
+            else nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -51,17 +59,25 @@ class GPTBlock(nn.Module):
 
 class GPT(nn.Module):
     """Token + position embeddings, ``layers`` blocks, final norm, head tied to the embedding
-    (``tied=False``: a head of its own)."""
+    (``tied=False``: a head of its own); ``experts`` > 0: each block's MLP is a mixture of
+    that many experts (top-2), their stacked weights named ``blocks.i.mlp.experts.w1/w2``."""
 
     def __init__(
-        self, vocab: int, dim: int, heads: int, layers: int, seq_len: int, tied: bool = True
+        self,
+        vocab: int,
+        dim: int,
+        heads: int,
+        layers: int,
+        seq_len: int,
+        tied: bool = True,
+        experts: int = 0,
     ) -> None:
         super().__init__()
         self.seq_len = seq_len
         self.vocab = vocab
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(seq_len, dim)
-        self.blocks = nn.ModuleList(GPTBlock(dim, heads, seq_len) for _ in range(layers))
+        self.blocks = nn.ModuleList(GPTBlock(dim, heads, seq_len, experts) for _ in range(layers))
         self.ln_f = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         if tied:

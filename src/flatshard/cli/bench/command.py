@@ -41,8 +41,8 @@ from flatshard.cli.bench.report import chart, scaling_table, summarize, table
 from flatshard.cli.config import add_config_parser, config_from_args
 from flatshard.cli.devices import init_rank, peak_memory_mib, resolve_device
 from flatshard.cli.internals import PlacementRule, WaitClock, fast_context
-from flatshard.cli.lm.optimizers import build_optimizers, placement_for
-from flatshard.measure import ALL_GATHER, CollectiveTracker
+from flatshard.cli.lm.optimizers import build_optimizers, placement_for, with_experts
+from flatshard.measure import ALL_GATHER, ALL_TO_ALL, CollectiveTracker
 from flatshard.models import GPT, GPTBlock
 from flatshard.report import describe_collectives
 
@@ -96,6 +96,13 @@ def run(args: argparse.Namespace) -> int:
                 print(
                     f"{system} exposed wait per unit (rank 0, s per step, largest first): {shown}"
                 )
+        if config.experts:
+            moved = ", ".join(
+                f"{name} {row['all_gather_bytes'] / 1e6:.1f} / {row['all_to_all_bytes'] / 1e6:.1f}"
+                for name, row in summary.items()
+                if "all_to_all_bytes" in row
+            )
+            print(f"MB per step by rank 0, all-gathered / all-to-all (tokens): {moved}")
         if "embedding_bytes_per_step" in summary.get("flatshard", {}):
             row = summary["flatshard"]
             print(
@@ -254,7 +261,10 @@ def _serve(
         step += 1
     formulas = {"rest": -1, "collective": -1}  # -1: no formula for this system
     plain = system.startswith("flatshard") and system not in GATHER_SYSTEMS
-    if plain and config.grad_accum == 1:  # formulas of one batch (fp32 gathers)
+    expert_parallel = config.ep > 1 and system != "flatshard-noep"
+    if (
+        plain and config.grad_accum == 1 and not expert_parallel
+    ):  # formulas of one batch (fp32 gathers)
         formulas = flatshard_formulas(model, optim, config.layers, config.nproc)
     tables = flatshard.embedding_traffic(model) if system.startswith("flatshard") else {}
     embedding = _embedding_report(tables, step, next(model.parameters()).element_size())
@@ -275,6 +285,7 @@ def _serve(
         else "",
         "collective_output_bytes": int(sum(tracker.bytes.values())),
         "all_gather_bytes": int(tracker.bytes[ALL_GATHER]),
+        "all_to_all_bytes": int(tracker.bytes[ALL_TO_ALL]),
         "peak_mem_mib": peak_memory_mib(device),
         **embedding,
         **waits,
@@ -312,9 +323,19 @@ def _build(
     config: BenchConfig, system: str, device: torch.device
 ) -> tuple[nn.Module, list[torch.optim.Optimizer]]:
     torch.manual_seed(0)
-    gpt = GPT(config.vocab, config.dim, config.heads, config.layers, config.seq_len, config.tied)
+    gpt = GPT(
+        config.vocab,
+        config.dim,
+        config.heads,
+        config.layers,
+        config.seq_len,
+        config.tied,
+        config.experts,
+    )
     sparse = config.sparse_embeddings and system != "flatshard-dense"
     placement = placement_for(config.optimizer, gpt, {GPTBlock}, sparse)
+    if config.ep > 1 and system.startswith("flatshard") and system != "flatshard-noep":
+        placement = with_experts(placement, gpt, config.ep)
     model = _wrap(gpt.to(device), system, device, placement)
     if config.accum == "keep" and system.startswith("flatshard"):
         flatshard.set_reshard_after_backward(model, False)  # gathered again after a step
@@ -399,7 +420,7 @@ def _wrap(model: GPT, system: str, device: torch.device, placement: PlacementRul
     if system == "flatshard-debug":
         flatshard.set_checks(flatshard.Checks(debug=True))  # this system's processes only
         return flatshard.fully_shard(model, auto_wrap_policy={GPTBlock}, **options)
-    if system == "flatshard-dense":
+    if system in ("flatshard-dense", "flatshard-noep"):
         return flatshard.fully_shard(model, auto_wrap_policy={GPTBlock}, **options)
     if system == "flatshard-twin":
         sharded = flatshard.fully_shard(model, auto_wrap_policy={GPTBlock}, **options)

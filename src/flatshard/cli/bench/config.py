@@ -17,6 +17,8 @@ SYSTEMS = ("flatshard", "fsdp2", "ddp", "floor")
 # (set_separate_reduce_scatter_group).
 # flatshard-gather-int8 / -fp8 / -bf16: flatshard gathering its parameters in that dtype
 # (MixedPrecision(gather_dtype=...)), computing in fp32 like the others.
+# flatshard-noep: flatshard with the experts data parallel, whatever --ep says (what
+# expert parallelism buys, side by side).
 GATHER_SYSTEMS = {
     "flatshard-gather-int8": torch.int8,
     "flatshard-gather-fp8": torch.float8_e4m3fn,
@@ -27,6 +29,7 @@ EXTRA_SYSTEMS = (
     "flatshard-debug",
     "flatshard-dense",
     "flatshard-twin",
+    "flatshard-noep",
     *GATHER_SYSTEMS,
 )
 
@@ -45,6 +48,10 @@ PRESETS: dict[str, dict[str, int]] = {
         **{"tied": False, "sparse_embeddings": True},
     },
     "overhead": {"vocab": 16, "dim": 16, "layers": 16, "heads": 2, "seq_len": 4, "batch": 1},
+    "moe": {
+        **{"vocab": 4096, "dim": 256, "layers": 4, "heads": 4, "seq_len": 128, "batch": 4},
+        **{"experts": 8, "ep": 2},
+    },
 }
 
 
@@ -64,6 +71,7 @@ class BenchConfig:
     flatshard-debug (every collective checked across ranks first: Checks(debug=True)),
     flatshard-dense (embedding tables gathered whole: --sparse-embeddings off for it),
     flatshard-twin (reductions on a process group of their own),
+    flatshard-noep (the experts data parallel, whatever --ep says),
     flatshard-gather-int8, flatshard-gather-fp8, flatshard-gather-bf16 (parameters
     all-gathered in that dtype, one byte per weight with a scale per row for int8 and fp8,
     decoded to fp32 before each block runs: MixedPrecision(gather_dtype=...));
@@ -85,6 +93,13 @@ class BenchConfig:
     """flatshard looks its embedding tables up row-sparse (fully_shard(...,
     placement=flatshard.RowSparse())): each rank fetches its tokens' rows, their gradients go back
     as rows; the llm presets turn it on"""
+    experts: int = 0
+    """each block's MLP a mixture of this many experts, top-2, each half the dense MLP's
+    width (0: dense MLPs)"""
+    ep: int = 1
+    """flatshard's expert-parallel degree (placement=flatshard.Experts(ep) for the stacked
+    expert weights): groups of --ep ranks split the experts; the other systems, and
+    flatshard-noep, keep them data parallel"""
     seq_len: int = 256
     """tokens per sequence"""
     batch: int = 4
@@ -109,8 +124,10 @@ class BenchConfig:
     memory and collective bytes (flatshard's against its formula) and step time by world
     size (more ranks than cores oversubscribe the machine: step times then say little)"""
     preset: str = ""
-    """byte-gpt | llm-32k | llm-128k | overhead: a model and batch shape (flags given with
-    it win): byte-gpt is the 25M GPT of vocabulary 256 (dim 512, 8 blocks, 4 x 128 tokens
+    """byte-gpt | llm-32k | llm-128k | overhead | moe: a model and batch shape (flags given
+    with it win); moe is a GPT of 4 blocks whose MLPs are 8 experts (top-2; dim 256,
+    vocabulary 4096, 4 x 128 tokens per rank) with --ep 2; byte-gpt is the 25M GPT of
+    vocabulary 256 (dim 512, 8 blocks, 4 x 128 tokens
     per rank); llm-32k a 32,768-token vocabulary tied to the head (dim 384, 6 blocks, 4 x
     256 tokens per rank), llm-128k an untied 131,072 x 256 table and head (4 blocks, 1 x
     128 tokens per rank: the head's matmul would otherwise hide all communication on a
@@ -153,6 +170,13 @@ class BenchConfig:
             raise ConfigError(
                 f"--optimizer {self.optimizer}: fsdp2 would update each rank's slice of a "
                 "matrix, not the unsharded update; leave it out of --systems"
+            )
+        if self.experts < 0 or self.ep < 1:
+            raise ConfigError("--experts must be >= 0 and --ep >= 1")
+        if self.ep > 1 and (not self.experts or self.experts % self.ep or self.nproc % self.ep):
+            raise ConfigError(
+                f"--ep {self.ep} needs --experts (got {self.experts}) and --nproc (got "
+                f"{self.nproc}) that it divides"
             )
         if self.preset and self.preset not in PRESETS:
             raise ConfigError(f"--preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")

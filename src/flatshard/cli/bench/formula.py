@@ -7,11 +7,12 @@ whole parameters a rank's rows are all or none of each), and the buffers (the op
 step counters are made by ``torch.tensor()``, outside the dispatcher the memory pass tracks:
 not counted either side).
 Per steady-state step (FULL_SHARD, default prefetch), with u the unsharded bytes of a
-FlatParameter: every one is gathered in forward; in backward all but the root's and the
-last block's (kept gathered from forward) again; each trainable one is reduced once (the
-bytes counted are each collective's output: u for an all-gather and for gloo's all-to-all
-reduction, the shard for a reduce-scatter); the step check gathers 8 bytes per rank. At
-one rank nothing is sent.
+FlatParameter (its shard times the ranks F it is cut across: W, or W / ep for experts):
+every one is gathered in forward; in backward all but the root's and the last block's
+(kept gathered from forward) again; each trainable one is reduced once (the bytes counted
+are each collective's output: u for an all-gather and for gloo's all-to-all reduction,
+the shard for a reduce-scatter); the step check gathers 8 bytes per rank. At one rank
+nothing is sent. Experts' token all-to-alls depend on the routing: not here.
 """
 
 from __future__ import annotations
@@ -47,15 +48,18 @@ def flatshard_formulas(
     group = cast(dist.ProcessGroup, dist.group.WORLD)  # the bench shards over the world
     full_output = reduce_scatter_impl(group) == ReduceScatter.ALL_TO_ALL
     for flat in summary.flat_params:
-        unsharded = item * flat.shard_numel * world
+        if flat.factor == 1:
+            continue  # a group of one rank (experts split across all of them): not sent
+        unsharded = item * flat.shard_numel * flat.factor
         gathered += unsharded * (1 if flat.unit in kept else 2)
         if flat.requires_grad:
             reduced += unsharded if full_output else item * flat.shard_numel
+    parts = {"gathered": gathered, "reduced": reduced, "check": STEP_CHECK_BYTES * world}
     if world == 1:  # one rank: nothing to send, no collective at all
-        return {"rest": rest, "collective": 0}
+        return {"rest": rest, "collective": 0, **dict.fromkeys(parts, 0)}
     if flatshard.embedding_traffic(model):  # row-sparse tables: bytes depend on the tokens
-        return {"rest": rest, "collective": -1}
-    return {"rest": rest, "collective": gathered + reduced + STEP_CHECK_BYTES * world}
+        return {"rest": rest, "collective": -1, **parts}
+    return {"rest": rest, "collective": sum(parts.values()), **parts}
 
 
 def _state_numel(param: torch.Tensor, kind: type[torch.optim.Optimizer]) -> int:

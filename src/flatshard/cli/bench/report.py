@@ -23,6 +23,7 @@ def summarize(
             "formula_collective_bytes": system_runs[0]["formula_collective_bytes"],
             "collective_output_bytes": system_runs[0]["collective_output_bytes"],
             "all_gather_bytes": system_runs[0]["all_gather_bytes"],
+            "all_to_all_bytes": system_runs[0]["all_to_all_bytes"],
         }
         embedding = (
             "embedding_bytes_per_step",

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from flatshard.cli.internals import PlacementRule, WholeChoice, muon_matrices, placement_rule
-from flatshard.flat import RowSparse, ShardPlacement
+from flatshard.flat import Experts, RowSparse, ShardPlacement
 
 OPTIMIZERS = ("adamw", "muon", "adafactor")
 
@@ -40,6 +40,21 @@ def placement_for(
 def tables_placement(row_sparse: bool) -> ShardPlacement | None:
     """--sparse-embeddings as a placement for the whole model: its tables row-sparse."""
     return RowSparse() if row_sparse else None
+
+
+def with_experts(rule: PlacementRule, model: nn.Module, degree: int) -> PlacementRule:
+    """``rule`` with the stacked expert weights (``.experts.`` in their names) placed
+    ``Experts(degree)`` (--ep)."""
+    if isinstance(rule, ShardPlacement):  # one value for the parameters it serves
+        rule = placement_rule(model, lambda name, param: False, rule)
+    others = rule
+
+    def experts_first(name: str, param: nn.Parameter) -> ShardPlacement | None:
+        if ".experts." in f".{name}":
+            return Experts(degree)
+        return others(name, param) if callable(others) else None
+
+    return experts_first
 
 
 def build_optimizers(
