@@ -117,12 +117,17 @@ def _train(
 
 
 def parity_job(
-    ctx: WorkerContext, world: int, degree: int, strategy: str, clip: str, micro: int
+    ctx: WorkerContext, world: int, degree: int, strategy: str, clip: str, micro: int, extra: str
 ) -> dict[str, Any] | None:
+    """``extra``: "checkpoint" (activation checkpointing of the blocks), "keep"
+    (set_reshard_after_backward(False)) or ""."""
     group = ctx.group(world)
     if group is None:
         return None
     model = _sharded(group, degree, strategy)
+    model.checkpoint_blocks = extra == "checkpoint"
+    if extra == "keep":
+        flatshard.set_reshard_after_backward(model, False)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     batches = _batches(STEPS)
     got = _train(model, optim, batches, group, clip, micro)
@@ -156,20 +161,22 @@ def parity_job(
 
 
 @pytest.mark.parametrize(
-    ("world", "degree", "strategy", "clip", "micro"),
+    ("world", "degree", "strategy", "clip", "micro", "extra"),
     [
-        (4, 2, "FULL_SHARD", "flatshard", 1),
-        (4, 4, "SHARD_GRAD_OP", "torch", 1),
-        (2, 2, "FULL_SHARD", "torch", 1),
-        (4, 2, "NO_SHARD", "flatshard", 1),
-        (4, 1, "FULL_SHARD", "flatshard", 1),
-        (4, 2, "FULL_SHARD", "flatshard", 2),
+        (4, 2, "FULL_SHARD", "flatshard", 1, ""),
+        (4, 4, "SHARD_GRAD_OP", "torch", 1, ""),
+        (2, 2, "FULL_SHARD", "torch", 1, ""),
+        (4, 2, "NO_SHARD", "flatshard", 1, ""),
+        (4, 1, "FULL_SHARD", "flatshard", 1, ""),
+        (4, 2, "FULL_SHARD", "flatshard", 2, ""),
+        (4, 2, "FULL_SHARD", "flatshard", 2, "keep"),
+        (4, 2, "FULL_SHARD", "torch", 1, "checkpoint"),
     ],
 )
 def test_experts_train_as_ddp_trains_the_unsharded_model(
-    pool: WorkerPool, world: int, degree: int, strategy: str, clip: str, micro: int
+    pool: WorkerPool, world: int, degree: int, strategy: str, clip: str, micro: int, extra: str
 ) -> None:
-    result = pool.run(parity_job, world, degree, strategy, clip, micro)[0]
+    result = pool.run(parity_job, world, degree, strategy, clip, micro, extra)[0]
     for (loss, norm), (want_loss, want_norm) in zip(result["got"], result["expected"], strict=True):
         assert loss == pytest.approx(want_loss, rel=1e-5, abs=1e-6)
         assert norm == pytest.approx(want_norm, rel=1e-5)
@@ -177,6 +184,28 @@ def test_experts_train_as_ddp_trains_the_unsharded_model(
     assert result["diff"] < 1e-5
     # Each rank holds its experts only: 4 / degree of them.
     assert result["local"]["blocks.0.moe.experts.w1"] == (4 // degree, 8, 16)
+
+
+def meta_job(ctx: WorkerContext, degree: int | None) -> dict[str, torch.Tensor]:
+    with torch.device("meta"):
+        model = TinyMoE()
+    flatshard.fully_shard(
+        model,
+        auto_wrap_policy={MoEBlock},
+        device="cpu",
+        placement=None
+        if degree is None
+        else lambda name, p: flatshard.Experts(degree) if experts_of(name, p) else None,
+    )
+    return flatshard.full_state_dict(model)
+
+
+def test_a_model_built_on_meta_starts_from_the_weights_without_experts(pool: WorkerPool) -> None:
+    """Each rank draws the whole expert weight, one module at a time, and keeps its part."""
+    plain, split = pool.run(meta_job, None)[0], pool.run(meta_job, 2)[0]
+    assert plain.keys() == split.keys()
+    for name, tensor in plain.items():
+        assert torch.equal(split[name], tensor), name
 
 
 def divided_by_group_job(ctx: WorkerContext) -> list[tuple[float, float]] | None:
@@ -306,6 +335,8 @@ def misuse_job(ctx: WorkerContext, case: str) -> str:
             if ctx.rank == 1:
                 counts = torch.tensor([1, 1, 1])
             experts(torch.zeros(int(counts.sum()), 8), counts)
+        elif case == "call":
+            _sharded(group, 2).blocks[0].moe.experts(torch.zeros(2, 8))
         elif case == "sync":
             torch.manual_seed(0)
             model = TinyMoE()
@@ -326,6 +357,7 @@ def misuse_job(ctx: WorkerContext, case: str) -> str:
         ("disagree", "built different models or sharding options"),
         ("counts", "do not match"),
         ("sync", "sync_module_states would give every rank rank 0's"),
+        ("call", "must be called with (tokens sorted by expert, tokens per expert)"),
     ],
 )
 def test_misuse_is_a_named_error_on_every_rank(pool: WorkerPool, case: str, expected: str) -> None:

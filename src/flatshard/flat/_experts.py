@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flatshard.comm._checks import Tag
 from flatshard.comm._collectives import all_gather_into, exchange_rows
 from flatshard.comm._mesh import ShardGroups, ShardingStrategy, expert_groups
 from flatshard.flat._original_param import OriginalParam
@@ -159,7 +160,7 @@ class Experts(ShardPlacement):
         mark_split(param, ExpertSlice(whole.shape, whole.stride(), offset, self.degree, ep, groups))
         for module, name in orig.usages:
             module._parameters[name] = param
-            _install_dispatch(module, whole.shape[0], ep)
+            _install_dispatch(module, whole.shape[0], ep, orig.fqn.rpartition(".")[0])
         orig.param = param
 
     def shard_groups(self, base: ShardGroups, members: Sequence[OriginalParam]) -> ShardGroups:
@@ -171,10 +172,14 @@ class Experts(ShardPlacement):
 
 
 def _exchange(
-    rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
+    rows: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    group: dist.ProcessGroup,
+    label: str,
 ) -> torch.Tensor:
-    """``_Exchange``, typed."""
-    moved: torch.Tensor = _Exchange.apply(rows, out_splits, in_splits, group)  # type: ignore[no-untyped-call]
+    """``_Exchange``, typed; ``label``: the experts module's name, for reports and waits."""
+    moved: torch.Tensor = _Exchange.apply(rows, out_splits, in_splits, group, label)  # type: ignore[no-untyped-call]
     return moved
 
 
@@ -189,18 +194,22 @@ class _Exchange(torch.autograd.Function):
         out_splits: list[int],
         in_splits: list[int],
         group: dist.ProcessGroup,
+        label: str,
     ) -> torch.Tensor:
-        ctx.splits, ctx.group = (out_splits, in_splits), group
+        ctx.splits, ctx.group, ctx.label = (out_splits, in_splits), group, label
         out = rows.new_empty((sum(out_splits), *rows.shape[1:]))
-        exchange_rows(out, rows.contiguous(), out_splits, in_splits, group)
+        exchange_rows(out, rows.contiguous(), out_splits, in_splits, group, Tag("forward", label))
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+    def backward(
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, None, None, None, None]:
         out_splits, in_splits = ctx.splits
         back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        exchange_rows(back, grad.contiguous(), in_splits, out_splits, ctx.group)
-        return back, None, None, None
+        tag = Tag("backward", ctx.label)
+        exchange_rows(back, grad.contiguous(), in_splits, out_splits, ctx.group, tag)
+        return back, None, None, None, None
 
 
 @dataclass
@@ -215,15 +224,15 @@ class _Routed:
 _DISPATCH_ATTR = "_flatshard_expert_dispatch"
 
 
-def _install_dispatch(module: nn.Module, experts: int, ep: dist.ProcessGroup) -> None:
+def _install_dispatch(module: nn.Module, experts: int, ep: dist.ProcessGroup, label: str) -> None:
     if getattr(module, _DISPATCH_ATTR, None) is not None:
         return
     pending: list[_Routed] = []  # one per call in flight (a recomputing forward nests)
-    name = type(module).__name__
+    name = f"'{label}' ({type(module).__name__})"
 
     def before(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         tokens, counts, *rest = _call_args(args, name)
-        routed, received, local_counts = _dispatch(tokens, counts, experts, ep, name)
+        routed, received, local_counts = _dispatch(tokens, counts, experts, ep, label)
         pending.append(routed)
         return (received, local_counts.to(counts.dtype), *rest)
 
@@ -237,7 +246,7 @@ def _install_dispatch(module: nn.Module, experts: int, ep: dist.ProcessGroup) ->
                 + (f" of shape {tuple(output.shape)}" if isinstance(output, torch.Tensor) else "")
             )
         received = output.index_select(0, routed.back)
-        return _exchange(received, routed.in_splits, routed.out_splits, ep)
+        return _exchange(received, routed.in_splits, routed.out_splits, ep, label)
 
     handles = (module.register_forward_pre_hook(before), module.register_forward_hook(after))
     setattr(module, _DISPATCH_ATTR, handles)
@@ -258,7 +267,7 @@ def _call_args(args: tuple[Any, ...], name: str) -> tuple[Any, ...]:
 
 
 def _dispatch(
-    tokens: torch.Tensor, counts: torch.Tensor, experts: int, ep: dist.ProcessGroup, name: str
+    tokens: torch.Tensor, counts: torch.Tensor, experts: int, ep: dist.ProcessGroup, label: str
 ) -> tuple[_Routed, torch.Tensor, torch.Tensor]:
     """Send each expert's rows to the EP rank holding it; return the rows this rank's
     experts got, grouped by local expert, and their counts per local expert."""
@@ -271,8 +280,9 @@ def _dispatch(
     if problem is None:
         sent[:, 2:] = counts.detach().to("cpu", torch.int64).view(degree, local)
     got = torch.empty_like(sent)
-    exchange_rows(got, sent, [1] * degree, [1] * degree, ep)
+    exchange_rows(got, sent, [1] * degree, [1] * degree, ep, Tag("forward", label))
     ranks = dist.get_process_group_ranks(ep)
+    name = f"'{label}'"
     if problem is not None:
         raise ValueError(f"flatshard.Experts: {name} on rank {ranks[me]}: {problem}")
     bad = [ranks[s] for s in range(degree) if got[s, 0] == 0 or got[s, 1] != experts]
@@ -286,7 +296,7 @@ def _dispatch(
     matrix = got[:, 2:]  # (source, local expert): rows this rank receives
     in_splits = counts.detach().to("cpu", torch.int64).view(degree, local).sum(1).tolist()
     out_splits = matrix.sum(1).tolist()
-    received = _exchange(tokens, out_splits, in_splits, ep)
+    received = _exchange(tokens, out_splits, in_splits, ep, label)
     order = _by_local_expert(matrix).to(tokens.device)
     back = torch.empty_like(order)
     back[order] = torch.arange(order.numel(), device=order.device)
