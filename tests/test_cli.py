@@ -386,6 +386,32 @@ def test_bench_gathers_in_fewer_bytes(tmp_path: Path) -> None:
     assert 0.25 < gathered["flatshard-gather-int8"] / gathered["flatshard"] < 0.3, gathered
 
 
+def test_bench_moe_preset_splits_the_experts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--preset moe (a GPT whose MLPs are 8 experts) with --ep 2: flatshard gathers fewer
+    bytes than flatshard-noep (its experts data parallel) and moves tokens instead; the
+    report says how many."""
+    argv = ["--preset", "moe", "--dim", "16", "--heads", "2", "--vocab", "64", "--layers", "1"]
+    argv += ["--seq-len", "8", "--batch", "2", "--steps", "1", "--rounds", "1"]
+    argv += ["--systems", "flatshard,flatshard-noep"]
+    report, stdout = _bench(argv, tmp_path, capsys)
+    assert (report["config"]["experts"], report["config"]["ep"]) == (8, 2)
+    split, dense = report["systems"]["flatshard"], report["systems"]["flatshard-noep"]
+    assert split["all_gather_bytes"] < dense["all_gather_bytes"]
+    # Each rank sends its 2 x 8 tokens' rows (16 floats) each way, forward and backward.
+    assert split["token_bytes"] > 4 * 16 * 16 * 4 // 2 and dense["token_bytes"] == 0
+    assert "flatshard plan: not predicted (the planner does not route tokens)" in stdout
+    assert "tokens' all-to-alls: flatshard" in stdout
+
+
+def test_bench_rejects_an_ep_that_does_not_divide(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--experts", "6", "--ep", "4"]) == 2
+    assert "--ep 4 needs --experts (got 6) and --nproc (got 2) that it divides" in (
+        capsys.readouterr().err
+    )
+
+
 def test_bench_rejects_unknown_systems(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--systems", "flatshard,zero3"]) == 2
     assert "--systems must be a comma-separated subset" in capsys.readouterr().err

@@ -183,6 +183,13 @@ def _exchange(
     return moved
 
 
+class TokenBytes:
+    """Bytes this process received in the experts' token all-to-alls (rows and counts,
+    forward and backward), since it started: what ``flatshard bench`` reports per step."""
+
+    received: ClassVar[int] = 0
+
+
 class _Exchange(torch.autograd.Function):
     """Rows to other ranks and back: forward sends ``in_splits[r]`` rows to rank r and
     receives ``out_splits[r]`` from it; backward sends the gradients the opposite way."""
@@ -199,6 +206,7 @@ class _Exchange(torch.autograd.Function):
         ctx.splits, ctx.group, ctx.label = (out_splits, in_splits), group, label
         out = rows.new_empty((sum(out_splits), *rows.shape[1:]))
         exchange_rows(out, rows.contiguous(), out_splits, in_splits, group, Tag("forward", label))
+        TokenBytes.received += out.numel() * out.element_size()
         return out
 
     @staticmethod
@@ -209,6 +217,7 @@ class _Exchange(torch.autograd.Function):
         back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
         tag = Tag("backward", ctx.label)
         exchange_rows(back, grad.contiguous(), in_splits, out_splits, ctx.group, tag)
+        TokenBytes.received += back.numel() * back.element_size()
         return back, None, None, None, None
 
 
@@ -281,6 +290,7 @@ def _dispatch(
         sent[:, 2:] = counts.detach().to("cpu", torch.int64).view(degree, local)
     got = torch.empty_like(sent)
     exchange_rows(got, sent, [1] * degree, [1] * degree, ep, Tag("forward", label))
+    TokenBytes.received += got.numel() * got.element_size()
     ranks = dist.get_process_group_ranks(ep)
     name = f"'{label}'"
     if problem is not None:

@@ -40,7 +40,7 @@ from flatshard.cli.bench.prediction import predict, predicted_line
 from flatshard.cli.bench.report import chart, scaling_table, summarize, table
 from flatshard.cli.config import add_config_parser, config_from_args
 from flatshard.cli.devices import init_rank, peak_memory_mib, resolve_device
-from flatshard.cli.internals import PlacementRule, WaitClock, fast_context
+from flatshard.cli.internals import PlacementRule, TokenBytes, WaitClock, fast_context
 from flatshard.cli.lm.optimizers import build_optimizers, placement_for, with_experts
 from flatshard.measure import ALL_GATHER, ALL_TO_ALL, CollectiveTracker
 from flatshard.models import GPT, GPTBlock
@@ -81,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
                 print(  # the plan's bound, not this batch (see flatshard.plan)
                     "flatshard plan: not predicted (a plan takes every token id distinct)"
                 )
+            elif config.experts:  # routing decides the token traffic; meta has no routing
+                print("flatshard plan: not predicted (the planner does not route tokens)")
             else:
                 predicted = predict(config)
                 print(predicted_line(predicted, summary["flatshard"]))
@@ -98,11 +100,10 @@ def run(args: argparse.Namespace) -> int:
                 )
         if config.experts:
             moved = ", ".join(
-                f"{name} {row['all_gather_bytes'] / 1e6:.1f} / {row['all_to_all_bytes'] / 1e6:.1f}"
+                f"{name} {row['all_gather_bytes'] / 1e6:.1f} / {row['token_bytes'] / 1e6:.1f}"
                 for name, row in summary.items()
-                if "all_to_all_bytes" in row
             )
-            print(f"MB per step by rank 0, all-gathered / all-to-all (tokens): {moved}")
+            print(f"MB per step received by rank 0, all-gathered / tokens' all-to-alls: {moved}")
         if "embedding_bytes_per_step" in summary.get("flatshard", {}):
             row = summary["flatshard"]
             print(
@@ -244,6 +245,7 @@ def _serve(
     answers.put({"rank": rank, "ready": True})
     step = 0
     by_unit: dict[str, float] = {}  # WaitClock.by_unit when the timed steps began
+    tokens_before = TokenBytes.received
     while inbox.get() == "step":
         if step == config.warmup:
             by_unit = dict(WaitClock.by_unit)
@@ -251,6 +253,8 @@ def _serve(
         idx = idx.to(device)
         _synchronize(device)
         dist.barrier()
+        if step == config.warmup:
+            tokens_before = TokenBytes.received
         start, waited = time.perf_counter(), WaitClock.seconds
         with tracker if step == config.warmup else contextlib.nullcontext():
             _train_step(model, optim, idx, config, system)
@@ -269,6 +273,7 @@ def _serve(
     tables = flatshard.embedding_traffic(model) if system.startswith("flatshard") else {}
     embedding = _embedding_report(tables, step, next(model.parameters()).element_size())
     waits = _unit_waits(by_unit, max(1, step - config.warmup))  # before the memory pass
+    token_bytes = (TokenBytes.received - tokens_before) // max(1, step - config.warmup)
     del model, optim  # the memory pass builds its own
     tensor_rest, tensor_peak = steady_state_peak(
         lambda: _build(config, system, device), lambda m, o: _train_step(m, o, idx, config, system)
@@ -286,6 +291,8 @@ def _serve(
         "collective_output_bytes": int(sum(tracker.bytes.values())),
         "all_gather_bytes": int(tracker.bytes[ALL_GATHER]),
         "all_to_all_bytes": int(tracker.bytes[ALL_TO_ALL]),
+        # the experts' token all-to-alls alone (gloo's reduce-scatters are all-to-alls too)
+        "token_bytes": token_bytes,
         "peak_mem_mib": peak_memory_mib(device),
         **embedding,
         **waits,

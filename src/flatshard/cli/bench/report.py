@@ -24,6 +24,7 @@ def summarize(
             "collective_output_bytes": system_runs[0]["collective_output_bytes"],
             "all_gather_bytes": system_runs[0]["all_gather_bytes"],
             "all_to_all_bytes": system_runs[0]["all_to_all_bytes"],
+            "token_bytes": statistics.median(r["token_bytes"] for r in system_runs),
         }
         embedding = (
             "embedding_bytes_per_step",
