@@ -400,6 +400,8 @@ def test_plan_misuse_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
         flatshard.plan(linear, lambda: (torch.randn(1, 2),), tensor_parallel=3)
     with pytest.raises(ValueError, match="tensor_parallel with HYBRID_SHARD is not planned yet"):
         flatshard.plan(linear, tokens, tensor_parallel=2, strategy=S.HYBRID_SHARD)
+    with pytest.raises(ValueError, match=r"placement Experts\(degree=2\) is not planned"):
+        flatshard.plan(linear, tokens, placement=flatshard.Experts(2))
 
 
 def test_adafactor_is_refused_by_name_before_planning() -> None:

@@ -195,7 +195,8 @@ def plan(
             lookup fetches its tokens' rows and sends their gradients back as rows. A
             simulated batch has no token values, so the plan takes every token id distinct
             (at most the vocabulary): the most bytes a batch of that many tokens can move;
-            real text, whose frequent tokens repeat, moves fewer.
+            real text, whose frequent tokens repeat, moves fewer. ``Experts`` is refused
+            (a simulated router has no choices to route by).
         reshard_after_forward: ``flatshard.set_reshard_after_forward(model, value)`` on the
             sharded model: False keeps every unit gathered from forward to backward
             (backward gathers nothing, for the memory); None: as the strategy says. An
@@ -218,6 +219,13 @@ def plan(
             f"flatshard.plan: accumulation must be 'no_sync' or 'reduce', got {accumulation!r}"
         )
     _check_tensor_parallel(tensor_parallel, machines.world_size, strategy)
+    if placement is not None and placement.keeps_part:
+        raise ValueError(
+            f"flatshard.plan: placement {placement!r} is not planned: a simulated step runs "
+            "on the meta device, where a router's choices (and so the tokens each expert "
+            "gets) have no values. Plan the model without it for the rest of the step, "
+            "and measure expert parallelism with flatshard bench --experts N --ep E."
+        )
     if strategy.is_hybrid and sharding_factor is None:  # shard inside a host, as torchrun
         sharding_factor = machines.ranks_per_host  # would make fully_shard's default
     setup = Setup(
