@@ -7,6 +7,8 @@ per expert, which is what ``flatshard.Experts`` moves between ranks. Used by the
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -34,13 +36,18 @@ class GroupedExperts(nn.Module):
 
 
 class MoELayer(nn.Module):
-    """Top-k routing over ``GroupedExperts``, dropless; the load-balancing loss of the
-    last forward in ``aux_loss`` (the fraction of assignments times the mean router
-    probability per expert, Switch Transformer's)."""
+    """Top-k routing over ``GroupedExperts``; the load-balancing loss of the last forward
+    in ``aux_loss`` (the fraction of assignments times the mean router probability per
+    expert, Switch Transformer's). ``capacity_factor``: each expert takes at most
+    ``ceil(factor * tokens * top_k / experts)`` of this call's assignments, in token order,
+    and the rest are dropped (they add nothing); None: dropless."""
 
-    def __init__(self, experts: int, dim: int, hidden: int, top_k: int) -> None:
+    def __init__(
+        self, experts: int, dim: int, hidden: int, top_k: int, capacity_factor: float | None = None
+    ) -> None:
         super().__init__()
         self.top_k = top_k
+        self.capacity_factor = capacity_factor
         self.router = nn.Linear(dim, experts, bias=False)
         self.experts = GroupedExperts(experts, dim, hidden)
         self.aux_loss = torch.zeros(())
@@ -52,10 +59,16 @@ class MoELayer(nn.Module):
         experts = probs.shape[-1]
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        source = order // self.top_k  # the token of each sorted assignment
         counts = torch.bincount(flat, minlength=experts)
-        out = self.experts(tokens[source], counts) * weights.reshape(-1)[order, None]
-        combined = torch.zeros_like(tokens).index_add(0, source, out)
         share = counts.to(probs.dtype) / flat.numel()
         self.aux_loss = experts * (share * probs.mean(0)).sum()
+        if self.capacity_factor is not None:
+            capacity = math.ceil(self.capacity_factor * flat.numel() / experts)
+            starts = torch.cumsum(counts, 0) - counts
+            place = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
+            order = order[place < capacity]
+            counts = counts.clamp(max=capacity)
+        source = order // self.top_k  # the token of each sorted assignment
+        out = self.experts(tokens[source], counts) * weights.reshape(-1)[order, None]
+        combined = torch.zeros_like(tokens).index_add(0, source, out)
         return combined.view_as(x)
