@@ -349,6 +349,33 @@ def test_a_checkpoint_at_ep2_x_data2_resumes_at_other_ep_degrees(
     assert _flat(resumed) == pytest.approx(_flat(expected), rel=1e-5)
 
 
+def export_job(ctx: WorkerContext, directory: str) -> list[dict[str, torch.Tensor]]:
+    """Weights trained at EP 2 exported as safetensors (the global tensors), loaded at EP 4
+    and without experts."""
+    group = ctx.group(4)
+    assert group is not None
+    model = _sharded(group, 2)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, optim, _batches(1), group)
+    flatshard.export_safetensors(model, Path(directory) / "export")
+    dist.barrier()  # rank 0 writes; every rank reads
+    fulls = [flatshard.full_state_dict(model)]
+    for degree in (4, None):
+        fresh = _sharded(group, degree)
+        flatshard.load_safetensors(fresh, Path(directory) / "export")
+        fulls.append(flatshard.full_state_dict(fresh))
+    return fulls
+
+
+def test_exported_weights_load_at_other_ep_degrees(pool: WorkerPool, tmp_path: Path) -> None:
+    trained, at_ep4, plain = pool.run(export_job, str(tmp_path))[0]
+    assert trained["blocks.0.moe.experts.w1"].shape == (4, 8, 16)  # the global tensor
+    for loaded in (at_ep4, plain):
+        assert loaded.keys() == trained.keys()
+        for name, tensor in trained.items():
+            assert torch.equal(loaded[name], tensor), name
+
+
 def _flat(pairs: list[tuple[float, float]]) -> list[float]:
     return [value for pair in pairs for value in pair]
 
