@@ -283,14 +283,16 @@ def _dispatch(
     degree, me = dist.get_world_size(ep), dist.get_rank(ep)
     local = experts // degree
     problem = _splits_problem(tokens, counts, experts)
-    sent = torch.zeros(degree, 2 + local, dtype=torch.int64)
+    # On the tokens' device: NCCL sends device tensors only.
+    sent = torch.zeros(degree, 2 + local, dtype=torch.int64, device=tokens.device)
     sent[:, 0] = 1 if problem is None else 0
     sent[:, 1] = experts
     if problem is None:
-        sent[:, 2:] = counts.detach().to("cpu", torch.int64).view(degree, local)
-    got = torch.empty_like(sent)
-    exchange_rows(got, sent, [1] * degree, [1] * degree, ep, Tag("forward", label))
-    TokenBytes.received += got.numel() * got.element_size()
+        sent[:, 2:] = counts.detach().to(tokens.device, torch.int64).view(degree, local)
+    received_counts = torch.empty_like(sent)
+    exchange_rows(received_counts, sent, [1] * degree, [1] * degree, ep, Tag("forward", label))
+    TokenBytes.received += received_counts.numel() * received_counts.element_size()
+    got = received_counts.cpu()
     ranks = dist.get_process_group_ranks(ep)
     name = f"'{label}'"
     if problem is not None:
