@@ -256,6 +256,7 @@ def four(report: _Report, device: torch.device) -> None:
         report.case(_name(config), lambda c=config: _lagged_parity(c, group))
     report.case("per-block hybrid: communicators made", lambda: _per_block_groups(device))
     report.case("dp 2 x tp 2 on one mesh", lambda: _dp_tp(device))
+    report.case("experts: EP 2 x data 2 (token all-to-alls)", lambda: _experts(device))
     report.case("checkpoint round trip (DCP)", lambda: _checkpoint(device))
 
 
@@ -315,6 +316,38 @@ def _dp_tp(device: torch.device) -> str:
         mine = model(x[dp * 4 : (dp + 1) * 4]).pow(2).mean()
         mine.backward()
         plain(x).pow(2).mean().backward()
+        for optim in optims:
+            optim.step()
+            optim.zero_grad()
+    full = flatshard.full_state_dict(model, rank0_only=False)
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(full[name].to(device), value, rtol=RTOL, atol=1e-6)
+    return "parameters equal after 3 steps"
+
+
+def _experts(device: torch.device) -> str:
+    """TinyMoE's experts split over EP groups of 2 (Experts(2)), each rank its own batch:
+    the unsharded model trained with DDP's semantics."""
+    from flatshard.testing.models import MoEBlock, TinyMoE, experts_of
+
+    torch.manual_seed(0)
+    plain = TinyMoE().to(device)
+    model = TinyMoE().to(device)
+    model.load_state_dict(plain.state_dict())
+    flatshard.fully_shard(
+        model,
+        auto_wrap_policy={MoEBlock},
+        placement=lambda name, p: flatshard.Experts(2) if experts_of(name, p) else None,
+    )
+    optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, plain)]
+    gen = torch.Generator().manual_seed(0)
+    me, world = dist.get_rank(), dist.get_world_size()
+    for _ in range(3):
+        x, y = (torch.randn(8, 8, generator=gen).to(device) for _ in range(2))
+        rows = 8 // world
+        model.loss((x[me * rows :][:rows], y[me * rows :][:rows])).backward()
+        for r in range(world):  # DDP: each rank's loss, the gradients averaged
+            (plain.loss((x[r * rows :][:rows], y[r * rows :][:rows])) / world).backward()
         for optim in optims:
             optim.step()
             optim.zero_grad()

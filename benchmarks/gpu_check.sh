@@ -6,7 +6,8 @@
 #   (1) parity  2 ranks: the parity cases as they are and under GPU lag (bitwise equal),
 #               against the unsharded reference
 #   (2) four    4 ranks: hybrid F = 2 (ZeRO-3 and ZeRO-2 with a kept unit), per-block
-#               hybrid (communicators counted), dp 2 x tp 2, a checkpoint round trip
+#               hybrid (communicators counted), dp 2 x tp 2, experts EP 2 x data 2, a
+#               checkpoint round trip
 #   (3) audit   host syncs per steady step at 2 ranks, per option
 #   (4) the one-rank bench, a short bf16 train, and train at 2 ranks with --share-gpus
 # Run from the repository root: bash benchmarks/gpu_check.sh. Results land in
