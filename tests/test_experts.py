@@ -396,6 +396,22 @@ def misuse_job(ctx: WorkerContext, case: str) -> str:
             if ctx.rank == 1:
                 counts = torch.tensor([1, 1, 1])
             experts(torch.zeros(int(counts.sum()), 8), counts)
+        elif case in ("bias", "scale"):  # a per-expert bias left whole; a (8,) scale
+            torch.manual_seed(0)
+            model = TinyMoE()
+            shape = (4, 16) if case == "bias" else (8,)
+            model.blocks[0].moe.experts.b1 = nn.Parameter(torch.zeros(shape))
+            rule: Any = flatshard.Experts(2)  # for the whole model: the 3-D weights
+            if case == "scale":
+                rule = lambda name, p: flatshard.Experts(2) if experts_of(name, p) else None  # noqa: E731
+            flatshard.fully_shard(model, auto_wrap_policy={MoEBlock}, placement=rule)
+        elif case == "conv":  # given for the whole model, Experts leaves torch's layers
+            torch.manual_seed(0)
+            model = TinyMoE()
+            model.conv = nn.Conv1d(1, 2, 3)
+            flatshard.fully_shard(model, placement=flatshard.Experts(2))
+            with flatshard.summon_full_params(model):
+                return f"conv {tuple(model.conv.weight.shape)}"
         elif case == "call":
             _sharded(group, 2).blocks[0].moe.experts(torch.zeros(2, 8))
         elif case == "sync":
@@ -419,6 +435,9 @@ def misuse_job(ctx: WorkerContext, case: str) -> str:
         ("counts", "do not match"),
         ("sync", "sync_module_states would give every rank rank 0's"),
         ("call", "must be called with (tokens sorted by expert, tokens per expert)"),
+        ("bias", "also holds 'blocks.0.moe.experts.b1' (shape (4, 16)), placed Rows()"),
+        ("scale", "whose dim 0 is not the 4 experts of shape (4, 8, 16)"),
+        ("conv", "conv (2, 1, 3)"),
     ],
 )
 def test_misuse_is_a_named_error_on_every_rank(pool: WorkerPool, case: str, expected: str) -> None:

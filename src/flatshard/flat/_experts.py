@@ -107,7 +107,36 @@ class Experts(ShardPlacement):
             )
 
     def serves(self, orig: OriginalParam) -> bool:
-        return orig.param.dim() == 3
+        """Given for the whole model: the 3-D weights of modules that are not torch's own
+        layers (a ``Conv1d`` weight is 3-D too)."""
+        ours = all(not type(m).__module__.startswith("torch.nn") for m, _ in orig.usages)
+        return orig.param.dim() == 3 and ours
+
+    def part_refusal(
+        self, orig: OriginalParam, siblings: Sequence[tuple[OriginalParam, ShardPlacement]]
+    ) -> str | None:
+        """The module holding expert weights computes this rank's experts only: each of
+        its parameters must be cut alike (a per-expert bias left whole would be indexed
+        by local expert, silently the wrong expert's)."""
+        experts = orig.param.shape[0]
+        for other, placement in siblings:
+            if placement != self:
+                return (
+                    f"its module also holds '{other.fqn}' (shape "
+                    f"{tuple(other.param.shape)}), placed {placement!r}; the module is "
+                    f"called with this rank's experts only, so give every parameter of it "
+                    f"{self!r} (a rule naming them, e.g. placement=lambda name, p: "
+                    f"flatshard.Experts({self.degree}) if '.experts.' in name else None), "
+                    "or move the others to another module"
+                )
+            if other.param.dim() < 1 or other.param.shape[0] != experts:
+                return (
+                    f"its module also holds '{other.fqn}' of shape "
+                    f"{tuple(other.param.shape)}, whose dim 0 is not the {experts} experts "
+                    f"of shape {tuple(orig.param.shape)}: every parameter of the experts "
+                    "module must be stacked by expert"
+                )
+        return None
 
     def refusal(self, orig: OriginalParam, strategy: ShardingStrategy) -> str | None:
         shape = tuple(orig.param.shape)
@@ -285,7 +314,7 @@ def _dispatch(
     problem = _splits_problem(tokens, counts, experts)
     # On the tokens' device: NCCL sends device tensors only.
     sent = torch.zeros(degree, 2 + local, dtype=torch.int64, device=tokens.device)
-    sent[:, 0] = 1 if problem is None else 0
+    sent[:, 0] = _COUNTS if problem is None else _BAD_COUNTS
     sent[:, 1] = experts
     if problem is None:
         sent[:, 2:] = counts.detach().to(tokens.device, torch.int64).view(degree, local)
@@ -297,7 +326,17 @@ def _dispatch(
     name = f"'{label}'"
     if problem is not None:
         raise ValueError(f"flatshard.Experts: {name} on rank {ranks[me]}: {problem}")
-    bad = [ranks[s] for s in range(degree) if got[s, 0] == 0 or got[s, 1] != experts]
+    header = got[:, :2].tolist()  # (mark, experts) per source
+    elsewhere = [ranks[s] for s, (mark, _) in enumerate(header) if mark not in _MARKS]
+    if elsewhere:
+        raise RuntimeError(
+            f"flatshard.Experts: {name} on rank {ranks[me]}: what the ranks {elsewhere} of "
+            "its expert-parallel group sent was not this call's token counts: they are "
+            "elsewhere in the step (a rank skipped or repeated an MoE layer, or runs a "
+            "backward the others do not). Every rank must call every experts module the "
+            "same number of times, in the same order."
+        )
+    bad = [ranks[s] for s, (mark, n) in enumerate(header) if mark != _COUNTS or n != experts]
     if bad:
         raise ValueError(
             f"flatshard.Experts: {name} on rank {ranks[me]}: the ranks {bad} of its "
@@ -314,6 +353,14 @@ def _dispatch(
     back[order] = torch.arange(order.numel(), device=order.device)
     routed = _Routed(back, out_splits, in_splits)
     return routed, received.index_select(0, order), matrix.sum(0).to(counts.device)
+
+
+# The first column of a count exchange: a mark that tells it from any other exchange
+# (bytes of rows that a rank elsewhere in the step sent), and whether the sender's counts
+# were good.
+_COUNTS = 0x45585045525453  # "EXPERTS"
+_BAD_COUNTS = _COUNTS + 1
+_MARKS = (_COUNTS, _BAD_COUNTS)
 
 
 def _splits_problem(tokens: torch.Tensor, counts: torch.Tensor, experts: int) -> str | None:

@@ -146,6 +146,13 @@ class ShardPlacement:
         the part of it this rank keeps, if the placement keeps only a part (experts).
         ``model``: the ranks the model is sharded over; ``base``: their groups."""
 
+    def part_refusal(
+        self, orig: OriginalParam, siblings: Sequence[tuple[OriginalParam, ShardPlacement]]
+    ) -> str | None:
+        """Why ``orig``, kept in part, cannot be cut beside the other parameters of the
+        modules that hold it (``siblings``: each with its placement), or None."""
+        return None
+
     def shard_groups(self, base: ShardGroups, members: Sequence[OriginalParam]) -> ShardGroups:
         """Where a flat group of ``members`` lives (``base``: the ``fully_shard`` call's)."""
         return base

@@ -279,6 +279,17 @@ def _take_parts(
             "rank, or on the meta device (each rank initializes the whole weight and keeps "
             "its part)."
         )
+    by_id = {id(o.param): o for m in units for o in m.originals}
+    for orig in kept:
+        siblings = [
+            (by_id[id(p)], placements[by_id[id(p)].fqn])
+            for module, _ in orig.usages
+            for p in module._parameters.values()
+            if p is not None and id(p) in by_id and p is not orig.param
+        ]
+        refusal = placements[orig.fqn].part_refusal(orig, siblings)
+        if refusal is not None:
+            raise ValueError(f"flatshard.fully_shard: '{orig.fqn}' (rank {rank}): {refusal}.")
     for orig in kept:
         placements[orig.fqn].take_part(orig, group, groups, rank)
 

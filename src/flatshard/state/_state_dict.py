@@ -48,7 +48,13 @@ class RowShard:
         return self.local.shape[0]
 
     def describe(self) -> str:
-        return f"rows {self.first_row}..{self.first_row + self.rows} of {tuple(self.full_shape)}"
+        return _rows_of(self.first_row, self.rows, self.base, self.full_shape)
+
+
+def _rows_of(first: int, rows: int, base: tuple[int, ...], shape: torch.Size) -> str:
+    """Rows ``first..first + rows``, counted from ``base`` (a TP shard or expert slice)."""
+    where = f" of the part at {base}" if any(base) else ""
+    return f"rows {first}..{first + rows}{where} of {tuple(shape)}"
 
 
 @dataclass(frozen=True)
@@ -296,11 +302,16 @@ def _load_one(
     full_shape = place.global_shape if place is not None else target.shape
     if isinstance(value, RowShard):
         if place is None or not place.matches(value):
-            mine = f"rows {place.first_row}..{place.first_row + place.rows}" if place else "all"
+            base = place.tp.offset if place is not None and place.tp is not None else ()
+            mine = (
+                _rows_of(place.first_row, place.rows, base, full_shape)
+                if place is not None
+                else f"all of {tuple(full_shape)}"
+            )
             return (
-                f"'{key}': the entry holds {value.describe()}, this rank holds {mine} of "
-                f"{tuple(full_shape)}; a sharded state dict only loads into the same layout "
-                "(reshard through flatshard.save_checkpoint / load_checkpoint)"
+                f"'{key}': the entry holds {value.describe()}, this rank holds {mine}; a "
+                "sharded state dict only loads into the same layout (reshard through "
+                "flatshard.save_checkpoint / load_checkpoint)"
             )
         local = value.local
     elif isinstance(value, torch.Tensor):
