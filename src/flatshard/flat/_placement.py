@@ -1,7 +1,7 @@
 """Placements: how each parameter lies across its shard group, as one value and one protocol.
 
 ``fully_shard(placement=...)`` chooses a placement per parameter: a ``ShardPlacement``
-value, or a rule ``(name, parameter) -> ShardPlacement | None``. Four exist:
+value, or a rule ``(name, parameter) -> ShardPlacement | None``. Five exist:
 
 - ``Rows()`` (the default): the row-aligned layout, every rank a slice of whole rows.
 - ``Whole()``: no parameter cut; each lies whole in one rank's shard, for optimizers that
@@ -10,12 +10,17 @@ value, or a rule ``(name, parameter) -> ShardPlacement | None``. Four exist:
   their rows from the ranks that hold them.
 - ``Unmanaged()``: left out of every flat group (FSDP2's ``ignored_params``): the parameter
   stays whole on every rank, is never gathered, and its gradient is not reduced.
+- ``Experts(degree)`` (``_experts.py``): a mixture of experts' stacked weights, each rank
+  keeping its experts only, sharded over the ranks that hold the same ones ([Note: expert
+  parallelism]).
 
 [Note: one placement protocol]
 A placement is two objects. The value (``ShardPlacement``) acts at build time: which
 parameters it serves (``serves``), why it cannot serve one (``refusal``), whether its
 parameters share a flat group or each get one (``alone``), whether the layout cuts rows
-(``cuts_rows``), and ``bind``, which gives a flat group its ``GroupPlacement``. The group
+(``cuts_rows``), whether each rank keeps only a part of the parameter (``keeps_part``:
+``part_refusal`` and ``take_part`` cut it before sharding), where its flat group lives
+(``shard_groups``), and ``bind``, which gives a flat group its ``GroupPlacement``. The group
 placement acts at run time: the unit asks it to gather (``start_unshard``, ``unshard``),
 the step context asks it how the reduction is waited for and to finish it
 (``reduction_waits_for_backward_end``, ``finish_reduction``), ``zero_grad`` asks it to drop
@@ -23,9 +28,10 @@ what it keeps (``drop_pending``), the hooks register what it asks for
 (``forward_pre_hooks``), reports and refusals read ``traffic``, ``serves_lookups`` and
 ``comm_hook_conflict``. The unit, runtime and state layers call these and never ask which
 placement a group has. The planner prices a placement by running it on the meta device, so
-it needs nothing more. Both gather and reduction send their payloads through the group's
-``Transport`` (``_transport.py``), whose codec ``gathered_in`` chooses (the dtype on the
-wire: ``_gather_codec.py``).
+it needs nothing more (but for ``Experts``, whose routing has no values there: refused).
+Both gather and reduction send their payloads through the group's ``Transport``
+(``_transport.py``), whose codec ``gathered_in`` chooses (the dtype on the wire:
+``_gather_codec.py``).
 
 To add a placement, open this file: subclass ``ShardPlacement`` (a frozen dataclass) and,
 where run time differs from rows, ``GroupPlacement``; export the value from ``flatshard``.
