@@ -69,6 +69,32 @@ def test_train_end_to_end_then_resume_exactly(tmp_path: Path) -> None:
         assert loss == pytest.approx(losses[step], rel=1e-6), (step, losses, again)
 
 
+def test_train_a_mixture_of_experts_expert_parallel(tmp_path: Path) -> None:
+    """--experts 4 --ep 2: the same losses as the experts data parallel (each rank its own
+    batch either way), and a checkpoint saved expert parallel resumes data parallel."""
+    common = [*TINY, "--steps", "4", "--lr", "1e-2", "--experts", "4", "--sample-bytes", "0"]
+    split, plain, resumed = tmp_path / "split", tmp_path / "plain", tmp_path / "resumed"
+    out = _train(*common, "--ep", "2", "--ckpt-every", "2", "--out-dir", str(split))
+    assert "MLPs of 4 experts" in out and "experts split over 2 ranks" in out, out
+    _train(*common, "--out-dir", str(plain))
+    losses = _losses(split)
+    assert losses == pytest.approx(_losses(plain), rel=1e-5)
+    ckpt = split / "checkpoints" / "step_000002"
+    _train(*common, "--resume", str(ckpt), "--out-dir", str(resumed))
+    for step, loss in _losses(resumed).items():
+        assert loss == pytest.approx(losses[step], rel=1e-5), step
+
+
+def test_train_refuses_experts_it_cannot_split(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, message in [
+        (["--experts", "4", "--ep", "3"], "--ep (3) must divide --experts (4)"),
+        (["--experts", "4", "--predict"], "cannot plan --experts"),
+        (["--experts", "4", "--model", "hf:gpt2"], "--experts only applies to --model gpt"),
+    ]:
+        assert main(["train", *argv]) == 2
+        assert message in capsys.readouterr().err, argv
+
+
 def test_train_a_hugging_face_model_under_torchrun_in_bf16(tmp_path: Path) -> None:
     """One run for four things: torchrun's environment, a transformers model with its
     block class as the unit, mixed precision's dtype plan, and --fit-memory (each rank

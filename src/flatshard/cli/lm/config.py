@@ -129,6 +129,13 @@ class TrainConfig:
     cpu_offload: bool = False
     """keep the sharded parameters, their gradients and the optimizer state in CPU memory
     (the optimizer steps on the CPU): less device memory, slower steps"""
+    experts: int = 0
+    """--model gpt: each block's MLP a mixture of this many experts (top-2, each half the
+    dense MLP's width); 0: dense MLPs"""
+    ep: int = 1
+    """expert parallelism: groups of --ep ranks split the experts, each rank holding
+    experts / ep of them (fully_shard(placement=flatshard.Experts(ep)) for the stacked
+    expert weights) and the tokens moving to them by all-to-all; 1: data parallel"""
     sparse_embeddings: bool = False
     """row-sparse embedding tables (fully_shard(..., placement=flatshard.RowSparse())): each lookup
     fetches only its tokens' rows and sends back only their gradients, where that moves
@@ -223,6 +230,15 @@ class TrainConfig:
             parse_lora(self.lora)
         if self.fit_memory:
             parse_size(self.fit_memory, "--fit-memory", 0)
+        if self.experts < 0 or self.ep < 1:
+            fail("experts" if self.experts < 0 else "ep", "must be >= 0 (experts), >= 1 (ep)")
+        if self.experts and self.model != "gpt":
+            fail("experts", "only applies to --model gpt")
+        if self.ep > 1 and (not self.experts or self.experts % self.ep):
+            fail("ep", f"({self.ep}) must divide --experts ({self.experts})")
+        if self.experts and (self.predict or self.fit_memory):
+            name = "predict" if self.predict else "fit_memory"
+            fail(name, "cannot plan --experts (a simulated router has no choices to route by)")
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -239,6 +255,8 @@ class TrainConfig:
             fail("sharding_factor", f"only applies to hybrid strategies, not {self.strategy}")
         if factor and (factor > world or world % factor):
             fail("sharding_factor", f"({factor}) must divide the number of ranks ({world})")
+        if world % self.ep:
+            fail("ep", f"({self.ep}) must divide the number of ranks ({world})")
 
     def lr_at(self, step: int) -> float:
         """Learning rate of optimizer step ``step`` (1-based)."""

@@ -28,7 +28,7 @@ from flatshard.cli.lm.lora import (
     merge_adapters,
     parse_lora,
 )
-from flatshard.cli.lm.optimizers import placement_for
+from flatshard.cli.lm.optimizers import placement_for, with_experts
 from flatshard.models import GPT, GPTBlock
 
 
@@ -70,14 +70,17 @@ def freeze(model: nn.Module, patterns: str) -> None:
 
 def _gpt(config: TrainConfig) -> LanguageModel:
     """flatshard's GPT with GPT-2's initialization (small weights, zero biases)."""
-    model = GPT(VOCAB, config.dim, config.heads, config.layers, config.seq_len)
+    model = GPT(
+        VOCAB, config.dim, config.heads, config.layers, config.seq_len, experts=config.experts
+    )
     for module in model.modules():
         if isinstance(module, nn.Linear | nn.Embedding):
             nn.init.normal_(module.weight, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
     model.checkpoint_blocks = config.checkpoint_activations
-    description = f"GPT ({config.layers} blocks, width {config.dim}, {config.heads} heads)"
+    mlp = f", MLPs of {config.experts} experts" if config.experts else ""
+    description = f"GPT ({config.layers} blocks, width {config.dim}, {config.heads} heads{mlp})"
     return LanguageModel(model, {GPTBlock}, description, _call_model)
 
 
@@ -167,6 +170,8 @@ def shard_language_model(lm: LanguageModel, config: TrainConfig, device: torch.d
     )
     if gather is not None and gather.itemsize == 1:
         options["placement"] = tables_exact(options["placement"], lm.module, low)
+    if config.ep > 1:
+        options["placement"] = with_experts(options["placement"], lm.module, config.ep)
     options["auto_wrap_policy"] = unit_policy(lm.unit_classes, config.units)
     if lm.weights is None:
         return shard_keeping_last(lm.module.to(device), config.keep_gathered, **options)

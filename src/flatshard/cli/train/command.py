@@ -400,6 +400,7 @@ def _print_start(trainer: Trainer, backend: str) -> None:
         f"{trainer.world} ranks ({backend}, {config.sharding_strategy.name}{units}"
         f"{kept_phrase(config.keep_gathered)}{', CPU offload' if config.cpu_offload else ''}"
         f"{', row-sparse embeddings' if config.sparse_embeddings else ''}"
+        f"{f', experts split over {config.ep} ranks' if config.ep > 1 else ''}"
         f"{_gather_phrase(config.gather_dtype)}"
         f"{_optimizer_phrase(config.optimizer)}), {config.steps} steps"
     )
