@@ -319,10 +319,7 @@ def _dp_tp(device: torch.device) -> str:
         for optim in optims:
             optim.step()
             optim.zero_grad()
-    full = flatshard.full_state_dict(model, rank0_only=False)
-    for name, value in plain.state_dict().items():
-        torch.testing.assert_close(full[name].to(device), value, rtol=RTOL, atol=1e-6)
-    return "parameters equal after 3 steps"
+    return _same_as(plain, model, device)
 
 
 def _experts(device: torch.device) -> str:
@@ -351,6 +348,11 @@ def _experts(device: torch.device) -> str:
         for optim in optims:
             optim.step()
             optim.zero_grad()
+    return _same_as(plain, model, device)
+
+
+def _same_as(plain: nn.Module, model: nn.Module, device: torch.device) -> str:
+    """The sharded model's full parameters against the plain model's."""
     full = flatshard.full_state_dict(model, rank0_only=False)
     for name, value in plain.state_dict().items():
         torch.testing.assert_close(full[name].to(device), value, rtol=RTOL, atol=1e-6)
