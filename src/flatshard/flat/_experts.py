@@ -299,7 +299,8 @@ def _call_args(args: tuple[Any, ...], name: str) -> tuple[Any, ...]:
         raise TypeError(
             f"flatshard.Experts: the experts module {name} must be called with (tokens "
             "sorted by expert, tokens per expert), positionally, as torchtitan's "
-            f"GroupedExperts is; got {len(args)} positional arguments"
+            f"GroupedExperts is; got {len(args)} positional arguments. If it holds no "
+            "experts, give Experts only to the expert weights, through a rule naming them."
         )
     return args
 
@@ -311,13 +312,14 @@ def _dispatch(
     experts got, grouped by local expert, and their counts per local expert."""
     degree, me = dist.get_world_size(ep), dist.get_rank(ep)
     local = experts // degree
-    problem = _splits_problem(tokens, counts, experts)
+    host = counts.detach().to("cpu", torch.int64)  # the splits are host numbers: one copy
+    problem = _splits_problem(tokens, host, experts)
     # On the tokens' device: NCCL sends device tensors only.
     sent = torch.zeros(degree, 2 + local, dtype=torch.int64, device=tokens.device)
     sent[:, 0] = _COUNTS if problem is None else _BAD_COUNTS
     sent[:, 1] = experts
     if problem is None:
-        sent[:, 2:] = counts.detach().to(tokens.device, torch.int64).view(degree, local)
+        sent[:, 2:] = host.view(degree, local)
     received_counts = torch.empty_like(sent)
     exchange_rows(received_counts, sent, [1] * degree, [1] * degree, ep, Tag("forward", label))
     TokenBytes.received += received_counts.numel() * received_counts.element_size()
@@ -345,7 +347,7 @@ def _dispatch(
             "of experts and counts that add up to its tokens."
         )
     matrix = got[:, 2:]  # (source, local expert): rows this rank receives
-    in_splits = counts.detach().to("cpu", torch.int64).view(degree, local).sum(1).tolist()
+    in_splits = host.view(degree, local).sum(1).tolist()
     out_splits = matrix.sum(1).tolist()
     received = _exchange(tokens, out_splits, in_splits, ep, label)
     order = _by_local_expert(matrix).to(tokens.device)
@@ -369,7 +371,7 @@ def _splits_problem(tokens: torch.Tensor, counts: torch.Tensor, experts: int) ->
             f"the counts have shape {tuple(counts.shape)}, expected ({experts},): the tokens "
             "per expert of the whole model, every expert"
         )
-    total = int(counts.detach().sum())
+    total = int(counts.sum())
     if total != tokens.shape[0]:
         return f"the counts add up to {total} tokens, but {tokens.shape[0]} rows were passed"
     return None

@@ -256,10 +256,12 @@ def spanning_group(dp: dist.ProcessGroup, tps: list[SplitParam]) -> dist.Process
 
     The data-parallel group alone would leave each TP shard's writers unaware of the others
     (one directory, several DCP coordinators). Found among the groups that exist: the TP
-    group (at dp 1) or the world (dp x tp spans it).
+    group (at dp 1) or the world (dp x tp spans it). Parts held inside the model's own
+    group (experts) need nothing more than that group.
     """
-    if not tps or dist.get_world_size(dp) == dist.get_world_size():
-        return dp  # experts: the model's group spans the world
+    tps = [t for t in tps if not t.varies_in_model_group]
+    if not tps:
+        return dp
     tp = tps[0].group
     if any(
         set(dist.get_process_group_ranks(t.group)) != set(dist.get_process_group_ranks(tp))
