@@ -16,6 +16,7 @@ from flatshard.comm import ShardGroups
 from flatshard.comm._collectives import split_division, sum_reduce
 from flatshard.comm._ranks import global_rank
 from flatshard.flat import CommHook
+from flatshard.runtime._switches import change_units
 from flatshard.runtime._unit import units_of
 
 __all__ = ["CommHook", "LowPrecisionHook", "register_comm_hook", "split_division"]
@@ -42,7 +43,7 @@ def register_comm_hook(model: nn.Module, hook: CommHook | None) -> None:
             "without tables (for block in model.blocks: register_comm_hook(block, hook)), "
             "or give the tables the placement flatshard.Rows()."
         )
-    custom = [u.label for u in units for f in u.trainable if f.transport.reduce_scatter]
+    custom = [u.label for u in units if u.trainable and u.config.custom_reduce_scatter]
     if hook is not None and custom:
         raise ValueError(
             f"flatshard.comm_hooks.register_comm_hook: unit '{custom[0]}' reduce-scatters "
@@ -50,9 +51,7 @@ def register_comm_hook(model: nn.Module, hook: CommHook | None) -> None:
             f"the whole reduction (rank {global_rank()}); reduce-scatter in the hook, or "
             "set_custom_reduce_scatter(unit, None) first."
         )
-    for unit in units:
-        for flat in unit.trainable:
-            flat.reduction.comm_hook = hook
+    change_units(model, units, "register_comm_hook", hook, comm_hook=hook)
 
 
 @dataclass(frozen=True)

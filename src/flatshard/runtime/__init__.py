@@ -13,7 +13,7 @@ Layer 3: imports ``flatshard.flat`` and below.
 from flatshard.runtime._clip import clip_grad_norm_
 from flatshard.runtime._custom_comms import set_custom_all_gather, set_custom_reduce_scatter
 from flatshard.runtime._grad_scaler import ShardedGradScaler
-from flatshard.runtime._hooks import register_entry_point, set_prefetch
+from flatshard.runtime._hooks import register_entry_point
 from flatshard.runtime._matrix_optimizers import register_matrix_optimizer
 from flatshard.runtime._no_sync import no_sync
 from flatshard.runtime._prefetch import BackwardPrefetch, Prefetch
@@ -28,6 +28,7 @@ from flatshard.runtime._summary import (
 from flatshard.runtime._summon import summon_full_params
 from flatshard.runtime._switches import (
     set_gradient_divide_factor,
+    set_prefetch,
     set_requires_all_reduce,
     set_requires_gradient_sync,
     set_reshard_after_backward,

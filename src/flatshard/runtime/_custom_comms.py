@@ -12,13 +12,11 @@ and the division by W is done apart, as always (the reduce-scatter gets ``SUM``)
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from torch import nn
 
 from flatshard.comm._collectives import AllGatherComm, ReduceScatterComm
 from flatshard.comm._ranks import global_rank
-from flatshard.flat._flat_param import FlatParamGroup
+from flatshard.runtime._switches import change_units
 from flatshard.runtime._unit import Unit, unit_or_error
 
 
@@ -28,8 +26,8 @@ def set_custom_all_gather(module: nn.Module, comm: AllGatherComm | None) -> None
     None once done) instead of torch's; None: torch's again. One unit (not the units inside
     it), as FSDP2's ``module.set_custom_all_gather(comm)``; every rank alike."""
     unit = _unit(module, "set_custom_all_gather", comm)
-    for flat in _gathered_groups(unit, "set_custom_all_gather"):
-        flat.transport = replace(flat.transport, all_gather=comm)
+    _check_gathered_groups(unit, "set_custom_all_gather")
+    change_units(module, [unit], "set_custom_all_gather", comm, custom_all_gather=comm)
 
 
 def set_custom_reduce_scatter(module: nn.Module, comm: ReduceScatterComm | None) -> None:
@@ -39,17 +37,15 @@ def set_custom_reduce_scatter(module: nn.Module, comm: ReduceScatterComm | None)
     communication hook, which does the whole reduction. FSDP2's
     ``module.set_custom_reduce_scatter(comm)``."""
     unit = _unit(module, "set_custom_reduce_scatter", comm)
-    groups = _gathered_groups(unit, "set_custom_reduce_scatter")
-    hooked = [f for f in groups if f.reduction.comm_hook is not None]
-    if comm is not None and hooked:
+    _check_gathered_groups(unit, "set_custom_reduce_scatter")
+    if comm is not None and unit.trainable and unit.config.comm_hook is not None:
         raise ValueError(
             f"flatshard.set_custom_reduce_scatter: unit '{unit.label}' reduces through a "
             f"communication hook, which does the whole reduction (rank {global_rank()}); "
             "reduce-scatter in the hook, or register no hook first "
             "(flatshard.comm_hooks.register_comm_hook(model, None))."
         )
-    for flat in groups:
-        flat.transport = replace(flat.transport, reduce_scatter=comm)
+    change_units(module, [unit], "set_custom_reduce_scatter", comm, custom_reduce_scatter=comm)
 
 
 def _unit(module: nn.Module, caller: str, comm: object) -> Unit:
@@ -63,9 +59,8 @@ def _unit(module: nn.Module, caller: str, comm: object) -> Unit:
     return unit
 
 
-def _gathered_groups(unit: Unit, caller: str) -> list[FlatParamGroup]:
-    """The unit's groups that gather and reduce whole buffers; an error for a row-sparse
-    table's, whose rows travel by all-to-all."""
+def _check_gathered_groups(unit: Unit, caller: str) -> None:
+    """An error for a unit holding a row-sparse table, whose rows travel by all-to-all."""
     tables = [f.originals[0].fqn for f in unit.flat_params if f.placement.serves_lookups]
     if tables:
         raise ValueError(
@@ -74,4 +69,3 @@ def _gathered_groups(unit: Unit, caller: str) -> list[FlatParamGroup]:
             f"reduce-scatter (rank {global_rank()}); give it placement flatshard.Rows(), or "
             "put the table in a unit of its own and set the collective on the other units."
         )
-    return unit.flat_params

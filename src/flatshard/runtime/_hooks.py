@@ -145,24 +145,6 @@ def register_entry_point(module: nn.Module, method_name: str) -> None:
     module.__dict__[method_name] = entry_point
 
 
-def set_prefetch(
-    module: nn.Module,
-    *,
-    forward: list[nn.Module] | None = None,
-    backward: list[nn.Module] | None = None,
-) -> None:
-    """Name the units to gather when ``module``'s unit starts forward / backward.
-
-    Overrides the prediction from recorded order (``[]`` turns prefetch off for the unit;
-    None keeps the prediction). All modules must be units of the same model.
-    """
-    owner = unit_or_error(module, "set_prefetch")
-    if forward is not None:
-        owner.prefetch_targets.forward = [unit_or_error(m, "set_prefetch") for m in forward]
-    if backward is not None:
-        owner.prefetch_targets.backward = [unit_or_error(m, "set_prefetch") for m in backward]
-
-
 def _guard_direct_forward(unit: Unit) -> None:
     """Make ``unit_module.forward(...)`` an error while the unit is sharded.
 

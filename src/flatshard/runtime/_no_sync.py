@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 from torch import nn
 
-from flatshard.runtime._step import contexts_under
+from flatshard.runtime._step import collective_call, contexts_under
 
 
 @contextmanager
@@ -21,10 +22,11 @@ def no_sync(model: nn.Module) -> Iterator[None]:
     """
     contexts = contexts_under(model, "no_sync")
     previous = [context.sync_gradients for context in contexts]
-    for context in contexts:
-        context.sync_gradients = False
+    with collective_call(model, "no_sync"):
+        for context in contexts:
+            context.switches = replace(context.switches, requires_gradient_sync=False)
     try:
         yield
     finally:
         for context, value in zip(contexts, previous, strict=True):
-            context.sync_gradients = value
+            context.switches = replace(context.switches, requires_gradient_sync=value)

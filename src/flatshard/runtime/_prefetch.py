@@ -62,7 +62,9 @@ class Prefetchable(Gathering, Protocol):
     """What prefetch needs of a unit (``Unit``)."""
 
     prefetch_targets: PrefetchTargets  # explicit targets (set_prefetch), else predicted
-    unshard_in_backward: bool  # False: never gathered in backward, prefetch neither
+
+    @property
+    def unshard_in_backward(self) -> bool: ...  # False: never gathered in backward, nor prefetched
 
     @property
     def label(self) -> str: ...

@@ -31,6 +31,7 @@ from flatshard.flat._mixed_precision import MixedPrecision
 from flatshard.flat._original_param import OriginalParam
 from flatshard.flat._reduction import GradientReduction
 from flatshard.runtime._changes import ChangeWatch, check_parameters
+from flatshard.runtime._configuration import Switches, model_lines
 from flatshard.runtime._prefetch import ExecutionOrder
 from flatshard.runtime._profiling import traced
 from flatshard.runtime._rate_limiter import RateLimiter
@@ -58,16 +59,8 @@ class StepContext:
         self.order = ExecutionOrder()
         self.ledger = StepLedger()  # collectives issued since the ranks last compared them
         self.changes = ChangeWatch()  # parameters registered since the last check
-        self.sync_gradients = True  # False inside no_sync: keep unsharded gradients
-        # False (set_reshard_after_backward): units stay gathered after backward for the
-        # next micro-batch's forward; a shard written since is gathered again.
-        self.reshard_after_backward = True
-        # set_reshard_after_forward: True/False for every unit, whatever its strategy;
-        # None: as the strategy says (FULL_SHARD reshards, SHARD_GRAD_OP keeps).
-        self.reshard_after_forward: bool | None = None
-        # False (set_requires_all_reduce), hybrid: reduce-scatter inside the shard group
-        # only; the replicas' all-reduce comes, over the sum, once it is True again.
-        self.all_reduce_replicas = True
+        # The step's switches, agreed on every rank ([Note: the agreed configuration])
+        self.switches = Switches()
         # An optimizer holding the model's parameters has stepped: its steps mark the
         # shards written; before that, each synchronized backward does (a hand-written
         # update through p.data may follow). See [Note: stale gathers].
@@ -81,6 +74,28 @@ class StepContext:
         # most one unsharded gradient waits on communication (see ``reduce``).
         self.in_flight: GradientReduction | None = None
         atexit.register(_release_at_exit, weakref.ref(self))
+
+    @property
+    def sync_gradients(self) -> bool:
+        """False inside no_sync: keep unsharded gradients."""
+        return self.switches.requires_gradient_sync
+
+    @property
+    def reshard_after_backward(self) -> bool:
+        return self.switches.reshard_after_backward
+
+    @property
+    def reshard_after_forward(self) -> bool | None:
+        value = self.switches.reshard_after_forward
+        return None if value is None else bool(value)
+
+    @property
+    def all_reduce_replicas(self) -> bool:
+        return self.switches.requires_all_reduce
+
+    def configuration(self) -> list[str]:
+        """The model's agreed configuration as lines ([Note: the agreed configuration])."""
+        return model_lines(self.switches, ((u.label, u.config) for u in self.units))
 
     def release_process_groups(self) -> None:
         """Drop every reference this root holds to a process group (interpreter exit).
@@ -350,6 +365,9 @@ _IN_THE_STEP = frozenset(
         "set_reshard_after_backward",
         "set_reshard_after_forward",
         "set_requires_all_reduce",
+        "no_sync",
+        "unshard",
+        "reshard",
     }
 )
 F = TypeVar("F", bound=Callable[..., Any])

@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import Any
 
 import torch.distributed as dist
 from torch import nn
 
 from flatshard.comm._mesh import post_forward_groups, reduction_groups
 from flatshard.comm._ranks import global_rank
+from flatshard.runtime._configuration import describe
+from flatshard.runtime._prefetch import Prefetchable
 from flatshard.runtime._step import StepContext, collective_call, contexts_under
-from flatshard.runtime._unit import unit_or_error, units_of
+from flatshard.runtime._unit import Unit, unit_or_error, units_of
 
 
 def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
@@ -30,8 +33,7 @@ def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -
     ``flatshard.no_sync(model)``, until it is set True again; the first backward after
     that reduces the sum once. FSDP2's ``model.set_requires_gradient_sync(False)``."""
     value = bool(requires_gradient_sync)
-    for context in _agreed(model, "set_requires_gradient_sync", value):
-        context.sync_gradients = value
+    change_switches(model, "set_requires_gradient_sync", value, requires_gradient_sync=value)
 
 
 def set_reshard_after_backward(model: nn.Module, reshard_after_backward: bool) -> None:
@@ -42,8 +44,7 @@ def set_reshard_after_backward(model: nn.Module, reshard_after_backward: bool) -
     written by hand), after each synchronized backward. It holds the unsharded model between
     steps. FSDP2's ``model.set_reshard_after_backward(False)``."""
     value = bool(reshard_after_backward)
-    for context in _agreed(model, "set_reshard_after_backward", value):
-        context.reshard_after_backward = value
+    change_switches(model, "set_reshard_after_backward", value, reshard_after_backward=value)
 
 
 def set_reshard_after_forward(model: nn.Module, reshard_after_forward: bool | int) -> None:
@@ -63,7 +64,9 @@ def set_reshard_after_forward(model: nn.Module, reshard_after_forward: bool | in
             "flatshard.set_reshard_after_forward: pass True, False or a number of ranks "
             f">= 2 to reshard to, got {value!r} (rank {global_rank()})"
         )
-    contexts = _agreed(model, "set_reshard_after_forward", value)
+    contexts = change_switches(
+        model, "set_reshard_after_forward", value, reshard_after_forward=value
+    )
     flats = [f for c in contexts for u in c.units for f in u.flat_params]
     groups: dict[int, dist.ProcessGroup] = {}
     if not isinstance(value, bool):
@@ -77,8 +80,6 @@ def set_reshard_after_forward(model: nn.Module, reshard_after_forward: bool | in
             )
         made = post_forward_groups(shards, value, model_group)
         groups = {id(s): g for s, g in zip(shards, made, strict=True)}
-    for context in contexts:
-        context.reshard_after_forward = bool(value)
     for flat in flats:
         shard = flat.groups.shard
         keeps_part = shard is not None and not flat.placement.serves_lookups
@@ -94,8 +95,7 @@ def set_requires_all_reduce(model: nn.Module, requires_all_reduce: bool) -> None
     while gradient sync is off for every backward since the last step). Nothing
     changes for non-hybrid units. FSDP2's ``model.set_requires_all_reduce(False)``."""
     value = bool(requires_all_reduce)
-    for context in _agreed(model, "set_requires_all_reduce", value):
-        context.all_reduce_replicas = value
+    change_switches(model, "set_requires_all_reduce", value, requires_all_reduce=value)
 
 
 def set_gradient_divide_factor(model: nn.Module, factor: float | None) -> None:
@@ -116,16 +116,17 @@ def set_gradient_divide_factor(model: nn.Module, factor: float | None) -> None:
             f"flatshard.set_gradient_divide_factor: factor must be a positive number or "
             f"None (divide by the world size), got {factor!r} (rank {global_rank()})"
         )
-    for unit in units_of(model, "set_gradient_divide_factor"):
-        for flat in unit.trainable:
-            if factor is not None and flat.reduction.comm_hook is not None:
-                raise ValueError(
-                    f"flatshard.set_gradient_divide_factor: unit '{unit.label}' reduces "
-                    f"through a communication hook, which does the whole reduction, its "
-                    f"division too (rank {global_rank()}); divide in the hook, or register "
-                    "no hook (flatshard.comm_hooks.register_comm_hook(model, None))."
-                )
-            flat.reduction.divide_factor = None if factor is None else float(factor)
+    units = units_of(model, "set_gradient_divide_factor")
+    for unit in units:
+        if factor is not None and unit.trainable and unit.config.comm_hook is not None:
+            raise ValueError(
+                f"flatshard.set_gradient_divide_factor: unit '{unit.label}' reduces "
+                f"through a communication hook, which does the whole reduction, its "
+                f"division too (rank {global_rank()}); divide in the hook, or register "
+                "no hook (flatshard.comm_hooks.register_comm_hook(model, None))."
+            )
+    value = None if factor is None else float(factor)
+    change_units(model, units, "set_gradient_divide_factor", value, gradient_divide_factor=value)
 
 
 def set_unshard_in_backward(module: nn.Module, unshard_in_backward: bool) -> None:
@@ -141,8 +142,13 @@ def set_unshard_in_backward(module: nn.Module, unshard_in_backward: bool) -> Non
         )
     unit = unit_or_error(module, "set_unshard_in_backward")
     unit.require_idle("set_unshard_in_backward", "call it between steps.")
-    with collective_call(module, f"set_unshard_in_backward({unshard_in_backward})"):
-        unit.unshard_in_backward = unshard_in_backward
+    change_units(
+        module,
+        [unit],
+        "set_unshard_in_backward",
+        unshard_in_backward,
+        unshard_in_backward=unshard_in_backward,
+    )
 
 
 def set_separate_reduce_scatter_group(model: nn.Module, enable: bool = True) -> None:
@@ -155,7 +161,9 @@ def set_separate_reduce_scatter_group(model: nn.Module, enable: bool = True) -> 
         raise TypeError(
             f"flatshard.set_separate_reduce_scatter_group: pass True or False, got {enable!r}"
         )
-    contexts = _agreed(model, "set_separate_reduce_scatter_group", enable)
+    contexts = change_switches(
+        model, "set_separate_reduce_scatter_group", enable, separate_reduce_scatter_group=enable
+    )
     flats = [f for c in contexts for u in c.units for f in u.flat_params]
     twins: dict[int, dist.ProcessGroup] = {}
     if enable:
@@ -169,8 +177,40 @@ def set_separate_reduce_scatter_group(model: nn.Module, enable: bool = True) -> 
         flat.transport = replace(flat.transport, reduce_group=twin)
 
 
-def _agreed(model: nn.Module, caller: str, value: bool | int) -> list[StepContext]:
-    """The model's step contexts, once every rank made the same call with ``value``."""
+def set_prefetch(
+    module: nn.Module,
+    *,
+    forward: list[nn.Module] | None = None,
+    backward: list[nn.Module] | None = None,
+) -> None:
+    """Name the units to gather when ``module``'s unit starts forward / backward.
+
+    Overrides the prediction from recorded order (``[]`` turns prefetch off for the unit;
+    None keeps the prediction). All modules must be units of the same model; every rank
+    alike (the order of the all-gathers changes).
+    """
+    owner = unit_or_error(module, "set_prefetch")
+    targets: dict[str, list[Prefetchable] | None] = {
+        name: None if modules is None else [unit_or_error(m, "set_prefetch") for m in modules]
+        for name, modules in (("forward", forward), ("backward", backward))
+    }
+    labels = {
+        f"prefetch_{name}": tuple(u.label for u in units)
+        for name, units in targets.items()
+        if units is not None
+    }
+    change_units(module, [owner], "set_prefetch", labels, **labels)
+    if targets["forward"] is not None:
+        owner.prefetch_targets.forward = targets["forward"]
+    if targets["backward"] is not None:
+        owner.prefetch_targets.backward = targets["backward"]
+
+
+def change_switches(
+    model: nn.Module, caller: str, value: object, **changes: Any
+) -> list[StepContext]:
+    """Set the model's ``Switches`` fields ``changes``, once every rank made the same call
+    with ``value`` ([Note: the agreed configuration]); the model's step contexts."""
     contexts = contexts_under(model, caller)
     outer = [c for c in contexts if c.root is not model]
     if outer:
@@ -179,5 +219,17 @@ def _agreed(model: nn.Module, caller: str, value: bool | int) -> list[StepContex
             f"fully_shard was last called on ({type(outer[0].root).__name__}); the switch "
             "applies to a whole model's step: call it on that model."
         )
-    with collective_call(model, f"{caller}({value})"):
-        return contexts
+    with collective_call(model, f"{caller}({describe(value)})"):
+        for context in contexts:
+            context.switches = replace(context.switches, **changes)
+    return contexts
+
+
+def change_units(
+    model: nn.Module, units: list[Unit], caller: str, value: object, **changes: Any
+) -> None:
+    """Set the ``UnitConfig`` fields ``changes`` of ``units`` (inside ``model``), once every
+    rank made the same call with ``value`` ([Note: the agreed configuration])."""
+    with collective_call(model, f"{caller}({describe(value)})"):
+        for unit in units:
+            unit.configure(**changes)

@@ -54,7 +54,7 @@ that forward does read the parameters.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from enum import Enum, auto
 from typing import Any, Protocol
 
@@ -64,12 +64,12 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from flatshard.comm._checks import Tag
 from flatshard.comm._ledger import StepLedger
-from flatshard.comm._mesh import ShardingStrategy
 from flatshard.comm._ranks import global_rank, join_name
 from flatshard.flat._awaiting_load import check_loaded
 from flatshard.flat._flat_param import FlatParamGroup
 from flatshard.flat._mixed_precision import MixedPrecision
 from flatshard.runtime._changes import check_in_shards, check_requires_grad
+from flatshard.runtime._configuration import UnitConfig
 from flatshard.runtime._inputs import cast_floats, tensors_in, watch_input_grads
 from flatshard.runtime._prefetch import (
     BackwardPrefetch,
@@ -106,15 +106,6 @@ class Hold(Enum):
     SUMMONED = auto()  # inside summon_full_params: the originals are full-size themselves
 
 
-@dataclass(frozen=True)
-class UnitConfig:
-    """How a unit runs: the options of the ``fully_shard`` call that made it."""
-
-    strategy: ShardingStrategy
-    mixed_precision: MixedPrecision | None
-    prefetch: Prefetch
-
-
 class UnitStep(Protocol):
     """What a unit needs of the step its root runs (``StepContext``).
 
@@ -123,11 +114,15 @@ class UnitStep(Protocol):
     """
 
     root: nn.Module
-    reshard_after_backward: bool  # False: stay gathered for the next micro-batch
-    reshard_after_forward: bool | None  # None: as the unit's strategy says
     order: ExecutionOrder  # units in forward order, this iteration and the last
     rate_limiter: RateLimiter
     ledger: StepLedger  # collectives issued since the ranks last compared them
+
+    @property
+    def reshard_after_backward(self) -> bool: ...  # False: stay gathered for the next micro-batch
+
+    @property
+    def reshard_after_forward(self) -> bool | None: ...  # None: as the unit's strategy says
 
     def tag(self, unit: str = "", phase: str | None = None) -> Tag: ...
 
@@ -165,10 +160,7 @@ class Unit:
         self.inner_modules = [(n, m) for n, m in self.owned_modules if id(m) in owned]
         for flat in flat_params:
             flat.on_collective = self._record
-        self.prefetch_targets = PrefetchTargets()  # set_prefetch
-        # False: backward does not gather the unit (set_unshard_in_backward; [Note: a unit
-        # backward does not read])
-        self.unshard_in_backward = True
+        self.prefetch_targets = PrefetchTargets()  # set_prefetch's units (its labels: config)
         self.context: UnitStep  # set when a StepContext adds the unit (see UnitStep)
         self.hold = Hold.NONE  # flatshard.unshard, summon_full_params
         self.held_calls = 0  # modules of a held unit running outside its forward
@@ -206,6 +198,26 @@ class Unit:
         for flat in self.flat_params:
             for orig in flat.originals:
                 orig.fqn = join_name(prefix, orig.fqn)
+
+    def configure(self, **changes: Any) -> None:
+        """Change the unit's agreed configuration (only through ``change_units``, after
+        every rank agreed: [Note: the agreed configuration]) and what derives from it."""
+        self.config = config = replace(self.config, **changes)
+        for flat in self.trainable:
+            flat.reduction.divide_factor = config.gradient_divide_factor
+            flat.reduction.comm_hook = config.comm_hook
+        for flat in self.flat_params:
+            flat.transport = replace(
+                flat.transport,
+                all_gather=config.custom_all_gather,
+                reduce_scatter=config.custom_reduce_scatter,
+            )
+
+    @property
+    def unshard_in_backward(self) -> bool:
+        """False: backward does not gather the unit (set_unshard_in_backward; [Note: a unit
+        backward does not read])."""
+        return self.config.unshard_in_backward
 
     def inherit(self, policy: MixedPrecision) -> None:
         """Adopt the mixed-precision policy of the call that shards the enclosing model."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from flatshard.runtime._step import collective_call
 from flatshard.runtime._unit import Hold, Unit, unit_or_error
 
 
@@ -32,11 +33,12 @@ def unshard(module: nn.Module, *, async_op: bool = False) -> UnshardHandle | Non
     ``async_op`` the all-gather is started and a handle returned; the unit's forward (or
     ``handle.wait()``) waits for it."""
     unit = unit_or_error(module, "unshard")
-    if async_op:
-        unit.hold = Hold.USER
-        unit.start_unshard()
-        return UnshardHandle(unit)
-    unit.hold_gathered()
+    with collective_call(module, "unshard"):
+        if async_op:
+            unit.hold = Hold.USER
+            unit.start_unshard()
+            return UnshardHandle(unit)
+        unit.hold_gathered()
     return None
 
 
@@ -45,5 +47,6 @@ def reshard(module: nn.Module) -> None:
     back), whether ``unshard`` or a forward left it gathered. Between steps only."""
     unit = unit_or_error(module, "reshard")
     unit.require_idle("reshard", "call it between steps, not inside forward or backward.")
-    if unit.release():
-        unit.context.rate_limiter.resharded()
+    with collective_call(module, "reshard"):  # the next use gathers: on every rank alike
+        if unit.release():
+            unit.context.rate_limiter.resharded()

@@ -22,11 +22,11 @@ _WRAP = 1 << 64
 
 
 def structure_lines(
-    units: list[UnitMembers], strategy: str, placements: Mapping[str, ShardPlacement]
+    units: list[UnitMembers], options: list[str], placements: Mapping[str, ShardPlacement]
 ) -> list[str]:
-    """One line per unit, parameter (with its placement) and buffer: what every rank must
-    agree on."""
-    lines = [strategy]
+    """The ``fully_shard`` call's ``options``, then one line per unit, parameter (with its
+    placement) and buffer: what every rank must agree on."""
+    lines = list(options)
     for members in units:
         lines.append(f"unit '{members.fqn or '<root>'}'")
         for orig in members.originals:

@@ -26,12 +26,13 @@ from flatshard.flat._placement import ROWS, PlacementRule, ShardPlacement, place
 from flatshard.flat._policy import AutoWrapPolicy, is_within, select_unit_roots
 from flatshard.flat._row_sparse import RowSparse
 from flatshard.flat._tensor_parallel import global_shapes, localize
+from flatshard.runtime._configuration import UnitConfig, config_lines, describe
 from flatshard.runtime._hooks import install, install_output_cast
 from flatshard.runtime._prefetch import Prefetch
 from flatshard.runtime._rate_limiter import DEFAULT_LIMIT, RateLimiter
 from flatshard.runtime._step import CONTEXT_ATTR, StepContext, context_of
 from flatshard.runtime._torch_utilities import watch_torch_utilities
-from flatshard.runtime._unit import Unit, UnitConfig, owner_of, unit_of
+from flatshard.runtime._unit import Unit, owner_of, unit_of
 from flatshard.sharding._consistency import structure_lines, value_lines
 from flatshard.sharding._init import (
     InitOptions,
@@ -134,11 +135,12 @@ def fully_shard(
         localize(module, group, rank)  # DTensor (TP) parameters: their local tensors
         units = partition(module, unit_names, managed, rank)
         placements = _placements(units, placement, strategy, rank)
+        config = UnitConfig(strategy, mixed_precision, prefetch)
         if init.check_consistency:
             check_same_on_all_ranks(
                 structure_lines(
                     units,
-                    _strategy_line(strategy, group, sharding_factor, mixed_precision),
+                    _option_lines(config, group, sharding_factor, cpu_offload, init, units),
                     placements,
                 ),
                 group,
@@ -153,7 +155,7 @@ def fully_shard(
         build = _UnitBuild(
             groups=groups,
             process_group=group,
-            config=UnitConfig(strategy, mixed_precision, prefetch),
+            config=config,
             device=target,
             offload=cpu_offload is not None and cpu_offload.params,
             placements=placements,
@@ -390,27 +392,28 @@ def _check_backend_reaches(
         )
 
 
-def _strategy_line(
-    strategy: ShardingStrategy,
+def _option_lines(
+    config: UnitConfig,
     group: dist.ProcessGroup,
     sharding_factor: int | None,
-    policy: MixedPrecision | None,
-) -> str:
-    """The options every rank must pass alike. Dtypes matter beyond the numbers: ranks
-    gathering in different dtypes send payloads of different sizes, which the backend
-    aborts on rather than naming."""
-    line = f"strategy {strategy.name} over {dist.get_world_size(group)} ranks"
-    if sharding_factor is not None:
-        line += f", sharding_factor {sharding_factor}"
-    if policy is not None:
-        kept = sorted(c.__qualname__ for c in policy.keep_full_precision)  # a set: by name
-        line += (
-            f", mixed_precision(param_dtype={policy.param_dtype}, "
-            f"reduce_dtype={policy.reduce_dtype}, buffer_dtype={policy.buffer_dtype}, "
-            f"gather_dtype={policy.gather_dtype}, output_dtype={policy.output_dtype}, "
-            f"cast_forward_inputs={policy.cast_forward_inputs}, keep_full_precision={kept})"
+    offload: CPUOffload | None,
+    init: InitOptions,
+    units: list[UnitMembers],
+) -> list[str]:
+    """The options every rank must pass alike: the units' agreed configuration
+    ([Note: the agreed configuration]) and what else decides collectives or values. Dtypes
+    matter beyond the numbers: ranks gathering in different dtypes send payloads of
+    different sizes, which the backend aborts on rather than naming."""
+    lines = [f"world of {dist.get_world_size(group)} ranks, sharding_factor={sharding_factor}"]
+    lines += [f"cpu_offload={describe(offload)}", *config_lines(config)]
+    on_meta = any(o.param.is_meta for m in units for o in m.originals)
+    if on_meta and not init.sync_module_states:  # every rank initializes the whole weights
+        seed = torch.initial_seed() if init.seed is None else init.seed
+        lines.append(
+            f"meta parameters initialized from seed {seed} (InitOptions(seed=...), else "
+            "torch.initial_seed(): seed every rank alike before building the model)"
         )
-    return line
+    return lines
 
 
 def _placements(

@@ -1,0 +1,125 @@
+"""The agreed configuration: everything that decides which collectives a model's ranks issue.
+
+[Note: the agreed configuration]
+Ranks that differ in any option deciding their collectives (which, in what order, of what
+size) hang in a collective, abort inside gloo on a size mismatch, or train silently wrong.
+So those options are two frozen values, compared across ranks as lines of text:
+- ``UnitConfig``, per unit: the options of the ``fully_shard`` call that made it (strategy,
+  mixed precision, prefetch) and the per-unit calls after it (divide factor,
+  communication hook, custom collectives, ``set_unshard_in_backward``, ``set_prefetch``);
+- ``Switches``, per model (``StepContext``): the step's switches (FSDP2's ``set_*``).
+Their lines are made from the dataclass fields (``config_lines``), so an option added as a
+field is compared without anyone remembering to: ``fully_shard``'s startup check compares
+the new units' ``UnitConfig`` (with the world size and the meta-init seed), and the values
+change only through ``change_units`` / ``change_switches``, which agree the call and its
+value on every rank through the c10d store (``collective_call``) before anything changes:
+a rank that differs gets ``CollectiveMismatchError`` on every rank, a rank that calls alone
+waits there and is reported, and nothing reaches the backend. Derived state (a reduction's
+divide factor and hook, a group's custom collectives) is written from the value by
+``Unit.configure`` alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from flatshard.comm._mesh import ShardingStrategy
+from flatshard.flat._mixed_precision import MixedPrecision
+from flatshard.runtime._prefetch import Prefetch
+
+
+@dataclass(frozen=True)
+class UnitConfig:
+    """How a unit runs: the options of the ``fully_shard`` call that made it, and the
+    per-unit calls since. Every rank holds the same value (see the module's note)."""
+
+    strategy: ShardingStrategy
+    mixed_precision: MixedPrecision | None
+    prefetch: Prefetch
+    # set_gradient_divide_factor: None divides by the world size (the average)
+    gradient_divide_factor: float | None = None
+    # flatshard.comm_hooks.register_comm_hook: None is the built-in reduction
+    comm_hook: Callable[..., Any] | None = None
+    # set_custom_all_gather / set_custom_reduce_scatter: None is torch's
+    custom_all_gather: Callable[..., Any] | None = None
+    custom_reduce_scatter: Callable[..., Any] | None = None
+    # set_unshard_in_backward ([Note: a unit backward does not read])
+    unshard_in_backward: bool = True
+    # set_prefetch: the units named (their labels), None keeps the predicted order
+    prefetch_forward: tuple[str, ...] | None = None
+    prefetch_backward: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Switches:
+    """A model's step switches, FSDP2's ``set_*`` methods (``_switches.py``); ``no_sync``
+    sets ``requires_gradient_sync`` for its body."""
+
+    requires_gradient_sync: bool = True
+    # False: units stay gathered after backward for the next micro-batch's forward
+    reshard_after_backward: bool = True
+    # True/False for every unit whatever its strategy; an int N: to groups of N ranks;
+    # None: as the strategy says (FULL_SHARD reshards, SHARD_GRAD_OP keeps)
+    reshard_after_forward: bool | int | None = None
+    # False, hybrid: reduce-scatter inside the shard group only, all-reduce the sum later
+    requires_all_reduce: bool = True
+    separate_reduce_scatter_group: bool = False
+
+
+def config_lines(value: object, indent: str = "") -> list[str]:
+    """One line per field of the dataclass ``value``: what ranks compare."""
+    assert dataclasses.is_dataclass(value)
+    return [f"{indent}{f.name}={describe(getattr(value, f.name))}" for f in fields(value)]
+
+
+def describe(value: object) -> str:
+    """``value`` as text that is equal on two ranks exactly when the values act alike:
+    objects by class and fields (never by address), sets sorted."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return repr(value)
+    if isinstance(value, enum.Enum):
+        return value.name
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    if isinstance(value, type):
+        return f"{value.__module__}.{value.__qualname__}"
+    if isinstance(value, tuple | list):
+        return "(" + ", ".join(describe(v) for v in value) + ")"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {describe(v)}" for k, v in sorted(value.items())) + "}"
+    if isinstance(value, set | frozenset):
+        return "{" + ", ".join(sorted(describe(v) for v in value)) + "}"
+    if dataclasses.is_dataclass(value):
+        inner = ", ".join(f"{f.name}={describe(getattr(value, f.name))}" for f in fields(value))
+        return f"{type(value).__qualname__}({inner})"
+    if callable(value) and hasattr(value, "__qualname__"):  # a function
+        return f"{getattr(value, '__module__', '?')}.{value.__qualname__}"
+    kind = type(value)
+    state = getattr(value, "__dict__", None)
+    if isinstance(state, dict):  # an object: its class and its plain fields
+        plain = {k: v for k, v in sorted(state.items()) if _is_plain(v)}
+        inner = ", ".join(f"{k}={describe(v)}" for k, v in plain.items())
+        return f"{kind.__module__}.{kind.__qualname__}({inner})"
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _is_plain(value: object) -> bool:
+    return value is None or isinstance(value, bool | int | float | str | torch.dtype | enum.Enum)
+
+
+def unit_lines(label: str, config: UnitConfig) -> list[str]:
+    return [f"unit '{label}':", *config_lines(config, indent="  ")]
+
+
+def model_lines(switches: Switches, units: Iterator[tuple[str, UnitConfig]]) -> list[str]:
+    """A whole model's configuration: its switches and every unit's options."""
+    lines = ["switches:", *config_lines(switches, indent="  ")]
+    for label, config in units:
+        lines += unit_lines(label, config)
+    return lines
