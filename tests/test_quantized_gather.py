@@ -393,3 +393,20 @@ def test_named_errors(local_group: Any) -> None:
         for o in f.originals
     }
     assert codecs["0.bias"] is None and codecs["0.weight"] is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_weight_is_not_hidden_by_its_scale(dtype: torch.dtype, bad: float) -> None:
+    """Before: a NaN row's scale became 1 and the decoded row was finite (training went on
+    with a hidden NaN in the master weight)."""
+    from flatshard.flat._gather_codec import quantize_rows
+
+    rows = torch.randn(3, 5)
+    rows[1, 2] = bad
+    q, scale = quantize_rows(rows, dtype)
+    decoded = q.to(dtype).float() * scale[:, None]
+    assert decoded[1].isnan().all()
+    assert torch.isfinite(decoded[[0, 2]]).all()
+    zero = quantize_rows(torch.zeros(2, 4), dtype)[1]
+    assert torch.equal(zero, torch.ones(2))  # an all-zero row keeps the scale 1

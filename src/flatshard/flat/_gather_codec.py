@@ -11,11 +11,16 @@ depend on how the rows are cut across ranks: the weights a unit computes with ar
 function of the master weights at every world size. For a row ``x`` of a parameter of two
 or more dimensions (a row is ``numel // shape[0]`` elements), in float32::
 
-    scale = amax(|x|) / QMAX               (1 where that is 0; QMAX: 127 for int8,
-                                            448 for float8_e4m3fn, 57344 for float8_e5m2)
+    scale = amax(|x|) / QMAX               (1 where that is 0, NaN where x holds a NaN or
+                                            an infinity; QMAX: 127 for int8, 448 for
+                                            float8_e4m3fn, 57344 for float8_e5m2)
     q     = clamp(x / scale, -QMAX, QMAX)  (int8: rounded to nearest first), sent as the
                                             gather dtype
     x'    = (float32(q) * scale)            cast to the compute dtype
+
+A row holding a NaN or an infinity arrives as NaN in every element: a non-finite weight
+shows in the loss as it would unquantized, instead of hiding behind a scale of 1 (an int8
+cast of NaN is undefined, so the scale carries it).
 
 Vectors and scalars (a row of one element: biases, norm weights) would need a scale per
 element, more bytes than they save, so they travel in the compute dtype beside the rows.
@@ -66,7 +71,9 @@ def quantize_rows(rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor,
     x = rows.float()
     limit = SCALED[dtype]
     scale = x.abs().amax(dim=1) / limit
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    finite = torch.isfinite(scale)
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    scale = torch.where(finite, scale, torch.full_like(scale, float("nan")))
     q = x / scale[:, None]
     if dtype == torch.int8:
         q = q.round_()
