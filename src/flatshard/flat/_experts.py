@@ -189,7 +189,7 @@ class Experts(ShardPlacement):
         mark_split(param, ExpertSlice(whole.shape, whole.stride(), offset, self.degree, ep, groups))
         for module, name in orig.usages:
             module._parameters[name] = param
-            _install_dispatch(module, whole.shape[0], ep, orig.fqn.rpartition(".")[0])
+            _install_dispatch(module, name, whole.shape[0], ep, orig.fqn.rpartition(".")[0])
         orig.param = param
 
     def shard_groups(self, base: ShardGroups, members: Sequence[OriginalParam]) -> ShardGroups:
@@ -262,20 +262,31 @@ class _Routed:
 _DISPATCH_ATTR = "_flatshard_expert_dispatch"
 
 
-def _install_dispatch(module: nn.Module, experts: int, ep: dist.ProcessGroup, label: str) -> None:
+def _install_dispatch(
+    module: nn.Module, weight: str, experts: int, ep: dist.ProcessGroup, label: str
+) -> None:
+    """Route the calls of ``module`` (holding the expert weight ``weight``) to the EP ranks
+    holding each expert; not while it holds every expert (inside ``summon_full_params``,
+    ``flat/_full_params.py``): it then computes them all, as the unsharded model does."""
     if getattr(module, _DISPATCH_ATTR, None) is not None:
         return
-    pending: list[_Routed] = []  # one per call in flight (a recomputing forward nests)
+    pending: list[_Routed | None] = []  # one per call in flight (a recomputing forward nests)
     name = f"'{label}' ({type(module).__name__})"
 
     def before(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         tokens, counts, *rest = _call_args(args, name)
+        held = module._parameters[weight]
+        if held is not None and held.shape[0] == experts:  # whole: nothing to route
+            pending.append(None)
+            return args
         routed, received, local_counts = _dispatch(tokens, counts, experts, ep, label)
         pending.append(routed)
         return (received, local_counts.to(counts.dtype), *rest)
 
     def after(_: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
         routed = pending.pop()
+        if routed is None:
+            return output
         if not isinstance(output, torch.Tensor) or output.shape[0] != routed.back.numel():
             raise TypeError(
                 f"flatshard.Experts: the experts module {name} must return one tensor with "

@@ -87,22 +87,43 @@ def pack_rows(flat: FlatParamGroup, local_rows: list[torch.Tensor]) -> torch.Ten
 
 @contextmanager
 def full_params(flat: FlatParamGroup, writeback: bool) -> Iterator[None]:
-    """Give every original parameter of ``flat`` its full shape and value (master dtype)."""
+    """Give every original parameter of ``flat`` its full shape and value (master dtype).
+
+    A parameter whose ranks hold different parts of it across the model's ranks (expert
+    slices: ``SplitParam.varies_in_model_group``) becomes the whole global tensor, joined
+    over its group, as in a full state dict: inside ``summon_full_params`` the model is
+    whole on every rank, so ``state_dict()``, ``load_state_dict()`` and a no-grad forward
+    there see what the unsharded model would. Tensor-parallel parts stay local: their
+    layers compute on them as DTensors, which the TP ranks beside hold alike.
+    """
     full, views = gather_full(flat, flat.param_region)
-    for orig, view in zip(flat.originals, views, strict=True):
-        orig.param.data = view
+    joined = [
+        orig.tp.full(view) if orig.tp is not None and orig.tp.varies_in_model_group else view
+        for orig, view in zip(flat.originals, views, strict=True)
+    ]
+    for orig, tensor in zip(flat.originals, joined, strict=True):
+        orig.param.data = tensor
     try:
         yield
     finally:
         if writeback:
             flat.shards_written()
-            _write_back(flat, full, views)
+            _write_back(flat, full, views, joined)
         flat.use_sharded_data()
 
 
-def _write_back(flat: FlatParamGroup, full: torch.Tensor, views: list[torch.Tensor]) -> None:
-    for orig, view in zip(flat.originals, views, strict=True):
-        if orig.param.data_ptr() != view.data_ptr():  # the user replaced ``.data``
-            view.copy_(orig.param.data)
+def _write_back(
+    flat: FlatParamGroup,
+    full: torch.Tensor,
+    views: list[torch.Tensor],
+    given: list[torch.Tensor],
+) -> None:
+    for orig, view, tensor in zip(flat.originals, views, given, strict=True):
+        data = orig.param.data
+        if data.data_ptr() == view.data_ptr():
+            continue  # edited in place: already in ``full``
+        if tensor is not view and orig.tp is not None:  # a whole global tensor: our part
+            data = orig.tp.local_part(data)
+        view.copy_(data)
     chunk = flat.layout.shard_numel
     flat.shard.copy_(full[flat.rank * chunk : (flat.rank + 1) * chunk])

@@ -471,7 +471,7 @@ class Unit:
     def _check_inference_only(self) -> None:
         """Inside summon_full_params a forward may not record a graph: its backward would
         write full-size gradients no reduction would see."""
-        if any(f.has_tp for f in self.flat_params):
+        if any(f.summoned_local for f in self.flat_params):
             raise RuntimeError(
                 f"flatshard: unit '{self.label}' ran forward inside summon_full_params "
                 f"(rank {global_rank()}), and it holds tensor-parallel parameters, which are "

@@ -618,12 +618,16 @@ def _ungathered(model: nn.Module, config: ParityConfig) -> set[int]:
 
 
 def _quantized(weight: torch.Tensor, config: ParityConfig) -> torch.Tensor:
-    """``weight`` as a gather in ``config.gather_dtype`` delivers it, computed here on its
-    own from the formula of [Note: row-wise quantized all-gather] (not by flatshard's
-    codec): a scale per row of a matrix, a cast of everything for a float dtype."""
     if config.gather_dtype is None:
         return weight
-    dtype = getattr(torch, config.gather_dtype)
+    return quantized_by_formula(weight, getattr(torch, config.gather_dtype))
+
+
+def quantized_by_formula(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``weight`` as a gather in ``dtype`` delivers it, computed here on its own from the
+    formula of [Note: row-wise quantized all-gather] (not by flatshard's codec): a scale
+    per row of a matrix (NaN for a row holding a non-finite value), a cast of everything
+    for a float dtype."""
     if dtype.is_floating_point and dtype.itemsize > 1:
         return weight.to(dtype).to(weight.dtype)
     if weight.dim() < 2:
@@ -631,7 +635,8 @@ def _quantized(weight: torch.Tensor, config: ParityConfig) -> torch.Tensor:
     limit = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}[dtype]
     rows = weight.detach().reshape(weight.shape[0], -1).float()
     scale = rows.abs().amax(dim=1) / limit
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    scale = torch.where(torch.isfinite(scale), scale, torch.full_like(scale, float("nan")))
     q = rows / scale[:, None]
     if dtype == torch.int8:
         q = q.round()
