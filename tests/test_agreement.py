@@ -1,0 +1,352 @@
+"""Every public call that issues a collective, or changes what the ranks will issue, is
+agreed on every rank first ([Note: the agreed configuration]).
+
+``test_every_public_function_is_classified`` enumerates the public API (``flatshard`` and
+``flatshard.comm_hooks``): a function added without an entry in ``CALLS`` or ``NOT_ON_A_MODEL``
+fails it. ``test_calls_that_issue_collectives_or_change_the_configuration_are_agreed`` runs
+every entry of ``CALLS`` on a sharded model at the pool's 4 ranks with torch.distributed's
+collectives counted (a recording backend in front of gloo) and the store agreements counted
+(``Watchdog.entry``), and fails for a call that issued a collective, or changed the model's
+agreed configuration, without agreeing first. The other tests: each failure of a rank that
+called or set something alone, at 2 and 4 ranks, ends in a named error on every rank.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import flatshard
+import flatshard.comm_hooks
+from flatshard.comm import _watchdog
+from flatshard.testing.isolated import run_isolated
+from flatshard.testing.models import ReluLinear
+from flatshard.testing.workers import WorkerContext, WorkerPool
+
+COLLECTIVES = (
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "scatter_object_list",
+    "send",
+    "recv",
+    "batch_isend_irecv",
+)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList(ReluLinear() for _ in range(3))
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        out: torch.Tensor = self.out(h)
+        return out
+
+
+def _net(group: dist.ProcessGroup | None = None) -> Net:
+    torch.manual_seed(0)
+    return flatshard.fully_shard(Net(), auto_wrap_policy={ReluLinear}, process_group=group)
+
+
+def _step(model: nn.Module, optim: torch.optim.Optimizer | None = None) -> None:
+    torch.manual_seed(1)
+    model(torch.randn(3, 4)).sum().backward()
+    if optim is not None:
+        optim.step()
+        optim.zero_grad()
+
+
+class _Comm:
+    """An FSDP2-style custom collective (``set_custom_all_gather``)."""
+
+    def __call__(self, output: torch.Tensor, input: torch.Tensor, group: Any, **kw: Any) -> Any:
+        return dist.all_gather_into_tensor(output, input, group=group, async_op=True)
+
+
+def _cm(
+    make: Callable[[nn.Module], Any],
+) -> Callable[[nn.Module, torch.optim.Optimizer, str], None]:
+    def call(model: nn.Module, optim: torch.optim.Optimizer, tmp: str) -> None:
+        with make(model):
+            pass
+
+    return call
+
+
+# name -> how a user calls it on a sharded model (after one training step)
+Call = Callable[[nn.Module, torch.optim.Optimizer, str], Any]
+CALLS: dict[str, Call] = {
+    "train_step": lambda m, o, t: flatshard.train_step(
+        m, [o], lambda i: m(torch.randn(3, 4)).sum()
+    ),
+    "no_sync": _cm(flatshard.no_sync),
+    "set_requires_all_reduce": lambda m, o, t: flatshard.set_requires_all_reduce(m, False),
+    "set_requires_gradient_sync": lambda m, o, t: flatshard.set_requires_gradient_sync(m, False),
+    "set_reshard_after_backward": lambda m, o, t: flatshard.set_reshard_after_backward(m, False),
+    "set_reshard_after_forward": lambda m, o, t: flatshard.set_reshard_after_forward(m, False),
+    "set_separate_reduce_scatter_group": lambda m, o, t: (
+        flatshard.set_separate_reduce_scatter_group(m, True)
+    ),
+    "set_unshard_in_backward": lambda m, o, t: flatshard.set_unshard_in_backward(
+        m.blocks[0], False
+    ),
+    "set_custom_all_gather": lambda m, o, t: flatshard.set_custom_all_gather(m.blocks[0], _Comm()),
+    "set_custom_reduce_scatter": lambda m, o, t: flatshard.set_custom_reduce_scatter(
+        m.blocks[0], _Comm()
+    ),
+    "set_gradient_divide_factor": lambda m, o, t: flatshard.set_gradient_divide_factor(m, 1.0),
+    "set_prefetch": lambda m, o, t: flatshard.set_prefetch(m.blocks[0], forward=[m.blocks[2]]),
+    "clip_grad_norm_": lambda m, o, t: flatshard.clip_grad_norm_(m, 1.0),
+    "summon_full_params": _cm(flatshard.summon_full_params),
+    "unshard": lambda m, o, t: flatshard.unshard(m.blocks[0]),
+    "reshard": lambda m, o, t: flatshard.reshard(m.blocks[0]),
+    "register_entry_point": lambda m, o, t: flatshard.register_entry_point(m, "forward"),
+    "unit_modules": lambda m, o, t: flatshard.unit_modules(m),
+    "full_state_dict": lambda m, o, t: flatshard.full_state_dict(m),
+    "sharded_state_dict": lambda m, o, t: flatshard.sharded_state_dict(m),
+    "load_state_dict": lambda m, o, t: flatshard.load_state_dict(
+        m, flatshard.sharded_state_dict(m)
+    ),
+    "full_optim_state_dict": lambda m, o, t: flatshard.full_optim_state_dict(m, o),
+    "sharded_optim_state_dict": lambda m, o, t: flatshard.sharded_optim_state_dict(m, o),
+    "load_optim_state_dict": lambda m, o, t: flatshard.load_optim_state_dict(
+        m, o, flatshard.sharded_optim_state_dict(m, o)
+    ),
+    "save_checkpoint": lambda m, o, t: flatshard.save_checkpoint(f"{t}/ckpt", m, o),
+    "load_checkpoint": lambda m, o, t: (
+        flatshard.save_checkpoint(f"{t}/ckpt2", m, o),
+        flatshard.load_checkpoint(f"{t}/ckpt2", m, o),
+    ),
+    "export_safetensors": lambda m, o, t: flatshard.export_safetensors(m, f"{t}/export"),
+    "load_safetensors": lambda m, o, t: (
+        flatshard.export_safetensors(m, f"{t}/export4"),
+        flatshard.load_safetensors(m, f"{t}/export4"),
+    ),
+    "sharding_summary": lambda m, o, t: flatshard.sharding_summary(m),
+    "dtype_report": lambda m, o, t: flatshard.dtype_report(m),
+    "embedding_traffic": lambda m, o, t: flatshard.embedding_traffic(m),
+    "register_comm_hook": lambda m, o, t: flatshard.comm_hooks.register_comm_hook(
+        m, flatshard.comm_hooks.LowPrecisionHook(torch.bfloat16)
+    ),
+}
+
+# Public functions that take no sharded model, each with why it needs no agreement here.
+NOT_ON_A_MODEL: dict[str, str] = {
+    "fully_shard": "makes the model: its startup check compares the options by digest",
+    "init_weights": "initializes an unsharded model",
+    "skip_init": "a context manager for building a model; no collective",
+    "set_checks": "this process's timeouts; no collective",
+    "plan": "the planner's simulated world (fake backend)",
+    "split_division": "arithmetic",
+    "register_matrix_optimizer": "declares an optimizer class (its step's refusal); no collective",
+    "export_checkpoint": "converts a checkpoint directory offline, in one process",
+    "CommHook": "a type: the signature of a communication hook",
+}
+
+
+def _public_functions() -> dict[str, Callable[..., Any]]:
+    names = [*flatshard.__all__, *flatshard.comm_hooks.__all__]
+    found = {}
+    for name in names:
+        module = flatshard if name in flatshard.__all__ else flatshard.comm_hooks
+        value = getattr(module, name)
+        if callable(value) and not inspect.isclass(value):
+            found[name] = value
+    return found
+
+
+def test_every_public_function_is_classified() -> None:
+    public = set(_public_functions())
+    unclassified = sorted(public - CALLS.keys() - NOT_ON_A_MODEL.keys())
+    assert not unclassified, (
+        f"public functions with no entry in CALLS or NOT_ON_A_MODEL: {unclassified}; say how "
+        "a user calls each on a sharded model (the agreement test then checks it)"
+    )
+    stale = sorted((CALLS.keys() | NOT_ON_A_MODEL.keys()) - public)
+    assert not stale, f"entries for functions that are not public: {stale}"
+
+
+@contextmanager
+def _recording() -> Iterator[dict[str, int]]:
+    """Count torch.distributed's collectives and the watchdog's agreements while inside."""
+    counts = {"collectives": 0, "agreements": 0}
+    saved = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+
+    def counting(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            counts["collectives"] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    dog = _watchdog.watchdog()
+    assert dog is not None
+    entry = dog.entry
+
+    def agreeing(*args: Any, **kwargs: Any) -> None:
+        counts["agreements"] += 1
+        entry(*args, **kwargs)
+
+    for name, fn in saved.items():
+        setattr(dist, name, counting(fn))
+    dog.entry = agreeing  # type: ignore[method-assign]
+    try:
+        yield counts
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+        del dog.entry
+
+
+def _configuration(model: nn.Module) -> list[str]:
+    from flatshard.runtime._step import contexts_under
+
+    return [line for c in contexts_under(model, "test") for line in c.configuration()]
+
+
+def agreement_job(ctx: WorkerContext, names: list[str], directory: str) -> dict[str, str]:
+    group = ctx.group(ctx.world_size)  # the whole world: some switches make groups in it
+    assert group is not None
+    verdicts = {}
+    for name in names:
+        model = _net(group)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        _step(model, optim)
+        before = _configuration(model)
+        tmp = os.path.join(directory, name)
+        with _recording() as counts:
+            CALLS[name](model, optim, tmp)
+        changed = _configuration(model) != before
+        issued = counts["collectives"] > 0
+        if (issued or changed) and not counts["agreements"]:
+            what = "issued collectives" if issued else "changed the agreed configuration"
+            verdicts[name] = f"{what} without agreeing first"
+        else:
+            verdicts[name] = "ok"
+        dist.barrier(group=group)
+    return verdicts
+
+
+def test_calls_that_issue_collectives_or_change_the_configuration_are_agreed(
+    pool: WorkerPool,
+) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        verdicts = pool.run(agreement_job, sorted(CALLS), tmp)
+    for rank, found in enumerate(verdicts):
+        bad = {name: v for name, v in found.items() if v != "ok"}
+        assert not bad, f"rank {rank}: {bad}"
+
+
+def test_a_new_configuration_field_is_compared() -> None:
+    """The lines ranks compare come from the dataclass fields: every field of ``UnitConfig``
+    and ``Switches`` shows in them, so a field added tomorrow is compared too."""
+    from dataclasses import fields, make_dataclass, replace
+
+    from flatshard.runtime._configuration import Switches, UnitConfig, config_lines
+
+    unit = UnitConfig(flatshard.ShardingStrategy.FULL_SHARD, None, flatshard.Prefetch())
+    for value in (unit, Switches()):
+        shown = {line.split("=")[0] for line in config_lines(value)}
+        assert shown == {f.name for f in fields(value)}
+    extended = make_dataclass("Extended", [("new_option", int, 0)], bases=(Switches,), frozen=True)
+    assert config_lines(extended()) != config_lines(replace(extended(), new_option=1))
+
+
+# ---------------------------------------------------------------- a rank alone, named
+CHECKS = flatshard.Checks(timeout=2.0)
+LIMIT_S = 2.0 + 15.0
+
+
+def alone_job(rank: int, case: str) -> tuple[str, str, float]:
+    flatshard.set_checks(CHECKS)
+    kwargs: dict[str, Any] = {}
+    if case == "prefetch" and rank == 1:
+        kwargs["prefetch"] = flatshard.Prefetch(backward=flatshard.BackwardPrefetch.BACKWARD_POST)
+    torch.manual_seed(rank if case == "meta_seed" else 0)
+    start = time.monotonic()
+    try:
+        if case == "meta_seed":
+            with torch.device("meta"):
+                net = Net()
+        else:
+            net = Net()
+        model = flatshard.fully_shard(net, auto_wrap_policy={ReluLinear}, **kwargs)
+        if rank == 0:
+            if case == "comm_hook":
+                flatshard.comm_hooks.register_comm_hook(
+                    model, flatshard.comm_hooks.LowPrecisionHook(torch.bfloat16)
+                )
+            elif case == "divide_factor":
+                flatshard.set_gradient_divide_factor(model, 1.0)
+            elif case == "unshard":
+                flatshard.unshard(model.blocks[0])
+        elif case == "divide_factor_both":
+            flatshard.set_gradient_divide_factor(model, 2.0)
+        if case == "divide_factor_both" and rank == 0:
+            flatshard.set_gradient_divide_factor(model, 1.0)
+        for _ in range(2):
+            _step(model)
+    except Exception as error:
+        named = str(error).startswith("flatshard") or isinstance(error, flatshard.CollectiveError)
+        return (
+            type(error).__name__ if named else f"unnamed {type(error).__name__}",
+            str(error),
+            time.monotonic() - start,
+        )
+    return "", "", time.monotonic() - start
+
+
+CASES = {
+    "prefetch": ("ValueError", "prefetch=Prefetch(backward=BACKWARD_POST"),
+    "meta_seed": ("ValueError", "meta parameters initialized from seed 1"),
+    "comm_hook": ("CollectiveTimeoutError", "register_comm_hook(LowPrecisionHook(dtype=bfloat16"),
+    "divide_factor": ("CollectiveTimeoutError", "set_gradient_divide_factor(1.0)"),
+    "divide_factor_both": ("CollectiveMismatchError", "set_gradient_divide_factor(2.0)"),
+    "unshard": ("CollectiveTimeoutError", "reach unshard"),
+}
+
+
+@pytest.mark.parametrize(
+    ("case", "world"),
+    [(case, 2) for case in sorted(CASES)]
+    + [(case, 4) for case in ("prefetch", "unshard", "divide_factor_both")],
+)
+def test_an_option_or_call_on_one_rank_is_named_on_every_rank(case: str, world: int) -> None:
+    """Before: a hang to the group's timeout (prefetch), gloo's SIGABRT (comm hook, unshard)
+    or silently wrong shards (divide factor, per-rank meta seeds)."""
+    error, words = CASES[case]
+    for rank, outcome in enumerate(run_isolated(alone_job, case, world_size=world)):
+        assert isinstance(outcome, tuple), f"rank {rank}: {outcome}"
+        name, message, seconds = outcome
+        assert name == error, f"rank {rank} ended with {name or 'no error'}: {message}"
+        assert seconds < LIMIT_S, f"rank {rank} took {seconds:.1f} s"
+        if rank == 0 or error == "CollectiveMismatchError":
+            assert words in message, f"rank {rank}: {message}"
