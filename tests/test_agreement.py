@@ -27,8 +27,8 @@ import torch.distributed as dist
 from torch import nn
 
 import flatshard
-import flatshard.comm_hooks
-from flatshard.comm import _watchdog
+from flatshard import comm_hooks
+from flatshard.testing import internals
 from flatshard.testing.isolated import run_isolated
 from flatshard.testing.models import ReluLinear
 from flatshard.testing.workers import WorkerContext, WorkerPool
@@ -153,8 +153,8 @@ CALLS: dict[str, Call] = {
     "sharding_summary": lambda m, o, t: flatshard.sharding_summary(m),
     "dtype_report": lambda m, o, t: flatshard.dtype_report(m),
     "embedding_traffic": lambda m, o, t: flatshard.embedding_traffic(m),
-    "register_comm_hook": lambda m, o, t: flatshard.comm_hooks.register_comm_hook(
-        m, flatshard.comm_hooks.LowPrecisionHook(torch.bfloat16)
+    "register_comm_hook": lambda m, o, t: comm_hooks.register_comm_hook(
+        m, comm_hooks.LowPrecisionHook(torch.bfloat16)
     ),
 }
 
@@ -173,13 +173,12 @@ NOT_ON_A_MODEL: dict[str, str] = {
 
 
 def _public_functions() -> dict[str, Callable[..., Any]]:
-    names = [*flatshard.__all__, *flatshard.comm_hooks.__all__]
     found = {}
-    for name in names:
-        module = flatshard if name in flatshard.__all__ else flatshard.comm_hooks
-        value = getattr(module, name)
-        if callable(value) and not inspect.isclass(value):
-            found[name] = value
+    for module in (flatshard, comm_hooks):
+        for name in module.__all__:
+            value = getattr(module, name)
+            if callable(value) and not inspect.isclass(value):
+                found[name] = value
     return found
 
 
@@ -207,7 +206,7 @@ def _recording() -> Iterator[dict[str, int]]:
 
         return wrapper
 
-    dog = _watchdog.watchdog()
+    dog = internals.watchdog()
     assert dog is not None
     entry = dog.entry
 
@@ -227,9 +226,7 @@ def _recording() -> Iterator[dict[str, int]]:
 
 
 def _configuration(model: nn.Module) -> list[str]:
-    from flatshard.runtime._step import contexts_under
-
-    return [line for c in contexts_under(model, "test") for line in c.configuration()]
+    return [line for c in internals.contexts_under(model, "test") for line in c.configuration()]
 
 
 def agreement_job(ctx: WorkerContext, names: list[str], directory: str) -> dict[str, str]:
@@ -270,7 +267,7 @@ def test_a_new_configuration_field_is_compared() -> None:
     and ``Switches`` shows in them, so a field added tomorrow is compared too."""
     from dataclasses import fields, make_dataclass, replace
 
-    from flatshard.runtime._configuration import Switches, UnitConfig, config_lines
+    from flatshard.testing.internals import Switches, UnitConfig, config_lines
 
     unit = UnitConfig(flatshard.ShardingStrategy.FULL_SHARD, None, flatshard.Prefetch())
     for value in (unit, Switches()):
@@ -301,9 +298,7 @@ def alone_job(rank: int, case: str) -> tuple[str, str, float]:
         model = flatshard.fully_shard(net, auto_wrap_policy={ReluLinear}, **kwargs)
         if rank == 0:
             if case == "comm_hook":
-                flatshard.comm_hooks.register_comm_hook(
-                    model, flatshard.comm_hooks.LowPrecisionHook(torch.bfloat16)
-                )
+                comm_hooks.register_comm_hook(model, comm_hooks.LowPrecisionHook(torch.bfloat16))
             elif case == "divide_factor":
                 flatshard.set_gradient_divide_factor(model, 1.0)
             elif case == "unshard":

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import flatshard
-from flatshard.flat._placement import ShardPlacement
+from flatshard import ShardPlacement
 from flatshard.models.moe import MoELayer
 from flatshard.testing.parity import quantized_by_formula
 from flatshard.testing.workers import WorkerContext, WorkerPool

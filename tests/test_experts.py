@@ -136,7 +136,7 @@ def parity_job(
     batches = _batches(STEPS)
     got = _train(model, optim, batches, group, clip, micro)
     full = flatshard.full_state_dict(model)
-    with flatshard.summon_full_params(model):  # the unsharded parameters: this rank's experts
+    with flatshard.summon_full_params(model):  # the unsharded parameters: every expert
         local = {n: tuple(p.shape) for n, p in model.named_parameters() if experts_of(n, p)}
     if ctx.rank != 0:
         return None
@@ -189,8 +189,8 @@ def test_experts_train_as_ddp_trains_the_unsharded_model(
         assert norm == pytest.approx(want_norm, rel=1e-5)
     assert all(norm > MAX_NORM for _, norm in result["expected"]), "the clip must act"
     assert result["diff"] < 1e-5
-    # Each rank holds its experts only: 4 / degree of them.
-    assert result["local"]["blocks.0.moe.experts.w1"] == (4 // degree, 8, 16)
+    # Inside summon_full_params every rank holds every expert, as the unsharded model does.
+    assert result["local"]["blocks.0.moe.experts.w1"] == (4, 8, 16)
 
 
 def bf16_job(ctx: WorkerContext, degree: int | None) -> list[tuple[float, float]]:

@@ -34,11 +34,12 @@ def unshard(module: nn.Module, *, async_op: bool = False) -> UnshardHandle | Non
     ``handle.wait()``) waits for it."""
     unit = unit_or_error(module, "unshard")
     with collective_call(module, "unshard"):
-        if async_op:
-            unit.hold = Hold.USER
-            unit.start_unshard()
-            return UnshardHandle(unit)
-        unit.hold_gathered()
+        pass  # agreed by every rank first; the gather is the unit's own, as in a step
+    if async_op:
+        unit.hold = Hold.USER
+        unit.start_unshard()
+        return UnshardHandle(unit)
+    unit.hold_gathered()
     return None
 
 

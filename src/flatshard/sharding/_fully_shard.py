@@ -406,7 +406,7 @@ def _option_lines(
     different sizes, which the backend aborts on rather than naming."""
     lines = [f"world of {dist.get_world_size(group)} ranks, sharding_factor={sharding_factor}"]
     lines += [f"cpu_offload={describe(offload)}", *config_lines(config)]
-    on_meta = any(o.param.is_meta for m in units for o in m.originals)
+    on_meta = any(o.param.is_meta and not awaits_load(o.param) for m in units for o in m.originals)
     if on_meta and not init.sync_module_states:  # every rank initializes the whole weights
         seed = torch.initial_seed() if init.seed is None else init.seed
         lines.append(

@@ -23,6 +23,8 @@ from flatshard.comm import _ledger as comm_ledger
 from flatshard.comm._checks import Tag
 from flatshard.comm._collectives import ReduceScatter
 from flatshard.comm._mesh import ranks_per_host
+from flatshard.comm._watchdog import watchdog
+from flatshard.flat._gather_codec import quantize_rows
 from flatshard.flat._layout import ViewSplits
 from flatshard.flat._partition import UnitMembers, partition
 from flatshard.flat._policy import select_unit_roots
@@ -33,10 +35,11 @@ from flatshard.planner._calibrate import _Speeds as CalibratedSpeeds
 from flatshard.planner._recorder import Op as RecordedOp
 from flatshard.planner._simulate import measure as measured_step_peak
 from flatshard.planner._simulate import measure_step_seconds as measured_step_seconds
+from flatshard.runtime._configuration import Switches, UnitConfig, config_lines
 from flatshard.runtime._prefetch import ExecutionOrder
 from flatshard.runtime._profiling import Ranges
 from flatshard.runtime._rate_limiter import RateLimiter
-from flatshard.runtime._step import context_of
+from flatshard.runtime._step import context_of, contexts_under
 from flatshard.runtime._torch_utilities import TorchReach
 from flatshard.runtime._unit import units_of
 from flatshard.sharding._init import with_index as device_with_index
@@ -48,7 +51,9 @@ __all__ = [
     "RecordedOp",
     "ReduceScatter",
     "Storage",
+    "Switches",
     "TorchReach",
+    "UnitConfig",
     "UnitMembers",
     "ViewSplits",
     "calibrated_seconds",
@@ -59,7 +64,9 @@ __all__ = [
     "collective_tag",
     "comm_collectives",
     "comm_ledger",
+    "config_lines",
     "context_of",
+    "contexts_under",
     "device_with_index",
     "fitted_achieved",
     "forced_reduce_scatter",
@@ -71,12 +78,14 @@ __all__ = [
     "no_keep_last_unit",
     "partition",
     "profiler_ranges_entered",
+    "quantize_rows",
     "ranks_per_host",
     "rate_limiter_of",
     "select_unit_roots",
     "staging_buffers",
     "storage_move",
     "units_of",
+    "watchdog",
 ]
 
 
