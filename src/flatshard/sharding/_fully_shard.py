@@ -43,6 +43,7 @@ from flatshard.sharding._init import (
     materialize_unit,
     with_index,
 )
+from flatshard.sharding._skip_init import skip_init
 
 M = TypeVar("M", bound=nn.Module)
 _CPU = torch.device("cpu")
@@ -140,7 +141,9 @@ def fully_shard(
             check_same_on_all_ranks(
                 structure_lines(
                     units,
-                    _option_lines(config, group, sharding_factor, cpu_offload, init, units),
+                    _option_lines(
+                        config, group, sharding_factor, cpu_offload, init, units, param_init_fn
+                    ),
                     placements,
                 ),
                 group,
@@ -399,6 +402,7 @@ def _option_lines(
     offload: CPUOffload | None,
     init: InitOptions,
     units: list[UnitMembers],
+    param_init_fn: ParamInitFn | None,
 ) -> list[str]:
     """The options every rank must pass alike: the units' agreed configuration
     ([Note: the agreed configuration]) and what else decides collectives or values. Dtypes
@@ -407,7 +411,8 @@ def _option_lines(
     lines = [f"world of {dist.get_world_size(group)} ranks, sharding_factor={sharding_factor}"]
     lines += [f"cpu_offload={describe(offload)}", *config_lines(config)]
     on_meta = any(o.param.is_meta and not awaits_load(o.param) for m in units for o in m.originals)
-    if on_meta and not init.sync_module_states:  # every rank initializes the whole weights
+    initialized = not init.sync_module_states and param_init_fn is not skip_init
+    if on_meta and initialized:  # every rank initializes the whole weights from the seed
         seed = torch.initial_seed() if init.seed is None else init.seed
         lines.append(
             f"meta parameters initialized from seed {seed} (InitOptions(seed=...), else "
