@@ -122,6 +122,36 @@ def test_no_code_outside_the_placements_asks_which_placement_a_group_has() -> No
     assert not found, "placement kind checks outside the placement modules:\n" + "\n".join(found)
 
 
+def _placement_flags() -> set[str]:
+    """The boolean class attributes of every placement and group placement: flags a
+    runtime could branch on instead of calling the protocol."""
+    from flatshard.flat._placement import GroupPlacement  # the protocol's own module
+
+    flags: set[str] = set()
+    todo: list[type] = [flatshard.ShardPlacement, GroupPlacement]
+    while todo:
+        kind = todo.pop()
+        todo += kind.__subclasses__()
+        flags |= {n for n, v in vars(kind).items() if isinstance(v, bool) and not n.startswith("_")}
+    return flags
+
+
+def test_no_placement_flag_is_read_outside_the_placement_modules() -> None:
+    """Each flag of a placement (``cuts_rows``, ``serves_lookups``, ``keeps_part``, ...) is
+    read in the placement modules only; elsewhere the protocol's verbs decide (before: the
+    runtime read ``serves_lookups`` in three modules, the step ``reduction_waits_for_...``)."""
+    flags = _placement_flags()
+    assert {"cuts_rows", "serves_lookups", "keeps_part", "manages", "alone"} <= flags
+    found = []
+    for path in (ROOT / "src" / "flatshard").rglob("*.py"):
+        if path.name in PLACEMENT_MODULES:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in flags:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} .{node.attr}")
+    assert not found, "placement flags read outside the placement modules:\n" + "\n".join(found)
+
+
 def test_contract_names_are_exported() -> None:
     assert set(flatshard.__all__) >= CONTRACT_NAMES
     for name in [*flatshard.__all__, *flatshard.report.__all__]:

@@ -192,6 +192,14 @@ class Experts(ShardPlacement):
             _install_dispatch(module, name, whole.shape[0], ep, orig.fqn.rpartition(".")[0])
         orig.param = param
 
+    def plan_refusal(self) -> str | None:
+        return (
+            "a simulated step runs on the meta device, where a router's choices (and so "
+            "the tokens each expert gets) have no values. Plan the model without it for "
+            "the rest of the step, and measure expert parallelism with flatshard bench "
+            "--experts N --ep E."
+        )
+
     def shard_groups(self, base: ShardGroups, members: Sequence[OriginalParam]) -> ShardGroups:
         split = members[0].tp
         return split.data_groups if isinstance(split, ExpertSlice) else base

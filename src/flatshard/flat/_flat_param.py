@@ -105,7 +105,7 @@ from flatshard.comm._checks import Tag
 from flatshard.comm._collectives import start_all_gather, wait_work
 from flatshard.comm._mesh import ShardGroups
 from flatshard.flat._gather_codec import SCALED, GatherCodec
-from flatshard.flat._layout import FlatLayout, ViewSplits, row_layout
+from flatshard.flat._layout import FlatLayout, ViewSplits
 from flatshard.flat._original_param import OriginalParam
 from flatshard.flat._placement import ROWS, GroupPlacement, ShardPlacement
 from flatshard.flat._reduction import GradientReduction
@@ -158,10 +158,8 @@ class FlatParamGroup:
         self.requires_grad = first.requires_grad
         # R where the optimizer state is cut across the replicas too, else 1 (see the note)
         self.splits = groups.splits
-        self.param_layout: FlatLayout = row_layout(
-            [o.param.shape for o in originals],
-            self.factor * self.splits,
-            whole=not placement.cuts_rows,
+        self.param_layout: FlatLayout = placement.layout(
+            [o.param.shape for o in originals], self.factor * self.splits
         )
         # Gathering: F chunks, each of ``splits`` consecutive chunks of the parameters' layout
         self.layout = replace(

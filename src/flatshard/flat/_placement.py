@@ -22,13 +22,17 @@ parameters share a flat group or each get one (``alone``), whether the layout cu
 ``part_refusal`` and ``take_part`` cut it before sharding), where its flat group lives
 (``shard_groups``), and ``bind``, which gives a flat group its ``GroupPlacement``. The group
 placement acts at run time: the unit asks it to gather (``start_unshard``, ``unshard``),
-the step context asks it how the reduction is waited for and to finish it
-(``reduction_waits_for_backward_end``, ``finish_reduction``), ``zero_grad`` asks it to drop
-what it keeps (``drop_pending``), the hooks register what it asks for
-(``forward_pre_hooks``), reports and refusals read ``traffic``, ``serves_lookups`` and
-``comm_hook_conflict``. The unit, runtime and state layers call these and never ask which
-placement a group has. The planner prices a placement by running it on the meta device, so
-it needs nothing more (but for ``Experts``, whose routing has no values there: refused).
+the step context has it start the reduction, in the chain of reductions or waited for at
+the end of backward (``start_reduction``), and finish it (``finish_reduction``),
+``zero_grad`` asks it to drop what it keeps (``drop_pending``), the hooks register what it
+asks for (``forward_pre_hooks``) and have it check an embedding's options
+(``check_lookup_options``), ``set_reshard_after_forward(N)`` asks where its parts stay
+(``post_forward_group``), reports and refusals read ``traffic``, ``comm_hook_conflict``
+and ``custom_collective_conflict``. The unit, runtime and state layers call these and
+never ask which placement a group has: no boolean flag of a placement is read outside the
+placement modules (``tests/test_structure.py``). The planner prices a placement by running
+it on the meta device, so it needs nothing more (but for ``Experts``, whose routing has no
+values there: refused).
 Both gather and reduction send their payloads through the group's ``Transport``
 (``_transport.py``), whose codec ``gathered_in`` chooses (the dtype on the wire:
 ``_gather_codec.py``).
@@ -39,7 +43,7 @@ where run time differs from rows, ``GroupPlacement``; export the value from ``fl
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -49,10 +53,13 @@ from torch import nn
 
 from flatshard.comm._mesh import ShardGroups, ShardingStrategy
 from flatshard.flat._gather_codec import SCALED, gather_dtype_error
+from flatshard.flat._layout import FlatLayout, row_layout
+from flatshard.flat._lookup_options import refuse_lookup_options
 from flatshard.flat._original_param import OriginalParam
 
 if TYPE_CHECKING:
     from flatshard.flat._flat_param import FlatParamGroup
+    from flatshard.flat._reduction import GradientReduction
 
 
 @dataclass
@@ -71,10 +78,6 @@ class TableTraffic:
 class GroupPlacement:
     """What a flat group does at run time where its placement decides; this base class is
     the rows placements' way: the unit gathers the group, its reduction overlaps the next."""
-
-    reduction_waits_for_backward_end: ClassVar[bool] = False
-    """Whether the group's reduction is waited for at the end of backward instead of by
-    the next group's (a table's head part: the first and largest of backward)."""
 
     serves_lookups: ClassVar[bool] = False
     """Whether embedding lookups of the group's parameter take a path of their own."""
@@ -116,6 +119,33 @@ class GroupPlacement:
         table's lookup rows), or None."""
         return None
 
+    def custom_collective_conflict(self) -> str | None:
+        """The name of what a custom all-gather or reduce-scatter cannot move in this group
+        (a row-sparse table's rows travel by all-to-all), or None."""
+        return None
+
+    def start_reduction(
+        self, all_reduce: bool, in_flight: GradientReduction | None
+    ) -> GradientReduction | None:
+        """Backward made the group's gradient: start its reduction. ``in_flight``: the
+        reduction the step still waits on; returns the one it waits on next. Rows: the
+        reductions form a chain, each waited for by the next (at most one unsharded
+        gradient waits on communication)."""
+        if in_flight is not None:
+            in_flight.finish()
+        self.flat.reduction.start(all_reduce)
+        return self.flat.reduction
+
+    def post_forward_group(self, group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+        """The group that keeps the group's parts after forward under
+        ``set_reshard_after_forward(N)`` (``group``: the one made for its shard group)."""
+        return group if self.flat.groups.shard is not None else None
+
+    def check_lookup_options(self, name: str, embedding: nn.Embedding | nn.EmbeddingBag) -> None:
+        """Raise for an option of ``embedding`` (set after ``fully_shard``) that the group
+        cannot serve (flat/_lookup_options.py)."""
+        refuse_lookup_options(name, embedding, self.flat.requires_grad, self.serves_lookups)
+
 
 class ShardPlacement:
     """How a parameter lies across its shard group: the value ``fully_shard``'s
@@ -135,6 +165,10 @@ class ShardPlacement:
     def refusal(self, orig: OriginalParam, strategy: ShardingStrategy) -> str | None:
         """Why this placement cannot serve ``orig`` under ``strategy``, or None."""
         return None
+
+    def layout(self, shapes: Sequence[torch.Size], chunks: int) -> FlatLayout:
+        """The flat layout of a group of parameters of ``shapes`` cut into ``chunks``."""
+        return row_layout(shapes, chunks, whole=not self.cuts_rows)
 
     def bind(self, flat: FlatParamGroup) -> GroupPlacement:
         """The run-time side of a built flat group of this placement."""
@@ -162,6 +196,60 @@ class ShardPlacement:
     def shard_groups(self, base: ShardGroups, members: Sequence[OriginalParam]) -> ShardGroups:
         """Where a flat group of ``members`` lives (``base``: the ``fully_shard`` call's)."""
         return base
+
+    def check_lookup_options(
+        self,
+        name: str,
+        embedding: nn.Embedding | nn.EmbeddingBag,
+        trainable: bool,
+        sharded: bool,
+    ) -> None:
+        """Raise for an option of ``embedding`` (looking up ``name``) that this placement
+        cannot serve, at ``fully_shard`` (``sharded``: over more than one rank)."""
+        refuse_lookup_options(name, embedding, trainable, sharded and self.serves_lookups)
+
+    def plan_refusal(self) -> str | None:
+        """Why ``flatshard.plan`` cannot price this placement, or None."""
+        return None
+
+
+def split_by_placement(
+    params: list[OriginalParam], placements: Mapping[str, ShardPlacement]
+) -> list[tuple[ShardPlacement, list[OriginalParam]]]:
+    """A unit's parameters of one dtype as (placement, members): one flat group per
+    placement, or per parameter where the placement wants it alone; whole layouts first,
+    then the alone ones, then the rows (the order of the flat groups in a unit). Parameters
+    left alone are in none."""
+    by_value: dict[ShardPlacement, list[OriginalParam]] = {}
+    alone: list[tuple[ShardPlacement, list[OriginalParam]]] = []
+    for orig in params:
+        placement = placements[orig.fqn]
+        if not placement.manages:
+            continue
+        if placement.alone:
+            alone.append((placement, [orig]))
+        else:
+            by_value.setdefault(placement, []).append(orig)
+    shared = list(by_value.items())
+    return (
+        [(p, m) for p, m in shared if not p.cuts_rows]
+        + alone
+        + [(p, m) for p, m in shared if p.cuts_rows]
+    )
+
+
+def left_alone(
+    originals: Sequence[OriginalParam], placements: Mapping[str, ShardPlacement]
+) -> list[OriginalParam]:
+    """The parameters whose placement keeps them out of every flat group (``Unmanaged``)."""
+    return [o for o in originals if not placements[o.fqn].manages]
+
+
+def kept_in_part(
+    originals: Sequence[OriginalParam], placements: Mapping[str, ShardPlacement]
+) -> list[OriginalParam]:
+    """The parameters each rank keeps only a part of (``take_part``: experts)."""
+    return [o for o in originals if placements[o.fqn].keeps_part]
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,7 @@ from itertools import pairwise
 from typing import Any, ClassVar, cast
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -78,6 +79,7 @@ from flatshard.flat._flat_param import FlatParamGroup
 from flatshard.flat._lookup_options import max_norm_message
 from flatshard.flat._original_param import OriginalParam
 from flatshard.flat._placement import GroupPlacement, ShardPlacement, TableTraffic
+from flatshard.flat._reduction import GradientReduction
 from flatshard.flat._storage import Holding
 
 _ID_BYTES = 8  # int64 token ids
@@ -217,10 +219,6 @@ def _table_of(args: Any, kwargs: dict[str, Any]) -> RowSparseTable:
 class RowSparseTable(GroupPlacement):
     """The row-sparse path of one embedding weight alone in its flat group (see the note)."""
 
-    # A tied table's head part, reduced first in backward and the largest: waited for at
-    # the end of backward, not by the next unit's reduction, whose backward is too short
-    # to hide it.
-    reduction_waits_for_backward_end: ClassVar[bool] = True
     serves_lookups: ClassVar[bool] = True
 
     def __init__(self, flat: FlatParamGroup) -> None:
@@ -416,6 +414,21 @@ class RowSparseTable(GroupPlacement):
 
     def comm_hook_conflict(self) -> str | None:
         return self.name
+
+    def custom_collective_conflict(self) -> str | None:
+        return self.name
+
+    def start_reduction(
+        self, all_reduce: bool, in_flight: GradientReduction | None
+    ) -> GradientReduction | None:
+        """Out of the chain: a tied table's head part, reduced first in backward and the
+        largest, is waited for at the end of backward, not by the next unit's reduction,
+        whose backward is too short to hide it."""
+        self.flat.reduction.start(all_reduce)
+        return in_flight
+
+    def post_forward_group(self, group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+        return None  # a table is never gathered whole for forward: nothing to keep
 
     def finish_reduction(self, all_reduce: bool) -> None:
         """End of backward: reduce the dense part (a tied head's, a dense lookup's) if it

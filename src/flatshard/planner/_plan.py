@@ -219,13 +219,9 @@ def plan(
             f"flatshard.plan: accumulation must be 'no_sync' or 'reduce', got {accumulation!r}"
         )
     _check_tensor_parallel(tensor_parallel, machines.world_size, strategy)
-    if placement is not None and placement.keeps_part:
-        raise ValueError(
-            f"flatshard.plan: placement {placement!r} is not planned: a simulated step runs "
-            "on the meta device, where a router's choices (and so the tokens each expert "
-            "gets) have no values. Plan the model without it for the rest of the step, "
-            "and measure expert parallelism with flatshard bench --experts N --ep E."
-        )
+    refusal = None if placement is None else placement.plan_refusal()
+    if refusal is not None:
+        raise ValueError(f"flatshard.plan: placement {placement!r} is not planned: {refusal}")
     if strategy.is_hybrid and sharding_factor is None:  # shard inside a host, as torchrun
         sharding_factor = machines.ranks_per_host  # would make fully_shard's default
     setup = Setup(

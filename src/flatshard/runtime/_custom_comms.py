@@ -61,7 +61,7 @@ def _unit(module: nn.Module, caller: str, comm: object) -> Unit:
 
 def _check_gathered_groups(unit: Unit, caller: str) -> None:
     """An error for a unit holding a row-sparse table, whose rows travel by all-to-all."""
-    tables = [f.originals[0].fqn for f in unit.flat_params if f.placement.serves_lookups]
+    tables = [t for f in unit.flat_params if (t := f.placement.custom_collective_conflict())]
     if tables:
         raise ValueError(
             f"flatshard.{caller}: unit '{unit.label}' holds the row-sparse table "

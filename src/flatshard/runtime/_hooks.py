@@ -17,7 +17,7 @@ from torch import nn
 
 from flatshard.comm._ranks import global_rank
 from flatshard.flat._flat_param import FlatParamGroup
-from flatshard.flat._lookup_options import LOOKUPS, refuse_lookup_options
+from flatshard.flat._lookup_options import LOOKUPS
 from flatshard.runtime._inputs import cast_floats
 from flatshard.runtime._unit import (
     OWNER_ATTR,
@@ -203,7 +203,7 @@ def _refuse_lookup_options(
     name: str, flat: FlatParamGroup, embedding: nn.Embedding | nn.EmbeddingBag, args: Any
 ) -> None:
     """An option set after fully_shard (``model.tok.sparse = True``) is refused as at build."""
-    refuse_lookup_options(name, embedding, flat.requires_grad, flat.placement.serves_lookups)
+    flat.placement.check_lookup_options(name, embedding)
 
 
 def _call_first(call: Callable[[], None], module: nn.Module, args: Any) -> None:

@@ -168,13 +168,7 @@ class StepContext:
         if not self.sync_gradients:
             flat.reduction.keep_unreduced()
             return
-        if flat.placement.reduction_waits_for_backward_end:
-            flat.reduction.start(self.all_reduce_replicas)
-            return
-        if self.in_flight is not None:
-            self.in_flight.finish()
-        flat.reduction.start(self.all_reduce_replicas)
-        self.in_flight = flat.reduction
+        self.in_flight = flat.placement.start_reduction(self.all_reduce_replicas, self.in_flight)
 
     def forward_started(self, unit: Unit) -> None:
         if unit.is_root or not self.forward_depth:

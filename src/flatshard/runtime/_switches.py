@@ -81,9 +81,9 @@ def set_reshard_after_forward(model: nn.Module, reshard_after_forward: bool | in
         made = post_forward_groups(shards, value, model_group)
         groups = {id(s): g for s, g in zip(shards, made, strict=True)}
     for flat in flats:
-        shard = flat.groups.shard
-        keeps_part = shard is not None and not flat.placement.serves_lookups
-        flat.post_forward_group = groups.get(id(shard)) if keeps_part else None
+        flat.post_forward_group = flat.placement.post_forward_group(
+            groups.get(id(flat.groups.shard))
+        )
 
 
 def set_requires_all_reduce(model: nn.Module, requires_all_reduce: bool) -> None:

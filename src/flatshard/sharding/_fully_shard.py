@@ -18,11 +18,19 @@ from flatshard.comm._mesh import ShardGroups, ShardingStrategy, model_group, res
 from flatshard.comm._ranks import join_name
 from flatshard.flat._awaiting_load import awaits_load, mark_awaiting
 from flatshard.flat._flat_param import FlatParamGroup, GroupSpec
-from flatshard.flat._lookup_options import LOOKUPS, refuse_lookup_options
+from flatshard.flat._lookup_options import LOOKUPS
 from flatshard.flat._mixed_precision import CPUOffload, MixedPrecision, host_of
 from flatshard.flat._original_param import OriginalParam
 from flatshard.flat._partition import UnitMembers, partition
-from flatshard.flat._placement import ROWS, PlacementRule, ShardPlacement, placement_rule
+from flatshard.flat._placement import (
+    ROWS,
+    PlacementRule,
+    ShardPlacement,
+    kept_in_part,
+    left_alone,
+    placement_rule,
+    split_by_placement,
+)
 from flatshard.flat._policy import AutoWrapPolicy, is_within, select_unit_roots
 from flatshard.flat._row_sparse import RowSparse
 from flatshard.flat._tensor_parallel import global_shapes, localize
@@ -171,9 +179,7 @@ def fully_shard(
         watch_torch_utilities(context)
         for name, sub_context in earlier.items():
             context.adopt(sub_context, prefix=name, mixed_precision=mixed_precision)
-        context.left_alone += [
-            o.param for m in units for o in m.originals if not placements[o.fqn].manages
-        ]
+        context.left_alone += [o.param for m in units for o in left_alone(m.originals, placements)]
         for members in units:
             unit = _build_unit(members, build, rank)
             if unit is not None:
@@ -243,7 +249,7 @@ def _build_unit(members: UnitMembers, build: _UnitBuild, rank: int) -> Unit | No
             placement,
         )
         for params, dtype, gather in _split_by_compute_dtype(members.groups, policy)
-        for placement, group in _split_by_placement(params, build.placements)
+        for placement, group in split_by_placement(params, build.placements)
     ]
     _prepare(members, build, rank)
     _cast_buffers(members, policy.buffer_dtype)
@@ -275,7 +281,7 @@ def _take_parts(
     rank: int,
 ) -> None:
     """Parameters whose placement keeps a part on each rank (experts) become that part."""
-    kept = [o for m in units for o in m.originals if placements[o.fqn].keeps_part]
+    kept = [o for m in units for o in kept_in_part(m.originals, placements)]
     if kept and init.sync_module_states:
         raise ValueError(
             f"flatshard.fully_shard: '{kept[0].fqn}' is placed {placements[kept[0].fqn]!r}, "
@@ -499,32 +505,8 @@ def _refuse_lookup_options(units: list[UnitMembers], build: _UnitBuild) -> None:
             for module, _ in orig.usages:
                 if isinstance(module, LOOKUPS):
                     trainable = orig.param.requires_grad
-                    lookups = sharded and build.placements[orig.fqn].serves_lookups
-                    refuse_lookup_options(orig.fqn, module, trainable, lookups)
-
-
-def _split_by_placement(
-    params: list[OriginalParam], placements: dict[str, ShardPlacement]
-) -> list[tuple[ShardPlacement, list[OriginalParam]]]:
-    """A group's parameters as (placement, members): one flat group per placement, or per
-    parameter where the placement wants it alone; whole layouts first, then the alone ones,
-    then the rows (the order of the flat groups in a unit)."""
-    by_value: dict[ShardPlacement, list[OriginalParam]] = {}
-    alone: list[tuple[ShardPlacement, list[OriginalParam]]] = []
-    for orig in params:
-        placement = placements[orig.fqn]
-        if not placement.manages:
-            continue  # left alone: in no flat group (Unmanaged())
-        if placement.alone:
-            alone.append((placement, [orig]))
-        else:
-            by_value.setdefault(placement, []).append(orig)
-    shared = list(by_value.items())
-    return (
-        [(p, m) for p, m in shared if not p.cuts_rows]
-        + alone
-        + [(p, m) for p, m in shared if p.cuts_rows]
-    )
+                    placement = build.placements[orig.fqn]
+                    placement.check_lookup_options(orig.fqn, module, trainable, sharded)
 
 
 def _check_distributed() -> None:
