@@ -211,3 +211,24 @@ def test_an_impossible_storage_move_names_the_group_and_both_states() -> None:
     assert storage_move(Storage.SHARDED, Storage.GATHERING, "w") is Storage.GATHERING
     with pytest.raises(RuntimeError, match=r"'blocks.0.w' .* cannot go from GATHERING to SHARDED"):
         storage_move(Storage.GATHERING, Storage.SHARDED, "blocks.0.w")
+
+
+def plain_beside_sharded_job(rank: int) -> list[bool]:
+    """torch's own norm of a plain model's gradients, while a sharded model lives beside
+    it: exactly torch's (the patched norm answers for flatshard's gradients only)."""
+    torchs = torch.nn.utils.clip_grad._get_total_norm  # before any fully_shard here
+    torch.manual_seed(0)
+    plain: Any = build("gpt")
+    sharded: Any = build("gpt")
+    sharded = flatshard.fully_shard(sharded, auto_wrap_policy=set(sharded.UNIT_CLASSES))
+    for model in (plain, sharded):
+        model(torch.randint(0, 37, (2, 9))).sum().backward()
+    patched = torch.nn.utils.clip_grad._get_total_norm is not torchs
+    grads = [p.grad for p in plain.parameters() if p.grad is not None]
+    want = torchs([g.clone() for g in grads], 2.0)
+    got = torch.nn.utils.clip_grad_norm_(plain.parameters(), 1e9)
+    return [patched, bool(torch.equal(got, want))]
+
+
+def test_torch_norm_of_an_unsharded_model_beside_a_sharded_one_is_torchs() -> None:
+    assert run_isolated(plain_beside_sharded_job) == [[True, True]] * 2

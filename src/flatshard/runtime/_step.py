@@ -108,10 +108,12 @@ class StepContext:
         down then.
         """
         self.process_group = None
+        self.in_flight = None  # (its work holds the group too)
         for unit in self.units:
             for flat in unit.flat_params:
                 flat.groups = ShardGroups(shard=None, replicate=None)
                 flat.transport = replace(flat.transport, reduce_group=None)
+                flat.post_forward_group = None
 
     def tag(self, unit: str = "", phase: str | None = None) -> Tag:
         """What a collective issued now is for (see ``comm/_watchdog.py``)."""
