@@ -30,7 +30,7 @@ import flatshard
 from flatshard import comm_hooks
 from flatshard.testing import internals
 from flatshard.testing.isolated import run_isolated
-from flatshard.testing.models import ReluLinear
+from flatshard.testing.models import ReluLinear, ReluNet
 from flatshard.testing.workers import WorkerContext, WorkerPool
 
 COLLECTIVES = (
@@ -56,24 +56,9 @@ COLLECTIVES = (
 )
 
 
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(4, 8)
-        self.blocks = nn.ModuleList(ReluLinear() for _ in range(3))
-        self.out = nn.Linear(8, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        for block in self.blocks:
-            h = block(h)
-        out: torch.Tensor = self.out(h)
-        return out
-
-
-def _net(group: dist.ProcessGroup | None = None) -> Net:
+def _net(group: dist.ProcessGroup | None = None) -> ReluNet:
     torch.manual_seed(0)
-    return flatshard.fully_shard(Net(), auto_wrap_policy={ReluLinear}, process_group=group)
+    return flatshard.fully_shard(ReluNet(), auto_wrap_policy={ReluLinear}, process_group=group)
 
 
 def _step(model: nn.Module, optim: torch.optim.Optimizer | None = None) -> None:
@@ -292,9 +277,9 @@ def alone_job(rank: int, case: str) -> tuple[str, str, float]:
     try:
         if case == "meta_seed":
             with torch.device("meta"):
-                net = Net()
+                net = ReluNet()
         else:
-            net = Net()
+            net = ReluNet()
         model = flatshard.fully_shard(net, auto_wrap_policy={ReluLinear}, **kwargs)
         if rank == 0:
             if case == "comm_hook":

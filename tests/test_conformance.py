@@ -247,10 +247,16 @@ class Run:
     tmp: str
 
 
-def path_train(run: Run) -> None:
+def _trained(run: Run) -> tuple[Zoo, torch.optim.Optimizer, Reference]:
+    """A sharded model and its reference, both trained ``STEPS`` steps."""
     model, optim = _shard(run.case, run.group)
     ref = Reference(run.case, run.rank)
     _train(model, optim, ref, run.rank)
+    return model, optim, ref
+
+
+def path_train(run: Run) -> None:
+    model, _, ref = _trained(run)
     _same(ref.state(), _full(model), "after training")
 
 
@@ -308,9 +314,7 @@ def path_unshard_held(run: Run) -> None:
 
 
 def path_summon_read(run: Run) -> None:
-    model, optim = _shard(run.case, run.group)
-    ref = Reference(run.case, run.rank)
-    _train(model, optim, ref, run.rank)
+    model, _, ref = _trained(run)
     with flatshard.summon_full_params(model):
         got = {n: p.detach().clone() for n, p in model.named_parameters()}
     _same({n: p.detach() for n, p in ref.model.named_parameters()}, got, "inside summon")
@@ -330,9 +334,7 @@ def path_summon_writeback(run: Run) -> None:
 
 
 def path_summon_state_dict(run: Run) -> None:
-    model, optim = _shard(run.case, run.group)
-    ref = Reference(run.case, run.rank)
-    _train(model, optim, ref, run.rank)
+    model, _, ref = _trained(run)
     with flatshard.summon_full_params(model):
         got = {k: v.detach().clone() for k, v in model.state_dict().items()}
     _same(ref.state(), got, "state_dict() inside summon")
@@ -348,9 +350,7 @@ def path_summon_load_state_dict(run: Run) -> None:
 
 
 def path_summon_decode(run: Run) -> None:
-    model, optim = _shard(run.case, run.group)
-    ref = Reference(run.case, run.rank)
-    _train(model, optim, ref, run.rank)
+    model, _, ref = _trained(run)
     ids = _batch(99, run.rank)[0]
     with flatshard.summon_full_params(model), torch.no_grad():
         got = model(ids)
@@ -363,9 +363,7 @@ def path_summon_decode(run: Run) -> None:
 
 
 def path_sharded_state_dict(run: Run) -> None:
-    model, optim = _shard(run.case, run.group)
-    ref = Reference(run.case, run.rank)
-    _train(model, optim, ref, run.rank)
+    model, _, ref = _trained(run)
     saved = {k: v for k, v in flatshard.sharded_state_dict(model).items()}
     fresh, _ = _shard(run.case, run.group)
     flatshard.load_state_dict(fresh, saved)
@@ -373,9 +371,7 @@ def path_sharded_state_dict(run: Run) -> None:
 
 
 def _checkpoint(run: Run, async_op: bool) -> None:
-    model, optim = _shard(run.case, run.group)
-    ref = Reference(run.case, run.rank)
-    _train(model, optim, ref, run.rank)
+    model, optim, ref = _trained(run)
     path = os.path.join(run.tmp, f"ckpt-{async_op}")
     if async_op:
         flatshard.save_checkpoint(path, model, optim, async_op=True).wait()
@@ -406,9 +402,7 @@ def path_async_checkpoint(run: Run) -> None:
 def path_export_safetensors(run: Run) -> None:
     from safetensors.torch import load_file
 
-    model, optim = _shard(run.case, run.group)
-    ref = Reference(run.case, run.rank)
-    _train(model, optim, ref, run.rank)
+    model, _, ref = _trained(run)
     out = os.path.join(run.tmp, "export")
     files = flatshard.export_safetensors(model, out)
     dist.barrier(group=run.group)

@@ -22,31 +22,16 @@ from torch import nn
 
 import flatshard
 from flatshard.testing.isolated import Died, run_isolated
-from flatshard.testing.models import ReluLinear, Trunk, VocabGPT
+from flatshard.testing.models import ReluLinear, ReluNet, Trunk, VocabGPT
 
 CHECKS = flatshard.Checks(timeout=2.0)
 LIMIT_S = 2.0 + 15.0
 
 
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(4, 8)
-        self.blocks = nn.ModuleList(ReluLinear() for _ in range(3))
-        self.out = nn.Linear(8, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        for block in self.blocks:
-            h = block(h)
-        out: torch.Tensor = self.out(h)
-        return out
-
-
 def _net(**options: Any) -> nn.Module:
     flatshard.set_checks(CHECKS)
     torch.manual_seed(0)
-    return flatshard.fully_shard(Net(), auto_wrap_policy={ReluLinear}, **options)
+    return flatshard.fully_shard(ReluNet(), auto_wrap_policy={ReluLinear}, **options)
 
 
 def _step(model: nn.Module, backward: bool = True) -> None:

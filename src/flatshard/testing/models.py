@@ -311,6 +311,24 @@ class ReluLinear(nn.Module):
         return out
 
 
+class ReluNet(nn.Module):
+    """Linear(4, 8), three ``ReluLinear`` units, Linear(8, 2): the small model of the tests
+    that make ranks disagree."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList(ReluLinear() for _ in range(3))
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        out: torch.Tensor = self.out(h)
+        return out
+
+
 class Trunk(nn.Module):
     """A trunk ``a`` with two heads ``b`` and ``c``: a loss may use one head or both."""
 
