@@ -202,11 +202,12 @@ class Watchdog:
         self.store.set(prefix + str(self.rank), record.descriptor())
         ranks = dist.get_process_group_ranks(group)
         keys = [prefix + str(r) for r in ranks]
-        what = f"the other ranks to reach {record.describe()}"
-        self._waiting_for(
-            what, group, current_checks().timeout_s(group), lambda s: _try_keys(self.store, keys, s)
-        )
-        seen = {r: self.store.get(k).decode() for r, k in zip(ranks, keys, strict=True)}
+        if not _try_keys(self.store, keys, SLICE_S):  # the common case, kept cheap
+            what = f"the other ranks to reach {record.describe()}"
+            timeout = current_checks().timeout_s(group)
+            self._waiting_for(what, group, timeout, lambda s: _try_keys(self.store, keys, s))
+        values = self.store.multi_get(keys)  # one round trip for every rank's record
+        seen = {r: v.decode() for r, v in zip(ranks, values, strict=True)}
         if count > 2:  # every rank has read agreement count - 2 before writing this one
             self.store.delete_key(f"flatshard/agree/{name}/{count - 2}/{self.rank}")
         if len(set(seen.values())) > 1:

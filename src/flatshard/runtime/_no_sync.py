@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from torch import nn
 
-from flatshard.runtime._step import collective_call, contexts_under
+from flatshard.runtime._step import StepContext, collective_call, contexts_under
 
 
 @contextmanager
@@ -21,10 +21,19 @@ def no_sync(model: nn.Module) -> Iterator[None]:
     Enter it on every rank alike.
     """
     contexts = contexts_under(model, "no_sync")
-    previous = [context.sync_gradients for context in contexts]
     with collective_call(model, "no_sync"):
-        for context in contexts:
-            context.switches = replace(context.switches, requires_gradient_sync=False)
+        pass  # agreed by every rank before the body changes what backward issues
+    with sync_off(contexts):
+        yield
+
+
+@contextmanager
+def sync_off(contexts: list[StepContext]) -> Iterator[None]:
+    """Gradient sync off for the body, without agreeing: for a caller every rank agreed
+    on already (``no_sync`` itself, ``train_step``)."""
+    previous = [context.sync_gradients for context in contexts]
+    for context in contexts:
+        context.switches = replace(context.switches, requires_gradient_sync=False)
     try:
         yield
     finally:

@@ -362,6 +362,7 @@ _IN_THE_STEP = frozenset(
         "set_reshard_after_forward",
         "set_requires_all_reduce",
         "no_sync",
+        "train_step",
         "unshard",
         "reshard",
     }

@@ -19,8 +19,9 @@ from torch import nn
 
 from flatshard.runtime._clip import clip_grad_norm_
 from flatshard.runtime._grad_scaler import ShardedGradScaler
-from flatshard.runtime._no_sync import no_sync
-from flatshard.runtime._switches import set_requires_all_reduce
+from flatshard.runtime._no_sync import sync_off
+from flatshard.runtime._step import collective_call, contexts_under
+from flatshard.runtime._switches import switch
 from flatshard.runtime._unit import unit_of
 
 ACCUMULATIONS = ("no_sync", "reduce")
@@ -78,12 +79,18 @@ def train_step(
         raise ValueError(f"flatshard.train_step: micro_batches must be >= 1, got {micro_batches}")
     watch = observer or StepObserver()
     once_across = accumulation == "reduce" and micro_batches > 1 and _hybrid(model)
+    contexts = contexts_under(model, "train_step")
+    options = (
+        f"{micro_batches}, accumulation={accumulation}, clip={clip}, scaler={scaler is not None}"
+    )
+    with collective_call(model, f"train_step({options})"):
+        pass  # agreed once: its switches below are the same on every rank
     for micro in range(micro_batches):
         last = micro == micro_batches - 1
         quiet = accumulation == "no_sync" and not last
         if once_across:
-            set_requires_all_reduce(model, last)  # the replicas' sum once
-        with no_sync(model) if quiet else nullcontext():
+            switch(contexts, requires_all_reduce=last)  # the replicas' sum once
+        with sync_off(contexts) if quiet else nullcontext():
             loss = micro_loss(micro) / micro_batches
             torch.autograd.backward(scaler.scale(loss) if scaler is not None else loss)
         watch.backward_done(loss)

@@ -220,9 +220,15 @@ def change_switches(
             "applies to a whole model's step: call it on that model."
         )
     with collective_call(model, f"{caller}({describe(value)})"):
-        for context in contexts:
-            context.switches = replace(context.switches, **changes)
+        switch(contexts, **changes)
     return contexts
+
+
+def switch(contexts: list[StepContext], **changes: Any) -> None:
+    """Set ``Switches`` fields without agreeing: for ``change_switches`` once agreed, and
+    for a call every rank agreed on as a whole (``train_step``)."""
+    for context in contexts:
+        context.switches = replace(context.switches, **changes)
 
 
 def change_units(
