@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import inspect
 import os
 import tempfile
 from pathlib import Path
@@ -232,3 +233,70 @@ def plain_beside_sharded_job(rank: int) -> list[bool]:
 
 def test_torch_norm_of_an_unsharded_model_beside_a_sharded_one_is_torchs() -> None:
     assert run_isolated(plain_beside_sharded_job) == [[True, True]] * 2
+
+
+# ---------------------------------------------------------------- the state table
+ROOT = Path(__file__).resolve().parent.parent
+CORE = ("flat", "runtime", "sharding", "state", "comm")  # the layers that own unit state
+# Each changing field of docs/design.md's "Unit state" table: the modules that may write it.
+WRITERS: dict[str, set[str]] = {
+    "Unit.state": {"runtime/_unit.py"},
+    "Unit.hold": {"runtime/_unit.py", "runtime/_summon.py", "runtime/_unshard.py"},
+    "Unit.config": {"runtime/_unit.py"},
+    "StepContext.switches": {"runtime/_step.py", "runtime/_switches.py", "runtime/_no_sync.py"},
+    "FlatParamGroup.transport": {
+        "flat/_flat_param.py",
+        "runtime/_unit.py",
+        "runtime/_switches.py",
+        "runtime/_step.py",
+    },
+    "FlatParamGroup.storage": {"flat/_flat_param.py"},
+    "FlatParamGroup.holding": {"flat/_flat_param.py", "flat/_row_sparse.py"},
+    "FlatParamGroup.generation": {"flat/_flat_param.py"},
+    "GradientReduction.owes": {"flat/_reduction.py"},
+}
+
+
+def _table_rows() -> set[str]:
+    text = (ROOT / "docs" / "design.md").read_text()
+    section = text.split("## Unit state", 1)[1].split("\n\n", 2)[2]
+    return {
+        line.split("`")[1]
+        for line in section.split("\n\n")[0].splitlines()
+        if line.startswith("| `")
+    }
+
+
+def _writes(field: str) -> set[str]:
+    """The core modules that assign ``<anything>.field``."""
+    import ast
+
+    found = set()
+    for layer in CORE:
+        for path in (ROOT / "src" / "flatshard" / layer).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Assign):
+                    targets = node.targets
+                elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+                    targets = [node.target]
+                else:
+                    continue
+                if any(isinstance(t, ast.Attribute) and t.attr == field for t in targets):
+                    found.add(f"{layer}/{path.relative_to(ROOT / 'src' / 'flatshard' / layer)}")
+    return found
+
+
+def test_the_state_table_names_each_field_and_its_only_writers() -> None:
+    """design.md's table, the owners' fields and the modules that write them agree: a
+    field written from a module the table does not name, or a row for a field its class
+    does not have, fails."""
+    from flatshard.testing.internals import owners_of_state
+
+    assert _table_rows() == set(WRITERS), "design.md's Unit state table and WRITERS differ"
+    owners = owners_of_state()
+    for row, allowed in WRITERS.items():
+        owner, field = row.split(".")
+        source = inspect.getsource(owners[owner])
+        assert f"self.{field}" in source, f"{owner} has no field '{field}'"
+        extra = _writes(field) - allowed
+        assert not extra, f"'{row}' is written in {sorted(extra)} too"

@@ -24,10 +24,12 @@ from flatshard.comm._checks import Tag
 from flatshard.comm._collectives import ReduceScatter
 from flatshard.comm._mesh import ranks_per_host
 from flatshard.comm._watchdog import watchdog
+from flatshard.flat._flat_param import FlatParamGroup
 from flatshard.flat._gather_codec import quantize_rows
 from flatshard.flat._layout import ViewSplits
 from flatshard.flat._partition import UnitMembers, partition
 from flatshard.flat._policy import select_unit_roots
+from flatshard.flat._reduction import GradientReduction
 from flatshard.flat._storage import Storage, storage_move
 from flatshard.planner._calibrate import _achieved as fitted_achieved
 from flatshard.planner._calibrate import _predicted as calibrated_seconds
@@ -39,11 +41,22 @@ from flatshard.runtime._configuration import Switches, UnitConfig, config_lines
 from flatshard.runtime._prefetch import ExecutionOrder
 from flatshard.runtime._profiling import Ranges
 from flatshard.runtime._rate_limiter import RateLimiter
-from flatshard.runtime._step import context_of, contexts_under
+from flatshard.runtime._step import StepContext, context_of, contexts_under
 from flatshard.runtime._torch_utilities import TorchReach
-from flatshard.runtime._unit import units_of
+from flatshard.runtime._unit import Unit, units_of
 from flatshard.sharding._init import with_index as device_with_index
 from flatshard.state import _async_save, _checkpoint, _dcp
+
+
+def owners_of_state() -> dict[str, type]:
+    """The classes whose fields docs/design.md's "Unit state" table names."""
+    return {
+        "Unit": Unit,
+        "StepContext": StepContext,
+        "FlatParamGroup": FlatParamGroup,
+        "GradientReduction": GradientReduction,
+    }
+
 
 __all__ = [
     "CalibratedSpeeds",
@@ -76,6 +89,7 @@ __all__ = [
     "measured_step_peak",
     "measured_step_seconds",
     "no_keep_last_unit",
+    "owners_of_state",
     "partition",
     "profiler_ranges_entered",
     "quantize_rows",
