@@ -330,3 +330,31 @@ def test_sharding_over_tp_peers_is_an_error(pool: WorkerPool) -> None:
     for message in pool.run(overlapping_job):
         assert "must not be sharded together" in message, message
         assert 'process_group=mesh["dp"]' in message
+
+
+def summon_state_dict_job(ctx: WorkerContext) -> list[str]:
+    """Inside summon_full_params a TP parameter is this rank's TP part: a plain state dict
+    there is refused by name (before: it returned the parts without a word)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = _sharded_2d(mesh, "FULL_SHARD")
+    full = flatshard.full_state_dict(model, rank0_only=False)
+    messages = []
+    with flatshard.summon_full_params(model):
+        for call in (model.state_dict, lambda: model.load_state_dict(full)):
+            try:
+                call()
+                messages.append("no error")
+            except RuntimeError as error:
+                messages.append(str(error))
+    return messages
+
+
+def test_a_plain_state_dict_inside_summon_names_the_tensor_parallel_parts(
+    pool: WorkerPool,
+) -> None:
+    for rank, messages in enumerate(pool.run(summon_state_dict_job)):
+        for message in messages:
+            assert message.startswith("flatshard") and "tensor-parallel parts" in message, (
+                f"rank {rank}: {message}"
+            )
+            assert "flatshard.full_state_dict(model)" in message

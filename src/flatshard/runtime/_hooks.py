@@ -217,6 +217,8 @@ def _refuse_partial_state_dict(unit: Unit, module: nn.Module, *unused: Any) -> N
     truncated model without a word. Allowed where the result is whole: inside
     ``summon_full_params`` or forward, for NO_SHARD units, and for flatshard's own calls.
     """
+    if not unit.own_state_dict_call:
+        _refuse_tensor_parallel_parts(unit, module, "state_dict() would return")
     if unit.own_state_dict_call or unit.is_gathered or not unit.is_sharded:
         return
     raise RuntimeError(
@@ -233,6 +235,8 @@ def _refuse_partial_state_dict(unit: Unit, module: nn.Module, *unused: Any) -> N
 
 def _refuse_partial_load(unit: Unit, module: nn.Module, *unused: Any) -> None:
     """Plain ``load_state_dict()`` of a sharded unit is an error (it would load rows)."""
+    if not unit.own_state_dict_call:
+        _refuse_tensor_parallel_parts(unit, module, "load_state_dict() would load into")
     if unit.own_state_dict_call or unit.is_gathered or not unit.is_sharded:
         return
     raise RuntimeError(
@@ -243,6 +247,25 @@ def _refuse_partial_load(unit: Unit, module: nn.Module, *unused: Any) -> None:
         "flatshard.load_checkpoint(path, model, optim), or load inside "
         "flatshard.summon_full_params(model) (written back to the shards on exit)."
     )
+
+
+def _refuse_tensor_parallel_parts(unit: Unit, module: nn.Module, what: str) -> None:
+    """Inside ``summon_full_params`` a tensor-parallel parameter is this rank's TP part (its
+    layers compute on it as a DTensor), not the global tensor: a plain state dict there
+    would hold parts without a word."""
+    if unit.hold is not Hold.SUMMONED:
+        return
+    local = [o for f in unit.flat_params if f.summoned_local for o in f.originals if o.tp]
+    if local:
+        orig = local[0]
+        assert orig.tp is not None
+        raise RuntimeError(
+            f"flatshard: {type(module).__name__}.{what} this rank's tensor-parallel parts "
+            f"inside summon_full_params (unit '{unit.label}', rank {global_rank()}), e.g. "
+            f"'{orig.fqn}' {tuple(orig.param.shape)} of {tuple(orig.tp.shape)}. Use "
+            "flatshard.full_state_dict(model) / flatshard.load_state_dict(model, sd) (global "
+            "tensors), or flatshard.export_safetensors(model, dir)."
+        )
 
 
 def _example_rows(unit: Unit) -> str:
