@@ -12,6 +12,7 @@ the process runs plain torch again (torch's own functions, no hook).
 from __future__ import annotations
 
 import atexit
+import ctypes
 import weakref
 
 from torch.nn.modules.module import (
@@ -69,23 +70,22 @@ class TorchReach:
 TORCH_REACH = TorchReach()
 
 
-def _released_at_exit() -> None:
-    """[Note: sharded models at the interpreter's teardown]
+def _kept_past_exit() -> None:
+    """[Note: sharded models outlive the interpreter's teardown]
     A sharded model is collected like any object once nothing holds it (its hooks hold
-    their unit weakly), and with the last one goes what ``TorchReach`` installed. Models
-    still alive at exit are collected by the interpreter's teardown, in an order of its
-    own: one that still held a gloo process group (or a work of one) could be the last
-    to let go of it after torch's own teardown began, and a gloo worker still finishing
-    then aborts the process ("terminate called without an active exception"). So the last
-    exit handler (registered at import, it runs after every handler registered later)
-    makes every live model drop its groups and works: the groups live on in c10d's own
-    registry until torch tears them down as for any program, and a model collected after
-    that releases plain tensors only."""
+    their unit weakly), and with the last one goes what ``TorchReach`` installed. At exit
+    it must not be: after the exit handlers, the interpreter's teardown collects what is
+    left in an order of its own, and a model destroyed there releases its process groups
+    and gloo work after torch's own teardown began, which once aborted a process
+    ("terminate called without an active exception"). So the models still alive at exit
+    get one reference more, from outside Python, and are never destroyed: the process
+    ends as it did when nothing could collect them. Registered at import, this handler
+    runs after every exit handler registered later (flatshard's own included)."""
     for context in watched_contexts():
-        context.release_process_groups()
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(context))
 
 
-atexit.register(_released_at_exit)
+atexit.register(_kept_past_exit)
 
 
 def _registered(*unused: object) -> None:
