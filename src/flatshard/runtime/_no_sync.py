@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from torch import nn
 
-from flatshard.runtime._step import StepContext, collective_call, contexts_under
+from flatshard.runtime._step import StepContext, agree, contexts_under
 
 
 @contextmanager
@@ -21,8 +21,7 @@ def no_sync(model: nn.Module) -> Iterator[None]:
     Enter it on every rank alike.
     """
     contexts = contexts_under(model, "no_sync")
-    with collective_call(model, "no_sync"):
-        pass  # agreed by every rank before the body changes what backward issues
+    agree(model, "no_sync")
     with sync_off(contexts):
         yield
 

@@ -402,6 +402,13 @@ def collective_call(model: nn.Module, caller: str) -> Iterator[None]:
         _IN_CALL.reset(token)
 
 
+def agree(model: nn.Module, caller: str) -> None:
+    """Every rank of the model's group made the call ``caller`` (its values in the name):
+    agreed through the store before what follows changes which collectives are issued."""
+    with collective_call(model, caller):
+        pass
+
+
 def every_rank_calls(caller: str, model_arg: int = 0) -> Callable[[F], F]:
     """Decorate ``fn`` as a ``collective_call`` named ``caller`` on its argument
     ``model_arg`` (the model)."""

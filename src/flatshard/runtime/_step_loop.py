@@ -20,7 +20,7 @@ from torch import nn
 from flatshard.runtime._clip import clip_grad_norm_
 from flatshard.runtime._grad_scaler import ShardedGradScaler
 from flatshard.runtime._no_sync import sync_off
-from flatshard.runtime._step import collective_call, contexts_under
+from flatshard.runtime._step import agree, contexts_under
 from flatshard.runtime._switches import switch
 from flatshard.runtime._unit import unit_of
 
@@ -83,8 +83,7 @@ def train_step(
     options = (
         f"{micro_batches}, accumulation={accumulation}, clip={clip}, scaler={scaler is not None}"
     )
-    with collective_call(model, f"train_step({options})"):
-        pass  # agreed once: its switches below are the same on every rank
+    agree(model, f"train_step({options})")  # once: the switches below follow from it
     for micro in range(micro_batches):
         last = micro == micro_batches - 1
         quiet = accumulation == "no_sync" and not last

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from flatshard.runtime._step import collective_call
+from flatshard.runtime._step import agree, collective_call
 from flatshard.runtime._unit import Hold, Unit, unit_or_error
 
 
@@ -33,8 +33,7 @@ def unshard(module: nn.Module, *, async_op: bool = False) -> UnshardHandle | Non
     ``async_op`` the all-gather is started and a handle returned; the unit's forward (or
     ``handle.wait()``) waits for it."""
     unit = unit_or_error(module, "unshard")
-    with collective_call(module, "unshard"):
-        pass  # agreed by every rank first; the gather is the unit's own, as in a step
+    agree(module, "unshard")  # the gather after it is the unit's own, as in a step
     if async_op:
         unit.hold = Hold.USER
         unit.start_unshard()
