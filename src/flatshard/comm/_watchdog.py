@@ -15,6 +15,17 @@ timeout: it takes part at once. So every rank in a flatshard wait raises the sam
 ``CollectiveTimeoutError`` (or ``PeerLostError`` when the backend reports a closed
 connection) within seconds of the first timeout.
 
+A wait need not last until the timeout when the statuses already prove it can never end
+([Note: a proven divergence] in ``_diagnosis.py``): a waiting rank probes every rank's
+status after ``PROBE_S`` and then at doubling intervals, and where the table proves a peer
+ended, a mismatch, or a call made on some ranks only, it starts the diagnosis at once with
+that error. To prove that a peer ended, each rank leaves an exit record in the store as its
+interpreter exits (how: returned, raised and what, or stopped by a signal it handled); a
+process killed outright leaves none, and proves nothing.
+
+The store is polled with ``check``, never waited on with a timeout: each timed-out
+``Store.wait`` makes torch's c10d log two lines, a flood over a long wait.
+
 On backends whose wait does not block the host (NCCL: it makes the stream wait), the wait
 is left to the backend's own watchdog.
 """
@@ -33,6 +44,7 @@ import warnings
 from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
+from types import FrameType
 from typing import NamedTuple, NoReturn
 
 import torch.distributed as dist
@@ -44,7 +56,7 @@ from flatshard.comm._checks import (
     current_checks,
     debug_enabled,
 )
-from flatshard.comm._diagnosis import SAME_CALLS, Status, report
+from flatshard.comm._diagnosis import SAME_CALLS, Status, Waited, proven, report
 from flatshard.comm._errors import (
     CollectiveError,
     CollectiveMismatchError,
@@ -55,11 +67,19 @@ from flatshard.comm._errors import (
 from flatshard.comm._record import Record
 
 SLICE_S = 1.0  # a wait looks for diagnosis requests this often
+PROBE_S = 2.0  # a wait this long asks every rank's status, to look for a proof; then doubling
+_MAX_PROBE_GAP_S = 30.0
 POLL_S = 0.5  # a responder thread looks for diagnosis requests this often
 _GRACE_S = 3 * POLL_S + 2.5  # how long answers are awaited (slack for a loaded machine)
 _KEPT = 16  # collectives a rank reports
 _REQUESTS = "flatshard/diagnosis/requests"
 _WARNINGS = "flatshard/warning/requests"  # early words: asked for, answered, nobody raises
+_PROBES = "flatshard/probe/requests"  # looks for a proof: asked for, answered, nobody raises
+_EXITS = "flatshard/exit/"  # + rank: the exit record
+_ERRORS: dict[str, type[CollectiveError]] = {
+    e.__name__: e for e in (CollectiveTimeoutError, PeerLostError, CollectiveMismatchError)
+}
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _Attempt = Callable[[float], bool]  # wait up to this many seconds: True if done
 
 
@@ -82,7 +102,8 @@ class Watchdog:
         self._seq: dict[str, int] = {}  # group name -> collectives issued on it
         self._agreements: dict[str, int] = {}  # group name -> agreements made on it
         self._tracked: list[_Tracked] = []
-        self.waiting: tuple[str, float] | None = None  # (what, since) while blocked
+        self.waiting: tuple[str, float, Waited | None] | None = None  # what, since, in terms
+        self.signal: str | None = None  # the signal that is ending this process, if handled
         self.seen_requests = self._requests()  # earlier incidents are not ours
         # The slowest interval between two ends of a backward pass: a wait far longer
         # than that is worth a word before the timeout (Checks.warn_after).
@@ -92,6 +113,7 @@ class Watchdog:
         self._stop = threading.Event()
         self._answered = self.seen_requests
         self._warnings_answered = int(self.store.add(_WARNINGS, 0))
+        self._probes_answered = int(self.store.add(_PROBES, 0))
         self._answer_lock = threading.Lock()
         self._thread = threading.Thread(target=self._respond, name="flatshard-watchdog")
         self._thread.daemon = True
@@ -120,7 +142,8 @@ class Watchdog:
             return
         seq = self._seq.get(group.group_name, 0)
         record = Record(seq, group.group_name, "call", 0, "", tag.phase, tag.unit, tag.step)
-        self.agree(group, record)
+        call = tag.phase.split("(")[0]
+        self.agree(group, record, Waited(group.group_name, seq, 0, "", call, _program_line()))
 
     def step_ended(self) -> None:
         """A backward pass ended: the slowest step so far sets when a wait is worth a
@@ -147,8 +170,12 @@ class Watchdog:
             pass  # a peer left: waited for again below, which says so
         timeout = current_checks().timeout_s(found.group)
         what = found.record.describe()
+        record = found.record
+        seq = self._seq.get(record.group, 0)
+        waited = Waited(record.group, seq, record.seq, record.agreed(), "", "")
         try:
-            self._waiting_for(what, found.group, timeout, lambda s: _try_wait(work, s), start)
+            attempt = lambda s: _try_wait(work, s)  # noqa: E731
+            self._waiting_for(what, found.group, timeout, attempt, start, waited)
         except CollectiveError:
             self._tracked.append(found)  # left in flight: the exit must not wait for it
             raise
@@ -160,13 +187,17 @@ class Watchdog:
         timeout: float,
         attempt: _Attempt,
         start: float | None = None,
+        terms: Waited | None = None,
     ) -> None:
         """Call ``attempt`` in slices until it succeeds; diagnose a timeout, a request from
-        another rank, or a failed collective (a peer that left)."""
+        another rank, a proof that the wait can never end, or a failed collective (a peer
+        that left)."""
         start = time.monotonic() if start is None else start
-        self.waiting = (what, start)
+        self.waiting = (what, start, terms)
         warn_after = current_checks().warn_after_s(self.slowest_step_s)
         warned = warn_after >= timeout  # the timeout comes first: no warning
+        probe_gap = PROBE_S
+        probe_at = start + probe_gap
         try:
             while True:
                 try:
@@ -181,6 +212,10 @@ class Watchdog:
                     warned = True
                     self._warn(group, what, waited, timeout)
                 remaining = timeout - waited
+                if time.monotonic() >= probe_at and remaining > 0:
+                    self._probe(group, what, attempt)
+                    probe_gap = min(2 * probe_gap, _MAX_PROBE_GAP_S)
+                    probe_at = time.monotonic() + probe_gap
                 if remaining <= 0:
                     cause = f"flatshard: {what} did not complete within {timeout:g} s"
                     self._diagnose(group, f"{cause} (seen on rank {self.rank})")
@@ -193,8 +228,25 @@ class Watchdog:
         finally:
             self.waiting = None
 
+    def _probe(self, group: dist.ProcessGroup, what: str, attempt: _Attempt) -> None:
+        """Ask every rank's status; where it proves that the wait can never end, start the
+        diagnosis with that proof's error (see the module's note). Nothing else happens:
+        a probe is cheap, and a rank that is merely slow is left to the timeout."""
+        ranks = dist.get_process_group_ranks(group)
+        try:
+            generation = int(self.store.add(_PROBES, 1))
+            self._publish(generation, "probe")
+            statuses = self._collect(generation, ranks, "probe")
+        except Exception:  # the store went with its host: the next slice says so
+            return
+        proof = proven(group.group_name, ranks, statuses)
+        if proof is None or attempt(0.001):  # (a peer that ended may have finished it)
+            return
+        cause = f"flatshard: rank {self.rank} waited for {what}, which can never complete"
+        self._diagnose(group, cause, _ERRORS[proof.error])
+
     # ------------------------------------------------------------------ agreement
-    def agree(self, group: dist.ProcessGroup, record: Record) -> None:
+    def agree(self, group: dist.ProcessGroup, record: Record, waited: Waited | None = None) -> None:
         """Every rank of ``group`` shows the same ``record`` through the store, or raises."""
         name = group.group_name
         count = self._agreements[name] = self._agreements.get(name, 0) + 1
@@ -205,7 +257,8 @@ class Watchdog:
         if not _try_keys(self.store, keys, SLICE_S):  # the common case, kept cheap
             what = f"the other ranks to reach {record.describe()}"
             timeout = current_checks().timeout_s(group)
-            self._waiting_for(what, group, timeout, lambda s: _try_keys(self.store, keys, s))
+            attempt = lambda s: _try_keys(self.store, keys, s)  # noqa: E731
+            self._waiting_for(what, group, timeout, attempt, None, waited)
         values = self.store.multi_get(keys)  # one round trip for every rank's record
         seen = {r: v.decode() for r, v in zip(ranks, values, strict=True)}
         if count > 2:  # every rank has read agreement count - 2 before writing this one
@@ -293,36 +346,52 @@ class Watchdog:
         """Another rank asked: raise its kind of error (a lost peer, or a timeout)."""
         try:
             key = f"flatshard/diagnosis/{self._requests()}/cause"
-            lost = _try_keys(self.store, [key], SLICE_S) and self.store.get(key) == b"PeerLostError"
+            found = _try_keys(self.store, [key], SLICE_S)
+            name = self.store.get(key).decode() if found else CollectiveTimeoutError.__name__
         except RuntimeError:  # the store went with its host: someone is gone
-            lost = True
-        seen = "a peer left" if lost else "another rank timed out"
+            name = PeerLostError.__name__
+        seen = {
+            PeerLostError.__name__: "a peer left",
+            CollectiveMismatchError.__name__: "another rank found the ranks' calls differ",
+        }.get(name, "another rank timed out")
         cause = f"flatshard: {seen}; rank {self.rank} waited for {what}"
-        self._diagnose(group, cause, PeerLostError if lost else CollectiveTimeoutError)
+        self._diagnose(group, cause, _ERRORS.get(name, CollectiveTimeoutError))
 
-    def _publish(self, generation: int, kind: str = "diagnosis") -> None:
+    def _status(self, ended: str | None = None) -> Status:
         waiting = self.waiting
-        status = Status(
+        return Status(
             rank=self.rank,
             host=socket.gethostname(),
             waiting=None if waiting is None else waiting[0],
             waiting_s=0.0 if waiting is None else time.monotonic() - waiting[1],
             recent=[(r.group, r.seq, r.describe(), r.agreed()) for r in list(self.recent)],
+            waiting_on=None if waiting is None else waiting[2],
+            ended=ended,
         )
+
+    def _publish(self, generation: int, kind: str = "diagnosis") -> None:
+        status = self._status()
         self.store.set(f"flatshard/{kind}/{generation}/{self.rank}", json.dumps(status.to_json()))
 
     def _collect(
         self, generation: int, ranks: list[int], kind: str = "diagnosis"
     ) -> dict[int, Status]:
+        """Every rank's answer, or its exit record where it has ended; within the grace."""
         keys = {r: f"flatshard/{kind}/{generation}/{r}" for r in ranks}
+        exits = {r: _EXITS + str(r) for r in ranks}
+        found: dict[int, Status] = {}
         deadline = time.monotonic() + _GRACE_S
-        while time.monotonic() < deadline and not self.store.check(list(keys.values())):
+        while True:
+            for rank in ranks:
+                if rank in found:
+                    continue
+                for key in (keys[rank], exits[rank]):
+                    if self.store.check([key]):
+                        found[rank] = Status.from_json(json.loads(self.store.get(key)))
+                        break
+            if len(found) == len(ranks) or time.monotonic() >= deadline:
+                return found
             time.sleep(0.05)
-        found = {}
-        for rank, key in keys.items():
-            if self.store.check([key]):
-                found[rank] = Status.from_json(json.loads(self.store.get(key)))
-        return found
 
     def _respond(self) -> None:
         """The responder thread: answer diagnosis requests until stopped or the store goes."""
@@ -345,11 +414,19 @@ class Watchdog:
             while self._warnings_answered < warnings_requested:
                 self._warnings_answered += 1
                 self._publish(self._warnings_answered, "warning")
+            probes_requested = int(self.store.add(_PROBES, 0))
+            while self._probes_answered < probes_requested:
+                self._probes_answered += 1
+                self._publish(self._probes_answered, "probe")
 
     def _at_exit(self) -> None:
         if self.failed:
             with contextlib.suppress(Exception):  # (the store may have gone with its host)
                 self._answer_pending()
+        if self.world is not None:  # the exit record (see the module's note)
+            with contextlib.suppress(Exception):
+                record = self._status(_how_it_ended(self.signal))
+                self.store.set(_EXITS + str(self.rank), json.dumps(record.to_json()))
         self._stop.set()
         self._thread.join(timeout=2 * POLL_S)
         if self.failed and any(not t.work.is_completed() for t in self._tracked):
@@ -377,11 +454,38 @@ def _try_wait(work: dist.Work, seconds: float) -> bool:
 
 
 def _try_keys(store: dist.distributed_c10d.Store, keys: list[str], seconds: float) -> bool:
-    try:
-        store.wait(keys, timedelta(seconds=seconds))
-    except RuntimeError:  # the store's "Wait timeout"
-        return False
+    """Whether ``keys`` are all set within ``seconds``: polled, never waited on (see the
+    module's note)."""
+    deadline = time.monotonic() + seconds
+    pause = 0.0002
+    while not store.check(keys):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(2 * pause, 0.02)
     return True
+
+
+def _how_it_ended(signal_name: str | None) -> str:
+    """This process's end, in the words of the exit record."""
+    if signal_name is not None:
+        return f"was stopped by {signal_name}"
+    error = getattr(sys, "last_value", None)  # an uncaught exception ends the program
+    if error is not None:
+        text = str(error).splitlines()[0][:200] if str(error) else ""
+        return f"ended by an exception, {type(error).__name__}: {text}"
+    return "ended normally (its program returned or called sys.exit)"
+
+
+def _program_line() -> str:
+    """The line of the program (outside flatshard and torch) that called flatshard."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not path.startswith(_PACKAGE) and "/torch/" not in path and "contextlib" not in path:
+            return f"{os.path.basename(path)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return ""
 
 
 def _mismatch(seen: dict[int, str], rank: int) -> str:

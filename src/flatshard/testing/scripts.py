@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,46 @@ def run_script(
         timeout=timeout,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
+
+
+def run_ranks(
+    script: Path, *args: str, cwd: Path, ranks: int = 2, timeout: float = 120
+) -> list[tuple[int, str]]:
+    """Run ``script`` with ``args`` as ``ranks`` processes, each with the variables torchrun
+    sets (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), without torchrun's agent: no rank
+    is stopped because another ended. Each rank's (exit status, output)."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    base = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES}
+    procs = []
+    for rank in range(ranks):
+        env = base | {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(ranks),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), *args],
+                env=env,
+                cwd=cwd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    outcomes = []
+    for proc in procs:
+        try:
+            output, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output, _ = proc.communicate()
+        outcomes.append((proc.returncode, output))
+    return outcomes
 
 
 def against_reference(script: Path, out: Path) -> None:
