@@ -103,7 +103,6 @@ class Watchdog:
         self._agreements: dict[str, int] = {}  # group name -> agreements made on it
         self._tracked: list[_Tracked] = []
         self.waiting: tuple[str, float, Waited | None] | None = None  # what, since, in terms
-        self.signal: str | None = None  # the signal that is ending this process, if handled
         self.seen_requests = self._requests()  # earlier incidents are not ours
         # The slowest interval between two ends of a backward pass: a wait far longer
         # than that is worth a word before the timeout (Checks.warn_after).
@@ -419,14 +418,19 @@ class Watchdog:
                 self._probes_answered += 1
                 self._publish(self._probes_answered, "probe")
 
+    def leave_exit_record(self, how: str) -> None:
+        """Say in the store how this process ends (see the module's note)."""
+        if self.world is None:
+            return
+        with contextlib.suppress(Exception):  # (the store may have gone with its host)
+            record = self._status(how)
+            self.store.set(_EXITS + str(self.rank), json.dumps(record.to_json()))
+
     def _at_exit(self) -> None:
         if self.failed:
             with contextlib.suppress(Exception):  # (the store may have gone with its host)
                 self._answer_pending()
-        if self.world is not None:  # the exit record (see the module's note)
-            with contextlib.suppress(Exception):
-                record = self._status(_how_it_ended(self.signal))
-                self.store.set(_EXITS + str(self.rank), json.dumps(record.to_json()))
+        self.leave_exit_record(_how_it_ended())
         self._stop.set()
         self._thread.join(timeout=2 * POLL_S)
         if self.failed and any(not t.work.is_completed() for t in self._tracked):
@@ -457,7 +461,7 @@ def _try_keys(store: dist.distributed_c10d.Store, keys: list[str], seconds: floa
     """Whether ``keys`` are all set within ``seconds``: polled, never waited on (see the
     module's note)."""
     deadline = time.monotonic() + seconds
-    pause = 0.0002
+    pause = 0.00005
     while not store.check(keys):
         if time.monotonic() >= deadline:
             return False
@@ -466,10 +470,8 @@ def _try_keys(store: dist.distributed_c10d.Store, keys: list[str], seconds: floa
     return True
 
 
-def _how_it_ended(signal_name: str | None) -> str:
+def _how_it_ended() -> str:
     """This process's end, in the words of the exit record."""
-    if signal_name is not None:
-        return f"was stopped by {signal_name}"
     error = getattr(sys, "last_value", None)  # an uncaught exception ends the program
     if error is not None:
         text = str(error).splitlines()[0][:200] if str(error) else ""
@@ -501,6 +503,13 @@ def _mismatch(seen: dict[int, str], rank: int) -> str:
 
 
 _WATCHDOG: Watchdog | None = None
+
+
+def leave_exit_record(how: str) -> None:
+    """Say in the store how this process ends, where it has a watchdog: for a process about
+    to end by a signal, which runs no exit handler."""
+    if _WATCHDOG is not None:
+        _WATCHDOG.leave_exit_record(how)
 
 
 def watchdog() -> Watchdog | None:

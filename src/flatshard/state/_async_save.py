@@ -29,6 +29,18 @@ whole directory, so a rank killed during the write leaves ``<path>.partial``, wh
 a process that ends normally or by an exception finishes the pending write first (Python
 joins such threads before exiting); a failure nobody waited for is printed at exit.
 ``dist.destroy_process_group()`` destroys the writer's group too: call ``wait()`` first.
+
+[Note: a save outlives SIGTERM]
+SIGTERM is how SLURM, Kubernetes and torchrun stop a job (preemption, a scale-down), and
+its default action ends the process at once: a write in the background thread would be
+lost. So the first asynchronous save started from the main thread installs a SIGTERM
+handler, kept for the process's life, that waits for the pending save to commit (or fail,
+said on stderr), then does what the handler it replaced would have done: calls it (the
+program's own, Lightning's), ignores the signal, or, for the default, ends the process by
+SIGTERM as before, so the exit status a scheduler reads is unchanged. Every rank of a
+preempted job gets the signal, and each rank's writer needs the others' for the commit:
+each waits for its own. SIGINT needs none of this: it raises ``KeyboardInterrupt``, and
+the exit joins the writer.
 """
 
 from __future__ import annotations
@@ -36,6 +48,8 @@ from __future__ import annotations
 import atexit
 import copy
 import dataclasses
+import os
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -46,6 +60,7 @@ import torch
 import torch.distributed as dist
 
 from flatshard.comm._collectives import all_gather_object
+from flatshard.comm._watchdog import leave_exit_record
 from flatshard.state._errors import CheckpointError
 from flatshard.state._state_dict import RowShard
 
@@ -172,7 +187,45 @@ def start_save(
     save._thread = thread
     _PENDING.append(save)
     thread.start()
+    _finish_saves_on(signal.SIGTERM)
     return save
+
+
+_REPLACED: dict[int, Any] = {}  # signal -> the handler ours replaced
+
+
+def _finish_saves_on(signum: signal.Signals) -> None:
+    """Install ``_on_signal`` for ``signum`` (once; from the main thread only: Python
+    allows no other). See [Note: a save outlives SIGTERM]."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    current = signal.getsignal(signum)
+    if current is _on_signal or current is None:  # ours already, or set outside Python
+        return
+    _REPLACED[signum] = current
+    signal.signal(signum, _on_signal)
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    """Finish the pending save, then act as the replaced handler would have."""
+    name = signal.Signals(signum).name
+    for save in [s for s in _PENDING if not s.done()]:
+        print(
+            f"flatshard: {name} received while {save.path} was being written; finishing it "
+            "before the process stops",
+            file=sys.stderr,
+            flush=True,
+        )
+        save._join()
+        outcome = f"failed: {save._error}" if save._error is not None else "committed"
+        print(f"flatshard: {save.path} {outcome}", file=sys.stderr, flush=True)
+    replaced = _REPLACED.get(signum, signal.SIG_DFL)
+    if callable(replaced):
+        replaced(signum, frame)
+    elif replaced != signal.SIG_IGN:  # the default: end by the signal, as without flatshard
+        leave_exit_record(f"was stopped by {name}")
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
 
 def settle_pending(caller: str) -> None:
