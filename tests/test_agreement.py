@@ -153,6 +153,7 @@ NOT_ON_A_MODEL: dict[str, str] = {
     "split_division": "arithmetic",
     "register_matrix_optimizer": "declares an optimizer class (its step's refusal); no collective",
     "export_checkpoint": "converts a checkpoint directory offline, in one process",
+    "latest_checkpoint": "reads a directory's names and manifests; no collective",
     "CommHook": "a type: the signature of a communication hook",
 }
 

@@ -508,7 +508,7 @@ def test_charts_without_matplotlib_are_a_note(
 
 def test_a_resume_at_another_world_size_says_what_changes() -> None:
     from flatshard.cli.lm.config import TrainConfig
-    from flatshard.cli.train.command import world_change
+    from flatshard.cli.train.resume import world_change
 
     one = TrainConfig(batch=4)  # 2 ranks x 4 sequences saved, resumed at 1 rank
     assert world_change(2, 4, one, 1) == (
@@ -517,3 +517,28 @@ def test_a_resume_at_another_world_size_says_what_changes() -> None:
     )
     assert world_change(2, 4, TrainConfig(batch=8), 1).endswith("stays 8 sequences per step")
     assert "to keep it" not in world_change(3, 1, TrainConfig(batch=2), 2)  # 3 of 4: no way
+
+
+def test_a_resume_lists_the_options_that_differ_and_exact_resume_refuses() -> None:
+    """Before, a changed --seed was accepted without a word and the losses drifted."""
+    from dataclasses import asdict
+
+    from flatshard.cli.config import ConfigError
+    from flatshard.cli.lm.config import TrainConfig
+    from flatshard.cli.train.resume import resume_changes
+
+    saved = asdict(TrainConfig(batch=4))
+    same = TrainConfig(batch=4, resume="auto", ckpt_every=5, out_dir="elsewhere")
+    assert resume_changes(saved, 2, same, 2) == []  # run control only
+    changed = TrainConfig(batch=4, seed=1, strategy="SHARD_GRAD_OP", resume="auto")
+    assert resume_changes(saved, 2, changed, 2) == [
+        "--seed 1 (was 0): each step's batch is drawn from the seed: the data order differs",
+        "--strategy SHARD_GRAD_OP (was FULL_SHARD): the same mathematics, the losses equal up "
+        "to rounding",
+    ]
+    layout_only = TrainConfig(batch=4, strategy="SHARD_GRAD_OP", exact_resume=True)
+    assert len(resume_changes(saved, 2, layout_only, 2)) == 1  # not refused
+    with pytest.raises(ConfigError, match=r"--exact-resume: .*\n  --seed 1 \(was 0\)"):
+        resume_changes(saved, 2, TrainConfig(batch=4, seed=1, exact_resume=True), 2)
+    with pytest.raises(ConfigError, match="global batch changes from 8 to 4"):
+        resume_changes(saved, 2, TrainConfig(batch=4, exact_resume=True), 1)

@@ -183,6 +183,36 @@ def test_a_kill_during_a_background_write_resumes_from_the_checkpoint_before(
     assert _losses(tmp_path) == uninterrupted  # bit-identical
 
 
+def test_sigterm_during_a_background_write_saves_once_more_and_resumes_exactly(
+    tmp_path: Path, uninterrupted: dict[int, float]
+) -> None:
+    """Preemption as SLURM or Kubernetes does it: SIGTERM while --ckpt-async's writer writes.
+    The pending save commits, --ckpt-on-preempt saves the step the ranks agree to stop at,
+    the exit status is 143, and --resume auto continues bit-identically. Before, the
+    pending write was lost (its '.partial' left) and the steps since the last save too."""
+    run = [*MAIN, "train", *RUN, "--ckpt-async", "--ckpt-on-preempt", "--out-dir", str(tmp_path)]
+    ckpts = tmp_path / "checkpoints"
+    env = _slow_saves(tmp_path.parent / f"{tmp_path.name}-env")  # each write lasts 1 s more
+    proc = subprocess.Popen(run, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    _wait(lambda: (ckpts / "step_000016.partial").exists())
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, stdout + stderr[-3000:]
+    assert (ckpts / "step_000016" / "flatshard.json").exists(), stderr  # committed
+    assert "step_000016 committed" in stderr
+    stopped = int(stdout.split("SIGTERM at step ")[1].split(":")[0])
+    assert 16 < stopped < 24, stdout
+    whole = sorted(p.name for p in ckpts.iterdir() if (p / "flatshard.json").exists())
+    assert whole == ["step_000008", "step_000016", f"step_{stopped:06d}"]  # --keep-ckpts 3
+    done = subprocess.run([*run, "--resume", "auto"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resumed from {ckpts / f'step_{stopped:06d}'} at step {stopped}" in done.stdout
+    assert "options that differ" not in done.stdout, done.stdout
+    assert _losses(tmp_path) == uninterrupted  # bit-identical
+    whole = sorted(p.name for p in ckpts.iterdir() if (p / "flatshard.json").exists())
+    assert whole == ["step_000016", f"step_{stopped:06d}", "step_000024"]
+
+
 def test_two_torchrun_agents_as_two_nodes(tmp_path: Path) -> None:
     """Multi-node as torchrun runs it, two agents on this host (``--nnodes 2``)."""
     with socket.socket() as probe:  # a free port for the rendezvous

@@ -28,9 +28,9 @@ from flatshard.state._checkpoint import (
     checkpoint_metadata,
     is_tensor_entry,
     load_raw,
-    read_manifest,
     verify_files,
 )
+from flatshard.state._directory import read_manifest
 from flatshard.state._export import DEFAULT_SHARD_BYTES
 
 __all__ = [

@@ -8,6 +8,7 @@ API; the checkpoint directory's reading side (manifest, entries, raw loads) that
 
 from flatshard.state._async_save import CheckpointSave
 from flatshard.state._checkpoint import load_checkpoint, save_checkpoint
+from flatshard.state._directory import latest_checkpoint
 from flatshard.state._errors import CheckpointError
 from flatshard.state._export import export_checkpoint, export_safetensors
 from flatshard.state._load import load_safetensors
@@ -22,15 +23,18 @@ from flatshard.state._state_dict import (
     load_state_dict,
     sharded_state_dict,
 )
+from flatshard.state._training_state import TrainingState
 
 __all__ = [
     "CheckpointError",
     "CheckpointSave",
     "RowShard",
+    "TrainingState",
     "export_checkpoint",
     "export_safetensors",
     "full_optim_state_dict",
     "full_state_dict",
+    "latest_checkpoint",
     "load_checkpoint",
     "load_optim_state_dict",
     "load_safetensors",

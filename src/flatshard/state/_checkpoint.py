@@ -17,6 +17,7 @@ second and later ones are ``optim/param_groups.<i>``.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 import shutil
@@ -33,6 +34,14 @@ from flatshard.comm._collectives import all_gather_object, barrier
 from flatshard.comm._ranks import rank_in
 from flatshard.runtime._step import every_rank_calls
 from flatshard.state._async_save import CheckpointSave, Exchange, settle_pending, start_save
+from flatshard.state._directory import (
+    FORMAT,
+    MANIFEST,
+    VERSION,
+    check_keep,
+    prune_older,
+    read_manifest,
+)
 from flatshard.state._errors import CheckpointError
 from flatshard.state._optim_state import (
     OptimStateDict,
@@ -48,13 +57,12 @@ from flatshard.state._state_dict import (
     reshard_for_load,
     sharded_state_dict,
 )
+from flatshard.state._training_state import KEY as TRAINING
+from flatshard.state._training_state import TrainingState
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint takes ~1 s to import: only when used
     from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-MANIFEST = "flatshard.json"
-FORMAT = "flatshard-checkpoint"
-VERSION = 1
 MODEL, OPTIM, GROUPS, EXTRA = "model/", "optim/", "optim/param_groups", "extra/"
 
 
@@ -87,6 +95,8 @@ def save_checkpoint(
     *,
     extra: dict[str, Any] | None = None,
     async_op: Literal[False] = False,
+    keep: int | None = None,
+    training: TrainingState | None = None,
 ) -> None: ...
 
 
@@ -98,6 +108,8 @@ def save_checkpoint(
     *,
     extra: dict[str, Any] | None = None,
     async_op: Literal[True],
+    keep: int | None = None,
+    training: TrainingState | None = None,
 ) -> CheckpointSave: ...
 
 
@@ -109,6 +121,8 @@ def save_checkpoint(
     *,
     extra: dict[str, Any] | None = None,
     async_op: bool,
+    keep: int | None = None,
+    training: TrainingState | None = None,
 ) -> CheckpointSave | None: ...
 
 
@@ -120,6 +134,8 @@ def save_checkpoint(
     *,
     extra: dict[str, Any] | None = None,
     async_op: bool = False,
+    keep: int | None = None,
+    training: TrainingState | None = None,
 ) -> CheckpointSave | None:
     """Write model, optimizer and ``extra`` state to the directory ``path``, atomically.
 
@@ -140,16 +156,29 @@ def save_checkpoint(
     ``CheckpointError`` on every rank from ``wait()`` and from the next
     ``save_checkpoint``/``load_checkpoint``; ``<path>`` appears only when whole, so a
     crash meanwhile leaves the previous checkpoint the newest whole one. Call ``wait()``
-    before ``dist.destroy_process_group()``; at exit, Python finishes a pending save.
+    before ``dist.destroy_process_group()``; at exit, and on SIGTERM, a pending save is
+    finished first.
+
+    ``training``: a ``flatshard.TrainingState`` (RNG states, LR schedulers, the data
+    position) kept with each rank's ``extra``; ``load_checkpoint(..., training=...)`` puts
+    it back.
+
+    ``keep=N``: once this checkpoint is committed, remove the older ones of its series (the
+    same name up to a trailing number: ``step_000120``), so that the N newest stay; a save
+    that fails removes nothing. ``flatshard.latest_checkpoint(directory)`` finds the newest.
     """
     settle_pending("save_checkpoint")
     target = Path(path)
+    check_keep(target, keep)
     group = checkpoint_group(model)
     partial = target.with_name(target.name + ".partial")
+    if training is not None:
+        extra = {**(extra or {}), TRAINING: training.state_dict()}
     state = _collect_state(model, _listed(optimizer), extra, group)
+    write = functools.partial(write_or_clean_up, keep=keep)
     if async_op:
-        return start_save(target, partial, state, group, write_or_clean_up)
-    write_or_clean_up(target, partial, state, group, exchange_over(group))
+        return start_save(target, partial, state, group, write)
+    write(target, partial, state, group, exchange_over(group))
     return None
 
 
@@ -159,9 +188,10 @@ def write_or_clean_up(
     state: dict[str, Any],
     group: dist.ProcessGroup | None,
     exchange: Exchange,
+    keep: int | None = None,
 ) -> None:
     """Write ``state`` to ``partial`` and swap it in as ``target``; on failure remove
-    ``partial`` and say a full disk in words."""
+    ``partial`` and say a full disk in words. ``keep``: then prune the series."""
     try:
         _write_and_commit(target, partial, state, group, exchange)
     except Exception as error:
@@ -174,6 +204,8 @@ def write_or_clean_up(
                 "already there (if any) is untouched. Free space or keep fewer checkpoints."
             ) from error
         raise
+    if keep is not None and rank_in(group) == 0:
+        prune_older(target, keep)
 
 
 def _out_of_space(error: BaseException | None, depth: int = 0) -> bool:
@@ -323,6 +355,7 @@ def load_checkpoint(
     optimizer: Optimizers = None,
     *,
     strict: bool = True,
+    training: TrainingState | None = None,
 ) -> dict[str, Any]:
     """Load a ``save_checkpoint`` directory into ``model`` (and ``optimizer``); return extra.
 
@@ -330,7 +363,8 @@ def load_checkpoint(
     (non-sharded) model without a process group. A collective over the model's ranks.
     The optimizer may be fresh (no state yet): every moment is restored. Returns this
     rank's ``extra`` as saved (rank 0's when the saving run had fewer ranks). A list of
-    optimizers loads what ``save_checkpoint`` saved from the same list.
+    optimizers loads what ``save_checkpoint`` saved from the same list. ``training``: the
+    ``flatshard.TrainingState`` to restore (saved with ``save_checkpoint(..., training=)``).
     """
     settle_pending("load_checkpoint")  # the path may be the one being written
     optimizers = _listed(optimizer)
@@ -350,7 +384,11 @@ def load_checkpoint(
     for index, optimizer in enumerate(optimizers):
         load_optim_state_dict(model, optimizer, _optim_state(state, index))
     extra = state[extra_key]
-    return extra if isinstance(extra, dict) else {}
+    extra = dict(extra) if isinstance(extra, dict) else {}
+    saved_training = extra.pop(TRAINING, None)
+    if training is not None:
+        training.load_state_dict(saved_training or {}, str(target))
+    return extra
 
 
 def load_raw(target: Path, state: dict[str, Any]) -> None:
@@ -439,48 +477,6 @@ def _optim_state(state: dict[str, Any], index: int) -> OptimStateDict:
 
 
 # ---------------------------------------------------------------- checking
-def read_manifest(target: Path) -> dict[str, Any]:
-    """The manifest of a checkpoint directory, or an error saying what is there instead."""
-    if not target.exists():
-        hint = ""
-        if target.with_name(target.name + ".previous").exists():
-            hint = (
-                f" {target.name}.previous is a complete checkpoint left by a save that was "
-                f"interrupted between its two renames: rename it to {target.name}."
-            )
-        elif target.with_name(target.name + ".partial").exists():
-            hint = f" {target.name}.partial is an unfinished save; it cannot be loaded."
-        raise CheckpointError(f"flatshard: no checkpoint at {target}.{hint}")
-    if not target.is_dir():
-        raise CheckpointError(
-            f"flatshard: {target} is a file; a flatshard checkpoint is a directory written "
-            "by flatshard.save_checkpoint."
-        )
-    manifest_path = target / MANIFEST
-    if not manifest_path.exists():
-        what = (
-            "a torch.distributed.checkpoint directory"
-            if (target / ".metadata").exists()
-            else "a directory"
-        )
-        raise CheckpointError(
-            f"flatshard: {target} is {what} without {MANIFEST}: not written by "
-            "flatshard.save_checkpoint (or its save never finished)."
-        )
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise CheckpointError(f"flatshard: {manifest_path} is damaged: {error}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"flatshard: {manifest_path} is not a flatshard manifest.")
-    if manifest.get("version") != VERSION:
-        raise CheckpointError(
-            f"flatshard: {target} has checkpoint format version {manifest.get('version')}; "
-            f"this flatshard reads version {VERSION}."
-        )
-    return manifest
-
-
 def verify_files(target: Path, manifest: dict[str, Any], group: dist.ProcessGroup | None) -> None:
     """Compare every file's size and CRC32 with the manifest; each rank checks a share."""
     expected: dict[str, dict[str, int]] = manifest["files"]

@@ -23,9 +23,9 @@ from flatshard.state._checkpoint import (
     checkpoint_metadata,
     is_tensor_entry,
     load_raw,
-    read_manifest,
     verify_files,
 )
+from flatshard.state._directory import read_manifest
 from flatshard.state._safetensors import Entry, StreamWriter
 from flatshard.state._state_dict import (
     HeldRows,

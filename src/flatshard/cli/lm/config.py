@@ -169,9 +169,17 @@ class TrainConfig:
     """save checkpoints in the background: each save copies the state to host memory and
     training goes on while a thread writes it (a checkpoint counts once whole; a crash
     meanwhile resumes from the one before)"""
+    ckpt_on_preempt: bool = False
+    """on SIGTERM (what SLURM, Kubernetes and torchrun send to stop or preempt a job): finish
+    the step, save a checkpoint (a save being written is finished first) and exit with
+    status 143, which schedulers read as stopped by SIGTERM (requeue it with --resume auto)"""
     resume: str = ""
     """continue from a checkpoint directory; 'latest' (the newest in --ckpt-dir); or 'auto'
-    (the newest whole one, else start afresh: for jobs restarted after a crash)"""
+    (the newest whole one, else start afresh: for jobs restarted after a crash). Options
+    that differ from the saved run's are listed with what they change"""
+    exact_resume: bool = False
+    """with --resume: refuse to continue where an option differs from the saved run's in a
+    way that changes the losses (seed, data, batch, schedule, model, precision, ...)"""
     sample_bytes: int = 300
     """bytes of text to generate at the end (0: none)"""
 

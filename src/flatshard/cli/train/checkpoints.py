@@ -41,7 +41,7 @@ def resume_from(config: TrainConfig) -> Path | None:
 
 def check_checkpoint_dir(config: TrainConfig) -> None:
     """An unwritable ``--ckpt-dir`` is found before training, not at the first save."""
-    if not config.ckpt_every:
+    if not config.ckpt_every and not config.ckpt_on_preempt:
         return
     directory = config.checkpoint_dir
     try:

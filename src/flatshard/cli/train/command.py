@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -48,13 +48,18 @@ from flatshard.cli.train.checkpoints import (
     check_checkpoint_dir,
     check_checkpoint_room,
     resume_from,
-    saved_checkpoints,
 )
 from flatshard.cli.train.elastic import run_elastic
 from flatshard.cli.train.fit_memory import fit_memory
-from flatshard.cli.train.launch import run_local_ranks, stop_with_parent
+from flatshard.cli.train.launch import (
+    PREEMPT_GRACE_S,
+    STOP_GRACE_S,
+    run_local_ranks,
+    stop_with_parent,
+)
 from flatshard.cli.train.predict import Measurement, Prediction, predict_run, prediction_line
 from flatshard.cli.train.progress import MetricsLog, ProgressBar, StepMetrics, plot
+from flatshard.cli.train.resume import resume_changes
 
 PROMPT = "And God said"
 
@@ -118,8 +123,10 @@ def _fitted(config: TrainConfig, world: int, lead: bool) -> TrainConfig:
 
 
 def _spawn(config: TrainConfig, store: str, prediction: Prediction | None) -> int:
-    """One process per local rank (see ``launch.run_local_ranks``)."""
-    return run_local_ranks(config.nproc, _worker, (config, store, prediction))
+    """One process per local rank (see ``launch.run_local_ranks``); with --ckpt-on-preempt
+    a SIGTERM gives them time to finish the step and save."""
+    grace = PREEMPT_GRACE_S if config.ckpt_on_preempt else STOP_GRACE_S
+    return run_local_ranks(config.nproc, _worker, (config, store, prediction), grace)
 
 
 def _worker(
@@ -231,51 +238,32 @@ class Trainer:
             ids.append(int(torch.multinomial(probs, 1, generator=gen)))
         return decode(ids)
 
-    def save(self) -> Path:
+    def save(self, now: bool = False) -> Path:
+        """Save this step's checkpoint (``now``: synchronously, even with --ckpt-async)."""
         path = self.config.checkpoint_dir / f"step_{self.step:06d}"
         extra = {"step": self.step, "rng": torch.get_rng_state(), "config": asdict(self.config)}
         extra["world"] = self.world  # a resume at another world size says what changes
         # With --ckpt-async it is written in the background; the next save waits for it,
         # and only whole checkpoints are listed (a '.partial' one is not pruned or counted).
         self.pending = flatshard.save_checkpoint(
-            path, self.model, self.optims, extra=extra, async_op=self.config.ckpt_async
+            path,
+            self.model,
+            self.optims,
+            extra=extra,
+            async_op=self.config.ckpt_async and not now,
+            keep=self.config.keep_ckpts,  # counted once committed (an async save, too)
         )
-        if self.rank == 0:
-            for old in saved_checkpoints(self.config.checkpoint_dir)[: -self.config.keep_ckpts]:
-                shutil.rmtree(old, ignore_errors=True)
         return path
 
-    def resume(self, path: Path) -> str:
-        """Continue from the checkpoint at ``path``; what changed, in words ("" if nothing)."""
+    def resume(self, path: Path) -> list[str]:
+        """Continue from the checkpoint at ``path``; the options that differ from the saved
+        run's, each with what it changes ([Note: what a resume changes])."""
         extra = flatshard.load_checkpoint(path, self.model, self.optims)
         self.step = int(extra["step"])
         torch.set_rng_state(extra["rng"])
         saved_world = extra.get("world")
-        if not isinstance(saved_world, int) or saved_world == self.world:
-            return ""
-        saved = extra["config"]
-        per_rank = saved["batch"] * saved["grad_accum"]
-        return world_change(saved_world, per_rank, self.config, self.world)
-
-
-def world_change(saved_world: int, saved_per_rank: int, config: TrainConfig, world: int) -> str:
-    """What resuming at ``world`` ranks a checkpoint saved at ``saved_world`` changes (each
-    rank then read ``saved_per_rank`` sequences per step), and the flags that keep it."""
-    before = saved_world * saved_per_rank
-    after = world * config.batch * config.grad_accum
-    ranks = f"resumed at {world} rank{'s' * (world != 1)} (saved at {saved_world})"
-    if before == after:
-        return f"{ranks}: the global batch stays {before} sequences per step"
-    ways = []
-    if before % (world * config.grad_accum) == 0:
-        ways.append(f"--batch {before // (world * config.grad_accum)}")
-    if before % (world * config.batch) == 0:
-        ways.append(f"--grad-accum {before // (world * config.batch)}")
-    keep = f"; to keep it: {' or '.join(ways)}" if ways else ""
-    return (
-        f"{ranks}: the global batch changes from {before} to {after} sequences per step, "
-        f"and the data each step reads with it{keep}"
-    )
+        world = saved_world if isinstance(saved_world, int) else self.world
+        return resume_changes(extra["config"], world, self.config, self.world)
 
 
 def _compiled(model: nn.Module, lm: LanguageModel, config: TrainConfig) -> nn.Module:
@@ -287,7 +275,18 @@ def _compiled(model: nn.Module, lm: LanguageModel, config: TrainConfig) -> nn.Mo
     return model
 
 
+_PREEMPTED: list[str] = []  # the signal that asked this rank to stop, once received
+PREEMPTED_STATUS = 128 + signal.SIGTERM  # what schedulers read as "stopped by SIGTERM"
+
+
+def _on_preempt(signum: int, frame: Any) -> None:
+    """--ckpt-on-preempt: note the signal; the step's end agrees on it (``_loop``)."""
+    _PREEMPTED.append(signal.Signals(signum).name)
+
+
 def _train(config: TrainConfig, store: str | None, prediction: Prediction | None) -> None:
+    if config.ckpt_on_preempt:
+        signal.signal(signal.SIGTERM, _on_preempt)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
     init = f"file://{store}" if store else "env://"
@@ -324,11 +323,11 @@ def _loop(trainer: Trainer, backend: str) -> None:
     check_checkpoint_room(config, trainer.params)
     path = resume_from(config)
     if path is not None:
-        change = trainer.resume(path)
+        changes = trainer.resume(path)
         if lead:
             print(f"resumed from {path} at step {trainer.step}")
-            if change:
-                print(change)
+            if changes:
+                print("options that differ from the saved run:\n  " + "\n  ".join(changes))
     elif config.resume == "auto" and lead:
         print(f"--resume auto: no whole checkpoint in {config.checkpoint_dir}, starting afresh")
     if lead:
@@ -344,8 +343,10 @@ def _loop(trainer: Trainer, backend: str) -> None:
         if trainer.measurement is not None:
             trainer.measurement.stepped(time.perf_counter() - tick)
         peak = peak_memory_mib(trainer.device)
-        # On the rank's device: NCCL gathers GPU tensors only.
-        facts = torch.tensor([local, peak], dtype=torch.float64, device=trainer.device)
+        # On the rank's device: NCCL gathers GPU tensors only. The third: this rank got
+        # SIGTERM (--ckpt-on-preempt); ranks get it at different steps, all stop at one.
+        stop = float(bool(_PREEMPTED))
+        facts = torch.tensor([local, peak, stop], dtype=torch.float64, device=trainer.device)
         everyone = [torch.zeros_like(facts) for _ in range(trainer.world)]
         dist.all_gather(everyone, facts)
         # Logged before the save: a crash during the save keeps the step's line, and a
@@ -362,10 +363,21 @@ def _loop(trainer: Trainer, backend: str) -> None:
             )
             log.write(metrics)
             bar.update(metrics)
+        preempted = any(bool(f[2]) for f in everyone) and trainer.step < config.steps
+        saved = None
         if config.ckpt_every and (
             trainer.step % config.ckpt_every == 0 or trainer.step == config.steps
         ):
-            trainer.save()
+            saved = trainer.save(now=preempted)
+        if preempted:
+            saved = saved or trainer.save(now=True)
+            if lead:
+                print(
+                    f"flatshard train: SIGTERM at step {trainer.step}: saved {saved}; exiting "
+                    f"with status {PREEMPTED_STATUS} (rerun with --resume auto to continue)",
+                    flush=True,
+                )
+            raise SystemExit(PREEMPTED_STATUS)
     _finish(trainer, out)
 
 
