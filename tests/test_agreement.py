@@ -93,6 +93,7 @@ CALLS: dict[str, Call] = {
         m, [o], lambda i: m(torch.randn(3, 4)).sum()
     ),
     "no_sync": _cm(flatshard.no_sync),
+    "join": lambda m, o, t: _cm(lambda model: flatshard.join(model, [o]))(m, o, t),
     "set_requires_all_reduce": lambda m, o, t: flatshard.set_requires_all_reduce(m, False),
     "set_requires_gradient_sync": lambda m, o, t: flatshard.set_requires_gradient_sync(m, False),
     "set_reshard_after_backward": lambda m, o, t: flatshard.set_reshard_after_backward(m, False),

@@ -230,9 +230,9 @@ def _hints(group: str, ranks: list[int], statuses: dict[int, Status]) -> list[st
         who = ", ".join(str(r) for r in idle)
         hints.append(
             f"Rank(s) {who} issued fewer collectives and wait for none: they skipped a "
-            "step, a backward or a unit, or ran out of batches (give every rank the same "
-            "number: DistributedSampler(..., drop_last=True); see docs/troubleshooting.md, "
-            "'Uneven data')."
+            "step, a backward or a unit, or ran out of batches (wrap the loop in "
+            "flatshard.join(model, optimizers), or give every rank the same number: "
+            "DistributedSampler(..., drop_last=True))."
         )
     if any(r not in statuses for r in ranks):
         hints.append("A rank that gives no answer has usually died: look for its traceback.")

@@ -14,6 +14,7 @@ from flatshard.runtime._clip import clip_grad_norm_
 from flatshard.runtime._custom_comms import set_custom_all_gather, set_custom_reduce_scatter
 from flatshard.runtime._grad_scaler import ShardedGradScaler
 from flatshard.runtime._hooks import register_entry_point
+from flatshard.runtime._join import join
 from flatshard.runtime._matrix_optimizers import register_matrix_optimizer
 from flatshard.runtime._no_sync import no_sync
 from flatshard.runtime._prefetch import BackwardPrefetch, Prefetch
@@ -50,6 +51,7 @@ __all__ = [
     "clip_grad_norm_",
     "dtype_report",
     "embedding_traffic",
+    "join",
     "no_sync",
     "register_entry_point",
     "register_matrix_optimizer",

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from flatshard.comm._checks import Tag
 from flatshard.comm._collectives import all_reduce
 from flatshard.comm._watchdog import watchdog
+from flatshard.runtime._join import note_unreplayable
 
 
 class ShardedGradScaler(torch.amp.GradScaler):
@@ -40,6 +41,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         group = self.process_group or dist.group.WORLD
         assert group is not None
         tag = Tag("ShardedGradScaler.unscale_")
+        note_unreplayable("ShardedGradScaler", "flatshard.join does not take a grad scaler")
         dog = watchdog()
         if dog is not None:  # a rank that unscales alone waits in the store, not in gloo
             dog.entry(group, tag)

@@ -19,6 +19,7 @@ from torch import nn
 
 from flatshard.runtime._clip import clip_grad_norm_
 from flatshard.runtime._grad_scaler import ShardedGradScaler
+from flatshard.runtime._join import note_unreplayable
 from flatshard.runtime._no_sync import sync_off
 from flatshard.runtime._step import agree, contexts_under
 from flatshard.runtime._switches import switch
@@ -77,6 +78,10 @@ def train_step(
         )
     if micro_batches < 1:
         raise ValueError(f"flatshard.train_step: micro_batches must be >= 1, got {micro_batches}")
+    note_unreplayable(
+        "flatshard.train_step",
+        "inside flatshard.join, write the loop's forward, backward and optimizer step",
+    )
     watch = observer or StepObserver()
     once_across = accumulation == "reduce" and micro_batches > 1 and _hybrid(model)
     contexts = contexts_under(model, "train_step")

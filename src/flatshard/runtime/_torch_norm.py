@@ -34,6 +34,7 @@ import torch.nn.utils
 import torch.nn.utils.clip_grad
 
 from flatshard.runtime._clip import sharded_norm
+from flatshard.runtime._join import note_unreplayable
 from flatshard.runtime._sharded_models import sharded_contexts
 from flatshard.runtime._step import StepContext, collective_call
 
@@ -73,6 +74,10 @@ def _total_norm(
     foreach: bool | None = None,
 ) -> torch.Tensor:
     """``torch.nn.utils.get_total_norm``, over every rank's rows of flatshard's gradients."""
+    note_unreplayable(
+        "torch.nn.utils.clip_grad_norm_ (or get_total_norm)",
+        "clip with flatshard.clip_grad_norm_(model, max_norm) inside flatshard.join",
+    )
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
     given = {id(t) for t in tensors}
     grads = {c: _grads(c) for c in sharded_contexts()}  # each sharded model's gradients
