@@ -1,5 +1,5 @@
 """Checkpoints as a series: the newest whole one, ``keep=N`` counting committed saves only
-(asynchronous ones too), and the training state (RNG states, LR schedulers, the data
+(asynchronous ones too), and the resume state (RNG states, LR schedulers, the data
 position) saved and restored with one argument, bit-identical, per rank."""
 
 from __future__ import annotations
@@ -97,8 +97,8 @@ def _draws() -> list[float]:
     return [torch.rand(1).item(), random.random(), float(np.random.rand())]
 
 
-def training_state_job(ctx: WorkerContext, directory: str) -> dict[str, Any] | None:
-    """Each rank seeds its RNGs differently, saves with a training state, draws; then
+def resume_state_job(ctx: WorkerContext, directory: str) -> dict[str, Any] | None:
+    """Each rank seeds its RNGs differently, saves with a resume state, draws; then
     scrambles everything, loads, and draws again: the same numbers, per rank."""
     group = ctx.group(2)
     if group is None:
@@ -113,14 +113,16 @@ def training_state_job(ctx: WorkerContext, directory: str) -> dict[str, Any] | N
     torch.manual_seed(100 + ctx.rank)
     random.seed(200 + ctx.rank)
     np.random.seed(300 + ctx.rank)
-    training = flatshard.TrainingState(scheduler=scheduler, data=data)
-    flatshard.save_checkpoint(f"{directory}/step_3", model, optim, training=training)
+    resume_state = flatshard.ResumeState(scheduler=scheduler, data=data)
+    flatshard.save_checkpoint(f"{directory}/step_3", model, optim, resume_state=resume_state)
     expected = _draws()
     torch.manual_seed(0), random.seed(0), np.random.seed(0)
     for _ in range(4):
         scheduler.step()
     data.index = 0
-    extra = flatshard.load_checkpoint(f"{directory}/step_3", model, optim, training=training)
+    extra = flatshard.load_checkpoint(
+        f"{directory}/step_3", model, optim, resume_state=resume_state
+    )
     return {
         "draws": _draws() == expected,
         "rank_draws": expected,
@@ -131,8 +133,8 @@ def training_state_job(ctx: WorkerContext, directory: str) -> dict[str, Any] | N
     }
 
 
-def test_the_training_state_round_trips_per_rank(pool: WorkerPool, tmp_path: Path) -> None:
-    ranks = [r for r in pool.run(training_state_job, str(tmp_path)) if r is not None]
+def test_the_resume_state_round_trips_per_rank(pool: WorkerPool, tmp_path: Path) -> None:
+    ranks = [r for r in pool.run(resume_state_job, str(tmp_path)) if r is not None]
     assert len(ranks) == 2
     for rank, result in enumerate(ranks):
         assert result["draws"], result
@@ -141,11 +143,11 @@ def test_the_training_state_round_trips_per_rank(pool: WorkerPool, tmp_path: Pat
     assert ranks[0]["rank_draws"] != ranks[1]["rank_draws"]  # each rank got its own back
 
 
-def test_a_training_state_part_the_checkpoint_lacks_is_named(tmp_path: Path) -> None:
+def test_a_resume_state_part_the_checkpoint_lacks_is_named(tmp_path: Path) -> None:
     model = build("mlp")
-    flatshard.save_checkpoint(tmp_path / "step_1", model, training=flatshard.TrainingState())
-    training = flatshard.TrainingState(data=_Position())
-    with pytest.raises(ValueError, match="saved without the training state's data"):
-        flatshard.load_checkpoint(tmp_path / "step_1", model, training=training)
+    flatshard.save_checkpoint(tmp_path / "step_1", model, resume_state=flatshard.ResumeState())
+    resume_state = flatshard.ResumeState(data=_Position())
+    with pytest.raises(ValueError, match="saved without the resume state's data"):
+        flatshard.load_checkpoint(tmp_path / "step_1", model, resume_state=resume_state)
     with pytest.raises(TypeError, match="must have state_dict"):
-        flatshard.TrainingState(scheduler=object())  # type: ignore[arg-type]
+        flatshard.ResumeState(scheduler=object())  # type: ignore[arg-type]

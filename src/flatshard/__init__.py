@@ -76,8 +76,8 @@ from flatshard.sharding import InitOptions, fully_shard, init_weights, skip_init
 from flatshard.state import (
     CheckpointError,
     CheckpointSave,
+    ResumeState,
     RowShard,
-    TrainingState,
     export_checkpoint,
     export_safetensors,
     full_optim_state_dict,
@@ -187,7 +187,7 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "latest_checkpoint",
-    "TrainingState",
+    "ResumeState",
     "CheckpointError",
     "CheckpointSave",
     "export_safetensors",

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flatshard.comm._collectives import all_reduce
-from flatshard.runtime._join import note_clip
+from flatshard.runtime._join import note_call
 from flatshard.runtime._step import every_rank_calls
 from flatshard.runtime._unit import Unit, units_of
 
@@ -24,7 +24,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     unscaling, with a grad scaler).
     """
     norm_type = float(norm_type)
-    note_clip(model, max_norm, norm_type)
+    note_call(lambda: clip_grad_norm_(model, max_norm, norm_type))  # (inside join)
     if not norm_type > 0:
         raise ValueError(f"flatshard.clip_grad_norm_: norm_type must be > 0, got {norm_type}")
     total = _global_norm(model, norm_type)

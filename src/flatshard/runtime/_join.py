@@ -24,8 +24,8 @@ replay is refused by name when it is reached: ``train_step`` and torch's own
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,15 +50,17 @@ class _Forward:
 
 
 @dataclass(frozen=True)
-class _Clip:
-    model: nn.Module
-    max_norm: float
-    norm_type: float
+class _Call:
+    """A flatshard call between forwards (``clip_grad_norm_``), to make again."""
+
+    again: Callable[[], object]
 
 
 @dataclass(frozen=True)
-class _NoSync:
-    entering: bool
+class _Span:
+    """A ``no_sync`` span opened (``opening``: how to open it again) or closed (None)."""
+
+    opening: Callable[[], AbstractContextManager[object]] | None
 
 
 @dataclass
@@ -151,18 +153,15 @@ class _Join:
             group[key] = value
 
     def _replay(self) -> None:
-        from flatshard.runtime._clip import clip_grad_norm_  # (it notes calls to this module)
-        from flatshard.runtime._no_sync import no_sync
-
         with ExitStack() as spans:
             for event in self.last:
-                if isinstance(event, _NoSync):
-                    if event.entering:
-                        spans.enter_context(no_sync(self.model))
+                if isinstance(event, _Span):
+                    if event.opening is not None:
+                        spans.enter_context(event.opening())
                     else:
                         spans.close()
-                elif isinstance(event, _Clip):
-                    clip_grad_norm_(event.model, event.max_norm, event.norm_type)
+                elif isinstance(event, _Call):
+                    event.again()
                 elif isinstance(event, _Refused):
                     raise RuntimeError(event.message)
                 else:
@@ -193,18 +192,19 @@ class _Refused:
 _CURRENT: ContextVar[_Join | None] = ContextVar("flatshard_join", default=None)
 
 
-def note_clip(model: nn.Module, max_norm: float, norm_type: float) -> None:
-    """``flatshard.clip_grad_norm_`` was called (inside ``join``: recorded for a replay)."""
+def note_call(again: Callable[[], object]) -> None:
+    """A flatshard call was made (``clip_grad_norm_``); inside ``join``, ``again`` makes
+    it once more in a replay."""
     state = _CURRENT.get()
     if state is not None:
-        state.note(_Clip(model, float(max_norm), float(norm_type)))
+        state.note(_Call(again))
 
 
-def note_no_sync(entering: bool) -> None:
-    """A ``no_sync`` span starts or ends (inside ``join``: recorded for a replay)."""
+def note_span(opening: Callable[[], AbstractContextManager[object]] | None) -> None:
+    """A ``no_sync`` span opens (``opening`` opens it again in a replay) or closes (None)."""
     state = _CURRENT.get()
     if state is not None:
-        state.note(_NoSync(entering))
+        state.note(_Span(opening))
 
 
 def note_unreplayable(what: str, instead: str) -> None:

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from torch import nn
 
-from flatshard.runtime._join import note_no_sync
+from flatshard.runtime._join import note_span
 from flatshard.runtime._step import StepContext, agree, contexts_under
 
 
@@ -22,13 +22,13 @@ def no_sync(model: nn.Module) -> Iterator[None]:
     Enter it on every rank alike.
     """
     contexts = contexts_under(model, "no_sync")
-    note_no_sync(entering=True)  # (inside join: first, as its replay enters it)
+    note_span(lambda: no_sync(model))  # (inside join: first, as its replay enters it)
     agree(model, "no_sync")
     try:
         with sync_off(contexts):
             yield
     finally:
-        note_no_sync(entering=False)
+        note_span(None)
 
 
 @contextmanager

@@ -17,19 +17,19 @@ from flatshard.state._optim_state import (
     load_optim_state_dict,
     sharded_optim_state_dict,
 )
+from flatshard.state._resume_state import ResumeState
 from flatshard.state._state_dict import (
     RowShard,
     full_state_dict,
     load_state_dict,
     sharded_state_dict,
 )
-from flatshard.state._training_state import TrainingState
 
 __all__ = [
     "CheckpointError",
     "CheckpointSave",
+    "ResumeState",
     "RowShard",
-    "TrainingState",
     "export_checkpoint",
     "export_safetensors",
     "full_optim_state_dict",

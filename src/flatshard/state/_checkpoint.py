@@ -49,6 +49,8 @@ from flatshard.state._optim_state import (
     load_optim_state_dict,
     sharded_optim_state_dict,
 )
+from flatshard.state._resume_state import KEY as RESUME
+from flatshard.state._resume_state import ResumeState
 from flatshard.state._state_dict import (
     RowShard,
     check_keys,
@@ -57,8 +59,6 @@ from flatshard.state._state_dict import (
     reshard_for_load,
     sharded_state_dict,
 )
-from flatshard.state._training_state import KEY as TRAINING
-from flatshard.state._training_state import TrainingState
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint takes ~1 s to import: only when used
     from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -96,7 +96,7 @@ def save_checkpoint(
     extra: dict[str, Any] | None = None,
     async_op: Literal[False] = False,
     keep: int | None = None,
-    training: TrainingState | None = None,
+    resume_state: ResumeState | None = None,
 ) -> None: ...
 
 
@@ -109,7 +109,7 @@ def save_checkpoint(
     extra: dict[str, Any] | None = None,
     async_op: Literal[True],
     keep: int | None = None,
-    training: TrainingState | None = None,
+    resume_state: ResumeState | None = None,
 ) -> CheckpointSave: ...
 
 
@@ -122,7 +122,7 @@ def save_checkpoint(
     extra: dict[str, Any] | None = None,
     async_op: bool,
     keep: int | None = None,
-    training: TrainingState | None = None,
+    resume_state: ResumeState | None = None,
 ) -> CheckpointSave | None: ...
 
 
@@ -135,7 +135,7 @@ def save_checkpoint(
     extra: dict[str, Any] | None = None,
     async_op: bool = False,
     keep: int | None = None,
-    training: TrainingState | None = None,
+    resume_state: ResumeState | None = None,
 ) -> CheckpointSave | None:
     """Write model, optimizer and ``extra`` state to the directory ``path``, atomically.
 
@@ -159,9 +159,9 @@ def save_checkpoint(
     before ``dist.destroy_process_group()``; at exit, and on SIGTERM, a pending save is
     finished first.
 
-    ``training``: a ``flatshard.TrainingState`` (RNG states, LR schedulers, the data
-    position) kept with each rank's ``extra``; ``load_checkpoint(..., training=...)`` puts
-    it back.
+    ``resume_state``: a ``flatshard.ResumeState`` (RNG states, LR schedulers, the data
+    position) kept with each rank's ``extra``; ``load_checkpoint(..., resume_state=...)``
+    puts it back.
 
     ``keep=N``: once this checkpoint is committed, remove the older ones of its series (the
     same name up to a trailing number: ``step_000120``), so that the N newest stay; a save
@@ -172,8 +172,8 @@ def save_checkpoint(
     check_keep(target, keep)
     group = checkpoint_group(model)
     partial = target.with_name(target.name + ".partial")
-    if training is not None:
-        extra = {**(extra or {}), TRAINING: training.state_dict()}
+    if resume_state is not None:
+        extra = {**(extra or {}), RESUME: resume_state.state_dict()}
     state = _collect_state(model, _listed(optimizer), extra, group)
     write = functools.partial(write_or_clean_up, keep=keep)
     if async_op:
@@ -355,7 +355,7 @@ def load_checkpoint(
     optimizer: Optimizers = None,
     *,
     strict: bool = True,
-    training: TrainingState | None = None,
+    resume_state: ResumeState | None = None,
 ) -> dict[str, Any]:
     """Load a ``save_checkpoint`` directory into ``model`` (and ``optimizer``); return extra.
 
@@ -363,8 +363,9 @@ def load_checkpoint(
     (non-sharded) model without a process group. A collective over the model's ranks.
     The optimizer may be fresh (no state yet): every moment is restored. Returns this
     rank's ``extra`` as saved (rank 0's when the saving run had fewer ranks). A list of
-    optimizers loads what ``save_checkpoint`` saved from the same list. ``training``: the
-    ``flatshard.TrainingState`` to restore (saved with ``save_checkpoint(..., training=)``).
+    optimizers loads what ``save_checkpoint`` saved from the same list. ``resume_state``:
+    the ``flatshard.ResumeState`` to restore (saved with ``save_checkpoint(...,
+    resume_state=)``).
     """
     settle_pending("load_checkpoint")  # the path may be the one being written
     optimizers = _listed(optimizer)
@@ -385,9 +386,9 @@ def load_checkpoint(
         load_optim_state_dict(model, optimizer, _optim_state(state, index))
     extra = state[extra_key]
     extra = dict(extra) if isinstance(extra, dict) else {}
-    saved_training = extra.pop(TRAINING, None)
-    if training is not None:
-        training.load_state_dict(saved_training or {}, str(target))
+    saved_resume = extra.pop(RESUME, None)
+    if resume_state is not None:
+        resume_state.load_state_dict(saved_resume or {}, str(target))
     return extra
 
 

@@ -1,12 +1,12 @@
-"""``flatshard.TrainingState``: what a resume needs besides the model and the optimizer.
+"""``flatshard.ResumeState``: what a resume needs besides the model and the optimizer.
 
-[Note: the training state]
+[Note: the resume state]
 An exact resume needs each rank's random number generators (dropout, data shuffling),
 the learning-rate schedule's position and the data position, besides weights and
 moments. Users put them into ``extra`` by hand, and forget one (the Python RNG that a
-shuffling sampler draws from, NumPy's that an augmentation uses). ``TrainingState`` names
-them once: ``save_checkpoint(..., training=state)`` keeps them with each rank's ``extra``
-and ``load_checkpoint(..., training=state)`` puts them back into the same objects. The
+shuffling sampler draws from, NumPy's that an augmentation uses). ``ResumeState`` names
+them once: ``save_checkpoint(..., resume_state=state)`` keeps them with each rank's ``extra``
+and ``load_checkpoint(..., resume_state=state)`` puts them back into the same objects. The
 RNG states are torch's (CPU, and the accelerator's when there is one), Python's
 ``random`` and NumPy's (when NumPy is installed), each as a tensor or a tuple of ints so
 that the checkpoint loads with ``weights_only=True``. A scheduler and a data loader or
@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
-KEY = "flatshard.training"  # its entry in each rank's extra
+KEY = "flatshard.resume_state"  # its entry in each rank's extra
 
 
 class Stateful(Protocol):
@@ -32,8 +32,8 @@ class Stateful(Protocol):
 
 
 @dataclass
-class TrainingState:
-    """What ``save_checkpoint(..., training=...)`` keeps and ``load_checkpoint`` restores.
+class ResumeState:
+    """What ``save_checkpoint(..., resume_state=...)`` keeps and ``load_checkpoint`` restores.
 
     Args:
         scheduler: a learning-rate scheduler (or a list of them), or None.
@@ -55,7 +55,7 @@ class TrainingState:
                     and callable(getattr(item, "load_state_dict", None))
                 ):
                     raise TypeError(
-                        f"flatshard.TrainingState: {name} must have state_dict() and "
+                        f"flatshard.ResumeState: {name} must have state_dict() and "
                         f"load_state_dict() (an LR scheduler, a StatefulDataLoader), got "
                         f"{type(item).__name__}"
                     )
@@ -79,8 +79,8 @@ class TrainingState:
         missing = [k for k, v in wanted.items() if v not in (None, False) and k not in state]
         if missing:
             raise ValueError(
-                f"flatshard.load_checkpoint: {path} was saved without the training state's "
-                f"{', '.join(missing)}; load it with a TrainingState that leaves "
+                f"flatshard.load_checkpoint: {path} was saved without the resume state's "
+                f"{', '.join(missing)}; load it with a ResumeState that leaves "
                 f"{'them' if len(missing) > 1 else 'it'} out (None / rng=False)."
             )
         if self.rng:
@@ -90,7 +90,7 @@ class TrainingState:
             if len(schedulers) != len(state["scheduler"]):
                 raise ValueError(
                     f"flatshard.load_checkpoint: {path} holds {len(state['scheduler'])} "
-                    f"schedulers, this TrainingState {len(schedulers)}"
+                    f"schedulers, this ResumeState {len(schedulers)}"
                 )
             for scheduler, saved in zip(schedulers, state["scheduler"], strict=True):
                 scheduler.load_state_dict(saved)
@@ -132,4 +132,4 @@ def _set_rng_states(states: dict[str, Any]) -> None:
         np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
 
 
-TrainingState.__module__ = "flatshard"
+ResumeState.__module__ = "flatshard"
