@@ -132,7 +132,7 @@ def test_uneven_inputs_match_ddp_join(pool: WorkerPool, case: str) -> None:
 
 def unreplayable_job(rank: int, how: str) -> tuple[str, str]:
     """Rank 0 has 1 batch, rank 1 has 3; the loop uses what a replay cannot repeat."""
-    flatshard.set_checks(flatshard.Checks(timeout=8.0))  # rank 1's end: see below
+    flatshard.set_checks(flatshard.Checks(timeout=3.0))  # rank 1's end: see below
     model = flatshard.fully_shard(build("mlp"), auto_wrap_policy=set(MLPStack.UNIT_CLASSES))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     try:
