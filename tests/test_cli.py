@@ -402,14 +402,17 @@ def test_bench_accumulation_modes_move_the_bytes_they_should(tmp_path: Path) -> 
 
 def test_bench_gathers_in_fewer_bytes(tmp_path: Path) -> None:
     """The gather systems send their parameters in bf16 (half of fp32's bytes) and int8
-    (a quarter, plus a scale per row of 64): the all-gathers' output bytes per step."""
+    (a quarter, plus a scale per row of 64, the embedding tables exact): the all-gathers'
+    output bytes per step."""
     argv = ["--dim", "64", "--layers", "2", "--heads", "2", "--vocab", "64", "--seq-len", "8"]
     argv += ["--batch", "2", "--steps", "1", "--warmup", "1", "--rounds", "1"]
     argv += ["--systems", "flatshard,flatshard-gather-bf16,flatshard-gather-int8"]
     systems = _bench(argv, tmp_path)[0]["systems"]
     gathered = {s: row["all_gather_bytes"] for s, row in systems.items()}
     assert 0.49 < gathered["flatshard-gather-bf16"] / gathered["flatshard"] < 0.51, gathered
-    assert 0.25 < gathered["flatshard-gather-int8"] / gathered["flatshard"] < 0.3, gathered
+    # int8: the matrices at (1 + 4/64) / 4 of fp32's bytes; the vectors, and the tables
+    # (exact under a one-byte gather dtype), at 1
+    assert 0.25 < gathered["flatshard-gather-int8"] / gathered["flatshard"] < 0.32, gathered
 
 
 def test_bench_moe_preset_splits_the_experts(

@@ -532,21 +532,27 @@ def test_reshard_after_forward_to_a_host_and_separate_reductions_are_priced(
 
 
 def test_quantized_gathers_are_priced(planner: ProcessPoolExecutor) -> None:
-    """MixedPrecision(gather_dtype=...): as many all-gathers, their bytes by the codec's
-    format (one byte per element, a float32 scale per row of 64, vectors in fp32), and a
-    faster step on a cluster whose links bound it."""
+    """MixedPrecision(gather_dtype=...): the all-gathers (int8: and one for the exact
+    embedding tables), their bytes by the codec's format (one byte per element, a float32
+    scale per row of 64, vectors and tables in fp32), and a faster step on a cluster whose
+    links bound it."""
     planned = partial(_two_hosts, planner, 1)
     plain, bf16, int8 = (
         planned(),
         planned(gather_dtype=torch.bfloat16),
         planned(gather_dtype=torch.int8),
     )
-    assert gathers(plain).count == gathers(bf16).count == gathers(int8).count
+    # int8: the root's embedding tables travel exact, a group of their own: one gather more
+    assert gathers(plain).count == gathers(bf16).count == gathers(int8).count - 1
     # bf16: half of fp32's bytes (the 8-byte digests of the step check aside)
     assert abs(gathers(bf16).bytes / gathers(plain).bytes - 0.5) < 0.01
-    # int8: the matrices at (1 + 4 / 64) / 4 of fp32's bytes, the vectors at 1
-    assert 0.26 < gathers(int8).bytes / gathers(plain).bytes < 0.3
-    assert gathers(int8).seconds < gathers(bf16).seconds < gathers(plain).seconds
+    # int8: the matrices at (1 + 4 / 64) / 4 of fp32's bytes, the vectors and tables at 1
+    ratio = gathers(int8).bytes / gathers(plain).bytes
+    assert 0.26 < ratio < 0.4, ratio
+    assert gathers(int8).bytes < gathers(bf16).bytes
+    # bf16 is faster where the links bound the gathers; int8's extra gather (the tables)
+    # costs more latency than its bytes save on a model this small
+    assert gathers(bf16).seconds < gathers(plain).seconds
 
 
 def _two_hosts(planner: ProcessPoolExecutor, ranks_per_host: int, **extra: Any) -> flatshard.Plan:

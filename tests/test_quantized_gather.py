@@ -215,8 +215,10 @@ def _counted(gathers: dict[int, int], key: int, inner: Any, kind: str, numel: in
     return inner(kind, numel)
 
 
-def _bytes_job(ctx: WorkerContext, gather_dtype: str | None) -> tuple[int, int, int] | None:
-    """(all-gathers, their bytes, the formula's bytes) of one FULL_SHARD step at 2 ranks."""
+def _bytes_job(ctx: WorkerContext, gather_dtype: str | None) -> tuple[int, int, int, int] | None:
+    """(all-gathers, the groups' gathers and the digest's, their bytes, the formula's bytes)
+    of one FULL_SHARD step at 2 ranks. The embedding table travels in fp32 under a one-byte
+    gather dtype ([Note: embedding tables gathered exact]): a group of its own."""
     group = ctx.group(2)
     if group is None:
         return None
@@ -245,28 +247,33 @@ def _bytes_job(ctx: WorkerContext, gather_dtype: str | None) -> tuple[int, int, 
         model.loss(batch).backward()
     expected = group.size() * STEP_CHECK_BYTES  # the end-of-step digests
     for flat in flats:
-        if dtype is None:
+        travels = flat.placement_value.gathered_in(dtype)
+        matrices = any(len(slot.shape) >= 2 for slot in flat.layout.slots)
+        if travels in (None, torch.float32) or not matrices:  # (vectors alone: unencoded)
             sent = flat.layout.shard_numel * 4
-        elif dtype.itemsize == 2:  # a cast: two bytes per element, rounded up to 8
+        elif travels.itemsize == 2:  # a cast: two bytes per element, rounded up to 8
             sent = -(-flat.layout.shard_numel * 2 // 8) * 8
         else:
             sent = _payload_bytes(flat.layout)
         expected += gathers[id(flat)] * group.size() * sent
-    return tracker.counts[ALL_GATHER], tracker.bytes[ALL_GATHER], expected
+    issued = sum(gathers.values()) + 1  # and the end-of-step digest's
+    return tracker.counts[ALL_GATHER], issued, tracker.bytes[ALL_GATHER], expected
 
 
 def test_bytes_of_every_gather_by_formula(pool: WorkerPool) -> None:
     plain = pool.run(_bytes_job, None)[0]
-    assert plain[1] == plain[2]  # the formula's fp32 side: 4 bytes per element
+    assert plain[0] == plain[1] and plain[2] == plain[3]  # fp32: 4 bytes per element
     for dtype in ("int8", "float8_e4m3fn", "bfloat16"):
-        count, sent, expected = pool.run(_bytes_job, dtype)[0]
-        assert count == plain[0], (dtype, count, plain[0])  # as many gathers
+        count, issued, sent, expected = pool.run(_bytes_job, dtype)[0]
+        assert count == issued, (dtype, count, issued)
         assert sent == expected, (dtype, sent, expected)
+        tables_apart = 1 if dtype != "bfloat16" else 0  # the root's table: one more gather
+        assert count == plain[0] + tables_apart, (dtype, count, plain[0])
     # TinyGPT's rows are 16 wide: a scale costs 4 bytes per 16 elements, so its matrices
-    # travel in (1 + 4/16) / 4 of fp32's bytes, its vectors (a sixth) in fp32: 0.36; the
-    # benchmark quotes realistic widths.
+    # travel in (1 + 4/16) / 4 of fp32's bytes, its vectors (a sixth) and its (tied) table
+    # in fp32: under half; the benchmark quotes realistic widths.
     int8 = pool.run(_bytes_job, "int8")[0]
-    assert int8[1] < 0.4 * plain[1], (int8[1], plain[1])
+    assert int8[2] < 0.5 * plain[2], (int8[2], plain[2])
 
 
 def _state_job(ctx: WorkerContext) -> None:
@@ -310,9 +317,13 @@ def _inherit_job(ctx: WorkerContext) -> None:
         mixed_precision=flatshard.MixedPrecision(gather_dtype=torch.float8_e4m3fn),
     )
     codecs = [f.transport.codec for u in units_of(model, "test") for f in u.flat_params]
-    assert len(codecs) == 4 and all(
-        c is not None and c.dtype == torch.float8_e4m3fn for c in codecs
+    encoded = [c for c in codecs if c is not None]
+    assert len(encoded) == len(model.blocks) and all(
+        c.dtype == torch.float8_e4m3fn for c in encoded
     )
+    # and the root's two groups: its tables (exact: [Note: embedding tables gathered exact])
+    # and its norm's vectors (vectors alone: unencoded)
+    assert len(codecs) == len(model.blocks) + 2
     return None
 
 
@@ -410,3 +421,32 @@ def test_a_non_finite_weight_is_not_hidden_by_its_scale(dtype: torch.dtype, bad:
     assert torch.isfinite(decoded[[0, 2]]).all()
     zero = quantize_rows(torch.zeros(2, 4), dtype)[1]
     assert torch.equal(zero, torch.ones(2))  # an all-zero row keeps the scale 1
+
+
+def _same_report_job(ctx: WorkerContext) -> tuple[str, str] | None:
+    """The dtype report of the byte GPT with int8 gathers, built through the API and
+    through ``flatshard train``'s option."""
+    from flatshard.cli.lm.config import TrainConfig
+    from flatshard.cli.lm.model import build_language_model, shard_language_model
+
+    config = TrainConfig(gather_dtype="int8", dim=32, layers=2, heads=2, seq_len=16)
+    lm = build_language_model(config)
+    through_cli = shard_language_model(lm, config, torch.device("cpu"))
+    lm = build_language_model(config)
+    through_api = flatshard.fully_shard(
+        lm.module,
+        auto_wrap_policy=set(lm.unit_classes),
+        mixed_precision=flatshard.MixedPrecision(gather_dtype=torch.int8),
+    )
+    reports = str(flatshard.dtype_report(through_cli)), str(flatshard.dtype_report(through_api))
+    return reports if ctx.rank == 0 else None
+
+
+def test_one_default_for_the_tables_through_the_api_and_the_cli(pool: WorkerPool) -> None:
+    """Before, int8 gathers quantized the embedding table through the API and kept it exact
+    through the CLI (the measured better choice): now both keep it exact."""
+    cli, api = pool.run(_same_report_job)[0]
+    assert cli == api, f"CLI:\n{cli}\nAPI:\n{api}"
+    rows = api.splitlines()[1:]
+    assert all("int8" not in row for row in rows if row.startswith("<root>")), api  # tables
+    assert all("int8+scales" in row for row in rows if row.startswith("blocks")), api

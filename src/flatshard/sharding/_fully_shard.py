@@ -18,6 +18,7 @@ from flatshard.comm._mesh import ShardGroups, ShardingStrategy, model_group, res
 from flatshard.comm._ranks import join_name
 from flatshard.flat._awaiting_load import awaits_load, mark_awaiting
 from flatshard.flat._flat_param import FlatParamGroup, GroupSpec
+from flatshard.flat._gather_codec import SCALED
 from flatshard.flat._lookup_options import LOOKUPS
 from flatshard.flat._mixed_precision import CPUOffload, MixedPrecision, host_of
 from flatshard.flat._original_param import OriginalParam
@@ -25,6 +26,7 @@ from flatshard.flat._partition import UnitMembers, partition
 from flatshard.flat._placement import (
     ROWS,
     PlacementRule,
+    Rows,
     ShardPlacement,
     kept_in_part,
     left_alone,
@@ -144,6 +146,7 @@ def fully_shard(
         localize(module, group, rank)  # DTensor (TP) parameters: their local tensors
         units = partition(module, unit_names, managed, rank)
         placements = _placements(units, placement, strategy, rank)
+        placements = _tables_exact(units, placements, mixed_precision)
         config = UnitConfig(strategy, mixed_precision, prefetch)
         if init.check_consistency:
             check_same_on_all_ranks(
@@ -462,6 +465,30 @@ def _placements(
                 )
             chosen[orig.fqn] = placement
     return chosen
+
+
+def _tables_exact(
+    units: list[UnitMembers],
+    placements: dict[str, ShardPlacement],
+    policy: MixedPrecision | None,
+) -> dict[str, ShardPlacement]:
+    """[Note: embedding tables gathered exact]
+    Under a one-byte gather dtype (int8, fp8), the embedding tables (and a head tied to
+    one) travel in the compute dtype, unless their placement names a gather dtype of its
+    own (``Rows(gather_dtype=torch.int8)`` quantizes them too). A table's rows are looked
+    up one token at a time and a tied head's logits read every row: on the byte GPT,
+    quantizing them cost more held-out loss than all the blocks' matrices together
+    (docs/performance.md, "Quantized gathers"). The API, the CLI, the planner and the
+    Lightning strategy all build through here, so the option means the same everywhere."""
+    if policy is None or policy.gather_dtype not in SCALED:
+        return placements
+    exact = dict(placements)
+    for members in units:
+        for orig in members.originals:
+            table = any(isinstance(m, nn.Embedding) and key == "weight" for m, key in orig.usages)
+            if table and placements[orig.fqn] == ROWS:
+                exact[orig.fqn] = Rows(gather_dtype=policy.param_dtype or orig.param.dtype)
+    return exact
 
 
 def _renamed_options(

@@ -609,11 +609,15 @@ def run_mixed_reference(config: ParityConfig) -> RunResult:
 
 
 def _ungathered(model: nn.Module, config: ParityConfig) -> set[int]:
-    """Ids of the parameters flatshard never gathers in this scenario: those left alone,
-    and the row-sparse tables (a tied table is the head's weight too)."""
+    """Ids of the parameters flatshard never gathers in this scenario's gather dtype: those
+    left alone, the row-sparse tables, and under a one-byte gather dtype the embedding
+    tables (a tied table is the head's weight too)."""
     ids = {id(model.get_parameter(name)) for name in config.unmanaged}
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     if config.sparse_embeddings:
-        ids |= {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+        ids |= tables
+    if config.gather_dtype in ("int8", "float8_e4m3fn", "float8_e5m2"):
+        ids |= tables  # gathered in the compute dtype ([Note: embedding tables gathered exact])
     return ids
 
 

@@ -18,7 +18,7 @@ from torch import nn
 
 import flatshard
 from flatshard.cli.config import ConfigError
-from flatshard.cli.internals import PlacementRule, shard_keeping_last
+from flatshard.cli.internals import shard_keeping_last
 from flatshard.cli.lm.config import GATHER_DTYPES, PRECISIONS, TrainConfig, unit_policy
 from flatshard.cli.lm.data import VOCAB
 from flatshard.cli.lm.lora import (
@@ -168,8 +168,6 @@ def shard_language_model(lm: LanguageModel, config: TrainConfig, device: torch.d
     options["placement"] = placement_for(
         config.optimizer, lm.module, lm.unit_classes, config.sparse_embeddings
     )
-    if gather is not None and gather.itemsize == 1:
-        options["placement"] = tables_exact(options["placement"], lm.module, low)
     if config.ep > 1:
         options["placement"] = with_experts(options["placement"], lm.module, config.ep)
     options["auto_wrap_policy"] = unit_policy(lm.unit_classes, config.units)
@@ -180,24 +178,6 @@ def shard_language_model(lm: LanguageModel, config: TrainConfig, device: torch.d
     model = shard_keeping_last(lm.module, config.keep_gathered, **options)
     load_weights(model, lm)
     return model
-
-
-def tables_exact(rule: PlacementRule, model: nn.Module, low: torch.dtype | None) -> PlacementRule:
-    """--gather-dtype int8/fp8: the embedding tables (and a head tied to one) gathered in
-    the compute dtype, the rest by ``rule``. A table's rows are looked up one token at a
-    time and a tied head's logits read every row: measured on the byte GPT, quantizing them
-    cost more held-out loss than all the blocks' matrices (docs/performance.md)."""
-    if rule is not None and not callable(rule):
-        return rule  # row-sparse tables: never encoded
-    tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-
-    def chosen(name: str, param: nn.Parameter) -> flatshard.ShardPlacement | None:
-        placement = rule(name, param) if rule is not None else None
-        if placement is None and id(param) in tables:
-            return flatshard.Rows(gather_dtype=low or param.dtype)
-        return placement
-
-    return chosen
 
 
 def load_weights(model: nn.Module, lm: LanguageModel) -> None:
