@@ -55,6 +55,10 @@ def test_train_end_to_end_then_resume_exactly(tmp_path: Path) -> None:
     )
     assert "unigram entropy 3.016" in out
     assert re.search(r"step 16/16 \[=+\] loss \d+\.\d+ \| [\d,]+ tok/s", out), out
+    # which rank each peak is, and where and when each checkpoint went
+    assert re.search(r"\| peak RSS MiB r0:\d+ r1:\d+ \|", out), out
+    for step in (8, 16):
+        assert f"checkpoint of step {step}: {whole / 'checkpoints'}/step_{step:06d} (saved)" in out
     assert "sample:\nAnd God said" in out
     assert (whole / "loss.png").stat().st_size > 0
     checkpoints = whole / "checkpoints"

@@ -229,16 +229,21 @@ def test_strategy_by_name_in_any_case_or_as_torchs_enum(local_group: dist.Proces
         flatshard.fully_shard(build("mlp"), strategy="zero1")
 
 
-def test_the_summary_names_each_unit_once(local_group: dist.ProcessGroup) -> None:
-    """A unit with frozen and trainable groups (LoRA) has a row per group, its name on
-    the first only."""
+def test_the_summary_names_each_group(local_group: dist.ProcessGroup) -> None:
+    """A unit with frozen and trainable groups (LoRA) has a row per group, each naming its
+    unit and, where the unit has several groups, its parameters (before: the unit's name
+    on its first row only, the others blank)."""
     model = build("frozen")
     flatshard.fully_shard(model, auto_wrap_policy=set(model.UNIT_CLASSES))  # type: ignore[arg-type]
     summary = flatshard.sharding_summary(model)
     rows = str(summary).splitlines()[1:]
     assert len(rows) == len(summary.flat_params) > len({f.unit for f in summary.flat_params})
-    named = [row.split()[0] for row in rows if not row.startswith(" ")]
-    assert sorted(named) == sorted({f.unit for f in summary.flat_params}), str(summary)
+    names = [f.name for f in summary.flat_params]
+    assert len(set(names)) == len(names), str(summary)  # no two rows alike
+    for row, flat in zip(rows, summary.flat_params, strict=True):
+        assert row.startswith(flat.name), str(summary)
+        several = sum(f.unit == flat.unit for f in summary.flat_params) > 1
+        assert (flat.name != flat.unit) == several, str(summary)
 
 
 class _Scaled(nn.Module):

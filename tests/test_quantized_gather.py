@@ -450,3 +450,6 @@ def test_one_default_for_the_tables_through_the_api_and_the_cli(pool: WorkerPool
     rows = api.splitlines()[1:]
     assert all("int8" not in row for row in rows if row.startswith("<root>")), api  # tables
     assert all("int8+scales" in row for row in rows if row.startswith("blocks")), api
+    # the unit's two groups told apart by their parameters (before: "<root>" twice)
+    assert any(row.startswith("<root> [tok.weight, pos.weight]") for row in rows), api
+    assert any(row.startswith("<root> [ln_f.weight, ln_f.bias]") for row in rows), api

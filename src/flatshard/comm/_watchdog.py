@@ -76,6 +76,7 @@ _REQUESTS = "flatshard/diagnosis/requests"
 _WARNINGS = "flatshard/warning/requests"  # early words: asked for, answered, nobody raises
 _PROBES = "flatshard/probe/requests"  # looks for a proof: asked for, answered, nobody raises
 _EXITS = "flatshard/exit/"  # + rank: the exit record
+_EXIT_RECORD_S = 1.0  # the longest an exit waits to leave its record
 _ERRORS: dict[str, type[CollectiveError]] = {
     e.__name__: e for e in (CollectiveTimeoutError, PeerLostError, CollectiveMismatchError)
 }
@@ -419,12 +420,20 @@ class Watchdog:
                 self._publish(self._probes_answered, "probe")
 
     def leave_exit_record(self, how: str) -> None:
-        """Say in the store how this process ends (see the module's note)."""
+        """Say in the store how this process ends (see the module's note), giving up after
+        ``_EXIT_RECORD_S``: a store whose server went with a process group destroyed in
+        this process never answers (its socket stays open), and the exit must not wait."""
         if self.world is None:
             return
-        with contextlib.suppress(Exception):  # (the store may have gone with its host)
-            record = self._status(how)
-            self.store.set(_EXITS + str(self.rank), json.dumps(record.to_json()))
+        record = json.dumps(self._status(how).to_json())
+
+        def write() -> None:
+            with contextlib.suppress(Exception):  # (the store may have gone with its host)
+                self.store.set(_EXITS + str(self.rank), record)
+
+        writer = threading.Thread(target=write, name="flatshard-exit-record", daemon=True)
+        writer.start()
+        writer.join(timeout=_EXIT_RECORD_S)
 
     def _at_exit(self) -> None:
         if self.failed:

@@ -112,6 +112,12 @@ class DtypeRow:
     compute: str  # the unsharded parameters forward/backward use
     reduce: str  # the gradient reduction ("-" when frozen)
     master_device: str
+    group: str = ""  # which of the unit's groups, where it has several: its parameters
+
+    @property
+    def name(self) -> str:
+        """The unit's name, and the group's where the unit has several."""
+        return f"{self.unit} [{self.group}]" if self.group else self.unit
 
 
 @dataclass(frozen=True)
@@ -122,11 +128,11 @@ class DtypeReport:
 
     def __str__(self) -> str:
         header = ("unit", "params", "master", "all-gather", "compute", "reduce", "master on")
-        widths = [max(len(header[0]), *(len(r.unit) for r in self.rows)), 6, 9, 10, 9, 9, 9]
+        widths = [max(len(header[0]), *(len(r.name) for r in self.rows)), 6, 9, 10, 9, 9, 9]
         lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))]
         for r in self.rows:
             cells = (
-                r.unit,
+                r.name,
                 str(r.params),
                 r.master,
                 r.all_gather,

@@ -9,7 +9,7 @@ from torch import nn
 from flatshard.flat._flat_param import FlatParamGroup
 from flatshard.flat._mixed_precision import DtypeReport, DtypeRow, dtype_name
 from flatshard.flat._placement import TableTraffic
-from flatshard.runtime._unit import units_of
+from flatshard.runtime._unit import Unit, units_of
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,12 @@ class FlatParamSummary:
     factor: int  # F: ranks the group is cut across
     padding_numel: int  # C * F - param_numel
     alignment_padding_numel: int  # the part of the padding that keeps rows whole
+    group: str = ""  # which of the unit's groups, where it has several: its parameters
+
+    @property
+    def name(self) -> str:
+        """The unit's name, and the group's where the unit has several."""
+        return f"{self.unit} [{self.group}]" if self.group else self.unit
 
 
 @dataclass(frozen=True)
@@ -51,14 +57,11 @@ class ShardingSummary:
         return sum(f.alignment_padding_numel for f in self.flat_params)
 
     def __str__(self) -> str:
-        w = max([28, *(len(f.unit) for f in self.flat_params)])  # long names stay aligned
+        w = max([28, *(len(f.name) for f in self.flat_params)])  # long names stay aligned
         lines = [f"{'unit':<{w}} {'grad':>5} {'params':>12} {'per rank':>10} {'align pad':>9}"]
-        previous = None
-        for f in self.flat_params:  # a unit's groups are adjacent: its name on the first
-            name = f.unit if f.unit != previous else ""
-            previous = f.unit
+        for f in self.flat_params:
             lines.append(
-                f"{name:<{w}} {'yes' if f.requires_grad else 'no':>5} {f.param_numel:>12,} "
+                f"{f.name:<{w}} {'yes' if f.requires_grad else 'no':>5} {f.param_numel:>12,} "
                 f"{f.shard_numel:>10,} {f.alignment_padding_numel:>9,}"
             )
         return "\n".join(lines)
@@ -82,6 +85,7 @@ def sharding_summary(model: nn.Module) -> ShardingSummary:
                     factor=layout.factor,
                     padding_numel=layout.padding_numel,
                     alignment_padding_numel=layout.alignment_padding_numel,
+                    group=_group_label(unit, flat),
                 )
             )
     return ShardingSummary(flat_params=tuple(entries))
@@ -102,9 +106,20 @@ def dtype_report(model: nn.Module) -> DtypeReport:
                     compute=dtype_name(flat.compute_dtype),
                     reduce=dtype_name(flat.reduce_dtype) if flat.requires_grad else "-",
                     master_device=str(flat.shard.device),
+                    group=_group_label(unit, flat),
                 )
             )
     return DtypeReport(rows=tuple(rows))
+
+
+def _group_label(unit: Unit, flat: FlatParamGroup) -> str:
+    """A unit's group, by its parameters' names relative to the unit, where the unit has
+    several groups (frozen apart, a table kept exact, experts, whole matrices); "" else."""
+    if len(unit.flat_params) == 1:
+        return ""
+    prefix = f"{unit.fqn}." if unit.fqn else ""
+    names = [o.fqn.removeprefix(prefix) for o in flat.originals]
+    return ", ".join(names[:2]) + (f" +{len(names) - 2}" if len(names) > 2 else "")
 
 
 def _gathered_as(flat: FlatParamGroup) -> str:

@@ -369,6 +369,10 @@ def _loop(trainer: Trainer, backend: str) -> None:
             trainer.step % config.ckpt_every == 0 or trainer.step == config.steps
         ):
             saved = trainer.save(now=preempted)
+            if bar is not None:
+                background = config.ckpt_async and not preempted
+                how = "writing in the background" if background else "saved"
+                bar.note(f"checkpoint of step {trainer.step}: {saved} ({how})")
         if preempted:
             saved = saved or trainer.save(now=True)
             if lead:

@@ -43,16 +43,21 @@ class ProgressBar:
         left = (time.perf_counter() - self.started) / done * (self.total - m.step)
         width = 24
         filled = int(width * m.step / self.total)
-        mem = "/".join(f"{v:.0f}" for v in m.peak_mem_mib)
+        mem = " ".join(f"r{rank}:{v:.0f}" for rank, v in enumerate(m.peak_mem_mib))
         line = (
             f"step {m.step:>{len(str(self.total))}}/{self.total} "
             f"[{'=' * filled}{' ' * (width - filled)}] loss {m.loss:.4f} | "
-            f"{m.tokens_per_s:,.0f} tok/s | {self.memory} MiB/rank {mem} | ETA {_clock(left)}"
+            f"{m.tokens_per_s:,.0f} tok/s | {self.memory} MiB {mem} | ETA {_clock(left)}"
         )
         if self.tty:
             self.out.write("\r" + line + ("\n" if m.step == self.total else ""))
         else:
             self.out.write(line + "\n")
+        self.out.flush()
+
+    def note(self, text: str) -> None:
+        """A line of its own (a checkpoint saved), above the bar on a terminal."""
+        self.out.write(("\r\033[K" if self.tty else "") + text + "\n")
         self.out.flush()
 
 
