@@ -156,7 +156,7 @@ def test_train_with_muon_shards_whole_parameters_and_resumes_exactly(tmp_path: P
     out = _train(*common, "--ckpt-every", "4", "--out-dir", str(whole))
     banner = "2 ranks (gloo, FULL_SHARD, int8 gathers with row scales, Muon + AdamW, whole "
     assert banner in out, out
-    assert re.search(r"blocks\.0 +\d+ +float32 +int8\+scales +float32", out), out
+    assert re.search(r"blocks\.0 \[[^]]*\] +\d+ +float32 +int8\+scales +float32", out), out
     losses = _losses(whole)
     assert losses[8] < losses[1], losses
     ckpt = whole / "checkpoints" / "step_000004"

@@ -15,7 +15,10 @@ hopeless cases it can prove from the table alone:
   ``summon_full_params``, ...) while another waits in a collective the first has not
   issued: each waits for the other. This is the rank-0-only save.
 A rank that computes, or gives no answer and left no exit record, proves nothing: the
-timeout stays for it.
+timeout stays for it. The first two come from history and hold whenever seen; the third
+comes from snapshots of what ranks wait for, and a rank whose agreement has just
+completed can still show it for a poll's time, so it must be seen in two probes a second
+apart (``Proof.settled``).
 """
 
 from __future__ import annotations
@@ -87,6 +90,10 @@ class Proof(NamedTuple):
 
     error: str  # "PeerLostError" or "CollectiveMismatchError"
     why: str
+    # From history (an exit, two records that differ): true whenever seen. From what ranks
+    # wait for now: each status is a snapshot, and a rank whose agreement just completed
+    # may still show it for a poll's time, so such a proof must be seen twice.
+    settled: bool = True
 
 
 def report(
@@ -147,7 +154,7 @@ def proven(group: str, ranks: list[int], statuses: dict[int, Status]) -> Proof |
                     f"rank {b} waits in collective #{other.seq}, which rank {a} has not "
                     "issued: each waits for the other."
                 )
-                return Proof("CollectiveMismatchError", why + callers)
+                return Proof("CollectiveMismatchError", why + callers, settled=False)
     return None
 
 

@@ -68,6 +68,7 @@ from flatshard.comm._record import Record
 
 SLICE_S = 1.0  # a wait looks for diagnosis requests this often
 PROBE_S = 2.0  # a wait this long asks every rank's status, to look for a proof; then doubling
+_RECHECK_S = 1.0  # a proof from a snapshot of waits is looked at again this much later
 _MAX_PROBE_GAP_S = 30.0
 POLL_S = 0.5  # a responder thread looks for diagnosis requests this often
 _GRACE_S = 3 * POLL_S + 2.5  # how long answers are awaited (slack for a loaded machine)
@@ -105,6 +106,7 @@ class Watchdog:
         self._tracked: list[_Tracked] = []
         self.waiting: tuple[str, float, Waited | None] | None = None  # what, since, in terms
         self.seen_requests = self._requests()  # earlier incidents are not ours
+        self._suspected: str | None = None  # a proof seen once in a snapshot of waits
         # The slowest interval between two ends of a backward pass: a wait far longer
         # than that is worth a word before the timeout (Checks.warn_after).
         self.slowest_step_s = 0.0
@@ -213,9 +215,9 @@ class Watchdog:
                     self._warn(group, what, waited, timeout)
                 remaining = timeout - waited
                 if time.monotonic() >= probe_at and remaining > 0:
-                    self._probe(group, what, attempt)
+                    again = self._probe(group, what, attempt)
                     probe_gap = min(2 * probe_gap, _MAX_PROBE_GAP_S)
-                    probe_at = time.monotonic() + probe_gap
+                    probe_at = time.monotonic() + (_RECHECK_S if again else probe_gap)
                 if remaining <= 0:
                     cause = f"flatshard: {what} did not complete within {timeout:g} s"
                     self._diagnose(group, f"{cause} (seen on rank {self.rank})")
@@ -228,20 +230,25 @@ class Watchdog:
         finally:
             self.waiting = None
 
-    def _probe(self, group: dist.ProcessGroup, what: str, attempt: _Attempt) -> None:
+    def _probe(self, group: dist.ProcessGroup, what: str, attempt: _Attempt) -> bool:
         """Ask every rank's status; where it proves that the wait can never end, start the
         diagnosis with that proof's error (see the module's note). Nothing else happens:
-        a probe is cheap, and a rank that is merely slow is left to the timeout."""
+        a probe is cheap, and a rank that is merely slow is left to the timeout. True when
+        a proof from what ranks wait for was seen once and wants a second look."""
         ranks = dist.get_process_group_ranks(group)
         try:
             generation = int(self.store.add(_PROBES, 1))
             self._publish(generation, "probe")
             statuses = self._collect(generation, ranks, "probe")
         except Exception:  # the store went with its host: the next slice says so
-            return
+            return False
         proof = proven(group.group_name, ranks, statuses)
+        suspected, self._suspected = self._suspected, None
         if proof is None or attempt(0.001):  # (a peer that ended may have finished it)
-            return
+            return False
+        if not proof.settled and proof.why != suspected:  # seen once: look again soon
+            self._suspected = proof.why
+            return True
         cause = f"flatshard: rank {self.rank} waited for {what}, which can never complete"
         self._diagnose(group, cause, _ERRORS[proof.error])
 
