@@ -7,6 +7,7 @@ import os
 import shutil
 from pathlib import Path
 
+import flatshard
 from flatshard.cli.config import ConfigError
 from flatshard.cli.internals import read_manifest
 from flatshard.cli.lm.config import TrainConfig
@@ -22,16 +23,10 @@ def resume_from(config: TrainConfig) -> Path | None:
     """
     if not config.resume:
         return None
-    if config.resume == "auto":
-        for path in reversed(saved_checkpoints(config.checkpoint_dir)):
-            try:
-                read_manifest(path)
-                return path
-            except CheckpointError:
-                continue  # damaged: an older one may be whole
-        return None
+    if config.resume == "auto":  # a damaged one is passed over for an older whole one
+        return flatshard.latest_checkpoint(config.checkpoint_dir)
     latest = config.resume == "latest"
-    path = latest_checkpoint(config.checkpoint_dir) if latest else Path(config.resume)
+    path = _newest_saved(config.checkpoint_dir) if latest else Path(config.resume)
     try:
         read_manifest(path)
     except CheckpointError as error:
@@ -83,7 +78,7 @@ def saved_checkpoints(directory: Path) -> list[Path]:
     return sorted(directory.glob("step_[0-9]*[0-9]"))
 
 
-def latest_checkpoint(directory: Path) -> Path:
+def _newest_saved(directory: Path) -> Path:
     found = saved_checkpoints(directory)
     if not found:
         raise ConfigError(f"--resume latest: no checkpoint (step_*) in {directory}")
