@@ -8,8 +8,9 @@ TRAIN_STAMP := $(VENV)/.installed-train
 DEV_STAMP := $(VENV)/.installed-dev
 NPROC ?= 2
 TRAIN_ARGS ?=
+EXTRAS ?= hf
 
-.PHONY: train test lint typecheck unit clean
+.PHONY: train extras test lint typecheck unit clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +31,12 @@ $(DEV_STAMP): pyproject.toml constraints.txt | $(BIN)/python
 
 train: $(TRAIN_STAMP)
 	$(BIN)/flatshard train --nproc $(NPROC) $(TRAIN_ARGS)
+
+# `make extras EXTRAS=hf,trl`: optional dependencies into the same environment. flatshard
+# stays editable (a plain `pip install '.[hf]'` replaces it with a copy, so edits to src/
+# stop taking effect) and torch stays the pinned build.
+extras: $(TRAIN_STAMP)
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[$(EXTRAS)]'
 
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -18,7 +18,7 @@ for i in 1 2 3; do
     dir="$out/$p-$i"; mkdir -p "$dir"
     (cd "$dir" && PYTHONPATH="$tree/src" "$root/.venv/bin/python" -c \
       "import sys; from flatshard.cli.main import entry; sys.argv = ['flatshard', 'bench', *sys.argv[1:]]; entry()" \
-      "${preset[@]}" --sparse-embeddings --systems "$systems" --out "$dir") > "$dir/log.txt" 2>&1
+      "${preset[@]}" --row-sparse-tables --systems "$systems" --out "$dir") > "$dir/log.txt" 2>&1
     echo "$p $i:"; sed -n 2,8p "$dir/log.txt"
   done
 done

@@ -37,7 +37,7 @@ def test_train_end_to_end_then_resume_exactly(tmp_path: Path) -> None:
     The first run is planned first (--predict): the plan's peak is the run's."""
     common = [*TINY, "--steps", "16", "--lr", "1e-2", "--warmup-steps", "2"]
     common += ["--grad-accum", "2", "--keep-ckpts", "5", "--keep-gathered", "1", "--cpu-offload"]
-    common += ["--sparse-embeddings"]
+    common += ["--row-sparse-tables", "--log-to", "tensorboard"]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     out = _train(
         *common, "--ckpt-every", "8", "--sample-bytes", "40", "--out-dir", str(whole), "--predict"
@@ -71,6 +71,38 @@ def test_train_end_to_end_then_resume_exactly(tmp_path: Path) -> None:
     assert sorted(again) == list(range(9, 17))
     for step, loss in again.items():
         assert loss == pytest.approx(losses[step], rel=1e-6), (step, losses, again)
+    # Resumed into the first run's directory: metrics.jsonl and the TensorBoard events
+    # hold each step once, the resumed run's values for steps 9-16.
+    out = _train(*common, "--sample-bytes", "0", "--resume", str(ckpt), "--out-dir", str(whole))
+    assert f"TensorBoard: tensorboard --logdir {whole / 'tensorboard'}" in out
+    _tensorboard_matches_the_metrics(whole)
+
+
+def _tensorboard_matches_the_metrics(out_dir: Path) -> None:
+    """--log-to tensorboard: the event files, read back, hold metrics.jsonl's fields, one
+    event per step (float32 there), and the held-out loss at the last step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out_dir / "tensorboard"))
+    events.Reload()
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(1, 17))
+    expected: dict[str, list[tuple[int, float]]] = {}
+    for row in rows:
+        for name, value in row.items():
+            if not isinstance(value, list):
+                expected.setdefault(name, []).append((row["step"], value))
+                continue
+            for rank, v in enumerate(value):
+                expected.setdefault(f"{name}/r{rank}", []).append((row["step"], v))
+    del expected["step"]
+    assert set(events.Tags()["scalars"]) == {*expected, "held_out_loss"}
+    for tag, points in expected.items():
+        got = [(e.step, e.value) for e in events.Scalars(tag)]
+        assert [s for s, _ in got] == [s for s, _ in points], tag
+        for (_, value), (_, want) in zip(got, points, strict=True):
+            assert value == pytest.approx(want, rel=1e-6), tag
+    assert [e.step for e in events.Scalars("held_out_loss")] == [16]
 
 
 def test_train_a_mixture_of_experts_expert_parallel(tmp_path: Path) -> None:
@@ -183,7 +215,12 @@ def test_hybrid_accumulation_reduces_across_hosts_once_per_step(tmp_path: Path) 
         assert b[step] == pytest.approx(a[step], rel=1e-5), (a, b)
 
 
-BAD_TOML = {"unknown": "stepz = 3", "type": 'steps = "many"', "syntax": "steps = = 3"}
+BAD_TOML = {
+    "unknown": "stepz = 3",
+    "type": 'steps = "many"',
+    "syntax": "steps = = 3",
+    "renamed": "sparse_embeddings = true",
+}
 
 
 @pytest.mark.parametrize(
@@ -237,6 +274,11 @@ BAD_TOML = {"unknown": "stepz = 3", "type": 'steps = "many"', "syntax": "steps =
         (["--config", "{tmp}/type.toml"], "--config: 'steps' in"),
         (["--config", "{tmp}/syntax.toml"], "--config: {tmp}/syntax.toml is not valid TOML"),
         (["--config", "{tmp}/missing.toml"], "--config: cannot read"),
+        (
+            ["--config", "{tmp}/renamed.toml"],
+            "--config: 'sparse_embeddings' in {tmp}/renamed.toml was renamed 'row_sparse_tables'",
+        ),
+        (["--log-to", "wandb"], "--log-to must be one of tensorboard, got 'wandb'"),
         (["--resume", "latest", "--out-dir", "{tmp}"], "--resume latest: no checkpoint"),
         (["--resume", "{tmp}/none"], "--resume: no checkpoint at {tmp}/none"),
     ],
@@ -261,6 +303,10 @@ def test_unknown_flag_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     err = capsys.readouterr().err.strip()
     expected = "flatshard train: error: unrecognized arguments: --stepz (did you mean --steps?) 3"
     assert err == f"{expected} (see flatshard train --help)", err
+    # the CLI took the API's words (placement=RowSparse()): the old flag names the new one
+    with pytest.raises(SystemExit):
+        main(["train", "--sparse-embeddings"])
+    assert "--sparse-embeddings (renamed --row-sparse-tables)" in capsys.readouterr().err
 
 
 def test_choices_take_any_case() -> None:
@@ -347,7 +393,7 @@ def test_bench_reports_row_sparse_tables(
     argv += ["--layers", "1", "--seq-len", "8", "--batch", "2", "--steps", "1", "--rounds", "1"]
     argv += ["--systems", "flatshard,flatshard-dense"]
     report, stdout = _bench(argv, tmp_path, capsys)
-    assert (report["config"]["tied"], report["config"]["sparse_embeddings"]) == (False, True)
+    assert (report["config"]["tied"], report["config"]["row_sparse_tables"]) == (False, True)
     sparse, dense = report["systems"]["flatshard"], report["systems"]["flatshard-dense"]
     assert sparse["embedding_sparse_lookups"] >= 2 and sparse["embedding_bytes_per_step"] > 0
     assert "embedding_bytes_per_step" not in dense

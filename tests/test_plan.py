@@ -317,8 +317,8 @@ def test_cpu_offload_is_recommended_where_nothing_else_fits(planner: ProcessPool
     code, out, _ = planner.submit(run_cli, [*args[:-1], "1030MiB"]).result()
     assert code == 1 and "nothing fits" in out  # not even offloaded
     # Planned with row-sparse tables: the train line it recommends has them too.
-    code, out, _ = planner.submit(run_cli, [*args, "--sparse-embeddings"]).result()
-    assert code == 0 and "--cpu-offload --sparse-embeddings)" in out, out
+    code, out, _ = planner.submit(run_cli, [*args, "--row-sparse-tables"]).result()
+    assert code == 0 and "--cpu-offload --row-sparse-tables)" in out, out
 
 
 def test_sublayer_units_are_recommended_where_they_make_a_faster_setup_fit(

@@ -30,6 +30,10 @@ else:  # pragma: no cover - Python 3.10
 
 C = TypeVar("C")
 
+# Options whose name changed -> the new name, so that an old command line or TOML file gets
+# the new spelling in its error (the CLI takes the API's words: placement=RowSparse()).
+RENAMED = {"sparse_embeddings": "row_sparse_tables"}
+
 
 class ConfigError(ValueError):
     """A bad option: reported as one line naming the option, not a traceback."""
@@ -49,14 +53,19 @@ class OneLineParser(argparse.ArgumentParser):
         if unknown:
             command: argparse.ArgumentParser = getattr(parsed, "command_parser", self)
             flags: tuple[str, ...] = getattr(parsed, "known_flags", ())
-            hints = [
-                f"{word} (did you mean {close[0]}?)"
-                if (close := difflib.get_close_matches(word.split("=")[0], flags, n=1))
-                else word
-                for word in unknown
-            ]
+            hints = [_hint(word, flags) for word in unknown]
             command.error(f"unrecognized arguments: {' '.join(hints)}")
         return parsed
+
+
+def _hint(word: str, flags: tuple[str, ...]) -> str:
+    """An unknown flag with its new name (renamed) or the closest known one."""
+    name = word.split("=")[0]
+    old = name.removeprefix("--no-").removeprefix("--").replace("-", "_")
+    if old in RENAMED:
+        return f"{word} (renamed {flag(RENAMED[old])})"
+    close = difflib.get_close_matches(name, flags, n=1)
+    return f"{word} (did you mean {close[0]}?)" if close else word
 
 
 def field_docs(config: type[Any]) -> dict[str, str]:
@@ -150,6 +159,8 @@ def _from_toml(config: type[Any], path: Path) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for key, value in raw.items():
         name = key.replace("-", "_")
+        if name in RENAMED:
+            raise ConfigError(f"--config: '{key}' in {path} was renamed '{RENAMED[name]}'")
         if name not in known:
             raise ConfigError(f"--config: unknown option '{key}' in {path} (see --help)")
         default = known[name].default

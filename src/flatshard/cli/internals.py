@@ -5,7 +5,7 @@ commands need beyond that is plumbing, not API: how processes start and end with
 teardown race, the strategy listing of ``--help``, which reduce-scatter form a backend
 gets and the clock of exposed waits (``bench``), the checkpoint directory's format
 (``ckpt``), the planner's wording and allocator slack, the last units kept gathered
-(``--keep-gathered``), the placement rule of ``--optimizer`` and ``--sparse-embeddings``.
+(``--keep-gathered``), the placement rule of ``--optimizer`` and ``--row-sparse-tables``.
 It is imported from here, so that ``tests/test_layers.py`` can hold every other CLI
 module to the public surfaces (as ``flatshard.testing.internals`` is for tests).
 """

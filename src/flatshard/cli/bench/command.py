@@ -13,7 +13,7 @@ at the dispatcher in a pass of its own after the timed steps (see [Note: honest 
 ``max_memory_allocated`` (GPUs) is the process's peak, model building included;
 "comm wait" (flatshard's time blocked on its collectives: exposed communication) is
 measured on CPU only, since on GPUs waiting is the device's, not the CPU's; a line after
-the table splits it by unit. With row-sparse embedding tables (``--sparse-embeddings``,
+the table splits it by unit. With row-sparse embedding tables (``--row-sparse-tables``,
 on in the llm presets) another line gives the bytes they sent per step.
 """
 
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         # Adafactor's step reads values a plan lacks; the plan accumulates with no_sync.
         plannable = config.optimizer != "adafactor" and config.accum == "no_sync"
         if "flatshard" in summary and not config.compile and plannable:
-            if config.sparse_embeddings:  # the planner's meta world has no token ids
+            if config.row_sparse_tables:  # the planner's meta world has no token ids
                 print(  # the plan's bound, not this batch (see flatshard.plan)
                     "flatshard plan: not predicted (a plan takes every token id distinct)"
                 )
@@ -339,7 +339,7 @@ def _build(
         config.tied,
         config.experts,
     )
-    sparse = config.sparse_embeddings and system != "flatshard-dense"
+    sparse = config.row_sparse_tables and system != "flatshard-dense"
     placement = placement_for(config.optimizer, gpt, {GPTBlock}, sparse)
     if config.ep > 1 and system.startswith("flatshard") and system != "flatshard-noep":
         placement = with_experts(placement, gpt, config.ep)
@@ -413,7 +413,7 @@ def _synchronize(device: torch.device) -> None:
 
 def _wrap(model: GPT, system: str, device: torch.device, placement: PlacementRule) -> nn.Module:
     """``model`` as ``system`` runs it; flatshard with the placement of Muon/Adafactor
-    (matrices whole) and --sparse-embeddings (tables row-sparse, but flatshard-dense)."""
+    (matrices whole) and --row-sparse-tables (tables row-sparse, but flatshard-dense)."""
     options: dict[str, Any] = {"placement": placement}
     if system == "flatshard":
         return flatshard.fully_shard(model, auto_wrap_policy={GPTBlock}, **options)

@@ -12,7 +12,7 @@ from flatshard.cli.lm.optimizers import OPTIMIZERS, needs_whole_params
 SYSTEMS = ("flatshard", "fsdp2", "ddp", "floor")
 # Also available, not run by default: flatshard without any prefetch (what prefetch buys).
 # flatshard-dense: flatshard with its embedding tables gathered whole, whatever
-# --sparse-embeddings says (what row-sparse tables buy, side by side).
+# --row-sparse-tables says (what row-sparse tables buy, side by side).
 # flatshard-twin: flatshard with its reductions on a process group of their own
 # (set_separate_reduce_scatter_group).
 # flatshard-gather-int8 / -fp8 / -bf16: flatshard gathering its parameters in that dtype
@@ -36,16 +36,16 @@ EXTRA_SYSTEMS = (
 
 ACCUMULATIONS = ("no_sync", "reduce", "keep")
 
-# bool values are flags too (``tied``, ``sparse_embeddings``)
+# bool values are flags too (``tied``, ``row_sparse_tables``)
 PRESETS: dict[str, dict[str, int]] = {
     "byte-gpt": {"vocab": 256, "dim": 512, "layers": 8, "heads": 8, "seq_len": 128, "batch": 4},
     "llm-32k": {
         **{"vocab": 32768, "dim": 384, "layers": 6, "heads": 6, "seq_len": 256, "batch": 4},
-        "sparse_embeddings": True,
+        "row_sparse_tables": True,
     },
     "llm-128k": {
         **{"vocab": 131072, "dim": 256, "layers": 4, "heads": 4, "seq_len": 128, "batch": 1},
-        **{"tied": False, "sparse_embeddings": True},
+        **{"tied": False, "row_sparse_tables": True},
     },
     "overhead": {"vocab": 16, "dim": 16, "layers": 16, "heads": 2, "seq_len": 4, "batch": 1},
     "moe": {
@@ -69,7 +69,7 @@ class BenchConfig:
     systems: str = ""
     """comma-separated subset of flatshard,fsdp2,ddp,floor,flatshard-noprefetch,
     flatshard-debug (every collective checked across ranks first: Checks(debug=True)),
-    flatshard-dense (embedding tables gathered whole: --sparse-embeddings off for it),
+    flatshard-dense (embedding tables gathered whole: --row-sparse-tables off for it),
     flatshard-twin (reductions on a process group of their own),
     flatshard-noep (the experts data parallel, whatever --ep says),
     flatshard-gather-int8, flatshard-gather-fp8, flatshard-gather-bf16 (parameters
@@ -89,7 +89,7 @@ class BenchConfig:
     """attention heads"""
     tied: bool = True
     """the LM head shares the token embedding's weight (--no-tied: a head of its own)"""
-    sparse_embeddings: bool = False
+    row_sparse_tables: bool = False
     """flatshard looks its embedding tables up row-sparse (fully_shard(...,
     placement=flatshard.RowSparse())): each rank fetches its tokens' rows, their gradients go back
     as rows; the llm presets turn it on"""
@@ -131,7 +131,7 @@ class BenchConfig:
     per rank); llm-32k a 32,768-token vocabulary tied to the head (dim 384, 6 blocks, 4 x
     256 tokens per rank), llm-128k an untied 131,072 x 256 table and head (4 blocks, 1 x
     128 tokens per rank: the head's matmul would otherwise hide all communication on a
-    CPU), both with --sparse-embeddings;
+    CPU), both with --row-sparse-tables;
     overhead a model with negligible compute (16 blocks of width 16, 4 tokens): the
     "ms/unit" column (time over the floor per unit) is then host overhead, best measured
     with --nproc 1 --systems flatshard,fsdp2,floor (and --compile)"""

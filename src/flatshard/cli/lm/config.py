@@ -8,6 +8,7 @@ with a one-line error naming the option.
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ GATHER_DTYPES = {
 }
 SCHEDULES = ("cosine", "linear", "constant")
 UNITS = ("blocks", "sublayers")
+LOG_SINKS = ("tensorboard",)  # where --log-to writes besides metrics.jsonl
 
 
 def unit_policy(blocks: set[type[nn.Module]], units: str) -> AutoWrapPolicy:
@@ -136,7 +138,7 @@ class TrainConfig:
     """expert parallelism: groups of --ep ranks split the experts, each rank holding
     experts / ep of them (fully_shard(placement=flatshard.Experts(ep)) for the stacked
     expert weights) and the tokens moving to them by all-to-all; 1: data parallel"""
-    sparse_embeddings: bool = False
+    row_sparse_tables: bool = False
     """row-sparse embedding tables (fully_shard(..., placement=flatshard.RowSparse())): each lookup
     fetches only its tokens' rows and sends back only their gradients, where that moves
     fewer bytes than the whole table"""
@@ -159,6 +161,10 @@ class TrainConfig:
     """where metrics.jsonl and loss.png go"""
     log_every: int = 10
     """print a progress line every this many steps when not on a terminal"""
+    log_to: str = ""
+    """'tensorboard': also write metrics.jsonl's fields as TensorBoard scalars, one event per
+    step, to <out-dir>/tensorboard (needs the tensorboard package: pip install tensorboard);
+    view with: tensorboard --logdir <out-dir>/tensorboard"""
     ckpt_dir: str = ""
     """checkpoint directory (empty: <out-dir>/checkpoints)"""
     ckpt_every: int = 0
@@ -213,6 +219,10 @@ class TrainConfig:
         if self.keep_gathered and self.sharding_strategy.kept_gathered is None:
             fail("keep_gathered", f"applies to FULL_SHARD and HYBRID_SHARD, not {self.strategy}")
         _one_of(self, "units", UNITS)
+        if self.log_to:
+            _one_of(self, "log_to", LOG_SINKS)
+            if importlib.util.find_spec("tensorboard") is None:
+                fail("log_to", "tensorboard needs the tensorboard package: pip install tensorboard")
         _one_of(self, "optimizer", OPTIMIZERS)
         if self.optimizer == "adafactor" and (self.predict or self.fit_memory):
             name = "predict" if self.predict else "fit_memory"

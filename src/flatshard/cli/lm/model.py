@@ -166,7 +166,7 @@ def shard_language_model(lm: LanguageModel, config: TrainConfig, device: torch.d
     if config.cpu_offload:
         options["cpu_offload"] = flatshard.CPUOffload()
     options["placement"] = placement_for(
-        config.optimizer, lm.module, lm.unit_classes, config.sparse_embeddings
+        config.optimizer, lm.module, lm.unit_classes, config.row_sparse_tables
     )
     if config.ep > 1:
         options["placement"] = with_experts(options["placement"], lm.module, config.ep)

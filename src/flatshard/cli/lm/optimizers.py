@@ -38,7 +38,7 @@ def placement_for(
 
 
 def tables_placement(row_sparse: bool) -> ShardPlacement | None:
-    """--sparse-embeddings as a placement for the whole model: its tables row-sparse."""
+    """--row-sparse-tables as a placement for the whole model: its tables row-sparse."""
     return RowSparse() if row_sparse else None
 
 

@@ -90,7 +90,7 @@ class PlanConfig:
     cpu_offload: bool = False
     """shards, gradients and optimizer state in host memory, the optimizer's step on the
     host CPUs: the device's peak, the host's, and the PCIe copies in the step"""
-    sparse_embeddings: bool = False
+    row_sparse_tables: bool = False
     """row-sparse embedding tables (fully_shard(..., placement=flatshard.RowSparse())), priced with
     every token id of a batch distinct: the most its lookups can move"""
     optimizer: str = "adamw"
@@ -194,7 +194,7 @@ def _plan(config: PlanConfig, model: PlannedModel, checkpointing: bool) -> flats
         optimizer=config.optimizer,
         keep_gathered=config.keep_gathered,
         cpu_offload=config.cpu_offload,
-        placement=tables_placement(config.sparse_embeddings),
+        placement=tables_placement(config.row_sparse_tables),
     )
 
 
@@ -241,8 +241,8 @@ def _recommend(config: PlanConfig, model: PlannedModel, first: flatshard.Plan) -
         flags += " --checkpoint-activations"
     if best.plan.setup.cpu_offload:
         flags += " --cpu-offload"
-    if config.sparse_embeddings:
-        flags += " --sparse-embeddings"
+    if config.row_sparse_tables:
+        flags += " --row-sparse-tables"
     if config.model.startswith(("gpt", "hf:")):
         print(f"recommended: {best.label} (flatshard train {flags})")
     else:  # a model of your own: fully_shard's options in your script
@@ -254,7 +254,7 @@ def _recommend(config: PlanConfig, model: PlannedModel, first: flatshard.Plan) -
 # What ``flatshard train`` sets from the recommendation itself, or has no flag for.
 _NOT_REPEATED = {
     "strategy", "sharding_factor", "units", "keep_gathered", "checkpoint_activations",
-    "cpu_offload", "sparse_embeddings",
+    "cpu_offload", "row_sparse_tables",
 }  # fmt: skip
 
 

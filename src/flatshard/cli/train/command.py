@@ -58,7 +58,13 @@ from flatshard.cli.train.launch import (
     stop_with_parent,
 )
 from flatshard.cli.train.predict import Measurement, Prediction, predict_run, prediction_line
-from flatshard.cli.train.progress import MetricsLog, ProgressBar, StepMetrics, plot
+from flatshard.cli.train.progress import (
+    MetricsLog,
+    ProgressBar,
+    StepMetrics,
+    TensorBoardLog,
+    plot,
+)
 from flatshard.cli.train.resume import resume_changes
 
 PROMPT = "And God said"
@@ -334,6 +340,9 @@ def _loop(trainer: Trainer, backend: str) -> None:
         _print_start(trainer, backend)
     resumed_at = trainer.step if path is not None else None
     log = MetricsLog(out / "metrics.jsonl", resumed_at) if lead else None
+    board = None
+    if lead and config.log_to == "tensorboard":
+        board = TensorBoardLog(out / "tensorboard", resumed_at)
     memory = peak_memory_label(trainer.device)
     bar = ProgressBar(config.steps, trainer.step + 1, config.log_every, memory) if lead else None
     started = time.perf_counter()
@@ -362,6 +371,8 @@ def _loop(trainer: Trainer, backend: str) -> None:
                 elapsed_s=round(time.perf_counter() - started, 3),
             )
             log.write(metrics)
+            if board is not None:
+                board.write(metrics)
             bar.update(metrics)
         preempted = any(bool(f[2]) for f in everyone) and trainer.step < config.steps
         saved = None
@@ -381,8 +392,10 @@ def _loop(trainer: Trainer, backend: str) -> None:
                     f"with status {PREEMPTED_STATUS} (rerun with --resume auto to continue)",
                     flush=True,
                 )
+            if board is not None:
+                board.writer.close()
             raise SystemExit(PREEMPTED_STATUS)
-    _finish(trainer, out)
+    _finish(trainer, out, board)
 
 
 def _accumulation_line(config: TrainConfig) -> str:
@@ -415,7 +428,7 @@ def _print_start(trainer: Trainer, backend: str) -> None:
         f"flatshard train: {trainer.lm.description}, {trainer.params:,} parameters, "
         f"{trainer.world} ranks ({backend}, {config.sharding_strategy.name}{units}"
         f"{kept_phrase(config.keep_gathered)}{', CPU offload' if config.cpu_offload else ''}"
-        f"{', row-sparse embeddings' if config.sparse_embeddings else ''}"
+        f"{', row-sparse embeddings' if config.row_sparse_tables else ''}"
         f"{f', experts split over {config.ep} ranks' if config.ep > 1 else ''}"
         f"{_gather_phrase(config.gather_dtype)}"
         f"{_optimizer_phrase(config.optimizer)}), {config.steps} steps"
@@ -439,7 +452,7 @@ def _gather_phrase(gather_dtype: str) -> str:
     return f", {gather_dtype} gathers{scaled}"
 
 
-def _finish(trainer: Trainer, out: Path) -> None:
+def _finish(trainer: Trainer, out: Path, board: TensorBoardLog | None) -> None:
     """Held-out loss, a text sample, the plot (collectives first, then rank 0 prints)."""
     val = trainer.val_loss()
     text = trainer.sample(trainer.config.sample_bytes) if trainer.config.sample_bytes else ""
@@ -460,3 +473,6 @@ def _finish(trainer: Trainer, out: Path) -> None:
         print("sample:\n" + text)
     print(plot(out / "metrics.jsonl", out / "loss.png", val, trainer.corpus.unigram_entropy))
     print(f"metrics: {out / 'metrics.jsonl'}")
+    if board is not None:
+        board.finish(trainer.step, val)
+        print(f"TensorBoard: tensorboard --logdir {board.directory}")

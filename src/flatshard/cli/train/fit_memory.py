@@ -44,7 +44,7 @@ def fit_memory(
         clip=config.clip > 0,
         backend=cluster.backend,
         foreach=cluster.device != "cpu",
-        placement=tables_placement(config.sparse_embeddings),
+        placement=tables_placement(config.row_sparse_tables),
     )
 
     def inputs() -> tuple[torch.Tensor, ...]:

@@ -62,7 +62,7 @@ def predict_run(config: TrainConfig, world: int, local_ranks: int) -> Prediction
         clip=config.clip > 0,
         keep_gathered=config.keep_gathered,
         cpu_offload=config.cpu_offload,
-        placement=tables_placement(config.sparse_embeddings),
+        placement=tables_placement(config.row_sparse_tables),
     )
     if cpu:  # one memory: with --cpu-offload the host's tensors are in it too
         return Prediction(planned.total_peak_bytes, planned.step.seconds, planned.cluster.name)

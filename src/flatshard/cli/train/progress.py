@@ -91,6 +91,43 @@ class MetricsLog:
             handle.write(json.dumps(asdict(m)) + "\n")
 
 
+class TensorBoardLog:
+    """``--log-to tensorboard``: each ``StepMetrics`` field as a scalar of the same name at its
+    step (``peak_mem_mib`` one per rank: ``peak_mem_mib/r0``, ...), and ``held_out_loss`` at
+    the last step, in ``directory``.
+
+    A fresh start removes the event files of an earlier run there; a resumed run asks
+    TensorBoard to drop the events after ``resumed_at`` (``purge_step``), as ``MetricsLog``
+    drops those lines: the resumed run logs those steps again.
+    """
+
+    def __init__(self, directory: Path, resumed_at: int | None) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        if resumed_at is None and directory.is_dir():
+            for old in directory.glob("events.out.tfevents.*"):
+                old.unlink()
+        purge = None if resumed_at is None else resumed_at + 1
+        # Flushed every few seconds (torch's default: 2 minutes): a run that crashes keeps
+        # what it logged, as metrics.jsonl does.
+        self.writer = SummaryWriter(str(directory), purge_step=purge, flush_secs=5)
+        self.directory = directory
+
+    def write(self, m: StepMetrics) -> None:
+        for name, value in asdict(m).items():
+            if name == "step":
+                continue
+            if isinstance(value, list):
+                for rank, v in enumerate(value):
+                    self.writer.add_scalar(f"{name}/r{rank}", v, m.step)
+            else:
+                self.writer.add_scalar(name, value, m.step)
+
+    def finish(self, step: int, held_out: float) -> None:
+        self.writer.add_scalar("held_out_loss", held_out, step)
+        self.writer.close()
+
+
 def _step_of(line: str) -> int | None:
     """The step a metrics line is for; None for a line cut short by a crash."""
     try:

@@ -17,17 +17,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from flatshard.cli.config import ConfigError
+from flatshard.cli.config import RENAMED, ConfigError
 from flatshard.cli.lm.config import TrainConfig
 
 _CONTROL = {
     "resume", "exact_resume", "out_dir", "log_every", "ckpt_dir", "ckpt_every", "keep_ckpts",
     "ckpt_async", "ckpt_on_preempt", "sample_bytes", "nproc", "max_restarts", "device",
-    "share_gpus", "predict", "fit_memory",
+    "share_gpus", "predict", "fit_memory", "log_to",
 }  # fmt: skip
 _LAYOUT = {
     "strategy", "sharding_factor", "units", "keep_gathered", "checkpoint_activations",
-    "cpu_offload", "compile", "sparse_embeddings", "accum_no_sync", "ep",
+    "cpu_offload", "compile", "row_sparse_tables", "accum_no_sync", "ep",
 }  # fmt: skip
 # trajectory options -> what a change does, in words
 _EFFECTS = {
@@ -53,6 +53,7 @@ def resume_changes(
     """Each option of ``config`` that differs from the saved run's, with what it changes
     (the world size and the global batch included); raises ``ConfigError`` under
     --exact-resume where one changes the losses."""
+    saved = {RENAMED.get(name, name): value for name, value in saved.items()}  # older runs
     now = config.__dict__
     changed, trajectory = [], []
     for name in sorted(set(saved) & set(now)):
