@@ -254,6 +254,26 @@ def test_sharding_divides_the_state_and_checkpointing_cuts_activations(
     assert 1.15 * four.step.flops < recomputed.step.flops < 1.4 * four.step.flops
 
 
+def one_token() -> tuple[torch.Tensor, ...]:
+    return (torch.randint(0, VOCAB, (1, 1)),)
+
+
+def test_optimizer_state_is_the_same_wherever_the_peak_falls(
+    planner: ProcessPoolExecutor,
+) -> None:
+    """One token at one rank with checkpointing: the peak falls inside AdamW's (foreach)
+    step, whose intermediates are counted apart from its state. "optimizer state" is then
+    the same as where the peak falls in backward: the moments, twice the parameters."""
+    options = {"loss": language_model_loss, "auto_wrap_policy": {GPTBlock}, "ranks_per_host": 1}
+    in_step = planner.submit(flatshard.plan, partial(gpt, True), one_token, **options).result()
+    in_backward = planner.submit(flatshard.plan, gpt, tokens, **options).result()
+    assert in_step.memory.get("optimizer step temporaries", 0) > 0, in_step.memory
+    assert "optimizer step temporaries" not in in_backward.memory, in_backward.memory
+    state = in_step.memory["optimizer state"]
+    assert state == in_backward.memory["optimizer state"]
+    assert state == 2 * 4 * sum(p.numel() for p in gpt().parameters())
+
+
 def test_cpu_offload_moves_the_state_to_the_host(planner: ProcessPoolExecutor) -> None:
     """With CPUOffload the device keeps only the buffers between steps, the host the
     shards, gradients and optimizer state; on a GPU cluster the step pays the copies over

@@ -36,6 +36,10 @@ GRADIENTS = "gradient shards"
 UNSHARDED_GRADIENTS = "unsharded gradients (being reduced)"
 BUFFERS = "communication buffers"
 OPTIMIZER = "optimizer state"
+# made by the optimizer's step and freed by its end (foreach's intermediates, Muon's
+# orthogonalization): counted apart, so that "optimizer state" is the same in every plan of
+# a model, the peak inside the step or not (see ``Recorder.settle``)
+OPTIMIZER_TEMPORARIES = "optimizer step temporaries"
 ACTIVATIONS = "activations and temporaries"
 
 COLLECTIVES = {
@@ -145,6 +149,14 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             serial = self.serial(t.untyped_storage())
             if serial is not None:
                 self.tags[serial] = tag
+
+    def settle(self) -> None:
+        """After the last step: what the optimizer made that is gone now was a temporary of
+        its step, not its state."""
+        alive = self.alive()
+        for serial, tag in self.tags.items():
+            if tag == OPTIMIZER and serial not in alive:
+                self.tags[serial] = OPTIMIZER_TEMPORARIES
 
     def start_recording(self) -> None:
         """From now on: ops are recorded and the peak counts from the bytes alive now."""

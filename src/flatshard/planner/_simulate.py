@@ -147,6 +147,7 @@ def _simulate(
         if step == 1:
             recorder.start_recording()
         training_step(model, optim, inputs, loss, setup, torch.device("meta"), recorder)
+    recorder.settle()
     summary = sharding_summary(model)
     units = len({f.unit for f in summary.flat_params})
     host = _offloaded(model, recorder) if setup.cpu_offload else frozenset()
@@ -158,7 +159,7 @@ def _offloaded(model: nn.Module, recorder: Recorder) -> frozenset[int]:
     the reduction makes) and the optimizer's state and temporaries."""
     shards = [p.untyped_storage() for p in model.parameters()]
     host = {serial for serial in map(recorder.serial, shards) if serial is not None}
-    on_host = (tags.GRADIENTS, tags.OPTIMIZER)
+    on_host = (tags.GRADIENTS, tags.OPTIMIZER, tags.OPTIMIZER_TEMPORARIES)
     host |= {serial for serial, tag in recorder.tags.items() if tag in on_host}
     return frozenset(host)
 
