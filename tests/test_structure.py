@@ -126,9 +126,10 @@ def _placement_flags() -> set[str]:
     """The boolean class attributes of every placement and group placement: flags a
     runtime could branch on instead of calling the protocol."""
     from flatshard.flat._placement import GroupPlacement  # the protocol's own module
+    from flatshard.flat._tensor_parallel import SplitParam  # tensor-parallel parts, experts
 
     flags: set[str] = set()
-    todo: list[type] = [flatshard.ShardPlacement, GroupPlacement]
+    todo: list[type] = [flatshard.ShardPlacement, GroupPlacement, SplitParam]
     while todo:
         kind = todo.pop()
         todo += kind.__subclasses__()
@@ -139,7 +140,8 @@ def _placement_flags() -> set[str]:
 def test_no_placement_flag_is_read_outside_the_placement_modules() -> None:
     """Each flag of a placement (``cuts_rows``, ``serves_lookups``, ``keeps_part``, ...) is
     read in the placement modules only; elsewhere the protocol's verbs decide (before: the
-    runtime read ``serves_lookups`` in three modules, the step ``reduction_waits_for_...``)."""
+    runtime read ``serves_lookups`` in three modules, the step ``reduction_waits_for_...``,
+    and a split parameter's ``varies_in_model_group`` five modules)."""
     flags = _placement_flags()
     assert {"cuts_rows", "serves_lookups", "keeps_part", "manages", "alone"} <= flags
     found = []

@@ -354,7 +354,7 @@ def test_a_plain_state_dict_inside_summon_names_the_tensor_parallel_parts(
 ) -> None:
     for rank, messages in enumerate(pool.run(summon_state_dict_job)):
         for message in messages:
-            assert message.startswith("flatshard") and "tensor-parallel parts" in message, (
+            assert message.startswith("flatshard") and "tensor-parallel part" in message, (
                 f"rank {rank}: {message}"
             )
             assert "flatshard.full_state_dict(model)" in message

@@ -53,7 +53,7 @@ from flatshard.flat._tensor_parallel import SplitParam, mark_split
 class ExpertSlice(SplitParam):
     """This rank's experts of a stacked expert weight: dim 0 cut across the EP group."""
 
-    varies_in_model_group: ClassVar[bool] = True
+    _parts_beside_model: ClassVar[bool] = False
 
     degree: int  # E > 1
     ep_group: dist.ProcessGroup
@@ -79,6 +79,18 @@ class ExpertSlice(SplitParam):
         out = local.new_empty(self.degree * local.numel())
         all_gather_into(out, local.contiguous().reshape(-1), self.ep_group)
         return out.view(self.shape)
+
+    def summoned(self, local: torch.Tensor) -> torch.Tensor:
+        """Every expert: inside summon_full_params the model is whole on every rank, as in
+        a full state dict, so state_dict(), load_state_dict() and a no-grad forward see
+        what the unsharded model would."""
+        return self.full(local)
+
+    def summon_refusal(self) -> str | None:
+        return None
+
+    def startup_value(self, local: torch.Tensor) -> torch.Tensor | None:
+        return None  # each rank holds its own experts
 
 
 @dataclass(frozen=True)

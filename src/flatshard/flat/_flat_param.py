@@ -192,11 +192,6 @@ class FlatParamGroup:
         # (original's index, its module's parameter dict, its name there), on first use.
         self._registrations: list[tuple[int, dict[str, torch.Tensor], str]] | None = None
         self.has_tp = any(o.tp is not None for o in originals)  # DTensor parameters
-        # Parameters that stay this rank's part inside summon_full_params (tensor-parallel
-        # ones; expert slices are joined whole there: flat/_full_params.py)
-        self.summoned_local = any(
-            o.tp is not None and not o.tp.varies_in_model_group for o in originals
-        )
         self._gather: Gathering | None = None  # started, not waited for
         self.holding = Holding.ORIGINALS
         # Writes of the shard flatshard knows of ([Note: stale gathers]); the generation the

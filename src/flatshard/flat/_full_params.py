@@ -48,10 +48,10 @@ def gather_copies(
     (which every view keeps alive) is freed on return, before the next gather.
     """
     views = gather_full(flat, region)[1]
-    # Expert slices are joined over their EP group, whose ranks keep or not alike only
-    # when every rank keeps: all of them join, and only the keepers return the result.
-    joins = any(o.tp is not None and o.tp.varies_in_model_group for o in flat.originals)
-    if not keep and not joins:
+    # Split parameters are joined over their group (tp.full), whose ranks do not keep alike
+    # for expert slices (an EP group is part of the model's ranks): every rank joins, and
+    # only the keepers return the result.
+    if not keep and not flat.has_tp:
         return []
     copies = [copy_out(view, cpu_offload) for view in views]
     if flat.has_tp:  # a local part -> the global tensor (a collective over TP or EP)
@@ -89,16 +89,13 @@ def pack_rows(flat: FlatParamGroup, local_rows: list[torch.Tensor]) -> torch.Ten
 def full_params(flat: FlatParamGroup, writeback: bool) -> Iterator[None]:
     """Give every original parameter of ``flat`` its full shape and value (master dtype).
 
-    A parameter whose ranks hold different parts of it across the model's ranks (expert
-    slices: ``SplitParam.varies_in_model_group``) becomes the whole global tensor, joined
-    over its group, as in a full state dict: inside ``summon_full_params`` the model is
-    whole on every rank, so ``state_dict()``, ``load_state_dict()`` and a no-grad forward
-    there see what the unsharded model would. Tensor-parallel parts stay local: their
-    layers compute on them as DTensors, which the TP ranks beside hold alike.
+    A split parameter becomes what ``SplitParam.summoned`` says: expert slices the whole
+    global tensor (joined over their group, as in a full state dict), tensor-parallel parts
+    this rank's part.
     """
     full, views = gather_full(flat, flat.param_region)
     joined = [
-        orig.tp.full(view) if orig.tp is not None and orig.tp.varies_in_model_group else view
+        view if orig.tp is None else orig.tp.summoned(view)
         for orig, view in zip(flat.originals, views, strict=True)
     ]
     for orig, tensor in zip(flat.originals, joined, strict=True):

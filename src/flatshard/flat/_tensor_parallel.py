@@ -48,9 +48,10 @@ class SplitParam:
     parallelism (``flat/_experts.py``). Norms, full state dicts and checkpoint chunks ask
     it, not which it is."""
 
-    # Whether the model's ranks hold different parts (experts) rather than the TP ranks
-    # beside them (fully_shard's startup check compares the values across the model's ranks)
-    varies_in_model_group: ClassVar[bool] = False
+    # Whether the parts are held by ranks beside the model's own (tensor parallelism), not
+    # by the model's ranks themselves (experts); read by this module's spanning_group only,
+    # everyone else asks the verbs below
+    _parts_beside_model: ClassVar[bool] = True
 
     shape: torch.Size  # the global tensor's
     stride: tuple[int, ...]
@@ -87,6 +88,22 @@ class SplitParam:
     def full(self, local: torch.Tensor) -> torch.Tensor:
         """The global tensor from every rank's ``local`` (a collective over ``group``)."""
         raise NotImplementedError
+
+    def summoned(self, local: torch.Tensor) -> torch.Tensor:
+        """What the parameter is inside ``summon_full_params`` (and in a full gather): this
+        rank's part, which its layers compute on as a DTensor and the TP ranks beside hold
+        alike."""
+        return local
+
+    def summon_refusal(self) -> str | None:
+        """Why a plain state dict or a forward inside ``summon_full_params`` cannot use the
+        summoned parameter (None: they can)."""
+        return "this rank's tensor-parallel part, which its layers read as a DTensor"
+
+    def startup_value(self, local: torch.Tensor) -> torch.Tensor | None:
+        """What ``fully_shard``'s startup check compares across the model's ranks (None:
+        nothing): the part, which the model's ranks at one TP place hold alike."""
+        return local
 
     def local_part(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of the global tensor ``full`` (a view)."""
@@ -259,7 +276,7 @@ def spanning_group(dp: dist.ProcessGroup, tps: list[SplitParam]) -> dist.Process
     group (at dp 1) or the world (dp x tp spans it). Parts held inside the model's own
     group (experts) need nothing more than that group.
     """
-    tps = [t for t in tps if not t.varies_in_model_group]
+    tps = [t for t in tps if t._parts_beside_model]
     if not tps:
         return dp
     tp = tps[0].group

@@ -255,12 +255,17 @@ def _refuse_tensor_parallel_parts(unit: Unit, module: nn.Module, what: str) -> N
     would hold parts without a word."""
     if unit.hold is not Hold.SUMMONED:
         return
-    local = [o for f in unit.flat_params if f.summoned_local for o in f.originals if o.tp]
-    if local:
-        orig = local[0]
+    refused = [
+        (o, why)
+        for f in unit.flat_params
+        for o in f.originals
+        if o.tp is not None and (why := o.tp.summon_refusal()) is not None
+    ]
+    if refused:
+        orig, why = refused[0]
         assert orig.tp is not None
         raise RuntimeError(
-            f"flatshard: {type(module).__name__}.{what} this rank's tensor-parallel parts "
+            f"flatshard: {type(module).__name__}.{what} parameters that are {why} "
             f"inside summon_full_params (unit '{unit.label}', rank {global_rank()}), e.g. "
             f"'{orig.fqn}' {tuple(orig.param.shape)} of {tuple(orig.tp.shape)}. Use "
             "flatshard.full_state_dict(model) / flatshard.load_state_dict(model, sd) (global "

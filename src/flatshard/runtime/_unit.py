@@ -471,12 +471,18 @@ class Unit:
     def _check_inference_only(self) -> None:
         """Inside summon_full_params a forward may not record a graph: its backward would
         write full-size gradients no reduction would see."""
-        if any(f.summoned_local for f in self.flat_params):
+        refusals = [
+            f"'{o.fqn}' ({why})"
+            for f in self.flat_params
+            for o in f.originals
+            if o.tp is not None and (why := o.tp.summon_refusal()) is not None
+        ]
+        if refusals:
             raise RuntimeError(
                 f"flatshard: unit '{self.label}' ran forward inside summon_full_params "
-                f"(rank {global_rank()}), and it holds tensor-parallel parameters, which are "
-                "plain local shards there, not the DTensors their layers expect. Run the "
-                "forward outside summon_full_params."
+                f"(rank {global_rank()}), and it holds {refusals[0]}: a plain local tensor "
+                "there, not what its layers expect. Run the forward outside "
+                "summon_full_params."
             )
         if torch.is_grad_enabled() and any(f.requires_grad for f in self.flat_params):
             raise RuntimeError(

@@ -59,11 +59,10 @@ def value_lines(members: UnitMembers, with_params: bool) -> list[str]:
     """Exact checksums of the unit's buffers (and parameters, before sharding)."""
     named: list[tuple[str, torch.Tensor]] = []
     if with_params:
-        named += [
-            (f"parameter '{o.fqn}'", o.param.detach())
-            for o in members.originals
-            if o.tp is None or not o.tp.varies_in_model_group
-        ]
+        for o in members.originals:
+            value = o.param.detach() if o.tp is None else o.tp.startup_value(o.param.detach())
+            if value is not None:
+                named.append((f"parameter '{o.fqn}'", value))
     for mname, module in members.modules:
         for bname, buf in module._buffers.items():
             if buf is not None:
