@@ -11,7 +11,9 @@ named one nobody listed.
 
 The model holds what each placement serves: an embedding table (row-sparse), matrices and
 vectors (rows, whole, quantized), a mixture of experts called as torchtitan's is (expert
-slices) and a head bias (left alone, trained by each rank on its own batch).
+slices) and a head bias (left alone, trained by each rank on its own batch). The
+tensor-parallel row runs at 4 ranks (dp 2 x tp 2), the blocks' ``fc`` column-parallel: the
+data-parallel ranks are the reference's replicas, and the TP ranks beside one see its batch.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 import flatshard
 from flatshard import ShardPlacement
@@ -34,7 +39,8 @@ from flatshard.models.moe import MoELayer
 from flatshard.testing.parity import quantized_by_formula
 from flatshard.testing.workers import WorkerContext, WorkerPool
 
-WORLD = 2
+WORLD = 2  # data-parallel ranks: the reference's replicas
+TP = 2  # tensor-parallel ranks beside each, in the tensor-parallel row
 STEPS = 2
 VOCAB, DIM, OUT = 11, 8, 5
 RTOL, ATOL = 1e-5, 1e-6
@@ -77,6 +83,7 @@ class Case:
     rule: Rule
     quantized: torch.dtype | None = None  # the matrices of the blocks travel so
     own: tuple[str, ...] = ()  # parameters each rank trains on its own batch alone
+    tensor_parallel: bool = False  # the blocks' fc column-parallel over TP ranks beside
 
 
 def _blocks_matrix(name: str, p: nn.Parameter) -> bool:
@@ -97,6 +104,7 @@ CASES: dict[str, Case] = {
     "Experts": Case(
         flatshard.Experts, lambda n, p: flatshard.Experts(2) if ".experts." in n else None
     ),
+    "Rows-TP": Case(flatshard.Rows, lambda n, p: None, tensor_parallel=True),
     "Unmanaged": Case(
         flatshard.Unmanaged,
         lambda n, p: flatshard.Unmanaged() if n == "head.bias" else None,
@@ -105,7 +113,17 @@ CASES: dict[str, Case] = {
 }
 
 # (case, path) -> the words of the named refusal every rank raises there.
-REFUSED: dict[tuple[str, str], str] = {}
+REFUSED: dict[tuple[str, str], str] = {
+    # Inside summon_full_params a tensor-parallel parameter is this rank's part, which its
+    # layers read as a DTensor: a plain state dict or forward there would see parts.
+    ("Rows-TP", "summon_state_dict"): "tensor-parallel part",
+    ("Rows-TP", "summon_load_state_dict"): "tensor-parallel part",
+    ("Rows-TP", "summon_decode"): "ran forward inside summon_full_params",
+}
+
+
+def _tensor_parallel(name: str) -> bool:
+    return name.startswith("blocks.") and ".fc." in name
 
 
 def _placement_classes() -> set[type[ShardPlacement]]:
@@ -207,11 +225,22 @@ class Reference:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
 
-def _shard(case: Case, group: dist.ProcessGroup) -> tuple[Zoo, torch.optim.Optimizer]:
+def _shard(
+    case: Case, group: dist.ProcessGroup, tp: DeviceMesh | None = None
+) -> tuple[Zoo, torch.optim.Optimizer]:
+    model = _zoo()
+    if case.tensor_parallel:
+        assert tp is not None
+        for block in model.blocks:
+            parallelize_module(block, tp, {"fc": ColwiseParallel(output_layouts=Replicate())})
     model = flatshard.fully_shard(
-        _zoo(), auto_wrap_policy={Block, MoELayer}, process_group=group, placement=case.rule
+        model, auto_wrap_policy={Block, MoELayer}, process_group=group, placement=case.rule
     )
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3)
+
+
+def _sharded(run: Run) -> tuple[Zoo, torch.optim.Optimizer]:
+    return _shard(run.case, run.group, run.tp)
 
 
 def _same(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor], what: str) -> None:
@@ -242,14 +271,22 @@ def _train(model: nn.Module, optim: torch.optim.Optimizer, ref: Reference, rank:
 @dataclass
 class Run:
     case: Case
-    rank: int
-    group: dist.ProcessGroup
+    rank: int  # among the data-parallel ranks: the reference replica and batches it has
+    group: dist.ProcessGroup  # the data-parallel ranks
     tmp: str
+    tp: DeviceMesh | None = None  # the TP ranks beside (the tensor-parallel row)
+
+    def summoned(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """What ``name`` holds inside summon_full_params: the whole tensor, or this rank's
+        part of a tensor-parallel one (its layers read it as a DTensor there)."""
+        if self.tp is None or not _tensor_parallel(name):
+            return full
+        return full.chunk(TP, dim=0)[self.tp.get_local_rank()]  # column-parallel: dim 0
 
 
 def _trained(run: Run) -> tuple[Zoo, torch.optim.Optimizer, Reference]:
     """A sharded model and its reference, both trained ``STEPS`` steps."""
-    model, optim = _shard(run.case, run.group)
+    model, optim = _sharded(run)
     ref = Reference(run.case, run.rank)
     _train(model, optim, ref, run.rank)
     return model, optim, ref
@@ -261,7 +298,7 @@ def path_train(run: Run) -> None:
 
 
 def path_accumulate(run: Run) -> None:
-    model, optim = _shard(run.case, run.group)
+    model, optim = _sharded(run)
     ref = Reference(run.case, run.rank)
     for step in range(STEPS):
         with flatshard.no_sync(model):
@@ -274,7 +311,7 @@ def path_accumulate(run: Run) -> None:
 
 
 def _clip_path(run: Run, clip: Callable[[nn.Module], torch.Tensor]) -> None:
-    model, optim = _shard(run.case, run.group)
+    model, optim = _sharded(run)
     ref = Reference(run.case, run.rank)
     for step in range(STEPS):
         _loss(model, _batch(step, run.rank)).backward()
@@ -302,7 +339,7 @@ def path_clip_torch(run: Run) -> None:
 
 
 def path_unshard_held(run: Run) -> None:
-    model, optim = _shard(run.case, run.group)
+    model, optim = _sharded(run)
     ref = Reference(run.case, run.rank)
     units = [model, *model.blocks, model.moe]
     for unit in units:
@@ -317,11 +354,12 @@ def path_summon_read(run: Run) -> None:
     model, _, ref = _trained(run)
     with flatshard.summon_full_params(model):
         got = {n: p.detach().clone() for n, p in model.named_parameters()}
-    _same({n: p.detach() for n, p in ref.model.named_parameters()}, got, "inside summon")
+    want = {n: run.summoned(n, p.detach()) for n, p in ref.model.named_parameters()}
+    _same(want, got, "inside summon")
 
 
 def path_summon_writeback(run: Run) -> None:
-    model, _ = _shard(run.case, run.group)
+    model, _ = _sharded(run)
     ref = Reference(run.case, run.rank)
     with flatshard.summon_full_params(model), torch.no_grad():
         for p in model.parameters():
@@ -341,7 +379,7 @@ def path_summon_state_dict(run: Run) -> None:
 
 
 def path_summon_load_state_dict(run: Run) -> None:
-    model, _ = _shard(run.case, run.group)
+    model, _ = _sharded(run)
     ref = Reference(run.case, run.rank)
     ref.step(0)
     with flatshard.summon_full_params(model):
@@ -365,7 +403,7 @@ def path_summon_decode(run: Run) -> None:
 def path_sharded_state_dict(run: Run) -> None:
     model, _, ref = _trained(run)
     saved = {k: v for k, v in flatshard.sharded_state_dict(model).items()}
-    fresh, _ = _shard(run.case, run.group)
+    fresh, _ = _sharded(run)
     flatshard.load_state_dict(fresh, saved)
     _same(ref.state(), _full(fresh), "a sharded state dict loaded")
 
@@ -417,7 +455,7 @@ def path_export_safetensors(run: Run) -> None:
 def path_non_finite(run: Run) -> None:
     """A NaN in one weight of every placement's parameters shows in the loss on every
     rank, as it does in the unsharded model."""
-    model, _ = _shard(run.case, run.group)
+    model, _ = _sharded(run)
     ref = Reference(run.case, run.rank)
     targets = [n for n, p in model.named_parameters() if run.case.rule(n, p) is not None]
     with flatshard.summon_full_params(model), torch.no_grad():
@@ -446,17 +484,23 @@ PATHS: dict[str, Callable[[Run], None]] = {
 # ---------------------------------------------------------------------- the matrix
 def matrix_job(ctx: WorkerContext, case_name: str) -> dict[str, str]:
     """Every path of one case on this rank: path -> "exact", or the error."""
-    group = ctx.group(WORLD)
-    if group is None:
+    case = CASES[case_name]
+    world = WORLD * (TP if case.tensor_parallel else 1)
+    everyone = ctx.group(world)
+    if everyone is None:
         return {}
+    group, rank, tp = everyone, ctx.rank, None
+    if case.tensor_parallel:
+        mesh = init_device_mesh("cpu", (WORLD, TP), mesh_dim_names=("dp", "tp"))
+        group, rank, tp = mesh["dp"].get_group(), mesh["dp"].get_local_rank(), mesh["tp"]
     flatshard.set_checks(flatshard.Checks(timeout=20.0))
     outcomes: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as mine:
         holder = [mine]
-        dist.broadcast_object_list(holder, src=0, group=group)  # rank 0's folder for all
+        dist.broadcast_object_list(holder, src=0, group=everyone)  # rank 0's folder for all
         for path, fn in PATHS.items():
             try:
-                fn(Run(CASES[case_name], ctx.rank, group, os.path.join(holder[0], path)))
+                fn(Run(case, rank, group, os.path.join(holder[0], path), tp))
                 outcomes[path] = "exact"
             except AssertionError as error:
                 outcomes[path] = f"mismatch: {error}"
@@ -465,7 +509,7 @@ def matrix_job(ctx: WorkerContext, case_name: str) -> dict[str, str]:
                     error, flatshard.CollectiveError
                 )
                 outcomes[path] = f"{'named' if named else 'error'}: {type(error).__name__}: {error}"
-            dist.barrier(group=group)
+            dist.barrier(group=everyone)
     return outcomes
 
 
@@ -474,7 +518,8 @@ _RESULTS: dict[str, list[dict[str, str]]] = {}
 
 def _outcomes(pool: WorkerPool, case: str) -> list[dict[str, str]]:
     if case not in _RESULTS:
-        _RESULTS[case] = pool.run(matrix_job, case)[:WORLD]
+        world = WORLD * (TP if CASES[case].tensor_parallel else 1)
+        _RESULTS[case] = pool.run(matrix_job, case)[:world]
     return _RESULTS[case]
 
 

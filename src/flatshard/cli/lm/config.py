@@ -222,7 +222,11 @@ class TrainConfig:
         if self.log_to:
             _one_of(self, "log_to", LOG_SINKS)
             if importlib.util.find_spec("tensorboard") is None:
-                fail("log_to", "tensorboard needs the tensorboard package: pip install tensorboard")
+                fail(
+                    "log_to",
+                    "tensorboard needs the tensorboard package: pip install tensorboard (in "
+                    "the environment of make train: make extras EXTRAS=tensorboard)",
+                )
         _one_of(self, "optimizer", OPTIMIZERS)
         if self.optimizer == "adafactor" and (self.predict or self.fit_memory):
             name = "predict" if self.predict else "fit_memory"
