@@ -376,6 +376,14 @@ def test_bench_compares_all_systems(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert report["systems"]["flatshard"]["exposed_comm_s"] > 0  # gloo blocks the caller
     assert "exposed_comm_s" not in report["systems"]["fsdp2"]  # not instrumented there
     assert report["systems"]["flatshard"]["collective_output_bytes"] > 0
+    # Bytes sent, not produced: gloo's reduction as an all-to-all outputs W chunks where a
+    # reduce-scatter outputs one, yet sends what it sends ((W - 1) / W of its input).
+    sent = {s: row["sent_bytes"] for s, row in systems.items()}
+    ours = systems["flatshard"]
+    produced = ours["all_gather_bytes"] + ours["all_to_all_bytes"]
+    assert sent["flatshard"] == pytest.approx(produced / 2, abs=64)  # (+ the clip's scalar)
+    assert sent["ddp"] == systems["ddp"]["collective_output_bytes"]  # all-reduce: 2 (W-1)/W
+    assert sent["flatshard"] <= sent["fsdp2"] and sent["floor"] == 0, sent
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # flatshard plan's prediction of the same run (made on the meta device): the same bytes.
     predicted = report["plan"]["tensor_peak_mib"]

@@ -11,6 +11,7 @@ from collections import Counter
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 ALL_GATHER = "all_gather"
@@ -44,6 +45,7 @@ class CollectiveTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         super().__init__()  # type: ignore[no-untyped-call]
         self.counts: Counter[str] = Counter()
         self.bytes: Counter[str] = Counter()  # bytes each kind of collective produced
+        self.sent: Counter[str] = Counter()  # bytes this rank sends, at the least (see _sent)
         self._gathered: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self.peak_gathered_bytes = 0
         self._reduced: dict[int, weakref.ref[torch.UntypedStorage]] = {}
@@ -65,6 +67,7 @@ class CollectiveTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
             for t in target if isinstance(target, list | tuple) else [target]:
                 for x in t if isinstance(t, list) else [t]:
                     self.bytes[kind] += x.numel() * x.element_size()
+            self.sent[kind] += _sent(kind, args)
         if kind in (REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL):
             source = args[0] if kind == ALL_REDUCE else args[1]
             for t in source if isinstance(source, list | tuple) else [source]:
@@ -86,6 +89,9 @@ class CollectiveTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if kind is not None:
             self.timeline.append((kind, self.gathered_bytes()))
         return out
+
+    def sent_bytes(self) -> int:
+        return sum(self.sent.values())
 
     def gathered_bytes(self) -> int:
         """Bytes still held by storages that all-gathers wrote into."""
@@ -146,3 +152,33 @@ class PeakStorage(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     self._live[id(storage)] = weakref.ref(storage)
         self.peak = max(self.peak, _alive_bytes(self._live))
         return out
+
+
+def _sent(kind: str, args: tuple[Any, ...]) -> int:
+    """[Note: bytes sent, not bytes produced]
+    The bytes a rank of a W-rank group sends in a collective, at the least any algorithm
+    needs: an all-gather sends this rank's shard to the W - 1 others ((W - 1) / W of its
+    output, ring-forwarded), a reduce-scatter (W - 1) / W of its input, an all-reduce
+    twice that, an all-to-all its input but the chunk it keeps. Bytes produced (outputs)
+    compare badly across forms of one reduction: gloo's reduce-scatter as an all-to-all
+    (``comm/_collectives.py``) outputs every rank's chunk, W times a reduce-scatter's
+    output, yet sends the same bytes."""
+    boxed = next((a for a in args if isinstance(a, torch.ScriptObject)), None)
+    if boxed is None:
+        return 0
+    group = dist.ProcessGroup.unbox(boxed)
+    world = int(group.size())
+    source = args[0] if kind in (ALL_GATHER, ALL_REDUCE) else args[1]
+    total: int = sum(
+        int(x.numel() * x.element_size())
+        for t in (source if isinstance(source, list | tuple) else [source])
+        for x in (t if isinstance(t, list) else [t])
+    )
+    if world == 1:
+        return 0
+    if kind == ALL_TO_ALL and args[4]:  # (output, input, group, out splits, in splits)
+        splits: list[int] = list(args[4])
+        row = total // max(1, sum(splits))
+        return row * (sum(splits) - splits[int(group.rank())])
+    share = total * (world - 1) // world
+    return 2 * share if kind == ALL_REDUCE else share

@@ -289,6 +289,7 @@ def _serve(
         if system == "flatshard"
         else "",
         "collective_output_bytes": int(sum(tracker.bytes.values())),
+        "sent_bytes": tracker.sent_bytes(),  # [Note: bytes sent, not bytes produced]
         "all_gather_bytes": int(tracker.bytes[ALL_GATHER]),
         "all_to_all_bytes": int(tracker.bytes[ALL_TO_ALL]),
         # the experts' token all-to-alls alone (gloo's reduce-scatters are all-to-alls too)

@@ -24,6 +24,7 @@ def summarize(
             "collective_output_bytes": system_runs[0]["collective_output_bytes"],
             "all_gather_bytes": system_runs[0]["all_gather_bytes"],
             "all_to_all_bytes": system_runs[0]["all_to_all_bytes"],
+            "sent_bytes": system_runs[0]["sent_bytes"],
             "token_bytes": statistics.median(r["token_bytes"] for r in system_runs),
         }
         embedding = (
@@ -57,7 +58,8 @@ def table(summary: dict[str, dict[str, float]], memory: str) -> str:
     header = f"{'system':<{width}} {'step s':>8} {'tokens/s':>10} {'tensors MiB':>11} "
     header += f"{'at rest':>8} "
     header += f"{f'peak {memory} MiB':>15} "
-    header += f"{'coll. MB':>9} {'comm wait s':>12} {'over floor s':>13} {'ms/unit':>8} "
+    header += f"{'coll. MB':>9} {'sent MB':>8} "
+    header += f"{'comm wait s':>12} {'over floor s':>13} {'ms/unit':>8} "
     header += f"{'vs fsdp2':>9} "
     header += f"{'vs ddp':>7} {'vs floor':>9}"
     lines = [header]
@@ -68,6 +70,7 @@ def table(summary: dict[str, dict[str, float]], memory: str) -> str:
             f"{system:<{width}} {row['median_step_s']:>8.3f} {row['tokens_per_s']:>10,.0f} "
             f"{row['tensor_peak_mib']:>11,.1f} {row['tensor_rest_mib']:>8,.1f} "
             f"{row['peak_mem_mib']:>15,.0f} {row['collective_output_bytes'] / 1e6:>9.1f} "
+            f"{row['sent_bytes'] / 1e6:>8.1f} "
             f"{_cell(row.get('exposed_comm_s'), '', 12)} "
             f"{_cell(row.get('over_floor_s'), '', 13)} "
             f"{_cell(row.get('over_floor_ms_per_unit'), '', 8)} " + " ".join(cells)
