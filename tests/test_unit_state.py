@@ -241,9 +241,9 @@ CORE = ("flat", "runtime", "sharding", "state", "comm")  # the layers that own u
 # Each changing field of docs/design.md's "Unit state" table: the modules that may write it.
 WRITERS: dict[str, set[str]] = {
     "Unit.state": {"runtime/_unit.py"},
-    "Unit.hold": {"runtime/_unit.py", "runtime/_summon.py", "runtime/_unshard.py"},
+    "Unit.hold": {"runtime/_unit.py", "runtime/_by_hand.py"},
     "Unit.config": {"runtime/_unit.py"},
-    "StepContext.switches": {"runtime/_step.py", "runtime/_switches.py", "runtime/_no_sync.py"},
+    "StepContext.switches": {"runtime/_step.py", "runtime/_switches.py"},
     "FlatParamGroup.transport": {
         "flat/_flat_param.py",
         "runtime/_unit.py",

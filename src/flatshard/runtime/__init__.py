@@ -10,13 +10,13 @@ steps: ``no_sync``, ``clip_grad_norm_``, ``summon_full_params``, ``ShardedGradSc
 Layer 3: imports ``flatshard.flat`` and below.
 """
 
+from flatshard.runtime._by_hand import UnshardHandle, reshard, summon_full_params, unshard
 from flatshard.runtime._clip import clip_grad_norm_
 from flatshard.runtime._custom_comms import set_custom_all_gather, set_custom_reduce_scatter
 from flatshard.runtime._grad_scaler import ShardedGradScaler
 from flatshard.runtime._hooks import register_entry_point
 from flatshard.runtime._join import join
 from flatshard.runtime._matrix_optimizers import register_matrix_optimizer
-from flatshard.runtime._no_sync import no_sync
 from flatshard.runtime._prefetch import BackwardPrefetch, Prefetch
 from flatshard.runtime._step_loop import StepObserver, train_step
 from flatshard.runtime._summary import (
@@ -26,8 +26,8 @@ from flatshard.runtime._summary import (
     embedding_traffic,
     sharding_summary,
 )
-from flatshard.runtime._summon import summon_full_params
 from flatshard.runtime._switches import (
+    no_sync,
     set_gradient_divide_factor,
     set_prefetch,
     set_requires_all_reduce,
@@ -38,7 +38,6 @@ from flatshard.runtime._switches import (
     set_unshard_in_backward,
 )
 from flatshard.runtime._unit import unit_modules
-from flatshard.runtime._unshard import UnshardHandle, reshard, unshard
 
 __all__ = [
     "BackwardPrefetch",

@@ -31,7 +31,7 @@ from torch import nn
 
 from flatshard.comm._ranks import global_rank
 from flatshard.flat._original_param import OriginalParam
-from flatshard.runtime._sharded_models import sharded_contexts
+from flatshard.runtime._step import sharded_contexts
 
 # The optimizer classes that update whole matrices (register_matrix_optimizer adds).
 _MATRIX_OPTIMIZERS: set[type[torch.optim.Optimizer]] = {torch.optim.Muon, torch.optim.Adafactor}

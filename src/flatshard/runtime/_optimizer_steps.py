@@ -29,8 +29,7 @@ import torch
 from flatshard.comm._ranks import global_rank
 from flatshard.flat._reduction import Owed
 from flatshard.runtime._matrix_optimizers import refuse_row_shards
-from flatshard.runtime._sharded_models import sharded_contexts
-from flatshard.runtime._step import StepContext
+from flatshard.runtime._step import StepContext, sharded_contexts
 
 
 def before_step(

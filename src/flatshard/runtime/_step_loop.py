@@ -20,9 +20,8 @@ from torch import nn
 from flatshard.runtime._clip import clip_grad_norm_
 from flatshard.runtime._grad_scaler import ShardedGradScaler
 from flatshard.runtime._join import note_unreplayable
-from flatshard.runtime._no_sync import sync_off
 from flatshard.runtime._step import agree, contexts_under
-from flatshard.runtime._switches import switch
+from flatshard.runtime._switches import switch, sync_off
 from flatshard.runtime._unit import unit_of
 
 ACCUMULATIONS = ("no_sync", "reduce")

@@ -1,4 +1,5 @@
-"""Switches of a sharded model's step, named after FSDP2's methods so that migrating is a
+"""Switches of a sharded model's step: ``no_sync`` (accumulate gradients locally, reduce
+once: paper mechanism 7), and the ones named after FSDP2's methods so that migrating is a
 rename: ``set_requires_gradient_sync``, ``set_reshard_after_backward``,
 ``set_reshard_after_forward`` and ``set_requires_all_reduce``; and
 ``set_gradient_divide_factor``, ``set_unshard_in_backward`` and
@@ -14,6 +15,8 @@ and its value through the c10d store: a rank that differs raises
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -23,8 +26,9 @@ from torch import nn
 from flatshard.comm._mesh import post_forward_groups, reduction_groups
 from flatshard.comm._ranks import global_rank
 from flatshard.runtime._configuration import describe
+from flatshard.runtime._join import note_span
 from flatshard.runtime._prefetch import Prefetchable
-from flatshard.runtime._step import StepContext, collective_call, contexts_under
+from flatshard.runtime._step import StepContext, agree, collective_call, contexts_under
 from flatshard.runtime._unit import Unit, unit_or_error, units_of
 
 
@@ -239,3 +243,36 @@ def change_units(
     with collective_call(model, f"{caller}({describe(value)})"):
         for unit in units:
             unit.configure(**changes)
+
+
+@contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Backward passes inside keep their gradients unsharded and unreduced.
+
+    The first backward outside the context adds its gradient to the kept ones and reduces
+    the sum once per flat parameter group. It costs a full-size (unsharded) gradient per
+    flat parameter group between those backward passes, and saves all their communication.
+    Enter it on every rank alike.
+    """
+    contexts = contexts_under(model, "no_sync")
+    note_span(lambda: no_sync(model))  # (inside join: first, as its replay enters it)
+    agree(model, "no_sync")
+    try:
+        with sync_off(contexts):
+            yield
+    finally:
+        note_span(None)
+
+
+@contextmanager
+def sync_off(contexts: list[StepContext]) -> Iterator[None]:
+    """Gradient sync off for the body, without agreeing: for a caller every rank agreed
+    on already (``no_sync`` itself, ``train_step``)."""
+    previous = [context.sync_gradients for context in contexts]
+    for context in contexts:
+        context.switches = replace(context.switches, requires_gradient_sync=False)
+    try:
+        yield
+    finally:
+        for context, value in zip(contexts, previous, strict=True):
+            context.switches = replace(context.switches, requires_gradient_sync=value)

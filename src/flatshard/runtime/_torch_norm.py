@@ -19,7 +19,7 @@ clamps each element on its own and is right as it is.
 
 The replacement is process-wide, installed by the first ``fully_shard`` and undone when
 the last sharded model is gone (``_torch_utilities.py``); the models it looks in are held
-weakly (``_sharded_models.py``).
+weakly (``_step.py``).
 """
 
 from __future__ import annotations
@@ -35,8 +35,7 @@ import torch.nn.utils.clip_grad
 
 from flatshard.runtime._clip import sharded_norm
 from flatshard.runtime._join import note_unreplayable
-from flatshard.runtime._sharded_models import sharded_contexts
-from flatshard.runtime._step import StepContext, collective_call
+from flatshard.runtime._step import StepContext, collective_call, sharded_contexts
 
 _TotalNorm = Callable[..., torch.Tensor]
 

@@ -23,8 +23,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from flatshard.runtime._optimizer_steps import before_step
-from flatshard.runtime._sharded_models import watch, watched_contexts
-from flatshard.runtime._step import StepContext
+from flatshard.runtime._step import StepContext, watch, watched_contexts
 from flatshard.runtime._torch_norm import TorchNorms
 from flatshard.runtime._zero_grad import ZeroGrads
 

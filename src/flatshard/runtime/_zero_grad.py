@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from flatshard.runtime._sharded_models import sharded_contexts
+from flatshard.runtime._step import sharded_contexts
 
 _ZeroGrad = Callable[..., None]
 
