@@ -264,6 +264,36 @@ def test_a_new_configuration_field_is_compared() -> None:
     assert config_lines(extended()) != config_lines(replace(extended(), new_option=1))
 
 
+class _Scaled:
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+
+    def hook(self, *args: object) -> None: ...
+
+
+def _hook(*args: object, scale: float = 1.0) -> None: ...
+
+
+def test_hooks_are_compared_by_what_they_call_and_with_what() -> None:
+    """A comm hook given as ``functools.partial`` or as a bound method is compared by the
+    function and its arguments or its object's fields, never by address: ranks whose hooks
+    scale differently differ (before: every partial read ``functools.partial()``)."""
+    from dataclasses import replace
+    from functools import partial
+
+    from flatshard.testing.internals import UnitConfig, config_lines
+
+    unit = UnitConfig(flatshard.ShardingStrategy.FULL_SHARD, None, flatshard.Prefetch())
+
+    def lines(hook: object) -> list[str]:
+        return config_lines(replace(unit, comm_hook=hook))
+
+    for make in (lambda s: partial(_hook, scale=s), lambda s: _Scaled(s).hook):
+        assert lines(make(1.0)) == lines(make(1.0))  # another object, the same hook
+        assert lines(make(1.0)) != lines(make(2.0))
+        assert not any("0x" in line for line in lines(make(1.0)))
+
+
 # ---------------------------------------------------------------- a rank alone, named
 CHECKS = flatshard.Checks(timeout=2.0)
 LIMIT_S = 2.0 + 15.0

@@ -61,9 +61,11 @@ class OneLineParser(argparse.ArgumentParser):
 def _hint(word: str, flags: tuple[str, ...]) -> str:
     """An unknown flag with its new name (renamed) or the closest known one."""
     name = word.split("=")[0]
+    negated = name.startswith("--no-")
     old = name.removeprefix("--no-").removeprefix("--").replace("-", "_")
     if old in RENAMED:
-        return f"{word} (renamed {flag(RENAMED[old])})"
+        new = flag(RENAMED[old])
+        return f"{word} (renamed {'--no-' + new[2:] if negated else new})"
     close = difflib.get_close_matches(name, flags, n=1)
     return f"{word} (did you mean {close[0]}?)" if close else word
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
+import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from typing import Any
@@ -98,6 +100,13 @@ def describe(value: object) -> str:
     if dataclasses.is_dataclass(value):
         inner = ", ".join(f"{f.name}={describe(getattr(value, f.name))}" for f in fields(value))
         return f"{type(value).__qualname__}({inner})"
+    if isinstance(value, functools.partial):  # what it calls, and with what
+        return (
+            f"functools.partial({describe(value.func)}, {describe(value.args)}, "
+            f"{describe(value.keywords)})"
+        )
+    if inspect.ismethod(value):  # a bound method: its object's fields too
+        return f"{describe(value.__self__)}.{value.__func__.__name__}"
     if callable(value) and hasattr(value, "__qualname__"):  # a function
         return f"{getattr(value, '__module__', '?')}.{value.__qualname__}"
     kind = type(value)

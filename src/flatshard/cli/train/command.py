@@ -393,7 +393,7 @@ def _loop(trainer: Trainer, backend: str) -> None:
                     flush=True,
                 )
             if board is not None:
-                board.writer.close()
+                board.close()
             raise SystemExit(PREEMPTED_STATUS)
     _finish(trainer, out, board)
 

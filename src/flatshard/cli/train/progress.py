@@ -125,6 +125,10 @@ class TensorBoardLog:
 
     def finish(self, step: int, held_out: float) -> None:
         self.writer.add_scalar("held_out_loss", held_out, step)
+        self.close()
+
+    def close(self) -> None:
+        """Write what is pending (a run stopped early: SIGTERM)."""
         self.writer.close()
 
 
