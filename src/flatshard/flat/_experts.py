@@ -80,6 +80,12 @@ class ExpertSlice(SplitParam):
         all_gather_into(out, local.contiguous().reshape(-1), self.ep_group)
         return out.view(self.shape)
 
+    def full_where_kept(self, local: torch.Tensor, keep: bool) -> torch.Tensor | None:
+        """Joined on every rank: an EP group is part of the model's ranks, which do not
+        keep alike (rank 0 only), so all of them take part and only keepers get it."""
+        full = self.full(local)
+        return full if keep else None
+
     def summoned(self, local: torch.Tensor) -> torch.Tensor:
         """Every expert: inside summon_full_params the model is whole on every rank, as in
         a full state dict, so state_dict(), load_state_dict() and a no-grad forward see

@@ -48,25 +48,27 @@ def gather_copies(
     (which every view keeps alive) is freed on return, before the next gather.
     """
     views = gather_full(flat, region)[1]
-    # Split parameters are joined over their group (tp.full), whose ranks do not keep alike
-    # for expert slices (an EP group is part of the model's ranks): every rank joins, and
-    # only the keepers return the result.
     if not keep and not flat.has_tp:
         return []
-    copies = [copy_out(view, cpu_offload) for view in views]
-    if flat.has_tp:  # a local part -> the global tensor (a collective over TP or EP)
-        copies = [_global(orig.tp, c, flat) for orig, c in zip(flat.originals, copies, strict=True)]
+    # A split parameter's part -> the global tensor, a collective over its group on the
+    # ranks that must join it even without keeping it (SplitParam.full_where_kept).
+    copies = [copy_out(view, cpu_offload) if keep else view for view in views]
+    if flat.has_tp:
+        copies = [
+            _global(orig.tp, c, flat, keep) for orig, c in zip(flat.originals, copies, strict=True)
+        ]
     return copies if keep else []
 
 
-def _global(tp: SplitParam | None, local: torch.Tensor, flat: FlatParamGroup) -> torch.Tensor:
-    """The global tensor of a DTensor parameter from every TP rank's ``local``.
-
-    Every TP peer keeps (or does not keep) alike: they are rank ``r`` of their own dp groups.
-    """
+def _global(
+    tp: SplitParam | None, local: torch.Tensor, flat: FlatParamGroup, keep: bool
+) -> torch.Tensor:
+    """The global tensor of a split parameter from every rank's ``local`` of its group
+    (``local`` itself where this rank does not keep it)."""
     if tp is None:
         return local
-    return tp.full(local.to(flat.compute_device)).to(local.device)
+    full = tp.full_where_kept(local.to(flat.compute_device), keep)
+    return local if full is None else full.to(local.device)
 
 
 def copy_out(tensor: torch.Tensor, cpu_offload: bool) -> torch.Tensor:

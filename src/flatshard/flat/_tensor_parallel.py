@@ -89,6 +89,12 @@ class SplitParam:
         """The global tensor from every rank's ``local`` (a collective over ``group``)."""
         raise NotImplementedError
 
+    def full_where_kept(self, local: torch.Tensor, keep: bool) -> torch.Tensor | None:
+        """``full(local)`` on a rank that keeps it (a full state dict's keeper); elsewhere
+        None, with no collective: the TP ranks beside are rank ``r`` of their own data
+        groups, so they keep or not alike."""
+        return self.full(local) if keep else None
+
     def summoned(self, local: torch.Tensor) -> torch.Tensor:
         """What the parameter is inside ``summon_full_params`` (and in a full gather): this
         rank's part, which its layers compute on as a DTensor and the TP ranks beside hold

@@ -478,7 +478,7 @@ def _tables_exact(
     own (``Rows(gather_dtype=torch.int8)`` quantizes them too). A table's rows are looked
     up one token at a time and a tied head's logits read every row: on the byte GPT,
     quantizing them cost more held-out loss than all the blocks' matrices together
-    (docs/performance.md, "Quantized gathers"). The API, the CLI, the planner and the
+    (docs/performance.md, "Quantized all-gather"). The API, the CLI, the planner and the
     Lightning strategy all build through here, so the option means the same everywhere."""
     if policy is None or policy.gather_dtype not in SCALED:
         return placements
