@@ -243,7 +243,8 @@ WRITERS: dict[str, set[str]] = {
     "Unit.state": {"runtime/_unit.py"},
     "Unit.hold": {"runtime/_unit.py", "runtime/_by_hand.py"},
     "Unit.config": {"runtime/_unit.py"},
-    "StepContext.switches": {"runtime/_step.py", "runtime/_switches.py"},
+    "StepContext.switches": {"runtime/_step.py", "runtime/_switches.py", "runtime/_pipeline.py"},
+    "StepContext.schedule": {"runtime/_step.py", "runtime/_pipeline.py"},
     "FlatParamGroup.transport": {
         "flat/_flat_param.py",
         "runtime/_unit.py",

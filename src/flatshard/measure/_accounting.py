@@ -51,6 +51,7 @@ class CollectiveTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._reduced: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self.peak_reduce_input_bytes = 0  # most bytes of reduction inputs alive at once
         self.timeline: list[tuple[str, int]] = []  # (kind, gathered bytes after it)
+        self.ops: list[tuple[str, int]] = []  # (kind, bytes it produced), in issue order
 
     def __torch_dispatch__(
         self,
@@ -64,9 +65,12 @@ class CollectiveTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if kind is not None:
             self.counts[kind] += 1
             target = args[0]
+            produced = 0
             for t in target if isinstance(target, list | tuple) else [target]:
                 for x in t if isinstance(t, list) else [t]:
-                    self.bytes[kind] += x.numel() * x.element_size()
+                    produced += x.numel() * x.element_size()
+            self.bytes[kind] += produced
+            self.ops.append((kind, produced))
             self.sent[kind] += _sent(kind, args)
         if kind in (REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL):
             source = args[0] if kind == ALL_REDUCE else args[1]

@@ -10,6 +10,9 @@ steps: ``no_sync``, ``clip_grad_norm_``, ``summon_full_params``, ``ShardedGradSc
 Layer 3: imports ``flatshard.flat`` and below.
 """
 
+# The runtime's side of a pipeline schedule, for ``flatshard.integrations.pipelining`` (the
+# one small interface features above the runtime plug into; not user API, so not in __all__)
+from flatshard.runtime import _pipeline as pipeline_steps  # noqa: F401
 from flatshard.runtime._by_hand import UnshardHandle, reshard, summon_full_params, unshard
 from flatshard.runtime._clip import clip_grad_norm_
 from flatshard.runtime._custom_comms import set_custom_all_gather, set_custom_reduce_scatter

@@ -10,7 +10,8 @@ from torch import nn
 
 from flatshard.comm._collectives import all_reduce
 from flatshard.runtime._join import note_call
-from flatshard.runtime._step import every_rank_calls
+from flatshard.runtime._pipeline import pipeline_total
+from flatshard.runtime._step import distinct_contexts, every_rank_calls
 from flatshard.runtime._unit import Unit, units_of
 
 
@@ -50,6 +51,7 @@ def sharded_norm(
     local: list[torch.Tensor],
     norm_type: float,
     device: torch.device,
+    caller: str = "clip_grad_norm_",
 ) -> torch.Tensor:
     """The norm of the units' gradients (those whose ``id`` is in ``only``, or all) and of
     ``local`` tensors, each element counted once. A collective over the units' groups.
@@ -81,7 +83,9 @@ def sharded_norm(
             all_reduce(partial, group, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
         partials.append(partial)
     stacked = torch.stack([p.to(device) for p in partials])  # offloaded norms: on the CPU
-    return stacked.max() if inf else stacked.sum() ** (1.0 / norm_type)
+    total = stacked.max() if inf else stacked.sum()
+    total = pipeline_total(distinct_contexts(units), total, inf, caller)
+    return total if inf else total ** (1.0 / norm_type)
 
 
 def _partial(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:

@@ -13,7 +13,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar, cast
 
 import torch
@@ -40,6 +40,25 @@ from flatshard.runtime._unit import Hold, Unit, unit_of, units_of
 CONTEXT_ATTR = "_flatshard_context"  # attribute of a module fully_shard was called on
 
 
+@dataclass(frozen=True)
+class PipelineSeat:
+    """A model that is stage ``stage`` of ``stages`` of a pipeline over ``group``."""
+
+    group: dist.ProcessGroup
+    stage: int
+    stages: int
+
+
+@dataclass
+class ScheduledStep:
+    """A pipeline schedule runs this step's forward and backward passes, and turns the
+    sync switches itself ([Note: a schedule runs the step] in ``_pipeline.py``)."""
+
+    owner: str  # who runs it, in errors: "flatshard PipelineStage 1 of 4"
+    user: Switches  # the switches the user set, back at the end of the step
+    actions: list[str] = field(default_factory=list)  # "F0", "B0", "I0", "W0": ranks compare
+
+
 class StepContext:
     """The per-root state of a step, shared by the units of one ``fully_shard`` call."""
 
@@ -61,6 +80,10 @@ class StepContext:
         self.changes = ChangeWatch()  # parameters registered since the last check
         # The step's switches, agreed on every rank ([Note: the agreed configuration])
         self.switches = Switches()
+        # A pipeline schedule running this step (``_pipeline.py``), or None
+        self.schedule: ScheduledStep | None = None
+        # Where the model sits in a pipeline, if it is a stage (``_pipeline.join_pipeline``)
+        self.pipeline: PipelineSeat | None = None
         # An optimizer holding the model's parameters has stepped: its steps mark the
         # shards written; before that, each synchronized backward does (a hand-written
         # update through p.data may follow). See [Note: stale gathers].
@@ -179,13 +202,14 @@ class StepContext:
             # sync]; its event completed while the host ran optimizer.step()).
             self.ledger.settle()
         if unit.is_root:
-            if any(u.expects_backward for u in self.units):
+            # (A schedule runs several forwards before their backward passes, on purpose.)
+            if self.schedule is None and any(u.expects_backward for u in self.units):
                 self._agree_backward_skipped()
                 if not self.stepped_by_optimizer:
                     # What that forward kept (the root, the last unit, a part cut for N
                     # ranks) was gathered after the last backward's "written" mark, and a
                     # hand-written update may have followed it: nothing may be reused.
-                    self._gradients_delivered()
+                    self.gradients_delivered()
             self.forward_depth = 0  # a new iteration: forget a forward that raised
             self._free_kept(but=unit)
         self.forward_depth += 1
@@ -239,8 +263,7 @@ class StepContext:
             if unit.hold is Hold.NONE and unit.reshard():
                 self.rate_limiter.resharded()
         self.wait_host_copies()
-        tag = self.tag(phase="end-of-forward check")
-        self.ledger.check(self.process_group, self._device, "forward without backward", tag)
+        self.check_ledger("forward without backward", "end-of-forward check")
 
     def queue_finish_backward(self) -> None:
         """Queue ``finish_backward`` to run once autograd is done with this pass."""
@@ -267,19 +290,23 @@ class StepContext:
             for unit in self.units:
                 unit.end_backward()
             if self.sync_gradients and not self.stepped_by_optimizer:
-                self._gradients_delivered()
+                self.gradients_delivered()
             self.wait_host_copies()
             self.in_flight = None
             self.callback_queued = False
             # Before optimizer.step() can apply what a mismatch produced.
-            tag = self.tag(phase="end-of-backward check")
-            self.ledger.check(self.process_group, self._device, "backward pass", tag)
+            self.check_ledger("backward pass", "end-of-backward check")
             self.step += 1
             self.phase = "between steps"
             if (dog := watchdog()) is not None:
                 dog.step_ended()  # how long steps take: when a wait is worth a warning
 
-    def _gradients_delivered(self) -> None:
+    def check_ledger(self, what: str, phase: str) -> None:
+        """Compare the collectives issued since the last check across the ranks
+        (``comm/_ledger.py``): ``what`` was issuing them."""
+        self.ledger.check(self.process_group, self._device, what, self.tag(phase=phase))
+
+    def gradients_delivered(self) -> None:
         """Gradients reached ``.grad`` and no torch optimizer steps this model: an update
         written by hand (``p.data.add_(...)``) may follow, which nothing can see, so the
         trainable shards count as written ([Note: stale gathers])."""
@@ -323,10 +350,10 @@ def context_of(module: nn.Module) -> StepContext | None:
 
 def contexts_under(model: nn.Module, caller: str) -> list[StepContext]:
     """The distinct step contexts of every unit inside ``model`` (an error if none)."""
-    return _distinct_contexts(units_of(model, caller))
+    return distinct_contexts(units_of(model, caller))
 
 
-def _distinct_contexts(units: list[Unit]) -> list[StepContext]:
+def distinct_contexts(units: list[Unit]) -> list[StepContext]:
     """The step contexts of ``units``, each once (a unit sees its own as a ``UnitStep``)."""
     found: dict[int, StepContext] = {}
     for unit in units:
@@ -381,7 +408,7 @@ def collective_call(model: nn.Module, caller: str) -> Iterator[None]:
     Its collectives are tagged with ``caller`` and the model's step.
     """
     units = [u for m in model.modules() if (u := unit_of(m)) is not None]
-    contexts = _distinct_contexts(units)
+    contexts = distinct_contexts(units)
     if _IN_CALL.get() or not contexts:  # agreed on already; or not sharded (the call says)
         yield
         return

@@ -27,6 +27,7 @@ from flatshard.comm._mesh import post_forward_groups, reduction_groups
 from flatshard.comm._ranks import global_rank
 from flatshard.runtime._configuration import describe
 from flatshard.runtime._join import note_span
+from flatshard.runtime._pipeline import refuse_inside_schedule
 from flatshard.runtime._prefetch import Prefetchable
 from flatshard.runtime._step import StepContext, agree, collective_call, contexts_under
 from flatshard.runtime._unit import Unit, unit_or_error, units_of
@@ -216,6 +217,7 @@ def change_switches(
     """Set the model's ``Switches`` fields ``changes``, once every rank made the same call
     with ``value`` ([Note: the agreed configuration]); the model's step contexts."""
     contexts = contexts_under(model, caller)
+    refuse_inside_schedule(contexts, caller)
     outer = [c for c in contexts if c.root is not model]
     if outer:
         raise ValueError(
@@ -255,6 +257,7 @@ def no_sync(model: nn.Module) -> Iterator[None]:
     Enter it on every rank alike.
     """
     contexts = contexts_under(model, "no_sync")
+    refuse_inside_schedule(contexts, "no_sync")
     note_span(lambda: no_sync(model))  # (inside join: first, as its replay enters it)
     agree(model, "no_sync")
     try:

@@ -92,7 +92,9 @@ def _total_norm(
     local = [t for t in tensors if id(t) not in managed]
     order = float(norm_type)
     with collective_call(contexts[0].root, "torch.nn.utils.clip_grad_norm_"):
-        total = sharded_norm(units, given, local, order, units[0].compute_device)
+        total = sharded_norm(
+            units, given, local, order, units[0].compute_device, "torch.nn.utils.clip_grad_norm_"
+        )
     if error_if_nonfinite and not math.isfinite(float(total)):
         raise RuntimeError(
             f"The total norm of order {order} for gradients from `parameters` is non-finite, "

@@ -1,0 +1,280 @@
+"""A pipeline schedule running a sharded model's step: what a stage of
+``torch.distributed.pipelining`` needs of the runtime (``flatshard.integrations.pipelining``).
+
+[Note: a schedule runs the step]
+A schedule (GPipe, 1F1B, interleaved, zero-bubble) runs several micro-batches' forward
+and backward passes through a stage before the optimizer steps, in an order of its own,
+and may split a backward in two: the gradients of the stage's inputs first (sent on to
+the stage before), the weights' gradients later. For the step it runs, the schedule owns
+the switches FSDP2's pipelining integration flips (``ScheduledStep`` in the
+``StepContext``):
+
+- every backward pass keeps its gradient unreduced (sync off), and the units stay gathered
+  after backward (``reshard_after_backward`` off), so that a weight-gradient pass finds
+  what its graph saved;
+- the last full backward of the step reduces as a backward always does (the reductions
+  overlap its compute); where the weights' gradients come in a pass of their own, the
+  reduction waits for the last of them (``end_step``): nothing reads a gradient that is
+  not complete;
+- at the end of the step the user's switches come back: a user's ``no_sync`` around the
+  whole ``schedule.step()`` keeps the sum for a later step (accumulation across steps),
+  a user's ``set_reshard_after_backward(False)`` keeps the units gathered.
+
+Gathers then come from the switches as outside a pipeline: under FULL_SHARD each forward
+gathers and frees again; with ``set_reshard_after_forward(model, False)`` each unit is
+gathered once per step. Every rank of the stage's data-parallel group runs the same
+schedule, so these switches are agreed by construction; the ranks compare what the
+schedule ran (``ScheduledStep.actions``) before reducing, so a rank that skipped a
+micro-batch is named instead of pairing its reductions with another rank's. Inside the
+step, the sync switches by hand (``no_sync``, ``set_requires_gradient_sync``, ...) are
+refused: the schedule would undo them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flatshard.comm._agreement import check_same_on_all_ranks
+from flatshard.comm._collectives import all_gather_into
+from flatshard.comm._ranks import global_rank
+from flatshard.flat._reduction import Owed
+from flatshard.runtime._step import (
+    PipelineSeat,
+    ScheduledStep,
+    StepContext,
+    agree,
+    contexts_under,
+)
+
+
+def join_pipeline(
+    model: nn.Module, group: dist.ProcessGroup, stage: int, stages: int, owner: str
+) -> None:
+    """``model`` is stage ``stage`` of ``stages`` of the pipeline over ``group``: its
+    gradient norms add up over the stages ([Note: a norm over every stage])."""
+    for context in contexts_under(model, owner):
+        context.pipeline = PipelineSeat(group, stage, stages)
+
+
+def pipeline_total(
+    contexts: list[StepContext], partial: torch.Tensor, inf: bool, caller: str
+) -> torch.Tensor:
+    """[Note: a norm over every stage]
+    A gradient norm of pipeline stages: this rank's sum of |g|^p (or max) over
+    ``contexts`` is added over the pipeline group, so every stage gets the norm of the
+    whole model, as torchtitan's pipelined clipping does. The ranks send each other their
+    share and the stages it covers (one all-gather): where one call does not cover every
+    stage exactly once (interleaved schedules put several stages on a rank, and two calls
+    would each add only their stage's share), every rank raises instead of clipping by a
+    wrong norm."""
+    seats = [c.pipeline for c in contexts if c.pipeline is not None]
+    if not seats:
+        return partial
+    if len(seats) != len(contexts) or len({id(s.group) for s in seats}) > 1:
+        raise ValueError(
+            f"flatshard.{caller}: the gradients belong to models that are not stages of one "
+            "pipeline; take the norm of one pipeline's stages at a time."
+        )
+    group, stages = seats[0].group, seats[0].stages
+    mine = partial.new_zeros(1 + stages)
+    mine[0] = partial
+    for seat in seats:
+        mine[1 + seat.stage] += 1
+    every = mine.new_empty(dist.get_world_size(group) * (1 + stages))
+    all_gather_into(every, mine, group)
+    every = every.view(-1, 1 + stages)
+    covered = every[:, 1:].sum(0)
+    if not bool((covered == 1).all()):
+        missing = [i for i, n in enumerate(covered.tolist()) if n == 0]
+        twice = [i for i, n in enumerate(covered.tolist()) if n > 1]
+        raise ValueError(
+            f"flatshard.{caller}: a norm over a pipeline's stages takes every stage once in "
+            f"one call on each rank; this call left out stages {missing} and took {twice} "
+            f"more than once (rank {global_rank()}). Pass all of a rank's stage modules in "
+            "one call: flatshard.clip_grad_norm_(nn.ModuleList(stage_modules), ...) or "
+            "torch.nn.utils.clip_grad_norm_ over all their parameters."
+        )
+    return every[:, 0].max() if inf else every[:, 0].sum()
+
+
+def begin_step(model: nn.Module, owner: str) -> None:
+    """The schedule starts a step of ``model`` (at its first forward): sync off, units
+    kept gathered after backward; the user's switches saved."""
+    for context in contexts_under(model, owner):
+        if context.schedule is not None:
+            continue
+        context.schedule = ScheduledStep(owner, context.switches)
+        context.switches = replace(
+            context.switches, requires_gradient_sync=False, reshard_after_backward=False
+        )
+
+
+def note(model: nn.Module, action: str) -> None:
+    """What the schedule ran on this rank ("F0", "B1", "I2", "W2"): compared at the end."""
+    for context in contexts_under(model, "PipelineStage"):
+        if context.schedule is not None:
+            context.schedule.actions.append(action)
+
+
+@contextmanager
+def last_backward(model: nn.Module) -> Iterator[None]:
+    """The step's last full backward pass reduces as it goes (where the user syncs)."""
+    contexts = contexts_under(model, "PipelineStage")
+    scheduled = [c for c in contexts if c.schedule is not None]
+    for context in scheduled:
+        assert context.schedule is not None
+        _compare_actions(model, context)
+        sync = context.schedule.user.requires_gradient_sync
+        context.switches = replace(context.switches, requires_gradient_sync=sync)
+    try:
+        yield
+    finally:
+        for context in scheduled:
+            context.switches = replace(context.switches, requires_gradient_sync=False)
+
+
+def end_step(model: nn.Module) -> None:
+    """The schedule is done with the step: reduce what backward passes kept (unless the
+    user keeps it: ``no_sync`` around the step), then the user's switches come back and
+    the units are freed as they say."""
+    for context in contexts_under(model, "PipelineStage"):
+        schedule = context.schedule
+        if schedule is None:
+            continue
+        if schedule.actions:  # (not compared yet: no last full backward ran)
+            _compare_actions(model, context)
+        if schedule.user.requires_gradient_sync:
+            _reduce_kept(context)
+        context.switches = schedule.user
+        context.schedule = None
+        if context.reshard_after_backward:
+            for unit in context.units:
+                if unit.reshard():
+                    context.rate_limiter.resharded()
+
+
+def _compare_actions(model: nn.Module, context: StepContext) -> None:
+    """Every rank of the stage ran the same micro-batches (before any reduction pairs)."""
+    assert context.schedule is not None
+    actions = " ".join(context.schedule.actions)
+    context.schedule.actions = []
+    agree(model, f"{context.schedule.owner} step [{actions}]")
+
+
+def _reduce_kept(context: StepContext) -> None:
+    """Reduce every gradient the step's backward passes kept, as a synchronized backward
+    would at its end: one reduction per group, each waited for by the next."""
+    in_flight = context.in_flight
+    reduced = []
+    for unit in reversed(context.units):  # the same order on every rank
+        for flat in unit.trainable:
+            if flat.reduction.owes is Owed.REDUCTION:
+                in_flight = flat.placement.start_reduction(context.all_reduce_replicas, in_flight)
+                reduced.append(flat)
+    for flat in reduced:
+        flat.reduction.finish()
+        flat.reduction.done_in_backward = False
+    context.in_flight = None
+    if reduced:
+        if not context.stepped_by_optimizer:
+            context.gradients_delivered()
+        context.wait_host_copies()
+        context.check_ledger("pipeline step", "end-of-step check")
+
+
+def refuse_inside_schedule(contexts: list[StepContext], caller: str) -> None:
+    """``no_sync`` and the switches by hand inside a schedule's step: the schedule turns
+    them itself, and would undo them."""
+    for context in contexts:
+        if context.schedule is not None:
+            raise RuntimeError(
+                f"flatshard.{caller}: called inside a step that "
+                f"{context.schedule.owner} runs (rank {global_rank()}); the pipeline "
+                "schedule turns gradient sync and resharding on and off itself. Call it "
+                "between schedule.step() calls: no_sync around a whole schedule.step() "
+                "accumulates over steps."
+            )
+
+
+# ---------------------------------------------------------------------- weight gradients
+def weight_leaves(model: nn.Module) -> list[torch.Tensor]:
+    """The autograd leaves the model's weights are views of: one flat tensor per trainable
+    group, where its gradient accumulates (``FlatParamGroup.unsharded``)."""
+    return [
+        flat.unsharded
+        for context in contexts_under(model, "PipelineStage")
+        for unit in context.units
+        for flat in unit.trainable
+    ]
+
+
+def gather_for_weights(model: nn.Module) -> None:
+    """Before a weight-gradient pass: what its graph saved of the parameters is readable
+    again. A forward since (FULL_SHARD) freed the buffers; gathering into the same storage
+    makes the saved views valid again (see [Note: flat tensors and their lifetimes])."""
+    for context in contexts_under(model, "PipelineStage"):
+        units = [u for u in context.units if u.trainable and u.unshard_allocates]
+        for unit in units:
+            unit.start_unshard()
+        for unit in units:
+            unit.finish_unshard()
+
+
+def add_weight_grads(model: nn.Module, grads: list[torch.Tensor | None]) -> None:
+    """A weight-gradient pass's results (aligned with ``weight_leaves``), kept unreduced
+    like any gradient of the step until ``end_step``."""
+    flats = [
+        flat
+        for context in contexts_under(model, "PipelineStage")
+        for unit in context.units
+        for flat in unit.trainable
+    ]
+    for flat, grad in zip(flats, grads, strict=True):
+        if grad is None:
+            continue
+        leaf = flat.unsharded
+        if leaf.grad is None:
+            leaf.grad = grad
+        else:
+            leaf.grad += grad
+        flat.reduction.keep_unreduced()
+        flat.reduction.done_in_backward = False
+
+
+_AGREED: set[tuple[int, int]] = set()  # (pipeline group, micro-batch count) agreed
+
+
+def keeps_gradients(model: nn.Module) -> bool:
+    """Whether gradients of the model wait unreduced (``no_sync`` around the step)."""
+    return any(
+        flat.reduction.keeps_gradients
+        for context in contexts_under(model, "PipelineStage")
+        for unit in context.units
+        for flat in unit.trainable
+    )
+
+
+def agree_microbatches(group: dist.ProcessGroup, device: torch.device, count: int) -> None:
+    """The pipeline's ranks agree on the micro-batch count before any activation is
+    sent: a mismatch would leave a stage waiting for a micro-batch that never comes.
+
+    Once per group and count in a process, by the first stage a schedule prepares on each
+    rank: that is before any of its activations moves. A rank's later stages (interleaved
+    schedules) would pair their check with another rank's sends."""
+    if (id(group), count) in _AGREED:
+        return
+    _AGREED.add((id(group), count))
+    check_same_on_all_ranks(
+        [f"n_microbatches={count}"],
+        group,
+        device,
+        what="run pipeline schedules with different micro-batch counts",
+        fix="Build the schedule with the same n_microbatches on every rank.",
+        caller="integrations.pipelining.PipelineStage",
+    )
