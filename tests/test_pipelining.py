@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -221,3 +221,145 @@ def test_kept_units_are_gathered_once_per_step(pool: WorkerPool, schedule: str) 
     for result in _check(pool.run(pipeline_job, schedule, 2, 2, "FULL_SHARD", True)):
         assert result["gathers"] == [result["flats"]] * STEPS
         assert result["reductions"] == [result["flats"]] * STEPS
+
+
+class RecordingStage(PipelineStage):
+    """Notes where its weight passes and its end-of-step reduction fall among the
+    collectives a tracker has seen so far."""
+
+    tracker: ClassVar[CollectiveTracker | None] = None
+    events: ClassVar[list[tuple[str, int, int]]] = []  # (what, stage, collectives before)
+
+    def _note(self, what: str) -> None:
+        assert self.tracker is not None
+        self.events.append((what, self.stage_index, len(self.tracker.ops)))
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
+        self._note("W starts")
+        super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+        self._note("W ends")
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        self._note("reduce starts")
+        super().perform_reduce_grad(grad_scale_factor)
+        self._note("reduce ends")
+
+
+def zero_bubble_order_job(ctx: WorkerContext) -> dict[str, Any] | None:
+    dps, pps = _groups(2, 2)
+    if ctx.rank >= 4:
+        return None
+    pp_rank, dp_rank = divmod(ctx.rank, 2)
+    ids = _stage_ids("zero-bubble", 2, pp_rank)
+    torch.manual_seed(0)
+    stages, modules = [], []
+    for index in ids:
+        module = flatshard.fully_shard(
+            nn.Sequential(Block()), auto_wrap_policy={Block}, process_group=dps[pp_rank]
+        )
+        modules.append(module)
+        stages.append(RecordingStage(module, index, 4, torch.device("cpu"), group=pps[dp_rank]))
+    runner = ScheduleInterleavedZeroBubble(stages, MICRO, loss_fn=mse)
+    RecordingStage.events = []
+    with CollectiveTracker() as tracker:
+        RecordingStage.tracker = tracker
+        x, y = torch.randn(BATCH, DIM), torch.randn(BATCH, DIM)
+        runner.step(*((x,) if 0 in ids else ()), target=y if 3 in ids else None)
+    reductions = [i for i, (kind, size) in enumerate(tracker.ops) if kind == ALL_TO_ALL]
+    return {"events": RecordingStage.events, "reductions": reductions}
+
+
+def test_zero_bubble_reduces_after_the_last_weight_pass(pool: WorkerPool) -> None:
+    """Every reduction is issued after its stage's last weight pass began: inside the
+    stage's end-of-step reduction, or, for the first stage (whose weight pass is a whole
+    backward: it has no input gradient to send), inside that last pass, each group once
+    its gradient is complete. A reduction issued earlier (at the last input pass, or in
+    an earlier weight pass) fails this."""
+    for result in pool.run(zero_bubble_order_job):
+        events, reductions = result["events"], result["reductions"]
+        windows = []
+        for stage in {s for _, s, _ in events}:
+            mine = [(what, at) for what, s, at in events if s == stage]
+            starts = [at for what, at in mine if what == "W starts"]
+            ends = [at for what, at in mine if what == "W ends"]
+            assert len(starts) == MICRO  # the backward was split: one weight pass each
+            windows.append((max(starts), max(ends)))  # the last weight pass
+            (start,) = [at for what, at in mine if what == "reduce starts"]
+            (end,) = [at for what, at in mine if what == "reduce ends"]
+            assert max(ends) <= start
+            windows.append((start, end))
+        assert reductions
+        for index in reductions:
+            assert any(start <= index < end for start, end in windows), (index, events)
+
+
+def _single_stage(group: Any, scale_grads: bool = True) -> tuple[nn.Module, Any, nn.Module]:
+    torch.manual_seed(0)
+    reference = nn.Sequential(Block(), Block())
+    module = flatshard.fully_shard(
+        copy.deepcopy(reference), auto_wrap_policy={Block}, process_group=group
+    )
+    stage = PipelineStage(module, 0, 1, torch.device("cpu"), group=group)
+    return module, ScheduleGPipe(stage, 2, loss_fn=mse, scale_grads=scale_grads), reference
+
+
+def test_sync_switches_inside_a_schedules_step_are_refused(local_group: Any) -> None:
+    module, runner, _ = _single_stage(local_group)
+
+    def meddling_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        flatshard.set_requires_gradient_sync(module, True)
+        return mse(out, target)
+
+    runner._loss_fn = meddling_loss
+    with pytest.raises(RuntimeError, match=r"inside a step that flatshard PipelineStage 0 of 1"):
+        runner.step(torch.randn(BATCH, DIM), target=torch.randn(BATCH, DIM))
+
+
+def test_a_module_flatshard_did_not_shard_is_refused(local_group: Any) -> None:
+    with pytest.raises(ValueError, match=r"is not sharded; call flatshard.fully_shard"):
+        PipelineStage(nn.Sequential(Block()), 0, 1, torch.device("cpu"), group=local_group)
+
+
+def test_accumulating_over_steps(local_group: Any) -> None:
+    """no_sync around schedule.step() keeps the sum for the next step: refused where the
+    schedule divides each step by its micro-batch count, exact where the loss does."""
+    x, y = torch.randn(2, BATCH, DIM), torch.randn(2, BATCH, DIM)
+    module, runner, _ = _single_stage(local_group)
+    with flatshard.no_sync(module), pytest.raises(RuntimeError, match=r"scale_grads=False"):
+        runner.step(x[0], target=y[0])
+
+    module, runner, reference = _single_stage(local_group, scale_grads=False)
+    runner._loss_fn = lambda out, target: mse(out, target) / 4  # 2 steps x 2 micro-batches
+    with flatshard.no_sync(module):
+        runner.step(x[0], target=y[0])
+    runner.step(x[1], target=y[1])
+    for xm, ym in zip(x.reshape(4, -1, DIM), y.reshape(4, -1, DIM), strict=True):
+        (mse(reference(xm), ym) / 4).backward()
+    got = [p.grad for p in module.parameters()]
+    want = [p.grad for p in reference.parameters()]
+    for g, w in zip(got, want, strict=True):
+        assert g is not None and w is not None
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
+
+
+def microbatch_mismatch_job(ctx: WorkerContext) -> str | None:
+    dps, pps = _groups(2, 1)
+    if ctx.rank >= 2:
+        return None
+    module = flatshard.fully_shard(
+        nn.Sequential(Block()), auto_wrap_policy={Block}, process_group=dps[ctx.rank]
+    )
+    stage = PipelineStage(module, ctx.rank, 2, torch.device("cpu"), group=pps[0])
+    runner = ScheduleGPipe(stage, 4 if ctx.rank == 0 else 2, loss_fn=mse)
+    try:
+        x, y = torch.randn(BATCH, DIM), torch.randn(BATCH, DIM)
+        runner.step(*((x,) if ctx.rank == 0 else ()), target=y if ctx.rank == 1 else None)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_stages_that_disagree_on_the_micro_batch_count_are_named(pool: WorkerPool) -> None:
+    for message in pool.run(microbatch_mismatch_job)[:2]:
+        assert "different micro-batch counts" in message, message
+        assert "n_microbatches=4" in message and "n_microbatches=2" in message
