@@ -70,18 +70,19 @@ class PipelineStage(TorchPipelineStage):
         self.owner = f"flatshard PipelineStage {stage_index} of {num_stages}"
         pipeline = group if group is not None else dist.group.WORLD
         assert pipeline is not None
+        self.pipeline_group: dist.ProcessGroup = pipeline  # (torch's ``group``: None = world)
         pipeline_steps.join_pipeline(submodule, pipeline, stage_index, num_stages, self.owner)
 
     # ------------------------------------------------------------------ the step
     def _prepare_forward_infra(self, num_microbatches: int, *args: Any, **kwargs: Any) -> Any:
-        if self.group is not None:
-            pipeline_steps.agree_microbatches(self.group, self.device, num_microbatches)
+        pipeline_steps.agree_microbatches(self.pipeline_group, self.device, num_microbatches)
         # torch infers the shapes from a real forward and input-gradient pass on the first
         # step: part of that step, so its backward reduces nothing
         pipeline_steps.begin_step(self.submod, self.owner)
         return super()._prepare_forward_infra(num_microbatches, *args, **kwargs)
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        pipeline_steps.schedule_runs(self.pipeline_group)
         pipeline_steps.begin_step(self.submod, self.owner)
         pipeline_steps.note(self.submod, f"F{fwd_chunk_id}")
         return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)

@@ -247,7 +247,13 @@ def add_weight_grads(model: nn.Module, grads: list[torch.Tensor | None]) -> None
         flat.reduction.done_in_backward = False
 
 
-_AGREED: set[tuple[int, int]] = set()  # (pipeline group, micro-batch count) agreed
+_PREPARING: set[int] = set()  # pipeline groups whose schedule this rank is preparing
+
+
+def schedule_runs(group: dist.ProcessGroup) -> None:
+    """The schedule over ``group`` prepared its stages and runs: the next preparation (a
+    new schedule) checks the micro-batch count again."""
+    _PREPARING.discard(id(group))
 
 
 def keeps_gradients(model: nn.Module) -> bool:
@@ -264,12 +270,12 @@ def agree_microbatches(group: dist.ProcessGroup, device: torch.device, count: in
     """The pipeline's ranks agree on the micro-batch count before any activation is
     sent: a mismatch would leave a stage waiting for a micro-batch that never comes.
 
-    Once per group and count in a process, by the first stage a schedule prepares on each
-    rank: that is before any of its activations moves. A rank's later stages (interleaved
-    schedules) would pair their check with another rank's sends."""
-    if (id(group), count) in _AGREED:
+    Once per schedule, by the first stage it prepares on each rank, before any of its
+    activations moves; the rank's later stages (interleaved schedules) skip it until the
+    schedule runs (``schedule_runs``): their checks would pair with another rank's sends."""
+    if id(group) in _PREPARING:
         return
-    _AGREED.add((id(group), count))
+    _PREPARING.add(id(group))
     check_same_on_all_ranks(
         [f"n_microbatches={count}"],
         group,
