@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import itertools
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -38,6 +39,7 @@ from flatshard.runtime._rate_limiter import RateLimiter
 from flatshard.runtime._unit import Hold, Unit, unit_of, units_of
 
 CONTEXT_ATTR = "_flatshard_context"  # attribute of a module fully_shard was called on
+_CREATED = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,9 @@ class StepContext:
         rate_limiter: RateLimiter,
     ) -> None:
         self.root = root
+        # Made in program order, so the same on every rank: the order torch's clipping
+        # visits the models in (``sharded_contexts``), whatever the weak set's order
+        self.created = next(_CREATED)
         # All the ranks that train the model together (None after interpreter exit began).
         self.process_group: dist.ProcessGroup | None = process_group
         self.rate_limiter = rate_limiter  # Prefetch.limit_all_gathers (see _rate_limiter.py)
@@ -463,8 +468,9 @@ def watch(context: StepContext) -> None:
 
 
 def sharded_contexts() -> list[StepContext]:
-    """The step contexts of the models sharded in this process that are still alive."""
-    return [c for c in list(_SHARDED) if c.units]
+    """The step contexts of the models sharded in this process that are still alive, in
+    the order they were made (the same on every rank; a weak set's order is not)."""
+    return sorted((c for c in list(_SHARDED) if c.units), key=lambda c: c.created)
 
 
 def watched_contexts() -> list[StepContext]:
