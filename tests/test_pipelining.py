@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
@@ -35,7 +36,7 @@ from torch.distributed.pipelining import (
 
 import flatshard
 from flatshard.integrations.pipelining import PipelineStage
-from flatshard.measure import ALL_GATHER, ALL_TO_ALL, CollectiveTracker
+from flatshard.measure import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, CollectiveTracker
 from flatshard.testing.workers import WorkerContext, WorkerPool
 
 DIM, MICRO, BATCH, STEPS, LR = 16, 4, 8, 3, 0.1
@@ -80,6 +81,19 @@ def _groups(pp: int, dp: int) -> tuple[list[Any], list[Any]]:
     return _GROUPS[pp, dp]
 
 
+_MESHES: dict[int, Any] = {}
+
+
+def _hybrid_mesh(pp: int) -> Any:
+    """torchtitan's way: one mesh with named dimensions over the world, ("pp",
+    "dp_replicate", "dp_shard") = (pp, 2, 1); the stage gets its (replicate, shard) sub-mesh."""
+    if pp not in _MESHES:
+        _MESHES[pp] = init_device_mesh(
+            "cpu", (pp, 2, 1), mesh_dim_names=("pp", "dp_replicate", "dp_shard")
+        )
+    return _MESHES[pp]
+
+
 def _stage_ids(schedule: str, pp: int, pp_rank: int) -> list[int]:
     if schedule == "zbv":
         return [pp_rank, 2 * pp - 1 - pp_rank]
@@ -103,10 +117,13 @@ def pipeline_job(
 ) -> dict[str, Any] | None:
     """STEPS optimizer steps of a pipelined run and of the unsharded reference."""
     dps, pps = _groups(pp, dp)
+    mesh = _hybrid_mesh(pp) if strategy == "HYBRID_SHARD" else None
     if ctx.rank >= pp * dp:
         return None
     pp_rank, dp_rank = divmod(ctx.rank, dp)
     ids = _stage_ids(schedule, pp, pp_rank)
+    data_parallel = dps[pp_rank] if mesh is None else mesh["dp_replicate", "dp_shard"]
+    pipeline = pps[dp_rank] if mesh is None else mesh["pp"].get_group()
     n_stages = pp * (2 if schedule in MULTI else 1)
     torch.manual_seed(0)
     reference = nn.Sequential(*[Block() for _ in range(n_stages)])
@@ -117,15 +134,13 @@ def pipeline_job(
         flatshard.fully_shard(
             module,
             auto_wrap_policy={Block},
-            process_group=dps[pp_rank],
+            process_group=data_parallel,
             strategy=flatshard.ShardingStrategy[strategy],
         )
         if keep:
             flatshard.set_reshard_after_forward(module, False)
         modules.append(module)
-        stages.append(
-            PipelineStage(module, index, n_stages, torch.device("cpu"), group=pps[dp_rank])
-        )
+        stages.append(PipelineStage(module, index, n_stages, torch.device("cpu"), group=pipeline))
     runner = SCHEDULES[schedule](stages if schedule in MULTI else stages[0], MICRO, loss_fn=mse)
     params = [p for m in modules for p in m.parameters()]
     optim = torch.optim.SGD(params, lr=LR)
@@ -148,7 +163,7 @@ def pipeline_job(
             optim.zero_grad()
         big = [(kind, size) for kind, size in tracker.ops if size > 64]  # not the digests
         gathers.append(sum(kind == ALL_GATHER for kind, _ in big))
-        reductions.append(sum(kind == ALL_TO_ALL for kind, _ in big))
+        reductions.append(sum(kind in (ALL_TO_ALL, ALL_REDUCE) for kind, _ in big))
         ref_optim.zero_grad()
         for r in range(dp):  # DDP's semantics: each rank's micro-batches, averaged
             for xm, ym in zip(xs[r].chunk(MICRO), ys[r].chunk(MICRO), strict=True):
@@ -193,12 +208,15 @@ def _check(results: list[dict[str, Any] | None]) -> list[dict[str, Any]]:
         ("interleaved", "FULL_SHARD", ""),
         ("zero-bubble", "FULL_SHARD", "flatshard"),
         ("zbv", "SHARD_GRAD_OP", "torch"),
+        ("zero-bubble", "HYBRID_SHARD", "torch"),
+        ("1f1b", "HYBRID_SHARD", "flatshard"),
     ],
 )
 def test_pp2_by_dp2_matches_ddp_semantics(
     pool: WorkerPool, schedule: str, strategy: str, clip: str
 ) -> None:
-    """PP2 x DP2 at 4 ranks; the reductions are all-to-alls (gloo's reduce-scatter form)."""
+    """PP2 x DP2 at 4 ranks; the reductions are all-to-alls (gloo's reduce-scatter form),
+    or, HYBRID_SHARD with a shard group of one, all-reduces across the 2 replicas."""
     for result in _check(pool.run(pipeline_job, schedule, 2, 2, strategy, False, clip)):
         # each group reduced once per step, whatever the schedule
         assert result["reductions"] == [result["flats"]] * STEPS

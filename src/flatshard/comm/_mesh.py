@@ -229,15 +229,32 @@ def model_group(where: dist.ProcessGroup | DeviceMesh | None) -> dist.ProcessGro
             return where.get_group()
         if where.ndim == 2 and where.size() == dist.get_world_size():
             return _world()
+        if where.ndim == 2 and where.mesh_dim_names:
+            return _ranks_of(where)
         raise ValueError(
             "flatshard.fully_shard: process_group may be a 1-D DeviceMesh, or a 2-D "
-            f"(replicate, shard) DeviceMesh over all {dist.get_world_size()} ranks for "
-            f"hybrid sharding; got the {where.ndim}-D mesh {where}."
+            f"(replicate, shard) DeviceMesh for hybrid sharding (over all "
+            f"{dist.get_world_size()} ranks, or a named part of a larger mesh); got the "
+            f"{where.ndim}-D mesh {where}."
         )
     raise TypeError(
         "flatshard.fully_shard: process_group must be a torch.distributed ProcessGroup or "
         f"a DeviceMesh, got {where!r}"
     )
+
+
+def _ranks_of(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """The group of a 2-D part of a larger mesh (torchtitan's ("dp_replicate", "dp_shard")
+    inside ("pp", "dp_replicate", "dp_shard", "tp")): the ranks that train the model
+    together where pipeline stages or tensor parallelism take the other dimensions.
+
+    torch makes such a group only through the mesh (``DeviceMesh._flatten``, which
+    torchtitan's parallel dimensions use as well): ``new_group`` would need every rank of
+    the world to create every such group, and the ranks of one stage cannot know the
+    others' calls. Every rank calls ``fully_shard`` for its own part, and ``_flatten``
+    creates the groups of all parts alike on each."""
+    flat = mesh._flatten()
+    return flat.get_group()
 
 
 def resolve_groups(
