@@ -381,3 +381,66 @@ def test_stages_that_disagree_on_the_micro_batch_count_are_named(pool: WorkerPoo
     for message in pool.run(microbatch_mismatch_job)[:2]:
         assert "different micro-batch counts" in message, message
         assert "n_microbatches=4" in message and "n_microbatches=2" in message
+
+
+def tensor_parallel_job(ctx: WorkerContext, schedule: str) -> dict[str, Any] | None:
+    """PP2 x TP2 on one ("pp", "dp", "tp") mesh: each stage's MLP column- and row-parallel
+    over "tp", flatshard over "dp" (one rank here), the stage over "pp"."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = _MESHES.get(-1)
+    if mesh is None:
+        mesh = _MESHES[-1] = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp", "tp"))
+    pp_rank = mesh.get_local_rank("pp")
+    ids = _stage_ids(schedule, 2, pp_rank)
+    n_stages = 2 * (2 if schedule in MULTI else 1)
+    torch.manual_seed(0)
+    reference = nn.Sequential(*[Block() for _ in range(n_stages)])
+    initial = copy.deepcopy(reference)
+    modules, stages = [], []
+    for index in ids:
+        module = nn.Sequential(copy.deepcopy(initial[index]))
+        parallelize_module(
+            module, mesh["tp"], {"0.up": ColwiseParallel(), "0.down": RowwiseParallel()}
+        )
+        flatshard.fully_shard(module, auto_wrap_policy={Block}, process_group=mesh["dp"])
+        modules.append(module)
+        stages.append(
+            PipelineStage(
+                module, index, n_stages, torch.device("cpu"), group=mesh["pp"].get_group()
+            )
+        )
+    runner = SCHEDULES[schedule](stages if schedule in MULTI else stages[0], MICRO, loss_fn=mse)
+    optim = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=LR)
+    ref_optim = torch.optim.SGD(reference.parameters(), lr=LR)
+    norms = []
+    for step in range(STEPS):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(BATCH, DIM, generator=gen), torch.randn(BATCH, DIM, generator=gen)
+        runner.step(*((x,) if 0 in ids else ()), target=y if n_stages - 1 in ids else None)
+        norms.append(float(flatshard.clip_grad_norm_(nn.ModuleList(modules), 0.5)))
+        optim.step()
+        optim.zero_grad()
+        ref_optim.zero_grad()
+        for xm, ym in zip(x.chunk(MICRO), y.chunk(MICRO), strict=True):
+            (mse(reference(xm), ym) / MICRO).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)))
+        ref_optim.step()
+    moved = max(
+        _relative(p, q) for p, q in zip(reference.parameters(), initial.parameters(), strict=True)
+    )
+    worst = 0.0
+    for index, module in zip(ids, modules, strict=True):
+        full = flatshard.full_state_dict(module, rank0_only=False)
+        for name, q in reference[index].state_dict().items():
+            worst = max(worst, _relative(full[f"0.{name}"], q))
+    return {"worst": worst, "moved": moved, "norms": norms}
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+def test_pp2_by_tp2_matches(pool: WorkerPool, schedule: str) -> None:
+    _check(pool.run(tensor_parallel_job, schedule))
