@@ -444,3 +444,130 @@ def tensor_parallel_job(ctx: WorkerContext, schedule: str) -> dict[str, Any] | N
 @pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
 def test_pp2_by_tp2_matches(pool: WorkerPool, schedule: str) -> None:
     _check(pool.run(tensor_parallel_job, schedule))
+
+
+class Stack(nn.Module):
+    """Blocks under their own names: a stage keeps the names of the whole model."""
+
+    def __init__(self, blocks: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleDict({str(i): Block() for i in range(blocks)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks.values():
+            x = block(x)
+        return x
+
+
+def _cut(model: Stack, keep: list[int]) -> Stack:
+    """A stage as torchtitan cuts one: the whole model, the other stages' blocks deleted."""
+    stage = copy.deepcopy(model)
+    for name in [n for n in stage.blocks if int(n) not in keep]:
+        del stage.blocks[name]
+    return stage
+
+
+def _schedule(pp: int, dp: int, rank: int, stage: Stack) -> Any:
+    """GPipe over the stage: a pipeline stage before its checkpoint loads, as torchtitan
+    builds them."""
+    pp_rank, dp_rank = divmod(rank, dp)
+    group = _groups(pp, dp)[1][dp_rank]
+    return ScheduleGPipe(
+        PipelineStage(stage, pp_rank, pp, torch.device("cpu"), group=group), MICRO, loss_fn=mse
+    )
+
+
+def _pipelined_step(pp: int, dp: int, rank: int, runner: Any, x: Any, y: Any) -> None:
+    pp_rank, dp_rank = divmod(rank, dp)
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    runner.step(*((x[dp_rank],) if first else ()), target=y[dp_rank] if last else None)
+
+
+def _reference_step(model: Stack, optim: Any, x: Any, y: Any) -> None:
+    for r in range(x.shape[0]):
+        for xm, ym in zip(x[r].chunk(MICRO), y[r].chunk(MICRO), strict=True):
+            (mse(model(xm), ym) / (MICRO * x.shape[0])).backward()
+    optim.step()
+    optim.zero_grad()
+
+
+def checkpoint_job(ctx: WorkerContext, path: str) -> dict[str, float]:
+    """Train at PP2 x DP2 and save; load at DP4 without a pipeline and at PP4; one more
+    step each, against the unsharded model (its Adam state too) continued alike."""
+    dps, _ = _groups(2, 2)
+    _groups(4, 1)
+    torch.manual_seed(0)
+    whole = Stack(4)
+    reference = copy.deepcopy(whole)
+    ref_optim = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    data = [
+        (torch.randn(4, BATCH, DIM, generator=torch.Generator().manual_seed(s)),) * 2
+        for s in range(3)
+    ]
+    data = [(x, torch.randn_like(x)) for (x, _) in data]
+    pp_rank, _ = divmod(ctx.rank, 2)
+    stage = flatshard.fully_shard(
+        _cut(whole, [2 * pp_rank, 2 * pp_rank + 1]),
+        auto_wrap_policy={Block},
+        process_group=dps[pp_rank],
+    )
+    optim = torch.optim.Adam(stage.parameters(), lr=1e-2)
+    runner = _schedule(2, 2, ctx.rank, stage)
+    for x, y in data[:2]:  # PP2 x DP2: each DP rank's 2 of the 4 batches
+        xs, ys = x.view(2, 2 * BATCH, DIM), y.view(2, 2 * BATCH, DIM)
+        _pipelined_step(2, 2, ctx.rank, runner, xs, ys)
+        optim.step()
+        optim.zero_grad()
+        _reference_step(reference, ref_optim, xs, ys)
+    flatshard.save_checkpoint(path, stage, optim)
+    x, y = data[2]
+    errors = {}
+    if ctx.rank == 0:  # the plain model, in one process: every stage's part
+        plain = Stack(4)
+        flatshard.load_checkpoint(path, plain)
+        want = dict(reference.named_parameters())
+        errors["plain"] = max(_relative(p, want[n]) for n, p in plain.named_parameters())
+
+    # DP4, no pipeline: the whole model, every block from the two stages' writes
+    model = flatshard.fully_shard(Stack(4), auto_wrap_policy={Block}, process_group=ctx.group(4))
+    model_optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    flatshard.load_checkpoint(path, model, model_optim)
+    mse(model(x[ctx.rank]), y[ctx.rank]).backward()
+    model_optim.step()
+    # PP4: one block per rank
+    stage4 = flatshard.fully_shard(
+        _cut(Stack(4), [ctx.rank]),
+        auto_wrap_policy={Block},
+        process_group=_groups(4, 1)[0][ctx.rank],
+    )
+    stage4_optim = torch.optim.Adam(stage4.parameters(), lr=1e-2)
+    runner4 = _schedule(4, 1, ctx.rank, stage4)
+    flatshard.load_checkpoint(path, stage4, stage4_optim)
+    _pipelined_step(4, 1, ctx.rank, runner4, x.view(1, 4 * BATCH, DIM), y.view(1, 4 * BATCH, DIM))
+    stage4_optim.step()
+
+    dp4_ref = copy.deepcopy(reference)
+    dp4_optim = torch.optim.Adam(dp4_ref.parameters(), lr=1e-2)
+    dp4_optim.load_state_dict(copy.deepcopy(ref_optim.state_dict()))  # (shares tensors)
+    for r in range(4):
+        (mse(dp4_ref(x[r]), y[r]) / 4).backward()
+    dp4_optim.step()
+    _reference_step(reference, ref_optim, x.view(1, 4 * BATCH, DIM), y.view(1, 4 * BATCH, DIM))
+    with flatshard.summon_full_params(model):
+        errors["dp4"] = max(
+            _relative(p, q) for p, q in zip(model.parameters(), dp4_ref.parameters(), strict=True)
+        )
+    with flatshard.summon_full_params(stage4):
+        mine = dict(reference.named_parameters())
+        errors["pp4"] = max(_relative(p, mine[n]) for n, p in stage4.named_parameters())
+    return errors
+
+
+def test_checkpoints_cross_pipeline_layouts(pool: WorkerPool, tmp_path: Any) -> None:
+    """A checkpoint saved by PP2 x DP2 stages (every stage's part under the original names,
+    with Adam's state) loads into the plain model, at DP4 without a pipeline and at PP4,
+    and continues exactly."""
+    results = pool.run(checkpoint_job, str(tmp_path / "ckpt"))
+    assert "plain" in results[0]
+    for errors in results:
+        assert all(error < TOLERANCE for error in errors.values()), errors

@@ -103,6 +103,38 @@ def pipeline_total(
     return every[:, 0].max() if inf else every[:, 0].sum()
 
 
+def stages_spanning(group: dist.ProcessGroup, seat: PipelineSeat) -> dist.ProcessGroup:
+    """[Note: checkpoints of pipeline stages]
+    A checkpoint of a pipelined model is one directory that every stage writes its part of
+    under the original names (stages split as torchtitan splits them keep those): one DCP
+    save over the ranks of every stage, so that it loads at any other layout, a pipeline of
+    other stages, or the model without a pipeline. ``group``: the ranks a stage writes with
+    (data-parallel, x tensor-parallel); with the pipeline's they must span the world (or a
+    stage has one rank: the pipeline group itself). A rank holding several stages
+    (interleaved schedules) would write one of them per call, each call a whole save of
+    the directory: refused."""
+    stages_here = seat.stages // dist.get_world_size(seat.group)
+    if stages_here != 1:
+        raise ValueError(
+            f"flatshard: a checkpoint of a pipeline whose ranks hold {stages_here} stages "
+            "each is not supported; each call would write the directory with one stage. "
+            "Save from a layout with one stage per rank, or save each stage's "
+            "full_state_dict (original names) and merge them."
+        )
+    if dist.get_world_size(group) == 1:
+        return seat.group
+    if dist.get_world_size(group) * dist.get_world_size(seat.group) == dist.get_world_size():
+        world = dist.group.WORLD
+        assert world is not None
+        return world
+    raise ValueError(
+        "flatshard: a checkpoint of pipeline stages is written by the ranks of every stage "
+        f"together, and the stage's {dist.get_world_size(group)} ranks x the pipeline's "
+        f"{dist.get_world_size(seat.group)} do not span the world "
+        f"({dist.get_world_size()} ranks)."
+    )
+
+
 def begin_step(model: nn.Module, owner: str) -> None:
     """The schedule starts a step of ``model`` (at its first forward): sync off, units
     kept gathered after backward; the user's switches saved."""

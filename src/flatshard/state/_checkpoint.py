@@ -32,7 +32,7 @@ from torch import nn
 
 from flatshard.comm._collectives import all_gather_object, barrier
 from flatshard.comm._ranks import rank_in
-from flatshard.runtime._step import every_rank_calls
+from flatshard.runtime._step import context_of, every_rank_calls
 from flatshard.state._async_save import CheckpointSave, Exchange, settle_pending, start_save
 from flatshard.state._directory import (
     FORMAT,
@@ -45,6 +45,7 @@ from flatshard.state._directory import (
 from flatshard.state._errors import CheckpointError
 from flatshard.state._optim_state import (
     OptimStateDict,
+    every_stages_groups,
     is_row_shape,
     load_optim_state_dict,
     sharded_optim_state_dict,
@@ -229,7 +230,9 @@ def _collect_state(
     """This rank's entries of the checkpoint (its rows; the live tensors, not copies)."""
     state: dict[str, Any] = {MODEL + k: v for k, v in sharded_state_dict(model).items()}
     for index, optimizer in enumerate(optimizers):
-        entries = _optim_entries(sharded_optim_state_dict(model, optimizer), index)
+        osd = sharded_optim_state_dict(model, optimizer)
+        osd["param_groups"] = every_stages_groups(model, osd["param_groups"])
+        entries = _optim_entries(osd, index)
         _check_disjoint(state, entries, index)
         state.update(entries)
     state[f"{EXTRA}{rank_in(group)}"] = extra if extra is not None else {}
@@ -408,6 +411,9 @@ def _model_targets(model: nn.Module, saved: dict[str, Any], strict: bool) -> dic
     """The model's shards as DCP load targets (read in place), after checking names/shapes."""
     mine = sharded_state_dict(model)
     saved_names = [k[len(MODEL) :] for k in saved if k.startswith(MODEL)]
+    context = context_of(model)
+    if context is not None and context.pipeline is not None:  # the other stages' entries
+        saved_names = [k for k in saved_names if k in mine]
     check_keys("load_checkpoint", mine.keys(), saved_names, strict)
     problems = []
     for name, value in mine.items():
@@ -440,11 +446,15 @@ def _optim_targets(
         )
     params = dict(model.named_parameters())
     places = param_places(model)
+    context = context_of(model)
+    stage = context is not None and context.pipeline is not None
     targets: dict[str, Any] = {_groups_key(index): None for index in range(count)}
     for key, md in saved.items():
         if not key.startswith(OPTIM) or key.startswith(GROUPS):
             continue
         name, _, state_key = key[len(OPTIM) :].rpartition("/")
+        if name not in params and stage:
+            continue  # another stage's ([Note: checkpoints of pipeline stages])
         if name not in params:
             raise CheckpointError(
                 f"flatshard.load_checkpoint: the checkpoint has optimizer state for "

@@ -28,7 +28,7 @@ from torch import nn
 from flatshard.comm._collectives import all_gather_object, broadcast
 from flatshard.comm._ranks import checked_on_rank0, global_rank, rank_in
 from flatshard.flat._full_params import copy_out, gather_copies, pack_rows
-from flatshard.runtime._step import every_rank_calls
+from flatshard.runtime._step import context_of, every_rank_calls
 from flatshard.state._state_dict import HeldRows, RowShard, flat_params, model_group, param_places
 
 OptimStateDict = dict[str, Any]
@@ -227,6 +227,7 @@ def load_optim_state_dict(
             "'state' and 'param_groups' as made by flatshard.full_optim_state_dict or "
             f"sharded_optim_state_dict, found keys {sorted(state_dict)}"
         )
+    saved_groups = _this_stages_part(model, groups, saved_groups)
     _check_groups(groups, saved_groups)
     torch_state: dict[int, dict[str, Any]] = {}
     torch_groups: list[dict[str, Any]] = []
@@ -244,6 +245,48 @@ def load_optim_state_dict(
             index += 1
         torch_groups.append({**_hyperparameters(saved), "params": ids})
     optim.load_state_dict({"state": torch_state, "param_groups": torch_groups})
+
+
+def every_stages_groups(
+    model: nn.Module, saved_groups: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """A pipeline stage's parameter groups joined with the other stages' (in stage order),
+    as one optimizer over the whole model would hold them: what a checkpoint of the
+    pipeline keeps ([Note: checkpoints of pipeline stages]). A collective over the
+    pipeline's ranks; the groups as given for a model that is not a stage."""
+    context = context_of(model)
+    seat = context.pipeline if context is not None else None
+    if seat is None:
+        return saved_groups
+    every = cast(
+        list[tuple[int, list[dict[str, Any]]]],
+        all_gather_object((seat.stage, saved_groups), seat.group),
+    )
+    joined: list[dict[str, Any]] = [{**g, "params": []} for g in saved_groups]
+    for _, theirs in sorted(every, key=lambda pair: pair[0]):
+        if len(theirs) != len(joined):
+            raise ValueError(
+                f"flatshard.save_checkpoint (rank {global_rank()}): the pipeline's stages "
+                f"have optimizers of {len(joined)} and {len(theirs)} parameter groups; build "
+                "every stage's optimizer with the same groups."
+            )
+        for mine, group in zip(joined, theirs, strict=True):
+            mine["params"] += list(group["params"])
+    return joined
+
+
+def _this_stages_part(
+    model: nn.Module,
+    groups: list[list[tuple[str, nn.Parameter]]],
+    saved_groups: list[dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """For a pipeline stage, the saved groups cut to its parameters (a checkpoint holds
+    every stage's); the saved groups as they are for a model that is not a stage."""
+    context = context_of(model)
+    if context is None or context.pipeline is None:
+        return saved_groups
+    mine = {name for named in groups for name, _ in named}
+    return [{**g, "params": [n for n in g.get("params", []) if n in mine]} for g in saved_groups]
 
 
 def _check_groups(

@@ -26,6 +26,7 @@ from flatshard.flat._flat_param import FlatParamGroup
 from flatshard.flat._full_params import copy_out, gather_copies
 from flatshard.flat._layout import rows_shape
 from flatshard.flat._tensor_parallel import SplitParam, spanning_group
+from flatshard.runtime._pipeline import stages_spanning
 from flatshard.runtime._step import context_of, every_rank_calls
 from flatshard.runtime._unit import unit_of
 
@@ -196,9 +197,15 @@ def model_group(model: nn.Module) -> dist.ProcessGroup | None:
 
 def checkpoint_group(model: nn.Module) -> dist.ProcessGroup | None:
     """The ranks that write (and read) a checkpoint together: the model's group, or with
-    tensor parallelism the ranks of dp x tp (see [Note: DTensor parameters])."""
+    tensor parallelism the ranks of dp x tp (see [Note: DTensor parameters]), and with
+    pipeline stages those of every stage ([Note: checkpoints of pipeline stages])."""
     group = model_group(model)
-    return spanning_group(group, tensor_parallel_of(model)) if group is not None else None
+    if group is None:
+        return None
+    group = spanning_group(group, tensor_parallel_of(model))
+    context = context_of(model)
+    seat = context.pipeline if context is not None else None
+    return group if seat is None else stages_spanning(group, seat)
 
 
 def tensor_parallel_of(model: nn.Module) -> list[SplitParam]:
