@@ -33,6 +33,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
+from torch.utils.checkpoint import checkpoint
 
 import flatshard
 from flatshard.integrations.pipelining import PipelineStage
@@ -52,15 +53,21 @@ TOLERANCE = 2e-6  # relative, fp32
 
 
 class Block(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, checkpointed: bool = False) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(DIM)
         self.up = nn.Linear(DIM, 2 * DIM)
         self.down = nn.Linear(2 * DIM, DIM)
+        self.checkpointed = checkpointed  # activation checkpointing of the MLP
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
-        return out
+        if self.checkpointed:
+            return x + checkpoint(self.mlp, x, use_reentrant=False)
+        return x + self.mlp(x)
 
 
 def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -114,8 +121,11 @@ def pipeline_job(
     strategy: str = "FULL_SHARD",
     keep: bool = False,
     clip: str = "",
+    variant: str = "",
 ) -> dict[str, Any] | None:
-    """STEPS optimizer steps of a pipelined run and of the unsharded reference."""
+    """STEPS optimizer steps of a pipelined run and of the unsharded reference.
+    ``variant`` "checkpointed-frozen": activation checkpointing in every block, and some
+    parameters frozen (their own flat groups, gathered but never reduced)."""
     dps, pps = _groups(pp, dp)
     mesh = _hybrid_mesh(pp) if strategy == "HYBRID_SHARD" else None
     if ctx.rank >= pp * dp:
@@ -126,7 +136,11 @@ def pipeline_job(
     pipeline = pps[dp_rank] if mesh is None else mesh["pp"].get_group()
     n_stages = pp * (2 if schedule in MULTI else 1)
     torch.manual_seed(0)
-    reference = nn.Sequential(*[Block() for _ in range(n_stages)])
+    reference = nn.Sequential(*[Block(checkpointed=bool(variant)) for _ in range(n_stages)])
+    if variant:
+        for block in reference:
+            block.norm.requires_grad_(False)
+            block.up.bias.requires_grad_(False)
     initial = copy.deepcopy(reference)
     modules, stages = [], []
     for index in ids:
@@ -142,10 +156,10 @@ def pipeline_job(
         modules.append(module)
         stages.append(PipelineStage(module, index, n_stages, torch.device("cpu"), group=pipeline))
     runner = SCHEDULES[schedule](stages if schedule in MULTI else stages[0], MICRO, loss_fn=mse)
-    params = [p for m in modules for p in m.parameters()]
+    params = [p for m in modules for p in m.parameters() if p.requires_grad]
     optim = torch.optim.SGD(params, lr=LR)
-    ref_optim = torch.optim.SGD(reference.parameters(), lr=LR)
-    flats = sum(len(flatshard.sharding_summary(m).flat_params) for m in modules)
+    ref_optim = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=LR)
+    flats = sum(f.requires_grad for m in modules for f in flatshard.sharding_summary(m).flat_params)
     gathers, reductions, norms = [], [], []
     for step in range(STEPS):
         gen = torch.Generator().manual_seed(step)
@@ -220,6 +234,17 @@ def test_pp2_by_dp2_matches_ddp_semantics(
     for result in _check(pool.run(pipeline_job, schedule, 2, 2, strategy, False, clip)):
         # each group reduced once per step, whatever the schedule
         assert result["reductions"] == [result["flats"]] * STEPS
+
+
+@pytest.mark.parametrize("schedule", ["zero-bubble", "1f1b"])
+def test_activation_checkpointing_and_frozen_parameters_in_stages(
+    pool: WorkerPool, schedule: str
+) -> None:
+    """Recomputation inside a split backward's weight pass finds its unit gathered; frozen
+    groups are gathered for both passes and never reduced."""
+    args = (schedule, 2, 2, "FULL_SHARD", False, "flatshard", "checkpointed-frozen")
+    for result in _check(pool.run(pipeline_job, *args)):
+        assert result["reductions"] == [result["flats"]] * STEPS  # trainable groups only
 
 
 @pytest.mark.parametrize("schedule", ["interleaved", "zero-bubble", "zbv"])

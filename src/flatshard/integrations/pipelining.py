@@ -112,9 +112,10 @@ class PipelineStage(TorchPipelineStage):
             pipeline_steps.note(model, "W")
             plan = bwd_kwargs["param_groups"]
             assert isinstance(plan, WeightPass)
-            pipeline_steps.gather_for_weights(model)
             leaves = pipeline_steps.weight_leaves(model)
-            pipeline_steps.add_weight_grads(model, weight_pass(plan, leaves))
+            with pipeline_steps.weights_gathered(model):
+                grads = weight_pass(plan, leaves)
+            pipeline_steps.add_weight_grads(model, grads)
             return (), None
         raise ValueError(f"flatshard PipelineStage: unknown backward type {backward_type!r}")
 

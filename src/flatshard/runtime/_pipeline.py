@@ -246,16 +246,29 @@ def weight_leaves(model: nn.Module) -> list[torch.Tensor]:
     ]
 
 
-def gather_for_weights(model: nn.Module) -> None:
-    """Before a weight-gradient pass: what its graph saved of the parameters is readable
-    again. A forward since (FULL_SHARD) freed the buffers; gathering into the same storage
-    makes the saved views valid again (see [Note: flat tensors and their lifetimes])."""
-    for context in contexts_under(model, "PipelineStage"):
-        units = [u for u in context.units if u.trainable and u.unshard_allocates]
+@contextmanager
+def weights_gathered(model: nn.Module) -> Iterator[None]:
+    """Around a weight-gradient pass: what its graph saved of the parameters is readable
+    again, and the modules hold views of the gathered buffers (activation checkpointing
+    recomputes forwards inside the pass). A forward since (FULL_SHARD) freed the buffers;
+    gathering into the same storage makes the saved views valid again (see [Note: flat
+    tensors and their lifetimes])."""
+    units = [
+        unit
+        for context in contexts_under(model, "PipelineStage")
+        for unit in context.units
+        if unit.trainable
+    ]
+    for unit in units:
+        unit.start_unshard()  # every gather in flight before the first wait
+    with torch.enable_grad():  # views that a recomputed forward's graph can record
         for unit in units:
-            unit.start_unshard()
+            unit.unshard()
+    try:
+        yield
+    finally:
         for unit in units:
-            unit.finish_unshard()
+            unit.hide_views()
 
 
 def add_weight_grads(model: nn.Module, grads: list[torch.Tensor | None]) -> None:
