@@ -596,3 +596,74 @@ def test_checkpoints_cross_pipeline_layouts(pool: WorkerPool, tmp_path: Any) -> 
     assert "plain" in results[0]
     for errors in results:
         assert all(error < TOLERANCE for error in errors.values()), errors
+
+
+class Experts(nn.Module):  # the guide's: tokens sorted by expert, and the count per expert
+    def __init__(self, experts: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(experts, DIM, 2 * DIM) / DIM**0.5)
+        self.w2 = nn.Parameter(torch.randn(experts, 2 * DIM, DIM) / DIM**0.5)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        rows = torch.split(x, counts.tolist())
+        return torch.cat([torch.relu(r @ self.w1[i]) @ self.w2[i] for i, r in enumerate(rows)])
+
+
+class MoE(nn.Module):
+    def __init__(self, experts: int = 4) -> None:
+        super().__init__()
+        self.router = nn.Linear(DIM, experts, bias=False)
+        self.experts = Experts(experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = torch.softmax(self.router(x), -1).topk(2, dim=-1)
+        order = torch.argsort(chosen.reshape(-1), stable=True)
+        token = order // 2
+        counts = torch.bincount(chosen.reshape(-1), minlength=self.router.out_features)
+        out = self.experts(x[token], counts) * weights.reshape(-1)[order, None]
+        return x + torch.zeros_like(x).index_add(0, token, out)
+
+
+def experts_job(ctx: WorkerContext, schedule: str) -> dict[str, Any]:
+    """PP2 x EP2: each stage a mixture of experts whose experts are split over the stage's
+    two data-parallel ranks (``Experts(2)``), the tokens exchanged by all-to-all."""
+    dps, pps = _groups(2, 2)
+    pp_rank, dp_rank = divmod(ctx.rank, 2)
+    torch.manual_seed(0)
+    reference = nn.Sequential(MoE(), MoE())
+    module = flatshard.fully_shard(
+        nn.Sequential(copy.deepcopy(reference[pp_rank])),
+        auto_wrap_policy={MoE},
+        process_group=dps[pp_rank],
+        placement=lambda name, p: flatshard.Experts(2) if ".experts." in name else None,
+    )
+    stage = PipelineStage(module, pp_rank, 2, torch.device("cpu"), group=pps[dp_rank])
+    runner = SCHEDULES[schedule](stage if schedule not in MULTI else [stage], MICRO, loss_fn=mse)
+    optim = torch.optim.SGD(module.parameters(), lr=LR)
+    ref_optim = torch.optim.SGD(reference.parameters(), lr=LR)
+    for step in range(STEPS):
+        gen = torch.Generator().manual_seed(step)
+        xs = torch.randn(2, BATCH, DIM, generator=gen)
+        ys = torch.randn(2, BATCH, DIM, generator=gen)
+        if pp_rank == 0:
+            runner.step(xs[dp_rank])
+        else:
+            runner.step(target=ys[dp_rank])
+        flatshard.clip_grad_norm_(module, 0.5)
+        optim.step()
+        optim.zero_grad()
+        for r in range(2):  # DDP's semantics: routing per rank's micro-batch
+            for xm, ym in zip(xs[r].chunk(MICRO), ys[r].chunk(MICRO), strict=True):
+                (mse(reference(xm), ym) / (MICRO * 2)).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        ref_optim.step()
+        ref_optim.zero_grad()
+    full = flatshard.full_state_dict(module, rank0_only=False)
+    want = reference[pp_rank].state_dict()
+    return {"worst": max(_relative(full[f"0.{n}"], q) for n, q in want.items())}
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+def test_experts_inside_stages_match(pool: WorkerPool, schedule: str) -> None:
+    for result in pool.run(experts_job, schedule):
+        assert result["worst"] < TOLERANCE, result
