@@ -257,7 +257,7 @@ def test_pp2_at_two_ranks_matches(pool: WorkerPool, schedule: str) -> None:
     _check(pool.run(pipeline_job, schedule, 2, 1, "FULL_SHARD", False, "torch"))
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_kept_units_are_gathered_once_per_step(pool: WorkerPool, schedule: str) -> None:
     """With ``set_reshard_after_forward(False)`` each group is gathered once per optimizer
     step across all micro-batches (and again after the step: the shards changed)."""
