@@ -28,9 +28,11 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import (
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
 )
 from torch.utils.checkpoint import checkpoint
@@ -47,8 +49,10 @@ SCHEDULES: dict[str, Any] = {
     "interleaved": ScheduleInterleaved1F1B,
     "zero-bubble": ScheduleInterleavedZeroBubble,
     "zbv": ScheduleZBVZeroBubble,
+    "looped-bfs": ScheduleLoopedBFS,
+    "dualpipev": ScheduleDualPipeV,
 }
-MULTI = {"interleaved", "zero-bubble", "zbv"}  # two stages per rank
+MULTI = {"interleaved", "zero-bubble", "zbv", "looped-bfs", "dualpipev"}  # 2 stages a rank
 TOLERANCE = 2e-6  # relative, fp32
 
 
@@ -102,7 +106,7 @@ def _hybrid_mesh(pp: int) -> Any:
 
 
 def _stage_ids(schedule: str, pp: int, pp_rank: int) -> list[int]:
-    if schedule == "zbv":
+    if schedule in ("zbv", "dualpipev"):  # V-shaped: a rank's stages at both ends
         return [pp_rank, 2 * pp - 1 - pp_rank]
     if schedule in MULTI:
         return [pp_rank, pp_rank + pp]
@@ -666,4 +670,66 @@ def experts_job(ctx: WorkerContext, schedule: str) -> dict[str, Any]:
 @pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
 def test_experts_inside_stages_match(pool: WorkerPool, schedule: str) -> None:
     for result in pool.run(experts_job, schedule):
+        assert result["worst"] < TOLERANCE, result
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Block() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def traced_job(ctx: WorkerContext, schedule: str) -> dict[str, Any] | None:
+    """Stages cut by torch's tracer (``pipeline`` with a split point), sharded with
+    flatshard, built by ``flatshard.integrations.pipelining.build_stage``: PP2 x DP2."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    from flatshard.integrations.pipelining import build_stage
+
+    dps, pps = _groups(2, 2)
+    pp_rank, dp_rank = divmod(ctx.rank, 2)
+    torch.manual_seed(0)
+    reference = Net()
+    traced = copy.deepcopy(reference)
+    example = torch.randn(BATCH // MICRO, DIM)
+    pipe = pipeline(traced, mb_args=(example,), split_spec={"layers.2": SplitPoint.BEGINNING})
+    module = pipe.get_stage_module(pp_rank)
+    flatshard.fully_shard(  # the traced blocks are InterpreterModules: units by name
+        module,
+        auto_wrap_policy=lambda m, name: name.count(".") == 1 and name.startswith("layers."),
+        process_group=dps[pp_rank],
+    )
+    stage = build_stage(module, pp_rank, pipe.info(), torch.device("cpu"), group=pps[dp_rank])
+    runner = SCHEDULES[schedule](stage if schedule not in MULTI else [stage], MICRO, loss_fn=mse)
+    optim = torch.optim.SGD(module.parameters(), lr=LR)
+    ref_optim = torch.optim.SGD(reference.parameters(), lr=LR)
+    for step in range(STEPS):
+        gen = torch.Generator().manual_seed(step)
+        xs = torch.randn(2, BATCH, DIM, generator=gen)
+        ys = torch.randn(2, BATCH, DIM, generator=gen)
+        if pp_rank == 0:
+            runner.step(xs[dp_rank])
+        else:
+            runner.step(target=ys[dp_rank])
+        optim.step()
+        optim.zero_grad()
+        for r in range(2):
+            for xm, ym in zip(xs[r].chunk(MICRO), ys[r].chunk(MICRO), strict=True):
+                (mse(reference(xm), ym) / (MICRO * 2)).backward()
+        ref_optim.step()
+        ref_optim.zero_grad()
+    full = flatshard.full_state_dict(module, rank0_only=False)
+    want = reference.state_dict()
+    assert full and set(full) <= set(want), sorted(full)  # the original names
+    return {"worst": max(_relative(t, want[n]) for n, t in full.items())}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zero-bubble"])
+def test_stages_of_torchs_tracer_match(pool: WorkerPool, schedule: str) -> None:
+    for result in pool.run(traced_job, schedule):
         assert result["worst"] < TOLERANCE, result

@@ -7,10 +7,11 @@
     schedule = ScheduleInterleavedZeroBubble([stage, ...], n_microbatches, loss_fn=...)
     schedule.step(x, target=y); optimizer.step(); optimizer.zero_grad()
 
-torch's ``PipelineStage`` treats FSDP2 modules specially (sync off for every micro-batch,
-one reduction after the last); this subclass does the same for a flatshard model through
-the runtime's schedule interface ([Note: a schedule runs the step] in
-``runtime/_pipeline.py``), and runs zero-bubble schedules' split backward on flatshard's
+Stages cut by torch's tracer (``pipeline(model, ...)``) come from ``build_stage``, with
+torch's arguments. torch's stages treat FSDP2 modules specially (sync off for every
+micro-batch, one reduction after the last); these do the same for a flatshard model
+through the runtime's schedule interface ([Note: a schedule runs the step] in
+``runtime/_pipeline.py``), and run zero-bubble schedules' split backward on flatshard's
 flat gradient leaves ([Note: splitting a backward pass] in ``_split_backward.py``). The
 schedules are torch's, unchanged.
 """
@@ -23,14 +24,109 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage as TorchPipelineStage
+from torch.distributed.pipelining.stage import _PipelineStage as TorchTracedStage
 
 from flatshard.integrations._split_backward import WeightPass, input_pass, weight_pass
 from flatshard.runtime import pipeline_steps, unit_modules
 
-__all__ = ["PipelineStage"]
+__all__ = ["PipelineStage", "build_stage"]
 
 
-class PipelineStage(TorchPipelineStage):
+class _ShardedStage:
+    """What a flatshard stage does differently from torch's, over either of torch's stage
+    classes (the manual ``PipelineStage`` and the traced one): the methods torch's
+    schedules call at each integration point."""
+
+    submod: nn.Module
+    device: torch.device
+    owner: str
+    pipeline_group: dist.ProcessGroup
+
+    def _attach(
+        self, module: nn.Module, stage: int, stages: int, group: dist.ProcessGroup | None
+    ) -> None:
+        self.owner = f"flatshard PipelineStage {stage} of {stages}"
+        pipeline = group if group is not None else dist.group.WORLD  # torch's None: the world
+        assert pipeline is not None
+        self.pipeline_group = pipeline
+        pipeline_steps.join_pipeline(module, pipeline, stage, stages, self.owner)
+
+    def _prepare_forward_infra(self, num_microbatches: int, *args: Any, **kwargs: Any) -> Any:
+        pipeline_steps.agree_microbatches(self.pipeline_group, self.device, num_microbatches)
+        # torch infers the shapes from a real forward and input-gradient pass on the first
+        # step: part of that step, so its backward reduces nothing
+        pipeline_steps.begin_step(self.submod, self.owner)
+        return super()._prepare_forward_infra(num_microbatches, *args, **kwargs)  # type: ignore[misc]
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        pipeline_steps.schedule_runs(self.pipeline_group)
+        pipeline_steps.begin_step(self.submod, self.owner)
+        pipeline_steps.note(self.submod, f"F{fwd_chunk_id}")
+        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)  # type: ignore[misc]
+
+    def backward_maybe_with_nosync(
+        self, backward_type: str, bwd_kwargs: dict[str, Any], last_backward: bool = False
+    ) -> tuple[tuple[torch.Tensor | None, ...], Any]:
+        model = self.submod
+        whole = super().backward_maybe_with_nosync  # type: ignore[misc]
+        if backward_type == "full":
+            pipeline_steps.note(model, "B")
+            if last_backward:
+                with pipeline_steps.last_backward(model):
+                    return whole("full", bwd_kwargs, last_backward)  # type: ignore[no-any-return]
+            return whole("full", bwd_kwargs, last_backward)  # type: ignore[no-any-return]
+        if backward_type == "input":
+            pipeline_steps.note(model, "I")
+            outputs = bwd_kwargs["stage_output"]
+            outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
+            grads = bwd_kwargs["output_grads"]
+            return input_pass(
+                outputs,
+                None if grads is None else tuple(grads),
+                bwd_kwargs["input_values"],
+                pipeline_steps.weight_leaves(model),
+            )
+        if backward_type == "weight":
+            pipeline_steps.note(model, "W")
+            plan = bwd_kwargs["param_groups"]
+            assert isinstance(plan, WeightPass)
+            leaves = pipeline_steps.weight_leaves(model)
+            with pipeline_steps.weights_gathered(model):
+                found = weight_pass(plan, leaves)
+            pipeline_steps.add_weight_grads(model, found)
+            return (), None
+        raise ValueError(f"{self.owner}: unknown backward type {backward_type!r}")
+
+    def scale_grads(self, grad_scale_factor: int) -> None:
+        """The step's end (torch calls it after the last backward): reduce, then divide
+        by the micro-batch count, as torch's ``scale_grads``."""
+        pipeline_steps.end_step(self.submod)
+        if grad_scale_factor != 1 and pipeline_steps.keeps_gradients(self.submod):
+            raise RuntimeError(
+                f"{self.owner}: the step's gradients stay unreduced (no_sync around "
+                "schedule.step()), and the schedule divides each step's gradients by its "
+                "micro-batch count once reduced, which would mix steps divided and not. "
+                "Build the schedule with scale_grads=False and divide the loss by the "
+                "total micro-batch count in loss_fn, or accumulate with more micro-batches "
+                "per step."
+            )
+        super().scale_grads(grad_scale_factor)  # type: ignore[misc]
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        self.scale_grads(grad_scale_factor)
+
+
+def _require_sharded(module: nn.Module, stage: int) -> None:
+    if not unit_modules(module):
+        raise ValueError(
+            f"flatshard PipelineStage: stage {stage}'s module ({type(module).__name__}) is "
+            "not sharded; call flatshard.fully_shard on it first (over the stage's "
+            "data-parallel group), or use torch's PipelineStage for a module flatshard "
+            "does not shard."
+        )
+
+
+class PipelineStage(_ShardedStage, TorchPipelineStage):
     """torch's ``PipelineStage`` for a module sharded with ``flatshard.fully_shard``.
 
     Takes torch's arguments. The module's ``process_group`` is the stage's data-parallel
@@ -50,13 +146,7 @@ class PipelineStage(TorchPipelineStage):
         group: dist.ProcessGroup | None = None,
         **kwargs: Any,
     ) -> None:
-        if not unit_modules(submodule):
-            raise ValueError(
-                f"flatshard PipelineStage: stage {stage_index}'s module "
-                f"({type(submodule).__name__}) is not sharded; call flatshard.fully_shard on "
-                "it first (over the stage's data-parallel group), or use torch's "
-                "PipelineStage for a module flatshard does not shard."
-            )
+        _require_sharded(submodule, stage_index)
         super().__init__(
             submodule,
             stage_index,
@@ -67,72 +157,24 @@ class PipelineStage(TorchPipelineStage):
             group=group,
             **kwargs,
         )
-        self.owner = f"flatshard PipelineStage {stage_index} of {num_stages}"
-        pipeline = group if group is not None else dist.group.WORLD
-        assert pipeline is not None
-        self.pipeline_group: dist.ProcessGroup = pipeline  # (torch's ``group``: None = world)
-        pipeline_steps.join_pipeline(submodule, pipeline, stage_index, num_stages, self.owner)
+        self._attach(submodule, stage_index, num_stages, group)
 
-    # ------------------------------------------------------------------ the step
-    def _prepare_forward_infra(self, num_microbatches: int, *args: Any, **kwargs: Any) -> Any:
-        pipeline_steps.agree_microbatches(self.pipeline_group, self.device, num_microbatches)
-        # torch infers the shapes from a real forward and input-gradient pass on the first
-        # step: part of that step, so its backward reduces nothing
-        pipeline_steps.begin_step(self.submod, self.owner)
-        return super()._prepare_forward_infra(num_microbatches, *args, **kwargs)
 
-    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        pipeline_steps.schedule_runs(self.pipeline_group)
-        pipeline_steps.begin_step(self.submod, self.owner)
-        pipeline_steps.note(self.submod, f"F{fwd_chunk_id}")
-        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+class _TracedStage(_ShardedStage, TorchTracedStage):
+    """torch's stage of a traced pipeline (``build_stage``), for a sharded stage module."""
 
-    def backward_maybe_with_nosync(
-        self, backward_type: str, bwd_kwargs: dict[str, Any], last_backward: bool = False
-    ) -> tuple[tuple[torch.Tensor | None, ...], Any]:
-        model = self.submod
-        if backward_type == "full":
-            pipeline_steps.note(model, "B")
-            if last_backward:
-                with pipeline_steps.last_backward(model):
-                    return super().backward_maybe_with_nosync("full", bwd_kwargs, last_backward)
-            return super().backward_maybe_with_nosync("full", bwd_kwargs, last_backward)
-        if backward_type == "input":
-            pipeline_steps.note(model, "I")
-            outputs = bwd_kwargs["stage_output"]
-            outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
-            grads = bwd_kwargs["output_grads"]
-            return input_pass(
-                outputs,
-                None if grads is None else tuple(grads),
-                bwd_kwargs["input_values"],
-                pipeline_steps.weight_leaves(model),
-            )
-        if backward_type == "weight":
-            pipeline_steps.note(model, "W")
-            plan = bwd_kwargs["param_groups"]
-            assert isinstance(plan, WeightPass)
-            leaves = pipeline_steps.weight_leaves(model)
-            with pipeline_steps.weights_gathered(model):
-                grads = weight_pass(plan, leaves)
-            pipeline_steps.add_weight_grads(model, grads)
-            return (), None
-        raise ValueError(f"flatshard PipelineStage: unknown backward type {backward_type!r}")
 
-    def scale_grads(self, grad_scale_factor: int) -> None:
-        """The step's end (torch calls it after the last backward): reduce, then divide
-        by the micro-batch count, as torch's ``scale_grads``."""
-        pipeline_steps.end_step(self.submod)
-        if grad_scale_factor != 1 and pipeline_steps.keeps_gradients(self.submod):
-            raise RuntimeError(
-                f"{self.owner}: the step's gradients stay unreduced (no_sync around "
-                "schedule.step()), and the schedule divides each step's gradients by its "
-                "micro-batch count once reduced, which would mix steps divided and not. "
-                "Build the schedule with scale_grads=False and divide the loss by the "
-                "total micro-batch count in loss_fn, or accumulate with more micro-batches "
-                "per step."
-            )
-        super().scale_grads(grad_scale_factor)
-
-    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
-        self.scale_grads(grad_scale_factor)
+def build_stage(
+    stage_module: nn.Module,
+    stage_index: int,
+    pipe_info: Any,
+    device: torch.device,
+    group: dist.ProcessGroup | None = None,
+) -> TorchTracedStage:
+    """torch's ``build_stage`` for a stage module of ``pipeline(model, ...)`` that
+    ``flatshard.fully_shard`` sharded (the traced stage's submodules are torch's
+    ``InterpreterModule``s: pick units by name or size, ``SizePolicy``)."""
+    _require_sharded(stage_module, stage_index)
+    stage = _TracedStage(stage_module, stage_index, pipe_info, device, group)
+    stage._attach(stage_module, stage_index, pipe_info.num_stages, group)
+    return stage
