@@ -733,3 +733,54 @@ def traced_job(ctx: WorkerContext, schedule: str) -> dict[str, Any] | None:
 def test_stages_of_torchs_tracer_match(pool: WorkerPool, schedule: str) -> None:
     for result in pool.run(traced_job, schedule):
         assert result["worst"] < TOLERANCE, result
+
+
+def fsdp2_job(ctx: WorkerContext, schedule: str) -> dict[str, float] | None:
+    """The same PP2 x DP2 run with PyTorch's ``fully_shard`` (FSDP2) stages and torch's
+    ``PipelineStage``: the peer's result against the same reference."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage as TorchStage
+
+    dps, pps = _groups(2, 2)
+    pp_rank, dp_rank = divmod(ctx.rank, 2)
+    torch.manual_seed(0)
+    reference = nn.Sequential(*[Block() for _ in range(2)])
+    module = nn.Sequential(copy.deepcopy(reference[pp_rank]))
+    mesh = DeviceMesh.from_group(dps[pp_rank], "cpu")
+    fully_shard(module[0], mesh=mesh)
+    fully_shard(module, mesh=mesh)
+    stage = TorchStage(module, pp_rank, 2, torch.device("cpu"), group=pps[dp_rank])
+    runner = SCHEDULES[schedule]([stage] if schedule in MULTI else stage, MICRO, loss_fn=mse)
+    optim = torch.optim.SGD(module.parameters(), lr=LR)
+    ref_optim = torch.optim.SGD(reference.parameters(), lr=LR)
+    for step in range(STEPS):
+        gen = torch.Generator().manual_seed(step)
+        xs = torch.randn(2, BATCH, DIM, generator=gen)
+        ys = torch.randn(2, BATCH, DIM, generator=gen)
+        if pp_rank == 0:
+            runner.step(xs[dp_rank])
+        else:
+            runner.step(target=ys[dp_rank])
+        optim.step()
+        optim.zero_grad()
+        for r in range(2):
+            for xm, ym in zip(xs[r].chunk(MICRO), ys[r].chunk(MICRO), strict=True):
+                (mse(reference(xm), ym) / (MICRO * 2)).backward()
+        ref_optim.step()
+        ref_optim.zero_grad()
+    worst = 0.0
+    for p, q in zip(module.parameters(), reference[pp_rank].parameters(), strict=True):
+        worst = max(worst, _relative(p.full_tensor(), q))  # type: ignore[operator]
+    return {"worst": worst}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_fsdp2_stages_agree_with_the_same_reference(pool: WorkerPool, schedule: str) -> None:
+    """PyTorch's own composition (FSDP2 stages in torch's schedules) on the run the
+    flatshard tests above make: it meets the same reference within the same tolerance,
+    so the reference is DDP's semantics as the peer computes them."""
+    ours = _check(pool.run(pipeline_job, schedule, 2, 2))
+    theirs = [r for r in pool.run(fsdp2_job, schedule) if r is not None]
+    assert max(r["worst"] for r in theirs) < TOLERANCE, theirs
+    assert max(r["worst"] for r in ours) < TOLERANCE
