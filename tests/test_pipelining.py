@@ -784,3 +784,19 @@ def test_fsdp2_stages_agree_with_the_same_reference(pool: WorkerPool, schedule: 
     theirs = [r for r in pool.run(fsdp2_job, schedule) if r is not None]
     assert max(r["worst"] for r in theirs) < TOLERANCE, theirs
     assert max(r["worst"] for r in ours) < TOLERANCE
+
+
+def test_evaluation_through_the_schedule_is_no_step(local_group: Any) -> None:
+    """``schedule.eval()`` runs forwards only: it starts no step the schedule would own
+    (the switches stay the user's), and its losses are the unsharded model's."""
+    module, runner, reference = _single_stage(local_group)
+    x, y = torch.randn(BATCH, DIM), torch.randn(BATCH, DIM)
+    losses: list[torch.Tensor] = []
+    runner.eval(x, target=y, losses=losses)
+    flatshard.set_requires_gradient_sync(module, True)  # between steps: allowed
+    with torch.no_grad():
+        want = [mse(reference(xm), ym) for xm, ym in zip(x.chunk(2), y.chunk(2), strict=True)]
+    for got, expected in zip(losses, want, strict=True):
+        torch.testing.assert_close(got, expected)
+    runner.step(x, target=y)  # and training afterwards works as before
+    assert all(p.grad is not None for p in module.parameters())

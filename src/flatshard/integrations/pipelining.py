@@ -39,6 +39,7 @@ class _ShardedStage:
 
     submod: nn.Module
     device: torch.device
+    has_backward: bool
     owner: str
     pipeline_group: dist.ProcessGroup
 
@@ -55,13 +56,15 @@ class _ShardedStage:
         pipeline_steps.agree_microbatches(self.pipeline_group, self.device, num_microbatches)
         # torch infers the shapes from a real forward and input-gradient pass on the first
         # step: part of that step, so its backward reduces nothing
-        pipeline_steps.begin_step(self.submod, self.owner)
+        if kwargs.get("has_backward", False):
+            pipeline_steps.begin_step(self.submod, self.owner)
         return super()._prepare_forward_infra(num_microbatches, *args, **kwargs)  # type: ignore[misc]
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         pipeline_steps.schedule_runs(self.pipeline_group)
-        pipeline_steps.begin_step(self.submod, self.owner)
-        pipeline_steps.note(self.submod, f"F{fwd_chunk_id}")
+        if self.has_backward:  # (schedule.eval(): forwards only, no step to run)
+            pipeline_steps.begin_step(self.submod, self.owner)
+            pipeline_steps.note(self.submod, f"F{fwd_chunk_id}")
         return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)  # type: ignore[misc]
 
     def backward_maybe_with_nosync(

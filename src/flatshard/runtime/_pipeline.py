@@ -321,11 +321,15 @@ def agree_microbatches(group: dist.ProcessGroup, device: torch.device, count: in
     if id(group) in _PREPARING:
         return
     _PREPARING.add(id(group))
-    check_same_on_all_ranks(
-        [f"n_microbatches={count}"],
-        group,
-        device,
-        what="run pipeline schedules with different micro-batch counts",
-        fix="Build the schedule with the same n_microbatches on every rank.",
-        caller="integrations.pipelining.PipelineStage",
-    )
+    try:
+        check_same_on_all_ranks(
+            [f"n_microbatches={count}"],
+            group,
+            device,
+            what="run pipeline schedules with different micro-batch counts",
+            fix="Build the schedule with the same n_microbatches on every rank.",
+            caller="integrations.pipelining.PipelineStage",
+        )
+    except ValueError:
+        _PREPARING.discard(id(group))  # the next schedule is checked again
+        raise
