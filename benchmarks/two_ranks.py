@@ -15,13 +15,18 @@ import torch.multiprocessing as mp
 
 
 def on_two_ranks(run: Callable[[int, int, str, Any], None]) -> Any:
+    return on_ranks(run, 2)
+
+
+def on_ranks(run: Callable[[int, int, str, Any], None], world: int) -> Any:
+    """``run`` on ``world`` local gloo ranks; what rank 0 put in its queue."""
     with socket.socket() as s:
         s.bind(("", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     address = f"tcp://127.0.0.1:{port}"
-    procs = [ctx.Process(target=run, args=(r, 2, address, results)) for r in range(2)]
+    procs = [ctx.Process(target=run, args=(r, world, address, results)) for r in range(world)]
     for p in procs:
         p.start()
     result = results.get()
