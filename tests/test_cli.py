@@ -603,3 +603,37 @@ def test_a_resume_lists_the_options_that_differ_and_exact_resume_refuses() -> No
         resume_changes(saved, 2, TrainConfig(batch=4, seed=1, exact_resume=True), 2)
     with pytest.raises(ConfigError, match="global batch changes from 8 to 4"):
         resume_changes(saved, 2, TrainConfig(batch=4, exact_resume=True), 1)
+
+
+def test_train_in_pipeline_stages_resumes_exactly(tmp_path: Path) -> None:
+    """--pp 2: the GPT in two stages; zero-bubble gives 1F1B's losses (the same
+    mathematics, backward split), and a checkpoint of the stages resumes exactly."""
+    common = [*TINY, "--steps", "4", "--pp", "2", "--grad-accum", "2", "--sample-bytes", "0"]
+    split, plain, resumed = tmp_path / "zb", tmp_path / "1f1b", tmp_path / "resumed"
+    zero_bubble = [*common, "--pp-schedule", "zero-bubble"]
+    out = _train(*zero_bubble, "--ckpt-every", "2", "--out-dir", str(split))
+    assert "pipeline: 2 stages (zero-bubble, 2 micro-batches a step)" in out, out
+    assert "head untied" in out, out
+    _train(*common, "--pp-schedule", "1f1b", "--out-dir", str(plain))
+    losses = _losses(split)
+    assert losses == pytest.approx(_losses(plain), rel=1e-5)
+    assert losses[4] < losses[1]
+    ckpt = split / "checkpoints" / "step_000002"
+    _train(*zero_bubble, "--resume", str(ckpt), "--out-dir", str(resumed))
+    for step, loss in _losses(resumed).items():
+        assert loss == pytest.approx(losses[step], rel=1e-5), step
+
+
+def test_train_refuses_what_pipeline_stages_do_not_take(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for argv, message in [
+        (["--pp", "2", "--layers", "3"], "--pp (2) must divide --layers (3)"),
+        (["--pp", "2", "--grad-accum", "1"], "--grad-accum (1) micro-batches for --pp 2"),
+        (["--pp", "2", "--grad-accum", "2", "--compile"], "--compile does not combine with --pp"),
+        (["--pp", "2", "--model", "hf:gpt2"], "--pp only applies to --model gpt"),
+        (["--pp-schedule", "dualpipe"], "--pp-schedule must be one of gpipe, 1f1b, zero-bubble"),
+        (["--pp", "3", "--layers", "3", "--grad-accum", "3"], "--pp (3) must divide the number"),
+    ]:
+        assert main(["train", *argv]) == 2
+        assert message in capsys.readouterr().err, argv

@@ -75,6 +75,8 @@ class GPT(nn.Module):
         super().__init__()
         self.seq_len = seq_len
         self.vocab = vocab
+        # A pipeline stage holds some of these only (the others None, blocks nn.Identity):
+        # the names stay those of the whole model, as torchtitan cuts its models.
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(seq_len, dim)
         self.blocks = nn.ModuleList(GPTBlock(dim, heads, seq_len, experts) for _ in range(layers))
@@ -85,9 +87,16 @@ class GPT(nn.Module):
         self.checkpoint_blocks = False  # recompute each block (hooks included) in backward
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        t = idx.shape[1]
-        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))  # (B, T, C)
+        """(B, T) ids -> (B, T, vocab) logits; a later pipeline stage takes and an earlier
+        one returns (B, T, C) hidden states."""
+        x = idx
+        parts = self._modules  # a stage's missing parts are None there
+        if parts["tok"] is not None:
+            positions = torch.arange(idx.shape[1], device=idx.device)
+            x = self.tok(idx) + self.pos(positions)  # (B, T, C)
         for block in self.blocks:
             x = checkpoint(block, x, use_reentrant=False) if self.checkpoint_blocks else block(x)
+        if parts["head"] is None:
+            return x
         out: torch.Tensor = self.head(self.ln_f(x))  # (B, T, vocab)
         return out

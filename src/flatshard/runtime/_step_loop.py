@@ -24,7 +24,7 @@ from flatshard.runtime._step import agree, contexts_under
 from flatshard.runtime._switches import switch, sync_off
 from flatshard.runtime._unit import unit_of
 
-ACCUMULATIONS = ("no_sync", "reduce")
+ACCUMULATIONS = ("no_sync", "reduce", "schedule")
 
 
 def _hybrid(model: nn.Module) -> bool:
@@ -64,7 +64,11 @@ def train_step(
     divides it by ``micro_batches`` (the gradient of the mean over the step's batch) and
     runs its backward. ``accumulation`` says how micro-batches but the last are reduced:
     "no_sync" (not at all: unsharded gradients kept, one reduction per step) or "reduce"
-    (each one: sharded gradients; hybrid strategies sum across the replicas once). With
+    (each one: sharded gradients; hybrid strategies sum across the replicas once), or
+    "schedule": ``micro_loss(0)`` runs a pipeline schedule's step, which runs its
+    micro-batches' forward and backward passes and their reductions itself
+    (``flatshard.integrations.pipelining``), and returns the step's loss; ``micro_batches``
+    is then 1 and the loop only clips and steps. With
     ``clip`` the gradients are clipped to that global norm (``flatshard.clip_grad_norm_``);
     with a ``scaler`` the loss is scaled, the gradients unscaled before clipping and the
     steps skipped on overflow. Returns the gradients' total norm before clipping (None
@@ -72,8 +76,14 @@ def train_step(
     """
     if accumulation not in ACCUMULATIONS:
         raise ValueError(
-            f"flatshard.train_step: accumulation must be 'no_sync' or 'reduce', got "
-            f"{accumulation!r}"
+            f"flatshard.train_step: accumulation must be 'no_sync', 'reduce' or 'schedule', "
+            f"got {accumulation!r}"
+        )
+    if accumulation == "schedule" and (micro_batches != 1 or scaler is not None):
+        raise ValueError(
+            "flatshard.train_step: accumulation='schedule' runs micro_loss(0) once (a "
+            "pipeline schedule's step, its micro-batches inside) and takes no grad scaler; "
+            f"got micro_batches={micro_batches}, scaler={scaler is not None}"
         )
     if micro_batches < 1:
         raise ValueError(f"flatshard.train_step: micro_batches must be >= 1, got {micro_batches}")
@@ -88,6 +98,9 @@ def train_step(
         f"{micro_batches}, accumulation={accumulation}, clip={clip}, scaler={scaler is not None}"
     )
     agree(model, f"train_step({options})")  # once: the switches below follow from it
+    if accumulation == "schedule":
+        watch.backward_done(micro_loss(0).detach())  # the schedule ran the backward passes
+        micro_batches = 0
     for micro in range(micro_batches):
         last = micro == micro_batches - 1
         quiet = accumulation == "no_sync" and not last

@@ -34,6 +34,7 @@ GATHER_DTYPES = {
     "fp16": torch.float16,
 }
 SCHEDULES = ("cosine", "linear", "constant")
+PP_SCHEDULES = ("gpipe", "1f1b", "zero-bubble")
 UNITS = ("blocks", "sublayers")
 LOG_SINKS = ("tensorboard",)  # where --log-to writes besides metrics.jsonl
 
@@ -138,6 +139,15 @@ class TrainConfig:
     """expert parallelism: groups of --ep ranks split the experts, each rank holding
     experts / ep of them (fully_shard(placement=flatshard.Experts(ep)) for the stacked
     expert weights) and the tokens moving to them by all-to-all; 1: data parallel"""
+    pp: int = 1
+    """pipeline stages (--model gpt): the blocks cut into --pp stages, the embeddings on
+    the first, the final norm and the head (untied from the embedding: torch's pipelining
+    cannot share a parameter between stages) on the last, each stage sharded over the
+    ranks / pp ranks that hold it and run by --pp-schedule over --grad-accum micro-batches
+    (flatshard.integrations.pipelining.PipelineStage)"""
+    pp_schedule: str = "1f1b"
+    """gpipe | 1f1b | zero-bubble: torch.distributed.pipelining's schedule for --pp
+    (zero-bubble: backward split into input and weight passes)"""
     row_sparse_tables: bool = False
     """row-sparse embedding tables (fully_shard(..., placement=flatshard.RowSparse())): each lookup
     fetches only its tokens' rows and sends back only their gradients, where that moves
@@ -261,6 +271,40 @@ class TrainConfig:
         if self.experts and (self.predict or self.fit_memory):
             name = "predict" if self.predict else "fit_memory"
             fail(name, "cannot plan --experts (a simulated router has no choices to route by)")
+        self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        """--pp: what a pipelined GPT run takes (the rest is refused by name)."""
+        _one_of(self, "pp_schedule", PP_SCHEDULES)
+        if self.pp < 1:
+            fail("pp", f"must be >= 1, got {self.pp}")
+        if self.pp == 1:
+            return
+        if self.model != "gpt":
+            fail("pp", "only applies to --model gpt (stages cut by its blocks)")
+        if self.layers % self.pp:
+            fail("pp", f"({self.pp}) must divide --layers ({self.layers}): whole blocks a stage")
+        if self.grad_accum < self.pp:
+            fail(
+                "grad_accum",
+                f"({self.grad_accum}) micro-batches for --pp {self.pp}: give at least {self.pp}",
+            )
+        refused = {
+            "experts": self.experts,
+            "predict": self.predict,
+            "fit_memory": self.fit_memory,
+            "compile": self.compile,
+            "sharding_factor": self.sharding_factor,
+            "keep_gathered": self.keep_gathered,
+        }
+        for name, value in refused.items():
+            if value:
+                fail(name, "does not combine with --pp yet")
+        if self.mixed_precision == "fp16":
+            fail(
+                "mixed_precision",
+                "fp16 (a gradient scaler) does not combine with --pp yet: use bf16",
+            )
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -279,6 +323,8 @@ class TrainConfig:
             fail("sharding_factor", f"({factor}) must divide the number of ranks ({world})")
         if world % self.ep:
             fail("ep", f"({self.ep}) must divide the number of ranks ({world})")
+        if world % self.pp:
+            fail("pp", f"({self.pp}) must divide the number of ranks ({world})")
 
     def lr_at(self, step: int) -> float:
         """Learning rate of optimizer step ``step`` (1-based)."""

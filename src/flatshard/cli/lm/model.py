@@ -70,8 +70,15 @@ def freeze(model: nn.Module, patterns: str) -> None:
 
 def _gpt(config: TrainConfig) -> LanguageModel:
     """flatshard's GPT with GPT-2's initialization (small weights, zero biases)."""
+    tied = config.pp == 1  # torch's pipelining cannot share a parameter between stages
     model = GPT(
-        VOCAB, config.dim, config.heads, config.layers, config.seq_len, experts=config.experts
+        VOCAB,
+        config.dim,
+        config.heads,
+        config.layers,
+        config.seq_len,
+        tied=tied,
+        experts=config.experts,
     )
     for module in model.modules():
         if isinstance(module, nn.Linear | nn.Embedding):
@@ -80,7 +87,10 @@ def _gpt(config: TrainConfig) -> LanguageModel:
             nn.init.zeros_(module.bias)
     model.checkpoint_blocks = config.checkpoint_activations
     mlp = f", MLPs of {config.experts} experts" if config.experts else ""
-    description = f"GPT ({config.layers} blocks, width {config.dim}, {config.heads} heads{mlp})"
+    head = "" if tied else ", head untied"
+    description = (
+        f"GPT ({config.layers} blocks, width {config.dim}, {config.heads} heads{mlp}{head})"
+    )
     return LanguageModel(model, {GPTBlock}, description, _call_model)
 
 
@@ -152,10 +162,15 @@ def checkpoint_hf_blocks(model: Any) -> bool:
     return True
 
 
-def shard_language_model(lm: LanguageModel, config: TrainConfig, device: torch.device) -> nn.Module:
-    """``fully_shard`` with the run's options; --init pretrained: then the sharded load."""
+def shard_language_model(
+    lm: LanguageModel, config: TrainConfig, device: torch.device, process_group: Any = None
+) -> nn.Module:
+    """``fully_shard`` with the run's options (over ``process_group``: the world, or a
+    pipeline stage's ranks); --init pretrained: then the sharded load."""
     low = PRECISIONS[config.mixed_precision]
     options: dict[str, Any] = {"strategy": config.sharding_strategy}
+    if process_group is not None:
+        options["process_group"] = process_group
     if config.sharding_factor:
         options["sharding_factor"] = config.sharding_factor
     gather = GATHER_DTYPES[config.gather_dtype]

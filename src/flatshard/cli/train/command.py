@@ -17,7 +17,7 @@ import tempfile
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -185,6 +185,7 @@ class Trainer:
         self.scaler = flatshard.ShardedGradScaler(device.type, enabled=low is torch.float16)
         self.step = 0
         self.pending: flatshard.CheckpointSave | None = None  # --ckpt-async's last save
+        self.replicas = self.world  # data-parallel copies of the model (--pp: fewer)
 
     def loss(self, idx: torch.Tensor) -> torch.Tensor:
         logits = self.lm.logits(self.model, idx[:, :-1].to(self.device))
@@ -272,6 +273,129 @@ class Trainer:
         return resume_changes(extra["config"], world, self.config, self.world)
 
 
+class PipelineTrainer(Trainer):
+    """--pp: this rank's stage of the GPT, sharded over the ranks that hold the same stage,
+    run by torch.distributed.pipelining's --pp-schedule over --grad-accum micro-batches.
+    The ranks form a ("pp", "dp") mesh (pipeline-major, as torchtitan lays it out)."""
+
+    def __init__(
+        self, config: TrainConfig, device: torch.device, prediction: Prediction | None = None
+    ) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.pipelining import (
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleavedZeroBubble,
+        )
+
+        from flatshard.integrations.pipelining import PipelineStage
+
+        self.config = config
+        self.device = device
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.replicas = self.world // config.pp  # data-parallel ranks per stage
+        self.corpus = load_corpus(config.data, config.seq_len)
+        self.measurement = None
+        self.lm = build_language_model(config)
+        self.params = sum(p.numel() for p in self.lm.module.parameters())
+        mesh = init_device_mesh(
+            device.type, (config.pp, self.replicas), mesh_dim_names=("pp", "dp")
+        )
+        self.stage_index = mesh.get_local_rank("pp")
+        self.replica = mesh.get_local_rank("dp")
+        self.pipeline = mesh["pp"].get_group()
+        _cut_to_stage(self.lm.module, self.stage_index, config.pp)
+        self.first, self.last = self.stage_index == 0, self.stage_index == config.pp - 1
+        self.model = shard_language_model(self.lm, config, device, mesh["dp"])
+        self.optims = build_optimizers(
+            self.model, self.lm.unit_classes, config.optimizer, config.lr, config.weight_decay
+        )
+        self.scaler = flatshard.ShardedGradScaler(device.type, enabled=False)
+        self.step = 0
+        self.pending = None
+        stage = PipelineStage(self.model, self.stage_index, config.pp, device, group=self.pipeline)
+        kinds = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+        if config.pp_schedule == "zero-bubble":
+            schedule: Any = ScheduleInterleavedZeroBubble(
+                [stage], config.grad_accum, loss_fn=_next_byte_loss
+            )
+        else:
+            schedule = kinds[config.pp_schedule](stage, config.grad_accum, loss_fn=_next_byte_loss)
+        self.schedule = schedule
+
+    def _run(self, rows: torch.Tensor, train: bool) -> float:
+        """The schedule over this replica's rows; the mean of its micro-batches' losses,
+        sent from the last stage to every stage of the pipeline."""
+        idx, target = rows[:, :-1].to(self.device), rows[:, 1:].to(self.device)
+        losses: list[torch.Tensor] = []
+        run = self.schedule.step if train else self.schedule.eval
+        if self.first:
+            run(idx, target=target if self.last else None, losses=losses)
+        else:
+            run(target=target if self.last else None, losses=losses)
+        mean = torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
+        mean = mean.detach().to(torch.float64)
+        dist.broadcast(mean, group_src=self.config.pp - 1, group=self.pipeline)
+        return float(mean)
+
+    def _rows(self, source: torch.Tensor, seed: int, step: int, per_replica: int) -> torch.Tensor:
+        batch = batch_for_step(source, self.config.seq_len, per_replica * self.replicas, seed, step)
+        return batch[self.replica * per_replica : (self.replica + 1) * per_replica]
+
+    def train_step(self) -> float:
+        """One optimizer step: the schedule over --grad-accum micro-batches of --batch
+        sequences on each data-parallel replica; this replica's mean loss."""
+        config, step = self.config, self.step + 1
+        for optim in self.optims:
+            for group in optim.param_groups:
+                group["lr"] = config.lr_at(step)
+        rows = self._rows(self.corpus.train, config.seed, step, config.batch * config.grad_accum)
+        losses = _Losses()
+        flatshard.train_step(  # the schedule runs the micro-batches; the norm: every stage's
+            self.model,
+            self.optims,
+            lambda _: torch.tensor(self._run(rows, train=True)),
+            accumulation="schedule",
+            clip=config.clip if config.clip > 0 else None,
+            observer=losses,
+        )
+        self.step = step
+        return losses.total
+
+    @torch.no_grad()
+    def val_loss(self, batches: int = 4) -> float:
+        """Mean loss on held-out windows (the same on every rank)."""
+        rows = self.config.batch * self.config.grad_accum
+        losses = []
+        for i in range(batches):
+            window = batch_for_step(self.corpus.val, self.config.seq_len, rows, 12345, i)
+            losses.append(self._run(window, train=False))
+        return sum(losses) / len(losses)
+
+    def sample(self, length: int) -> str:
+        """None under --pp: generating token by token through the stages is not built."""
+        return ""
+
+
+def _next_byte_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+
+
+def _cut_to_stage(model: nn.Module, stage: int, stages: int) -> None:
+    """Keep stage ``stage``'s part of the GPT, as torchtitan cuts its models: its blocks
+    (the others become nn.Identity, so the names stay the whole model's), the embeddings on
+    the first stage, the final norm and the head on the last (None elsewhere)."""
+    blocks = cast(nn.ModuleList, model.blocks)
+    per = len(blocks) // stages
+    for index in range(len(blocks)):
+        if not stage * per <= index < (stage + 1) * per:
+            blocks[index] = nn.Identity()
+    if stage > 0:
+        model.tok = model.pos = None  # type: ignore[assignment]
+    if stage < stages - 1:
+        model.ln_f = model.head = None  # type: ignore[assignment]
+
+
 def _compiled(model: nn.Module, lm: LanguageModel, config: TrainConfig) -> nn.Module:
     """--compile: each block compiled; the model's other parts and the hooks stay eager."""
     if config.compile:
@@ -301,7 +425,7 @@ def _train(config: TrainConfig, store: str | None, prediction: Prediction | None
         backend = backend_for(config.device)
         if backend == "gloo":
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        trainer = Trainer(config, device, prediction)
+        trainer = (PipelineTrainer if config.pp > 1 else Trainer)(config, device, prediction)
         try:
             _loop(trainer, backend)
         finally:  # a save being written needs the process groups: it ends first
@@ -361,7 +485,7 @@ def _loop(trainer: Trainer, backend: str) -> None:
         # Logged before the save: a crash during the save keeps the step's line, and a
         # resume from an older checkpoint drops it (MetricsLog) and logs it again.
         if log is not None and bar is not None:
-            tokens = config.batch * config.grad_accum * config.seq_len * trainer.world
+            tokens = config.batch * config.grad_accum * config.seq_len * trainer.replicas
             metrics = StepMetrics(
                 step=trainer.step,
                 loss=sum(float(f[0]) for f in everyone) / trainer.world,
@@ -437,7 +561,14 @@ def _print_start(trainer: Trainer, backend: str) -> None:
         f"data: {trainer.corpus.name}, {len(trainer.corpus.train):,} training bytes; "
         f"unigram entropy {trainer.corpus.unigram_entropy:.3f} nats/byte (uniform 5.545)"
     )
-    if config.grad_accum > 1:
+    if config.pp > 1:
+        print(
+            f"pipeline: {config.pp} stages ({config.pp_schedule}, {config.grad_accum} "
+            f"micro-batches a step), each sharded over {trainer.replicas} rank"
+            f"{'s' if trainer.replicas > 1 else ''}; "
+            "below: rank 0's stage (the first); no text sample at the end"
+        )
+    elif config.grad_accum > 1:
         print(_accumulation_line(config))
     print(flatshard.sharding_summary(trainer.model))
     if config.mixed_precision != "none" or config.gather_dtype != "none":

@@ -27,7 +27,7 @@ _CONTROL = {
 }  # fmt: skip
 _LAYOUT = {
     "strategy", "sharding_factor", "units", "keep_gathered", "checkpoint_activations",
-    "cpu_offload", "compile", "row_sparse_tables", "accum_no_sync", "ep",
+    "cpu_offload", "compile", "row_sparse_tables", "accum_no_sync", "ep", "pp_schedule",
 }  # fmt: skip
 # trajectory options -> what a change does, in words
 _EFFECTS = {
@@ -44,6 +44,8 @@ _EFFECTS = {
     "optimizer": "the updates differ",
     "mixed_precision": "the numerics differ",
     "gather_dtype": "the numerics differ",
+    "pp": "the stages differ (and from --pp 1 to more the head is no longer tied: the "
+    "model differs)",
 }
 
 
