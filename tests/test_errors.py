@@ -365,7 +365,9 @@ def test_the_new_switches_refuse_what_they_cannot_do(local_group: dist.ProcessGr
     with pytest.raises(ValueError, match=r"no unit of Linear is sharded across more than one"):
         flatshard.set_reshard_after_forward(model, 2)
     loss = lambda i: model(torch.ones(1, 4)).sum()  # noqa: E731
-    with pytest.raises(ValueError, match=r"accumulation must be 'no_sync' or 'reduce'"):
+    with pytest.raises(ValueError, match=r"'no_sync', 'reduce' or 'schedule', got 'keep'"):
         flatshard.train_step(model, [optim], loss, 2, accumulation="keep")
+    with pytest.raises(ValueError, match=r"accumulation='schedule' runs micro_loss\(0\) once"):
+        flatshard.train_step(model, [optim], loss, 2, accumulation="schedule")
     with pytest.raises(ValueError, match=r"micro_batches must be >= 1, got 0"):
         flatshard.train_step(model, [optim], loss, 0)

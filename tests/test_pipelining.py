@@ -117,6 +117,41 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).detach().norm() / b.detach().norm().clamp_min(1e-12))
 
 
+def _moved(trained: nn.Module, initial: nn.Module) -> float:
+    """How far training moved the parameters (relative): a run that did not train fails."""
+    pairs = zip(trained.parameters(), initial.parameters(), strict=True)
+    return max(_relative(p, q) for p, q in pairs)
+
+
+def _steps_beside_reference(
+    rank: int, runner: Any, optim: Any, reference: nn.Module, clip: nn.Module | None = None
+) -> None:
+    """STEPS steps of a PP2 x DP2 run (pp-major ranks) and of the unsharded ``reference``
+    on the same data, DDP's semantics (each DP rank's micro-batches, averaged); ``clip``:
+    clip both to 0.5 (flatshard's on that stage module, torch's on the reference)."""
+    pp_rank, dp_rank = divmod(rank, 2)
+    ref_optim = torch.optim.SGD(reference.parameters(), lr=LR)
+    for step in range(STEPS):
+        gen = torch.Generator().manual_seed(step)
+        xs = torch.randn(2, BATCH, DIM, generator=gen)
+        ys = torch.randn(2, BATCH, DIM, generator=gen)
+        if pp_rank == 0:
+            runner.step(xs[dp_rank])
+        else:
+            runner.step(target=ys[dp_rank])
+        if clip is not None:
+            flatshard.clip_grad_norm_(clip, 0.5)
+        optim.step()
+        optim.zero_grad()
+        for r in range(2):
+            for xm, ym in zip(xs[r].chunk(MICRO), ys[r].chunk(MICRO), strict=True):
+                (mse(reference(xm), ym) / (MICRO * 2)).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        ref_optim.step()
+        ref_optim.zero_grad()
+
+
 def pipeline_job(
     ctx: WorkerContext,
     schedule: str,
@@ -189,9 +224,7 @@ def pipeline_job(
         if clip:
             norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)))
         ref_optim.step()
-    moved = max(
-        _relative(p, q) for p, q in zip(reference.parameters(), initial.parameters(), strict=True)
-    )
+    moved = _moved(reference, initial)
     worst = 0.0
     for index, module in zip(ids, modules, strict=True):
         with flatshard.summon_full_params(module):
@@ -459,9 +492,7 @@ def tensor_parallel_job(ctx: WorkerContext, schedule: str) -> dict[str, Any] | N
             (mse(reference(xm), ym) / MICRO).backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)))
         ref_optim.step()
-    moved = max(
-        _relative(p, q) for p, q in zip(reference.parameters(), initial.parameters(), strict=True)
-    )
+    moved = _moved(reference, initial)
     worst = 0.0
     for index, module in zip(ids, modules, strict=True):
         full = flatshard.full_state_dict(module, rank0_only=False)
@@ -644,24 +675,8 @@ def experts_job(ctx: WorkerContext, schedule: str) -> dict[str, Any]:
     stage = PipelineStage(module, pp_rank, 2, torch.device("cpu"), group=pps[dp_rank])
     runner = SCHEDULES[schedule](stage if schedule not in MULTI else [stage], MICRO, loss_fn=mse)
     optim = torch.optim.SGD(module.parameters(), lr=LR)
-    ref_optim = torch.optim.SGD(reference.parameters(), lr=LR)
-    for step in range(STEPS):
-        gen = torch.Generator().manual_seed(step)
-        xs = torch.randn(2, BATCH, DIM, generator=gen)
-        ys = torch.randn(2, BATCH, DIM, generator=gen)
-        if pp_rank == 0:
-            runner.step(xs[dp_rank])
-        else:
-            runner.step(target=ys[dp_rank])
-        flatshard.clip_grad_norm_(module, 0.5)
-        optim.step()
-        optim.zero_grad()
-        for r in range(2):  # DDP's semantics: routing per rank's micro-batch
-            for xm, ym in zip(xs[r].chunk(MICRO), ys[r].chunk(MICRO), strict=True):
-                (mse(reference(xm), ym) / (MICRO * 2)).backward()
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
-        ref_optim.step()
-        ref_optim.zero_grad()
+    # DDP's semantics: routing per rank's micro-batch
+    _steps_beside_reference(ctx.rank, runner, optim, reference, clip=module)
     full = flatshard.full_state_dict(module, rank0_only=False)
     want = reference[pp_rank].state_dict()
     return {"worst": max(_relative(full[f"0.{n}"], q) for n, q in want.items())}
@@ -707,22 +722,7 @@ def traced_job(ctx: WorkerContext, schedule: str) -> dict[str, Any] | None:
     stage = build_stage(module, pp_rank, pipe.info(), torch.device("cpu"), group=pps[dp_rank])
     runner = SCHEDULES[schedule](stage if schedule not in MULTI else [stage], MICRO, loss_fn=mse)
     optim = torch.optim.SGD(module.parameters(), lr=LR)
-    ref_optim = torch.optim.SGD(reference.parameters(), lr=LR)
-    for step in range(STEPS):
-        gen = torch.Generator().manual_seed(step)
-        xs = torch.randn(2, BATCH, DIM, generator=gen)
-        ys = torch.randn(2, BATCH, DIM, generator=gen)
-        if pp_rank == 0:
-            runner.step(xs[dp_rank])
-        else:
-            runner.step(target=ys[dp_rank])
-        optim.step()
-        optim.zero_grad()
-        for r in range(2):
-            for xm, ym in zip(xs[r].chunk(MICRO), ys[r].chunk(MICRO), strict=True):
-                (mse(reference(xm), ym) / (MICRO * 2)).backward()
-        ref_optim.step()
-        ref_optim.zero_grad()
+    _steps_beside_reference(ctx.rank, runner, optim, reference)
     full = flatshard.full_state_dict(module, rank0_only=False)
     want = reference.state_dict()
     assert full and set(full) <= set(want), sorted(full)  # the original names
@@ -753,22 +753,7 @@ def fsdp2_job(ctx: WorkerContext, schedule: str) -> dict[str, float] | None:
     stage = TorchStage(module, pp_rank, 2, torch.device("cpu"), group=pps[dp_rank])
     runner = SCHEDULES[schedule]([stage] if schedule in MULTI else stage, MICRO, loss_fn=mse)
     optim = torch.optim.SGD(module.parameters(), lr=LR)
-    ref_optim = torch.optim.SGD(reference.parameters(), lr=LR)
-    for step in range(STEPS):
-        gen = torch.Generator().manual_seed(step)
-        xs = torch.randn(2, BATCH, DIM, generator=gen)
-        ys = torch.randn(2, BATCH, DIM, generator=gen)
-        if pp_rank == 0:
-            runner.step(xs[dp_rank])
-        else:
-            runner.step(target=ys[dp_rank])
-        optim.step()
-        optim.zero_grad()
-        for r in range(2):
-            for xm, ym in zip(xs[r].chunk(MICRO), ys[r].chunk(MICRO), strict=True):
-                (mse(reference(xm), ym) / (MICRO * 2)).backward()
-        ref_optim.step()
-        ref_optim.zero_grad()
+    _steps_beside_reference(ctx.rank, runner, optim, reference)
     worst = 0.0
     for p, q in zip(module.parameters(), reference[pp_rank].parameters(), strict=True):
         worst = max(worst, _relative(p.full_tensor(), q))  # type: ignore[operator]
