@@ -785,3 +785,31 @@ def test_evaluation_through_the_schedule_is_no_step(local_group: Any) -> None:
         torch.testing.assert_close(got, expected)
     runner.step(x, target=y)  # and training afterwards works as before
     assert all(p.grad is not None for p in module.parameters())
+
+
+def partial_clip_job(ctx: WorkerContext) -> str | None:
+    """Interleaved, two stages a rank: clipping one stage module at a time is refused."""
+    dps, pps = _groups(2, 1)
+    if ctx.rank >= 2:
+        return None
+    modules, stages = [], []
+    for index in _stage_ids("interleaved", 2, ctx.rank):
+        module = flatshard.fully_shard(
+            nn.Sequential(Block()), auto_wrap_policy={Block}, process_group=dps[ctx.rank]
+        )
+        modules.append(module)
+        stages.append(PipelineStage(module, index, 4, torch.device("cpu"), group=pps[0]))
+    runner = ScheduleInterleaved1F1B(stages, MICRO, loss_fn=mse)
+    x, y = torch.randn(BATCH, DIM), torch.randn(BATCH, DIM)
+    runner.step(*((x,) if ctx.rank == 0 else ()), target=y if ctx.rank == 1 else None)
+    try:
+        flatshard.clip_grad_norm_(modules[0], 0.5)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_norm_over_some_of_a_ranks_stages_is_refused(pool: WorkerPool) -> None:
+    for message in pool.run(partial_clip_job)[:2]:
+        assert "left out stages [2, 3]" in message, message
+        assert "nn.ModuleList(stage_modules)" in message

@@ -93,10 +93,12 @@ def pipeline_total(
     if not bool((covered == 1).all()):
         missing = [i for i, n in enumerate(covered.tolist()) if n == 0]
         twice = [i for i, n in enumerate(covered.tolist()) if n > 1]
+        found = [f"left out stages {missing}"] if missing else []
+        found += [f"took stages {twice} more than once"] if twice else []
         raise ValueError(
             f"flatshard.{caller}: a norm over a pipeline's stages takes every stage once in "
-            f"one call on each rank; this call left out stages {missing} and took {twice} "
-            f"more than once (rank {global_rank()}). Pass all of a rank's stage modules in "
+            f"one call on each rank; this call {' and '.join(found)} (rank "
+            f"{global_rank()}). Pass all of a rank's stage modules in "
             "one call: flatshard.clip_grad_norm_(nn.ModuleList(stage_modules), ...) or "
             "torch.nn.utils.clip_grad_norm_ over all their parameters."
         )
