@@ -813,3 +813,32 @@ def test_a_norm_over_some_of_a_ranks_stages_is_refused(pool: WorkerPool) -> None
     for message in pool.run(partial_clip_job)[:2]:
         assert "left out stages [2, 3]" in message, message
         assert "nn.ModuleList(stage_modules)" in message
+
+
+def held_unit_job(ctx: WorkerContext) -> int | None:
+    """One stage over 2 data-parallel ranks; a block held by ``flatshard.unshard`` stays
+    gathered through the schedule's step: calling it before the optimizer steps gathers
+    nothing (all-gathers counted)."""
+    dps, pps = _groups(1, 2)
+    if ctx.rank >= 2:
+        return None
+    torch.manual_seed(0)
+    module = flatshard.fully_shard(
+        nn.Sequential(Block(), Block()), auto_wrap_policy={Block}, process_group=dps[0]
+    )
+    stage = PipelineStage(module, 0, 1, torch.device("cpu"), group=pps[ctx.rank])
+    runner = ScheduleGPipe(stage, MICRO, loss_fn=mse)
+    optim = torch.optim.SGD(module.parameters(), lr=LR)
+    runner.step(torch.randn(BATCH, DIM), target=torch.randn(BATCH, DIM))
+    optim.step()  # (an optimizer steps the model: gradients alone write no shard)
+    optim.zero_grad()
+    flatshard.unshard(module[0])
+    runner.step(torch.randn(BATCH, DIM), target=torch.randn(BATCH, DIM))
+    with CollectiveTracker() as tracker, torch.no_grad():
+        module[0](torch.randn(2, DIM))
+    flatshard.reshard(module[0])
+    return sum(kind == ALL_GATHER and size > 64 for kind, size in tracker.ops)
+
+
+def test_a_unit_held_by_unshard_stays_gathered_through_a_step(pool: WorkerPool) -> None:
+    assert pool.run(held_unit_job)[:2] == [0, 0]

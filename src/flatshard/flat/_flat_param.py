@@ -508,6 +508,14 @@ class FlatParamGroup:
             grad = torch.zeros_like(self._unsharded_data, memory_format=torch.contiguous_format)
         return grad
 
+    def accumulate_grad(self, grad: torch.Tensor) -> None:
+        """Add a flat gradient (C * F,) computed outside autograd's accumulation (a split
+        backward's weight pass) to the one backward passes accumulate."""
+        if self.unsharded.grad is None:
+            self.unsharded.grad = grad
+        else:
+            self.unsharded.grad += grad
+
     def drop_kept_gradients(self, zeroed: Collection[int]) -> None:
         """``zero_grad`` of the originals at indices ``zeroed``: their part of the
         gradients this group keeps unreduced goes with their ``.grad`` (the sum of backward

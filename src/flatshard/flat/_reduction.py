@@ -166,6 +166,11 @@ class GradientReduction:
         self.done_in_backward = True
         self.owes = Owed.REDUCTION
 
+    def pass_ended(self) -> None:
+        """The backward pass is over (or a pipeline step's weight pass, or its
+        reduction): the next one deals with the group afresh."""
+        self.done_in_backward = False
+
     def finish(self) -> None:
         """Wait for the reduction and add the result to the originals' ``.grad``."""
         self._finish_dense()

@@ -43,6 +43,7 @@ from torch import nn
 from flatshard.comm._agreement import check_same_on_all_ranks
 from flatshard.comm._collectives import all_gather_into
 from flatshard.comm._ranks import global_rank
+from flatshard.flat._flat_param import FlatParamGroup
 from flatshard.flat._reduction import Owed
 from flatshard.runtime._step import (
     PipelineSeat,
@@ -51,6 +52,7 @@ from flatshard.runtime._step import (
     agree,
     contexts_under,
 )
+from flatshard.runtime._unit import Hold
 
 
 def join_pipeline(
@@ -188,8 +190,8 @@ def end_step(model: nn.Module) -> None:
         context.switches = schedule.user
         context.schedule = None
         if context.reshard_after_backward:
-            for unit in context.units:
-                if unit.reshard():
+            for unit in context.units:  # (a unit flatshard.unshard holds stays gathered)
+                if unit.hold is Hold.NONE and unit.reshard():
                     context.rate_limiter.resharded()
 
 
@@ -213,7 +215,7 @@ def _reduce_kept(context: StepContext) -> None:
                 reduced.append(flat)
     for flat in reduced:
         flat.reduction.finish()
-        flat.reduction.done_in_backward = False
+        flat.reduction.pass_ended()
     context.in_flight = None
     if reduced:
         if not context.stepped_by_optimizer:
@@ -240,12 +242,7 @@ def refuse_inside_schedule(contexts: list[StepContext], caller: str) -> None:
 def weight_leaves(model: nn.Module) -> list[torch.Tensor]:
     """The autograd leaves the model's weights are views of: one flat tensor per trainable
     group, where its gradient accumulates (``FlatParamGroup.unsharded``)."""
-    return [
-        flat.unsharded
-        for context in contexts_under(model, "PipelineStage")
-        for unit in context.units
-        for flat in unit.trainable
-    ]
+    return [flat.unsharded for flat in _trainable_groups(model)]
 
 
 @contextmanager
@@ -276,22 +273,22 @@ def weights_gathered(model: nn.Module) -> Iterator[None]:
 def add_weight_grads(model: nn.Module, grads: list[torch.Tensor | None]) -> None:
     """A weight-gradient pass's results (aligned with ``weight_leaves``), kept unreduced
     like any gradient of the step until ``end_step``."""
-    flats = [
+    for flat, grad in zip(_trainable_groups(model), grads, strict=True):
+        if grad is None:
+            continue
+        flat.accumulate_grad(grad)
+        flat.reduction.keep_unreduced()
+        flat.reduction.pass_ended()
+
+
+def _trainable_groups(model: nn.Module) -> list[FlatParamGroup]:
+    """The model's trainable flat groups, in the same order on every call."""
+    return [
         flat
         for context in contexts_under(model, "PipelineStage")
         for unit in context.units
         for flat in unit.trainable
     ]
-    for flat, grad in zip(flats, grads, strict=True):
-        if grad is None:
-            continue
-        leaf = flat.unsharded
-        if leaf.grad is None:
-            leaf.grad = grad
-        else:
-            leaf.grad += grad
-        flat.reduction.keep_unreduced()
-        flat.reduction.done_in_backward = False
 
 
 _PREPARING: set[int] = set()  # pipeline groups whose schedule this rank is preparing
@@ -305,12 +302,7 @@ def schedule_runs(group: dist.ProcessGroup) -> None:
 
 def keeps_gradients(model: nn.Module) -> bool:
     """Whether gradients of the model wait unreduced (``no_sync`` around the step)."""
-    return any(
-        flat.reduction.keeps_gradients
-        for context in contexts_under(model, "PipelineStage")
-        for unit in context.units
-        for flat in unit.trainable
-    )
+    return any(flat.reduction.keeps_gradients for flat in _trainable_groups(model))
 
 
 def agree_microbatches(group: dist.ProcessGroup, device: torch.device, count: int) -> None:

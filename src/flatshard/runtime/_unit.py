@@ -465,7 +465,7 @@ class Unit:
         self.expects_backward = False
         self.pending_input_grads = 0
         for flat in self.flat_params:
-            flat.reduction.done_in_backward = False
+            flat.reduction.pass_ended()
 
     # ------------------------------------------------------------------ hook helpers
     def _check_inference_only(self) -> None:

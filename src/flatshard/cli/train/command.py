@@ -177,7 +177,8 @@ class Trainer:
             self.measurement = Measurement.start(device, prediction)
         self.lm: LanguageModel = build_language_model(config)
         self.params = sum(p.numel() for p in self.lm.module.parameters())
-        self.model = _compiled(shard_language_model(self.lm, config, device), self.lm, config)
+        self.replicas = self.world  # data-parallel copies of the model (--pp: fewer)
+        self.model = self._sharded()
         self.optims = build_optimizers(
             self.model, self.lm.unit_classes, config.optimizer, config.lr, config.weight_decay
         )
@@ -185,7 +186,11 @@ class Trainer:
         self.scaler = flatshard.ShardedGradScaler(device.type, enabled=low is torch.float16)
         self.step = 0
         self.pending: flatshard.CheckpointSave | None = None  # --ckpt-async's last save
-        self.replicas = self.world  # data-parallel copies of the model (--pp: fewer)
+
+    def _sharded(self) -> nn.Module:
+        """The model, sharded over every rank."""
+        sharded = shard_language_model(self.lm, self.config, self.device)
+        return _compiled(sharded, self.lm, self.config)
 
     def loss(self, idx: torch.Tensor) -> torch.Tensor:
         logits = self.lm.logits(self.model, idx[:, :-1].to(self.device))
@@ -278,9 +283,9 @@ class PipelineTrainer(Trainer):
     run by torch.distributed.pipelining's --pp-schedule over --grad-accum micro-batches.
     The ranks form a ("pp", "dp") mesh (pipeline-major, as torchtitan lays it out)."""
 
-    def __init__(
-        self, config: TrainConfig, device: torch.device, prediction: Prediction | None = None
-    ) -> None:
+    def _sharded(self) -> nn.Module:
+        """This rank's stage of the model, sharded over the ranks that hold the same stage;
+        the schedule that runs it."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.pipelining import (
             Schedule1F1B,
@@ -290,14 +295,8 @@ class PipelineTrainer(Trainer):
 
         from flatshard.integrations.pipelining import PipelineStage
 
-        self.config = config
-        self.device = device
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        config, device = self.config, self.device
         self.replicas = self.world // config.pp  # data-parallel ranks per stage
-        self.corpus = load_corpus(config.data, config.seq_len)
-        self.measurement = None
-        self.lm = build_language_model(config)
-        self.params = sum(p.numel() for p in self.lm.module.parameters())
         mesh = init_device_mesh(
             device.type, (config.pp, self.replicas), mesh_dim_names=("pp", "dp")
         )
@@ -306,22 +305,16 @@ class PipelineTrainer(Trainer):
         self.pipeline = mesh["pp"].get_group()
         _cut_to_stage(self.lm.module, self.stage_index, config.pp)
         self.first, self.last = self.stage_index == 0, self.stage_index == config.pp - 1
-        self.model = shard_language_model(self.lm, config, device, mesh["dp"])
-        self.optims = build_optimizers(
-            self.model, self.lm.unit_classes, config.optimizer, config.lr, config.weight_decay
-        )
-        self.scaler = flatshard.ShardedGradScaler(device.type, enabled=False)
-        self.step = 0
-        self.pending = None
-        stage = PipelineStage(self.model, self.stage_index, config.pp, device, group=self.pipeline)
-        kinds = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+        model = shard_language_model(self.lm, config, device, mesh["dp"])
+        stage = PipelineStage(model, self.stage_index, config.pp, device, group=self.pipeline)
         if config.pp_schedule == "zero-bubble":
-            schedule: Any = ScheduleInterleavedZeroBubble(
+            self.schedule: Any = ScheduleInterleavedZeroBubble(
                 [stage], config.grad_accum, loss_fn=_next_byte_loss
             )
         else:
-            schedule = kinds[config.pp_schedule](stage, config.grad_accum, loss_fn=_next_byte_loss)
-        self.schedule = schedule
+            kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[config.pp_schedule]
+            self.schedule = kind(stage, config.grad_accum, loss_fn=_next_byte_loss)
+        return model
 
     def _run(self, rows: torch.Tensor, train: bool) -> float:
         """The schedule over this replica's rows; the mean of its micro-batches' losses,
