@@ -842,3 +842,27 @@ def held_unit_job(ctx: WorkerContext) -> int | None:
 
 def test_a_unit_held_by_unshard_stays_gathered_through_a_step(pool: WorkerPool) -> None:
     assert pool.run(held_unit_job)[:2] == [0, 0]
+
+
+def schedule_mismatch_job(ctx: WorkerContext) -> str | None:
+    """The data-parallel ranks of one stage run different schedules (GPipe, 1F1B)."""
+    dps, pps = _groups(1, 2)
+    if ctx.rank >= 2:
+        return None
+    module = flatshard.fully_shard(
+        nn.Sequential(Block()), auto_wrap_policy={Block}, process_group=dps[0]
+    )
+    stage = PipelineStage(module, 0, 1, torch.device("cpu"), group=pps[ctx.rank])
+    runner = (ScheduleGPipe if ctx.rank == 0 else Schedule1F1B)(stage, MICRO, loss_fn=mse)
+    try:
+        runner.step(torch.randn(BATCH, DIM), target=torch.randn(BATCH, DIM))
+    except flatshard.CollectiveMismatchError as error:
+        return str(error)
+    return "no error"
+
+
+def test_ranks_of_a_stage_running_different_schedules_are_named(pool: WorkerPool) -> None:
+    """Before: gloo aborted the process ("Received data size doesn't match")."""
+    for message in pool.run(schedule_mismatch_job)[:2]:
+        assert "flatshard PipelineStage 0 of 1 runs F1" in message, message
+        assert "flatshard PipelineStage 0 of 1 runs B" in message, message

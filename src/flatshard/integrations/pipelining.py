@@ -41,12 +41,14 @@ class _ShardedStage:
     device: torch.device
     has_backward: bool
     owner: str
+    first_step: bool  # no step ended yet: each action is agreed before it runs
     pipeline_group: dist.ProcessGroup
 
     def _attach(
         self, module: nn.Module, stage: int, stages: int, group: dist.ProcessGroup | None
     ) -> None:
         self.owner = f"flatshard PipelineStage {stage} of {stages}"
+        self.first_step = True
         pipeline = group if group is not None else dist.group.WORLD  # torch's None: the world
         assert pipeline is not None
         self.pipeline_group = pipeline
@@ -64,7 +66,7 @@ class _ShardedStage:
         pipeline_steps.schedule_runs(self.pipeline_group)
         if self.has_backward:  # (schedule.eval(): forwards only, no step to run)
             pipeline_steps.begin_step(self.submod, self.owner)
-            pipeline_steps.note(self.submod, f"F{fwd_chunk_id}")
+            pipeline_steps.note(self.submod, f"F{fwd_chunk_id}", self.first_step)
         return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)  # type: ignore[misc]
 
     def backward_maybe_with_nosync(
@@ -73,13 +75,13 @@ class _ShardedStage:
         model = self.submod
         whole = super().backward_maybe_with_nosync  # type: ignore[misc]
         if backward_type == "full":
-            pipeline_steps.note(model, "B")
+            pipeline_steps.note(model, "B", self.first_step)
             if last_backward:
                 with pipeline_steps.last_backward(model):
                     return whole("full", bwd_kwargs, last_backward)  # type: ignore[no-any-return]
             return whole("full", bwd_kwargs, last_backward)  # type: ignore[no-any-return]
         if backward_type == "input":
-            pipeline_steps.note(model, "I")
+            pipeline_steps.note(model, "I", self.first_step)
             outputs = bwd_kwargs["stage_output"]
             outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
             grads = bwd_kwargs["output_grads"]
@@ -90,7 +92,7 @@ class _ShardedStage:
                 pipeline_steps.weight_leaves(model),
             )
         if backward_type == "weight":
-            pipeline_steps.note(model, "W")
+            pipeline_steps.note(model, "W", self.first_step)
             plan = bwd_kwargs["param_groups"]
             assert isinstance(plan, WeightPass)
             leaves = pipeline_steps.weight_leaves(model)
@@ -104,6 +106,7 @@ class _ShardedStage:
         """The step's end (torch calls it after the last backward): reduce, then divide
         by the micro-batch count, as torch's ``scale_grads``."""
         pipeline_steps.end_step(self.submod)
+        self.first_step = False
         if grad_scale_factor != 1 and pipeline_steps.keeps_gradients(self.submod):
             raise RuntimeError(
                 f"{self.owner}: the step's gradients stay unreduced (no_sync around "

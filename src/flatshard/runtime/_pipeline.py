@@ -151,11 +151,18 @@ def begin_step(model: nn.Module, owner: str) -> None:
         )
 
 
-def note(model: nn.Module, action: str) -> None:
-    """What the schedule ran on this rank ("F0", "B1", "I2", "W2"): compared at the end."""
+def note(model: nn.Module, action: str, agree_now: bool) -> None:
+    """What the schedule runs next on this rank ("F0", "B", "I", "W"): compared at the end
+    of the step, or (``agree_now``: a schedule's first step) before it runs, through the
+    store: ranks of one stage that run different schedules (GPipe on one, 1F1B on another)
+    would otherwise pair one's all-gather with the other's reduction, which gloo answers
+    with an abort. A schedule runs the same actions every step, so its first step is
+    where they can first differ; later steps are compared once, at their end."""
     for context in contexts_under(model, "PipelineStage"):
         if context.schedule is not None:
             context.schedule.actions.append(action)
+            if agree_now:
+                agree(model, f"{context.schedule.owner} runs {action}")
 
 
 @contextmanager
