@@ -606,8 +606,9 @@ def test_a_resume_lists_the_options_that_differ_and_exact_resume_refuses() -> No
 
 
 def test_train_in_pipeline_stages_resumes_exactly(tmp_path: Path) -> None:
-    """--pp 2: the GPT in two stages; zero-bubble gives 1F1B's losses (the same
-    mathematics, backward split), and a checkpoint of the stages resumes exactly."""
+    """--pp 2: the GPT in two stages; zero-bubble and interleaved (four stages, two a
+    rank) give 1F1B's losses (the same mathematics), and a checkpoint of the stages
+    resumes exactly."""
     common = [*TINY, "--steps", "4", "--pp", "2", "--grad-accum", "2", "--sample-bytes", "0"]
     split, plain, resumed = tmp_path / "zb", tmp_path / "1f1b", tmp_path / "resumed"
     zero_bubble = [*common, "--pp-schedule", "zero-bubble"]
@@ -617,6 +618,15 @@ def test_train_in_pipeline_stages_resumes_exactly(tmp_path: Path) -> None:
     _train(*common, "--pp-schedule", "1f1b", "--out-dir", str(plain))
     losses = _losses(split)
     assert losses == pytest.approx(_losses(plain), rel=1e-5)
+    interleaved = [*TINY, "--layers", "4", "--steps", "4", "--pp", "2", "--microbatches", "2"]
+    out = _train(*interleaved, "--pp-schedule", "interleaved", "--sample-bytes", "0",
+                 "--out-dir", str(tmp_path / "interleaved"))  # fmt: skip
+    assert "pipeline: 4 stages, two a rank (interleaved, 2 micro-batches a step)" in out, out
+    _train(*interleaved, "--pp-schedule", "1f1b", "--sample-bytes", "0",
+           "--out-dir", str(tmp_path / "four-blocks"))  # fmt: skip
+    assert _losses(tmp_path / "interleaved") == pytest.approx(
+        _losses(tmp_path / "four-blocks"), rel=1e-5
+    )
     assert losses[4] < losses[1]
     ckpt = split / "checkpoints" / "step_000002"
     _train(*zero_bubble, "--resume", str(ckpt), "--out-dir", str(resumed))
@@ -628,11 +638,33 @@ def test_train_refuses_what_pipeline_stages_do_not_take(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     for argv, message in [
-        (["--pp", "2", "--layers", "3"], "--pp (2) must divide --layers (3)"),
+        (["--pp", "2", "--layers", "3"], "--pp (2) must divide --layers (3) into 2 stages"),
         (["--pp", "2", "--grad-accum", "1"], "--grad-accum (1) micro-batches for --pp 2"),
         (["--pp", "2", "--grad-accum", "2", "--compile"], "--compile does not combine with --pp"),
         (["--pp", "2", "--model", "hf:gpt2"], "--pp only applies to --model gpt"),
-        (["--pp-schedule", "dualpipe"], "--pp-schedule must be one of gpipe, 1f1b, zero-bubble"),
+        (["--pp-schedule", "dualpipe"], "--pp-schedule must be one of gpipe, 1f1b, interleaved"),
+        (["--microbatches", "4"], "--microbatches applies to --pp > 1; without a pipeline"),
+        (["--pp", "2", "--microbatches", "4", "--grad-accum", "2"], "give one of them"),
+        (["--pp", "2", "--microbatches", "1"], "--microbatches (1) micro-batches for --pp 2"),
+        (
+            ["--pp", "2", "--pp-schedule", "interleaved", "--layers", "6", "--microbatches", "2"],
+            "--pp (2) must divide --layers (6) into 4 stages (two a rank)",
+        ),
+        (
+            [
+                "--pp",
+                "2",
+                "--pp-schedule",
+                "interleaved",
+                "--layers",
+                "4",
+                "--microbatches",
+                "2",
+                "--ckpt-every",
+                "1",
+            ],
+            "--ckpt-every does not combine with --pp-schedule interleaved",
+        ),
         (["--pp", "3", "--layers", "3", "--grad-accum", "3"], "--pp (3) must divide the number"),
     ]:
         assert main(["train", *argv]) == 2

@@ -34,7 +34,7 @@ GATHER_DTYPES = {
     "fp16": torch.float16,
 }
 SCHEDULES = ("cosine", "linear", "constant")
-PP_SCHEDULES = ("gpipe", "1f1b", "zero-bubble")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
 UNITS = ("blocks", "sublayers")
 LOG_SINKS = ("tensorboard",)  # where --log-to writes besides metrics.jsonl
 
@@ -143,11 +143,15 @@ class TrainConfig:
     """pipeline stages (--model gpt): the blocks cut into --pp stages, the embeddings on
     the first, the final norm and the head (untied from the embedding: torch's pipelining
     cannot share a parameter between stages) on the last, each stage sharded over the
-    ranks / pp ranks that hold it and run by --pp-schedule over --grad-accum micro-batches
-    (flatshard.integrations.pipelining.PipelineStage)"""
+    ranks / pp ranks that hold it and run by --pp-schedule over --microbatches
+    micro-batches (flatshard.integrations.pipelining.PipelineStage)"""
     pp_schedule: str = "1f1b"
-    """gpipe | 1f1b | zero-bubble: torch.distributed.pipelining's schedule for --pp
-    (zero-bubble: backward split into input and weight passes)"""
+    """gpipe | 1f1b | interleaved | zero-bubble: torch.distributed.pipelining's schedule for
+    --pp (interleaved: 2 x --pp stages, two on each rank; zero-bubble: backward split into
+    input and weight passes)"""
+    microbatches: int = 0
+    """--pp: micro-batches per optimizer step, each --batch sequences of every data-parallel
+    replica (0: --grad-accum's count; at least --pp)"""
     row_sparse_tables: bool = False
     """row-sparse embedding tables (fully_shard(..., placement=flatshard.RowSparse())): each lookup
     fetches only its tokens' rows and sends back only their gradients, where that moves
@@ -278,17 +282,42 @@ class TrainConfig:
         _one_of(self, "pp_schedule", PP_SCHEDULES)
         if self.pp < 1:
             fail("pp", f"must be >= 1, got {self.pp}")
+        if self.microbatches < 0:
+            fail("microbatches", f"must be >= 0, got {self.microbatches}")
         if self.pp == 1:
+            if self.microbatches:
+                fail("microbatches", "applies to --pp > 1; without a pipeline: --grad-accum")
             return
         if self.model != "gpt":
             fail("pp", "only applies to --model gpt (stages cut by its blocks)")
-        if self.layers % self.pp:
-            fail("pp", f"({self.pp}) must divide --layers ({self.layers}): whole blocks a stage")
-        if self.grad_accum < self.pp:
+        if self.layers % self.pp_stages:
+            each = " (two a rank)" if self.pp_stages > self.pp else ""
             fail(
-                "grad_accum",
-                f"({self.grad_accum}) micro-batches for --pp {self.pp}: give at least {self.pp}",
+                "pp",
+                f"({self.pp}) must divide --layers ({self.layers}) into {self.pp_stages} "
+                f"stages{each} of whole blocks",
             )
+        if self.microbatches and self.grad_accum not in (1, self.microbatches):
+            fail(
+                "microbatches",
+                f"({self.microbatches}) and --grad-accum ({self.grad_accum}) both count the "
+                "micro-batches of a pipelined step: give one of them",
+            )
+        if self.micro_batches < self.pp:
+            name = "microbatches" if self.microbatches else "grad_accum"
+            fail(
+                name,
+                f"({self.micro_batches}) micro-batches for --pp {self.pp}: give at least {self.pp}",
+            )
+        if self.pp_stages > self.pp:
+            for name in ("ckpt_every", "ckpt_on_preempt", "resume"):
+                if getattr(self, name):
+                    fail(
+                        name,
+                        f"does not combine with --pp-schedule {self.pp_schedule} yet: a rank "
+                        "holding two stages cannot write its part of one checkpoint (use "
+                        "gpipe or 1f1b)",
+                    )
         refused = {
             "experts": self.experts,
             "predict": self.predict,
@@ -305,6 +334,16 @@ class TrainConfig:
                 "mixed_precision",
                 "fp16 (a gradient scaler) does not combine with --pp yet: use bf16",
             )
+
+    @property
+    def micro_batches(self) -> int:
+        """--pp: the schedule's micro-batches per optimizer step."""
+        return self.microbatches or self.grad_accum
+
+    @property
+    def pp_stages(self) -> int:
+        """--pp: the stages the GPT is cut into (two a rank under the interleaved schedule)."""
+        return 2 * self.pp if self.pp_schedule == "interleaved" else self.pp
 
     @property
     def checkpoint_dir(self) -> Path:

@@ -10,6 +10,7 @@ an optional TOML file (--config run.toml; flags win).
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import signal
 import sys
@@ -279,17 +280,19 @@ class Trainer:
 
 
 class PipelineTrainer(Trainer):
-    """--pp: this rank's stage of the GPT, sharded over the ranks that hold the same stage,
-    run by torch.distributed.pipelining's --pp-schedule over --grad-accum micro-batches.
-    The ranks form a ("pp", "dp") mesh (pipeline-major, as torchtitan lays it out)."""
+    """--pp: this rank's stages of the GPT (one; two under --pp-schedule interleaved),
+    each sharded over the ranks that hold the same stage, run by
+    torch.distributed.pipelining's --pp-schedule over --microbatches micro-batches. The
+    ranks form a ("pp", "dp") mesh (pipeline-major, as torchtitan lays it out)."""
 
     def _sharded(self) -> nn.Module:
-        """This rank's stage of the model, sharded over the ranks that hold the same stage;
-        the schedule that runs it."""
+        """This rank's stage of the model (interleaved: a ModuleList of its two), sharded
+        over the ranks that hold the same stage; the schedule that runs it."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.pipelining import (
             Schedule1F1B,
             ScheduleGPipe,
+            ScheduleInterleaved1F1B,
             ScheduleInterleavedZeroBubble,
         )
 
@@ -300,21 +303,32 @@ class PipelineTrainer(Trainer):
         mesh = init_device_mesh(
             device.type, (config.pp, self.replicas), mesh_dim_names=("pp", "dp")
         )
-        self.stage_index = mesh.get_local_rank("pp")
+        rank = mesh.get_local_rank("pp")
         self.replica = mesh.get_local_rank("dp")
         self.pipeline = mesh["pp"].get_group()
-        _cut_to_stage(self.lm.module, self.stage_index, config.pp)
-        self.first, self.last = self.stage_index == 0, self.stage_index == config.pp - 1
-        model = shard_language_model(self.lm, config, device, mesh["dp"])
-        stage = PipelineStage(model, self.stage_index, config.pp, device, group=self.pipeline)
+        self.first, self.last = rank == 0, rank == config.pp - 1
+        # A rank holds stages rank, rank + pp, ...: the first on pipeline rank 0, the last
+        # on pipeline rank pp - 1 (torch's interleaved layout).
+        indices = range(rank, config.pp_stages, config.pp)
+        parts: list[nn.Module] = []
+        stages: list[Any] = []  # torch's schedules take its stage base class
+        for index in indices:
+            module = self.lm.module if len(indices) == 1 else copy.deepcopy(self.lm.module)
+            _cut_to_stage(module, index, config.pp_stages)
+            part = shard_language_model(replace(self.lm, module=module), config, device, mesh["dp"])
+            parts.append(part)
+            stages.append(PipelineStage(part, index, config.pp_stages, device, group=self.pipeline))
+        micro = config.micro_batches
         if config.pp_schedule == "zero-bubble":
             self.schedule: Any = ScheduleInterleavedZeroBubble(
-                [stage], config.grad_accum, loss_fn=_next_byte_loss
+                stages, micro, loss_fn=_next_byte_loss
             )
+        elif config.pp_schedule == "interleaved":
+            self.schedule = ScheduleInterleaved1F1B(stages, micro, loss_fn=_next_byte_loss)
         else:
             kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[config.pp_schedule]
-            self.schedule = kind(stage, config.grad_accum, loss_fn=_next_byte_loss)
-        return model
+            self.schedule = kind(stages[0], micro, loss_fn=_next_byte_loss)
+        return parts[0] if len(parts) == 1 else nn.ModuleList(parts)
 
     def _run(self, rows: torch.Tensor, train: bool) -> float:
         """The schedule over this replica's rows; the mean of its micro-batches' losses,
@@ -336,13 +350,13 @@ class PipelineTrainer(Trainer):
         return batch[self.replica * per_replica : (self.replica + 1) * per_replica]
 
     def train_step(self) -> float:
-        """One optimizer step: the schedule over --grad-accum micro-batches of --batch
+        """One optimizer step: the schedule over --microbatches micro-batches of --batch
         sequences on each data-parallel replica; this replica's mean loss."""
         config, step = self.config, self.step + 1
         for optim in self.optims:
             for group in optim.param_groups:
                 group["lr"] = config.lr_at(step)
-        rows = self._rows(self.corpus.train, config.seed, step, config.batch * config.grad_accum)
+        rows = self._rows(self.corpus.train, config.seed, step, config.batch * config.micro_batches)
         losses = _Losses()
         flatshard.train_step(  # the schedule runs the micro-batches; the norm: every stage's
             self.model,
@@ -358,7 +372,7 @@ class PipelineTrainer(Trainer):
     @torch.no_grad()
     def val_loss(self, batches: int = 4) -> float:
         """Mean loss on held-out windows (the same on every rank)."""
-        rows = self.config.batch * self.config.grad_accum
+        rows = self.config.batch * self.config.micro_batches
         losses = []
         for i in range(batches):
             window = batch_for_step(self.corpus.val, self.config.seq_len, rows, 12345, i)
@@ -556,10 +570,12 @@ def _print_start(trainer: Trainer, backend: str) -> None:
     )
     if config.pp > 1:
         print(
-            f"pipeline: {config.pp} stages ({config.pp_schedule}, {config.grad_accum} "
-            f"micro-batches a step), each sharded over {trainer.replicas} rank"
+            f"pipeline: {config.pp_stages} stages"
+            f"{', two a rank' if config.pp_stages > config.pp else ''} ({config.pp_schedule}, "
+            f"{config.micro_batches} micro-batches a step), each sharded over "
+            f"{trainer.replicas} rank"
             f"{'s' if trainer.replicas > 1 else ''}; "
-            "below: rank 0's stage (the first); no text sample at the end"
+            "below: rank 0's part (the first stage); no text sample at the end"
         )
     elif config.grad_accum > 1:
         print(_accumulation_line(config))
