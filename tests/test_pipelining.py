@@ -866,3 +866,81 @@ def test_ranks_of_a_stage_running_different_schedules_are_named(pool: WorkerPool
     for message in pool.run(schedule_mismatch_job)[:2]:
         assert "flatshard PipelineStage 0 of 1 runs F1" in message, message
         assert "flatshard PipelineStage 0 of 1 runs B" in message, message
+
+
+# ------------------------------------------------ the plan of a pipeline against a run
+GPT_SHAPE = {"vocab": 256, "dim": 64, "heads": 4, "layers": 4, "seq_len": 64}
+GPT_BATCH, GPT_MICRO = 4, 4  # sequences per micro-batch, micro-batches a step
+
+
+def _gpt() -> nn.Module:
+    from flatshard.models import GPT
+
+    return GPT(**GPT_SHAPE, tied=False)
+
+
+def _gpt_batch() -> tuple[torch.Tensor, ...]:
+    return (torch.randint(0, GPT_SHAPE["vocab"], (GPT_BATCH, GPT_SHAPE["seq_len"])),)
+
+
+def _gpt_loss(logits: torch.Tensor, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch[0].flatten())
+
+
+def measured_stage_peak_job(ctx: WorkerContext, schedule: str) -> int:
+    """This rank's steady-state peak of live tensors at PP2 x DP2 (the GPT cut as
+    flatshard train cuts it, AdamW, clipping), counted from the model's construction."""
+    from flatshard.models import GPTBlock
+    from flatshard.models.gpt import cut_to_stage
+
+    dps, pps = _groups(2, 2)
+    pp_rank, dp_rank = divmod(ctx.rank, 2)
+    torch.manual_seed(0)
+    with flatshard.measure.PeakStorage() as tracker:
+        model = _gpt()
+        cut_to_stage(model, pp_rank, 2)
+        model = flatshard.fully_shard(
+            model, auto_wrap_policy={GPTBlock}, process_group=dps[pp_rank]
+        )
+        stage = PipelineStage(model, pp_rank, 2, torch.device("cpu"), group=pps[dp_rank])
+        loss = lambda out, target: _gpt_loss(out, (target,))  # noqa: E731
+        run = SCHEDULES[schedule](stage, GPT_MICRO, loss_fn=loss)
+        optim = torch.optim.AdamW(model.parameters(), weight_decay=0.1, foreach=False)
+        for step in range(3):
+            if step == 2:
+                tracker.reset_peak()
+            ids = torch.cat([_gpt_batch()[0] for _ in range(GPT_MICRO)])
+            run.step(ids) if pp_rank == 0 else run.step(target=ids)
+            flatshard.clip_grad_norm_(model, 1.0)
+            optim.step()
+            optim.zero_grad()
+    peak: int = tracker.peak
+    return peak
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_the_plan_of_a_pipeline_predicts_each_stages_peak(pool: WorkerPool, schedule: str) -> None:
+    """flatshard.plan with a Pipeline: each pipeline rank's peak (its stage's simulated
+    step, the micro-batches in flight, torch's receive buffers) within 15% of the peak
+    measured at the dispatcher on that rank of a PP2 x DP2 run; GPipe holds more than
+    1F1B on both, in the plan as in the run."""
+    from flatshard.models import GPTBlock
+    from flatshard.models.gpt import cut_to_stage
+    from flatshard.planner import Pipeline
+
+    measured = pool.run(measured_stage_peak_job, schedule)
+    planned = flatshard.plan(
+        _gpt,
+        _gpt_batch,
+        auto_wrap_policy={GPTBlock},
+        cluster="cpu-dev",
+        ranks_per_host=4,
+        pipeline=Pipeline(2, GPT_MICRO, cut_to_stage, _gpt_loss, schedule),
+    )
+    assert planned.pipeline is not None
+    for rank, peak in enumerate(measured):
+        predicted = planned.pipeline.ranks[rank // 2].peak_memory_bytes
+        assert predicted == pytest.approx(peak, rel=0.15), (schedule, rank, predicted, peak)
+    in_flight = [r.in_flight for r in planned.pipeline.ranks]
+    assert in_flight == ([GPT_MICRO, GPT_MICRO] if schedule == "gpipe" else [2, 1])
+    assert planned.peak_memory_bytes == max(r.peak_memory_bytes for r in planned.pipeline.ranks)

@@ -592,3 +592,64 @@ def _two_hosts(planner: ProcessPoolExecutor, ranks_per_host: int, **extra: Any) 
 
 def gathers(plan: flatshard.Plan) -> Any:
     return next(c for c in plan.collectives if c.kind == "all_gather")
+
+
+def test_plan_prices_pipeline_stages() -> None:
+    """--pp: every pipeline rank's memory and work, the bubble by schedule (zero-bubble's a
+    third of 1F1B's, interleaved's 2P stages over the same ranks), the sends; GPipe holds
+    every micro-batch in flight, 1F1B P - r on rank r."""
+    base = ["plan", "--layers", "4", "--dim", "64", "--seq-len", "64", "--batch", "2"]
+    base += ["--nproc", "4", "--cluster", "cpu-dev", "--pp", "2", "--microbatches", "4"]
+    code, out, err = run_cli([*base, "--pp-schedule", "1f1b"])
+    assert code == 0, err
+    assert "pipeline: 2 stages on 2 ranks (1f1b, 4 micro-batches a step)" in out, out
+    assert re.search(r"bubble: [0-9.]+ ms, [0-9.]+% of the step; sends:", out), out
+    plans = {}
+    for schedule in ("gpipe", "1f1b", "interleaved", "zero-bubble"):
+        code, out, err = run_cli([*base, "--pp-schedule", schedule, "--json"])
+        assert code == 0, err
+        plans[schedule] = json.loads(out)["pipeline"]
+    assert [r["in_flight"] for r in plans["gpipe"]["per_rank"]] == [4, 4]
+    assert [r["in_flight"] for r in plans["1f1b"]["per_rank"]] == [2, 1]
+    assert [r["stages"] for r in plans["interleaved"]["per_rank"]] == [[0, 2], [1, 3]]
+    gpipe, one_f_one_b = plans["gpipe"]["per_rank"][0], plans["1f1b"]["per_rank"][0]
+    assert gpipe["peak_memory_bytes"] > one_f_one_b["peak_memory_bytes"]
+    assert plans["zero-bubble"]["bubble_s"] == pytest.approx(plans["1f1b"]["bubble_s"] / 3)
+    assert 0 < plans["zero-bubble"]["bubble_fraction"] < plans["1f1b"]["bubble_fraction"]
+
+
+def test_the_budget_search_plans_pipelines_across_hosts() -> None:
+    """Across hosts the budget search also cuts the GPT into pipeline stages (P dividing
+    the hosts, 1F1B, P x --grad-accum micro-batches); a pipelined recommendation gives
+    train's --pp flags."""
+    args = ["plan", "--layers", "4", "--dim", "64", "--seq-len", "64", "--batch", "2"]
+    args += ["--nproc", "2", "--hosts", "2", "--cluster", "cpu-dev", "--memory-budget", "device"]
+    code, out, err = run_cli([*args, "--json"])
+    assert code == 0, err
+    labels = [c["setup"] for c in json.loads(out)["candidates"]]
+    assert "FULL_SHARD, 2 pipeline stages (1f1b, 2 micro-batches)" in labels, labels
+    assert sum("pipeline stages" in label for label in labels) == 2  # with checkpointing too
+    from flatshard.cli.plan.command import PlanConfig, planned_train_flags
+
+    config = PlanConfig(layers=4, grad_accum=2)
+    pipe = config.pipeline(2, 4, "1f1b")
+    assert "--grad-accum" not in planned_train_flags(config, 2, pipe)
+    assert "--grad-accum 2" in planned_train_flags(config, 2)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--pp", "2", "--model", "hf:gpt2"], "--pp only applies to --model gpt"),
+        (["--pp", "3"], "--pp (3) must divide --layers (4) into 3 stages"),
+        (["--pp", "2", "--microbatches", "1"], "--microbatches (1) for --pp 2"),
+        (
+            ["--pp", "2", "--microbatches", "2", "--memory-budget", "1GiB"],
+            "--memory-budget is not planned with --pp",
+        ),
+        (["--pp-schedule", "dualpipe"], "--pp-schedule must be one of gpipe, 1f1b"),
+    ],
+)
+def test_plan_refuses_pipelines_it_cannot_price(argv: list[str], message: str) -> None:
+    code, _, err = run_cli(["plan", *argv])
+    assert code == 2 and message in err, err

@@ -100,3 +100,18 @@ class GPT(nn.Module):
             return x
         out: torch.Tensor = self.head(self.ln_f(x))  # (B, T, vocab)
         return out
+
+
+def cut_to_stage(model: nn.Module, stage: int, stages: int) -> None:
+    """Keep stage ``stage``'s part of the GPT, as torchtitan cuts its models: its blocks
+    (the others become nn.Identity, so the names stay the whole model's), the embeddings on
+    the first stage, the final norm and the head on the last (None elsewhere)."""
+    blocks = cast(nn.ModuleList, model.blocks)
+    per = len(blocks) // stages
+    for index in range(len(blocks)):
+        if not stage * per <= index < (stage + 1) * per:
+            blocks[index] = nn.Identity()
+    if stage > 0:
+        model.tok = model.pos = None  # type: ignore[assignment]
+    if stage < stages - 1:
+        model.ln_f = model.head = None  # type: ignore[assignment]

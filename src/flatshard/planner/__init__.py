@@ -6,11 +6,13 @@ op by op by ``_recorder``: [Note: simulated step]), prices the ops (``_timing``)
 the fastest setup that fits a memory budget (``_recommend``).
 
 Layer 6: imports ``flatshard.state`` and below. The public types users plan with are here:
-``plan``, ``Plan``, ``Setup``, ``Cluster``, ``PRESETS``, ``recommend``.
+``plan``, ``Plan``, ``Setup``, ``Cluster``, ``PRESETS``, ``recommend``, ``Pipeline`` (a
+pipelined layout to plan; ``_pipeline``).
 """
 
 from flatshard.planner._calibrate import cpu_cluster
 from flatshard.planner._cluster import PRESETS, Cluster
+from flatshard.planner._pipeline import Pipeline, PipelineCost, PipelineRank
 from flatshard.planner._plan import Plan, plan
 from flatshard.planner._recommend import Candidate, Problem, best_fit, recommend
 from flatshard.planner._simulate import Setup
@@ -19,6 +21,9 @@ __all__ = [
     "PRESETS",
     "Candidate",
     "Cluster",
+    "Pipeline",
+    "PipelineCost",
+    "PipelineRank",
     "Plan",
     "Problem",
     "Setup",

@@ -6,7 +6,7 @@ the step-time model.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -20,7 +20,20 @@ from flatshard.comm._processes import fast_context
 from flatshard.flat._placement import Rows, ShardPlacement
 from flatshard.flat._policy import AutoWrapPolicy
 from flatshard.planner._cluster import PRESETS, Cluster
-from flatshard.planner._recorder import Op
+from flatshard.planner._pipeline import (
+    Pipeline,
+    PipelineCost,
+    StagePlan,
+    first_microbatch,
+    input_bytes,
+    kind_of,
+    price,
+    stage_inputs,
+    stage_kinds,
+    stage_parts,
+    stage_setup,
+)
+from flatshard.planner._recorder import ACTIVATIONS, Op
 from flatshard.planner._simulate import Inputs, Loss, Setup, simulate
 from flatshard.planner._timing import StepTime, collective_time, step_time
 from flatshard.runtime._prefetch import Prefetch
@@ -60,6 +73,11 @@ class Plan:
     # state); the fields above are then the device's alone.
     host_memory_bytes: int = 0
     total_peak_bytes: int = 0  # the peak of both memories together (a CPU's one memory)
+    # Pipeline stages: the schedule's share, and every pipeline rank's figures; the fields
+    # above are then those of the rank with the most memory ([Note: planning pipeline
+    # stages]).
+    pipeline: PipelineCost | None = None
+    timeline_ops: list[int] = field(default_factory=list, repr=False)  # ops before each entry
 
     @property
     def device_memory_needed(self) -> int:
@@ -123,6 +141,7 @@ class Plan:
             "no_unshard_in_backward": list(self.setup.no_unshard_in_backward),
             "separate_reduce_scatter_group": self.setup.separate_reduce_scatter_group,
             "cluster": self.cluster.name,
+            "pipeline": None if self.pipeline is None else self.pipeline.to_json(),
         }
 
 
@@ -151,6 +170,7 @@ def plan(
     reshard_after_forward: bool | int | None = None,
     no_unshard_in_backward: tuple[str, ...] = (),
     separate_reduce_scatter_group: bool = False,
+    pipeline: Pipeline | None = None,
 ) -> Plan:
     """Predict one rank's memory and step time for a training run, without running it.
 
@@ -207,6 +227,14 @@ def plan(
             gathers them no more.
         separate_reduce_scatter_group: ``flatshard.set_separate_reduce_scatter_group``:
             the reductions on a communication stream of their own in the step's timing.
+        pipeline: ``flatshard.planner.Pipeline(ranks=P, microbatches=M, cut, loss_fn,
+            schedule)``: the model cut into stages by ``cut(model, stage, stages)`` (in
+            place, as torchtitan cuts its models), each sharded over W / P ranks, run by
+            torch's ``schedule`` over M micro-batches of ``inputs()`` per replica,
+            ``loss_fn(output, micro_batch)`` on the last stage. Each kind of stage is
+            simulated; the schedule's bubble, its activations in flight and its sends
+            are priced around them (``Plan.pipeline``: every pipeline rank's memory and
+            work; the plan's own figures are those of the rank with the most memory).
 
     The peak is the steady-state step's most live tensor bytes on the rank, the
     quantity ``flatshard bench`` and the tests measure at the dispatcher; on the rank the
@@ -245,6 +273,7 @@ def plan(
         reshard_after_forward=reshard_after_forward,
         no_unshard_in_backward=tuple(no_unshard_in_backward),
         separate_reduce_scatter_group=separate_reduce_scatter_group,
+        pipeline=pipeline,
     )
     return plan_setup(build, inputs, loss or _default_loss, setup, machines)
 
@@ -259,6 +288,8 @@ def plan_setup(
         context = fast_context()
         with ProcessPoolExecutor(1, mp_context=context) as child:
             return child.submit(plan_setup, build, inputs, loss, setup, cluster).result()
+    if setup.pipeline is not None:
+        return _pipelined(build, inputs, setup, cluster)
     simulated = simulate(build, inputs, loss, setup, cluster.ranks_per_host)
     recorder = simulated.recorder
     ops = list(recorder.ops)
@@ -278,7 +309,110 @@ def plan_setup(
         ops=ops,
         host_memory_bytes=host.peak,
         total_peak_bytes=recorder.peak,
+        timeline_ops=recorder.ops_at,
     )
+
+
+def _pipelined(
+    build: Callable[..., nn.Module], inputs: Inputs, setup: Setup, cluster: Cluster
+) -> Plan:
+    """A pipelined layout: each kind of stage planned as a model of its own, the schedule
+    priced around them ([Note: planning pipeline stages])."""
+    pipeline = setup.pipeline
+    assert pipeline is not None
+    _check_pipeline(setup, pipeline)
+    specs = stage_inputs(build, inputs, pipeline, setup.param_dtype)
+    inner = stage_setup(setup)
+    kinds = {}
+    for kind in stage_kinds(pipeline.stages):
+        stage_build, stage_batch, stage_loss = stage_parts(
+            build, inputs, pipeline, kind, specs[kind]
+        )
+        planned = plan_setup(stage_build, stage_batch, stage_loss, inner, cluster)
+        received = input_bytes(specs[kind]) if kind else 0
+        sent = input_bytes(specs[kind + 1]) if kind < pipeline.stages - 1 else 0
+        microbatch = first_microbatch(planned.ops, cluster, frozenset())
+        kinds[kind] = StagePlan(planned, microbatch, received, sent)
+    cost, heaviest, seconds = price(pipeline, kinds, cluster, setup.world_size)
+    own = [
+        kinds[kind_of(s, pipeline.stages)] for s in range(heaviest, pipeline.stages, pipeline.ranks)
+    ]
+    every = [kinds[kind_of(s, pipeline.stages)].plan for s in range(pipeline.stages)]
+    rank = cost.ranks[heaviest]
+    memory: dict[str, int] = {}
+    for part in own:
+        for what, nbytes in part.plan.memory.items():
+            memory[what] = memory.get(what, 0) + nbytes
+    memory[ACTIVATIONS] = memory.get(ACTIVATIONS, 0) + (
+        rank.peak_memory_bytes - sum(s.plan.peak_memory_bytes for s in own)
+    )
+    m = pipeline.microbatches
+    compute = sum(s.plan.step.compute_s + (m - 2) * s.microbatch.compute_s for s in own)
+    communication = (
+        sum(s.plan.step.communication_s + (m - 2) * s.microbatch.communication_s for s in own)
+        + cost.send_s
+    )
+    links = (
+        "inter-host"
+        if cluster.hosts > 1 and setup.world_size // pipeline.ranks >= cluster.ranks_per_host
+        else "intra-host"
+    )
+    sends = CollectiveTotal(
+        "send/recv", 2 * pipeline.stages_per_rank * m, cost.send_bytes, cost.send_s, links
+    )
+    first = own[0].plan
+    return Plan(
+        setup=replace(setup, grad_accum=m),
+        cluster=cluster,
+        params=sum(p.params for p in every),
+        trainable=sum(p.trainable for p in every),
+        units=sum(p.units for p in every),
+        peak_memory_bytes=rank.peak_memory_bytes,
+        memory=memory,
+        at_rest_bytes=rank.at_rest_bytes,
+        collectives=[*_merged(s.plan.collectives for s in own), sends],
+        step=StepTime(
+            seconds,
+            compute,
+            communication,
+            max(seconds - compute, 0.0),
+            sum(s.flops(m) for s in own),
+        ),
+        timeline=first.timeline,
+        ops=first.ops,
+        timeline_ops=first.timeline_ops,
+        total_peak_bytes=rank.peak_memory_bytes,
+        pipeline=cost,
+    )
+
+
+def _check_pipeline(setup: Setup, pipeline: Pipeline) -> None:
+    refused = {
+        "tensor_parallel": setup.tensor_parallel > 1,
+        "cpu_offload": setup.cpu_offload,
+        "keep_gathered": setup.kept_gathered > 0,
+    }
+    for name, value in refused.items():
+        if value:
+            raise ValueError(f"flatshard.plan: {name} is not planned with pipeline stages yet")
+    if setup.world_size % pipeline.ranks:
+        raise ValueError(
+            f"flatshard.plan: the pipeline's {pipeline.ranks} ranks must divide the world "
+            f"({setup.world_size} ranks)"
+        )
+
+
+def _merged(parts: Iterable[list[CollectiveTotal]]) -> list[CollectiveTotal]:
+    """The collectives of a rank's stages, summed by kind."""
+    merged: dict[str, CollectiveTotal] = {}
+    for collectives in parts:
+        for c in collectives:
+            had = merged.get(c.kind)
+            merged[c.kind] = c if had is None else replace(
+                had, count=had.count + c.count, bytes=had.bytes + c.bytes,
+                seconds=had.seconds + c.seconds,
+            )  # fmt: skip
+    return list(merged.values())
 
 
 OPTIMIZERS = ("adamw", "adam", "sgd-momentum", "sgd", "muon")

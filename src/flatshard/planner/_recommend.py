@@ -10,8 +10,10 @@ every unit, a choice no peer makes for you. Before that, the unit policy: where 
 candidate that gathers parameters is faster than the best that fits but does not fit
 itself, it is planned again with its blocks split into sublayers
 (``finer_units_where_they_help``, ``SublayerPolicy``): fewer parameters gathered at once,
-for more collectives. Where nothing fits, FULL_SHARD with CPU offload is planned too
-(``offload_where_nothing_fits``): the slowest way, and the last.
+for more collectives. Across hosts, the model cut into pipeline stages too
+(``pipelines_across_hosts``, where the problem knows how to cut it). Where nothing fits,
+FULL_SHARD with CPU offload is planned too (``offload_where_nothing_fits``): the slowest
+way, and the last.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch import nn
 from flatshard.comm._mesh import ShardingStrategy
 from flatshard.flat._policy import SublayerPolicy
 from flatshard.planner._cluster import Cluster
+from flatshard.planner._pipeline import Pipeline
 from flatshard.planner._plan import Plan, plan_setup
 from flatshard.planner._simulate import Inputs, Loss, Setup
 
@@ -33,12 +36,15 @@ Builder = Callable[[bool], Callable[[], nn.Module]]
 
 @dataclass(frozen=True)
 class Problem:
-    """What every candidate plans: the model, one rank's micro-batch, the loss, the cluster."""
+    """What every candidate plans: the model, one rank's micro-batch, the loss, the cluster;
+    ``pipelines(P)``: the model cut into P pipeline stages (None where it cannot be), for
+    ``pipelines_across_hosts``."""
 
     builder: Builder
     inputs: Inputs
     loss: Loss
     cluster: Cluster
+    pipelines: Callable[[int], Pipeline | None] | None = None
 
     def plan(self, setup: Setup, checkpointing: bool) -> Plan:
         return plan_setup(self.builder(checkpointing), self.inputs, self.loss, setup, self.cluster)
@@ -49,6 +55,7 @@ def recommend(problem: Problem, setup: Setup, budget: int) -> list[Candidate]:
     found = candidates(problem, setup)
     found = finer_units_where_they_help(found, budget, problem)
     found = keep_gathered_where_it_fits(found, budget, problem)
+    found = pipelines_across_hosts(found, problem)
     return offload_where_nothing_fits(found, budget, problem)
 
 
@@ -68,13 +75,24 @@ class Candidate:
         return isinstance(self.plan.setup.auto_wrap_policy, SublayerPolicy)
 
     @property
+    def pipeline(self) -> Pipeline | None:
+        return self.plan.setup.pipeline
+
+    @property
     def label(self) -> str:
         factor = f" (F={self.sharding_factor})" if self.sharding_factor else ""
         units = ", sublayer units" if self.sublayers else ""
         checkpointing = ", activation checkpointing" if self.checkpoint_activations else ""
         offload = ", CPU offload" if self.plan.setup.cpu_offload else ""
         kept = kept_phrase(self.kept_gathered)
-        return f"{self.strategy.name}{factor}{units}{kept}{checkpointing}{offload}"
+        pipe = self.pipeline
+        stages = (
+            ""
+            if pipe is None
+            else f", {pipe.ranks} pipeline stages ({pipe.schedule}, {pipe.microbatches} "
+            "micro-batches)"
+        )
+        return f"{self.strategy.name}{factor}{units}{kept}{stages}{checkpointing}{offload}"
 
 
 def kept_phrase(count: int) -> str:
@@ -158,6 +176,34 @@ def best_fit(found: list[Candidate], budget: int) -> Candidate | None:
     return next((c for c in found if c.plan.fits_within(budget)), None)
 
 
+def pipelines_across_hosts(found: list[Candidate], problem: Problem) -> list[Candidate]:
+    """``found`` and, across hosts, the model cut into P = 2, 4... pipeline stages (P
+    dividing the hosts: each stage sharded inside W / P ranks, FULL_SHARD; 1F1B with P x
+    the micro-batches, so that the global batch stays; with and without activation
+    checkpointing): between hosts only the activations travel, point to point, instead of
+    every unit's all-gathers and reductions."""
+    hosts = problem.cluster.hosts
+    if problem.pipelines is None or hosts < 2 or not found:
+        return found
+    added = []
+    ranks = 2
+    while ranks <= hosts and hosts % ranks == 0:
+        pipeline = problem.pipelines(ranks)
+        if pipeline is not None:
+            setup = replace(
+                found[0].plan.setup,
+                strategy=ShardingStrategy.FULL_SHARD,
+                sharding_factor=None,
+                kept_gathered=0,
+                pipeline=pipeline,
+            )
+            for checkpointing in (False, True):
+                planned = problem.plan(setup, checkpointing)
+                added.append(Candidate(ShardingStrategy.FULL_SHARD, checkpointing, planned))
+        ranks *= 2
+    return sorted(found + added, key=lambda c: c.plan.step.seconds)
+
+
 def offload_where_nothing_fits(
     found: list[Candidate], budget: int, problem: Problem
 ) -> list[Candidate]:
@@ -165,13 +211,15 @@ def offload_where_nothing_fits(
     activation checkpointing): the device then holds no sharded state at all."""
     if best_fit(found, budget) is not None or not found:
         return found
+    unpipelined = next((c for c in found if c.pipeline is None), found[0])
     setup = replace(
-        found[0].plan.setup,
+        unpipelined.plan.setup,
         strategy=ShardingStrategy.FULL_SHARD,
         sharding_factor=None,
         kept_gathered=0,
         cpu_offload=True,
         foreach=False,  # the optimizer steps on the CPU
+        pipeline=None,
     )
     added = [
         Candidate(ShardingStrategy.FULL_SHARD, checkpointing, plan)
@@ -211,6 +259,7 @@ def keep_gathered_where_it_fits(
         best = best_fit(found + added, budget)
         if (
             form is None
+            or reshards.pipeline is not None
             or zero2 is None
             or not reshards.plan.fits_within(budget)
             or zero2.plan.fits_within(budget)

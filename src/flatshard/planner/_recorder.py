@@ -194,6 +194,11 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if total > self.peak:
             self.peak, self.at_peak, self.peak_op = total, alive, len(self.ops)
 
+    @property
+    def ops_at(self) -> list[int]:
+        """The ops recorded before each timeline entry."""
+        return list(self._ops_at)
+
     def split(self, on_host: Callable[[int], bool]) -> tuple[MemoryView, MemoryView]:
         """The recorded step's bytes as two memories, the device's and the host's, by
         ``on_host(serial)`` (CPU offload: shards, gradients, optimizer state)."""

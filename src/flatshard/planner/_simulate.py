@@ -30,6 +30,7 @@ from flatshard.flat._policy import AutoWrapPolicy, SublayerPolicy
 from flatshard.measure import PeakStorage
 from flatshard.planner import _recorder as tags
 from flatshard.planner._attention import fused_attention
+from flatshard.planner._pipeline import Pipeline
 from flatshard.planner._recorder import Recorder
 from flatshard.runtime._matrix_optimizers import muon_matrices
 from flatshard.runtime._prefetch import Prefetch
@@ -89,6 +90,9 @@ class Setup:
     separate_reduce_scatter_group: bool = False
     # Units (module names) set_unshard_in_backward(unit, False): backward gathers them not.
     no_unshard_in_backward: tuple[str, ...] = ()
+    # Pipeline stages: the world as (P, W / P), each stage sharded over its W / P ranks
+    # and run by a schedule (planned stage by stage: [Note: planning pipeline stages]).
+    pipeline: Pipeline | None = None
 
 
 @dataclass
@@ -110,6 +114,7 @@ def simulate(
     ranks_per_host: int = 1,
 ) -> Simulated:
     """Rank 0's steady-state step of ``setup`` (see the module docstring)."""
+    assert setup.pipeline is None, "a pipeline is planned stage by stage (_plan.py)"
     device = "cpu" if setup.backend == "gloo" else "cuda"
     with (
         _fake_world(setup.world_size, setup.backend),

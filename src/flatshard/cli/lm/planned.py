@@ -32,12 +32,13 @@ class PlannedModel:
 
 
 def planned_model(
-    spec: str, train: TrainConfig, vocab: int, fit_to_bytes: bool = False
+    spec: str, train: TrainConfig, vocab: int, fit_to_bytes: bool = False, untied: bool = False
 ) -> PlannedModel:
     """``fit_to_bytes``: a Hugging Face model as ``flatshard train`` builds it (vocabulary
-    of bytes), with its --freeze patterns applied."""
+    of bytes), with its --freeze patterns applied. ``untied``: the GPT's head a weight of
+    its own (as ``flatshard train --pp`` builds it)."""
     if spec == "gpt":
-        return _frozen(_gpt(train, vocab), train.freeze)
+        return _frozen(_gpt(train, vocab, untied), train.freeze)
     if spec.startswith("hf:"):
         return _frozen(_hugging_face(train, fit_to_bytes), train.freeze)
     if ":" in spec:
@@ -47,10 +48,10 @@ def planned_model(
     )
 
 
-def _gpt(train: TrainConfig, vocab: int) -> PlannedModel:
+def _gpt(train: TrainConfig, vocab: int, untied: bool) -> PlannedModel:
     def build(checkpointing: bool) -> Callable[[], nn.Module]:
         def make() -> nn.Module:
-            model = GPT(vocab, train.dim, train.heads, train.layers, train.seq_len)
+            model = GPT(vocab, train.dim, train.heads, train.layers, train.seq_len, not untied)
             model.checkpoint_blocks = checkpointing
             return model
 
@@ -134,3 +135,9 @@ def language_model_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> to
     out = model(ids)
     logits = cast(torch.Tensor, getattr(out, "logits", out))
     return nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids.flatten())
+
+
+def stage_loss(logits: torch.Tensor, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """``language_model_loss`` as a pipeline's last stage computes it: the logits it
+    returns against the ids the first stage took."""
+    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch[0].flatten())

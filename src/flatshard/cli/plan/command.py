@@ -32,12 +32,29 @@ from flatshard.cli.config import (
     flag,
     strategy_option,
 )
-from flatshard.cli.lm.config import GATHER_DTYPES, PRECISIONS, UNITS, TrainConfig, unit_policy
+from flatshard.cli.lm.config import (
+    GATHER_DTYPES,
+    PP_SCHEDULES,
+    PRECISIONS,
+    UNITS,
+    TrainConfig,
+    unit_policy,
+)
 from flatshard.cli.lm.optimizers import tables_placement
-from flatshard.cli.lm.planned import PlannedModel, language_model_loss, planned_model
+from flatshard.cli.lm.planned import PlannedModel, language_model_loss, planned_model, stage_loss
 from flatshard.cli.plan.report import chart, table
 from flatshard.cli.sizes import parse_size, size
-from flatshard.planner import PRESETS, Candidate, Problem, Setup, best_fit, plan, recommend
+from flatshard.models.gpt import cut_to_stage
+from flatshard.planner import (
+    PRESETS,
+    Candidate,
+    Pipeline,
+    Problem,
+    Setup,
+    best_fit,
+    plan,
+    recommend,
+)
 
 CLUSTERS = (*PRESETS, "cpu")
 
@@ -109,6 +126,14 @@ class PlanConfig:
     still fit (FULL_SHARD with CPU offload where nothing else fits)"""
     chart: str = ""
     """write the live-tensor memory over one step as a PNG to this path"""
+    pp: int = 1
+    """pipeline stages (--model gpt): plan the GPT cut into --pp stages as train --pp cuts
+    it, each sharded over ranks / pp ranks: every pipeline rank's memory (activations of
+    the micro-batches in flight), the schedule's bubble and its sends"""
+    pp_schedule: str = "1f1b"
+    """gpipe | 1f1b | interleaved | zero-bubble: the schedule --pp is priced for"""
+    microbatches: int = 0
+    """--pp: micro-batches per optimizer step (0: --grad-accum's count)"""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategy", strategy_option(self.strategy).name)  # as named
@@ -134,6 +159,45 @@ class PlanConfig:
                 fail(name, f"must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.memory_budget:
             parse_size(self.memory_budget, "--memory-budget", 0)
+        self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        if self.pp_schedule not in PP_SCHEDULES:
+            fail(
+                "pp_schedule", f"must be one of {', '.join(PP_SCHEDULES)}, got {self.pp_schedule!r}"
+            )
+        if self.pp < 1 or self.microbatches < 0:
+            fail(
+                "pp" if self.pp < 1 else "microbatches",
+                "must be >= 1 (--pp), >= 0 (--microbatches)",
+            )
+        if self.pp == 1:
+            return
+        if self.model != "gpt":
+            fail("pp", "only applies to --model gpt (stages cut by its blocks)")
+        stages = self.pp * (2 if self.pp_schedule == "interleaved" else 1)
+        if self.layers % stages:
+            fail("pp", f"({self.pp}) must divide --layers ({self.layers}) into {stages} stages")
+        if self.micro_batches < self.pp:
+            fail(
+                "microbatches",
+                f"({self.micro_batches}) for --pp {self.pp}: give at least {self.pp}",
+            )
+        for name in ("cpu_offload", "keep_gathered", "memory_budget"):
+            if getattr(self, name):
+                fail(
+                    name,
+                    "is not planned with --pp yet (the budget search cuts the model "
+                    "into pipeline stages itself where nothing else fits)",
+                )
+
+    @property
+    def micro_batches(self) -> int:
+        return self.microbatches or self.grad_accum
+
+    def pipeline(self, ranks: int, microbatches: int, schedule: str) -> Pipeline:
+        """The GPT cut as ``flatshard train --pp`` cuts it."""
+        return Pipeline(ranks, microbatches, cut_to_stage, stage_loss, schedule)
 
 
 def add_parser(commands: Any) -> None:
@@ -158,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
         heads=config.heads,
         seq_len=config.seq_len,
     )
-    model = planned_model(config.model, train, config.vocab)
+    model = planned_model(config.model, train, config.vocab, untied=config.pp > 1)
     result = _plan(config, model, config.checkpoint_activations)
     if config.json and not config.memory_budget:
         print(json.dumps(result.to_json()))
@@ -195,6 +259,11 @@ def _plan(config: PlanConfig, model: PlannedModel, checkpointing: bool) -> flats
         keep_gathered=config.keep_gathered,
         cpu_offload=config.cpu_offload,
         placement=tables_placement(config.row_sparse_tables),
+        pipeline=(
+            config.pipeline(config.pp, config.micro_batches, config.pp_schedule)
+            if config.pp > 1
+            else None
+        ),
     )
 
 
@@ -211,7 +280,9 @@ def _recommend(config: PlanConfig, model: PlannedModel, first: flatshard.Plan) -
     # Candidates start from no offload (offload_where_nothing_fits adds it back).
     foreach = first.cluster.device != "cpu"
     setup: Setup = replace(first.setup, kept_gathered=0, cpu_offload=False, foreach=foreach)
-    problem = Problem(model.build, inputs, language_model_loss, first.cluster)
+    problem = Problem(
+        model.build, inputs, language_model_loss, first.cluster, pipelines=_pipelines(config)
+    )
     found = recommend(problem, setup, budget)
     best = best_fit(found, budget)
     if config.json:
@@ -229,8 +300,13 @@ def _recommend(config: PlanConfig, model: PlannedModel, first: flatshard.Plan) -
     if best is None:
         print("nothing fits: add ranks or hosts, lower --batch or --seq-len, or use bf16")
         return 1
-    flags = planned_train_flags(config, best.plan.cluster.ranks_per_host)
+    flags = planned_train_flags(config, best.plan.cluster.ranks_per_host, best.pipeline)
     flags += f"--strategy {best.strategy.name}"
+    if best.pipeline is not None:
+        pipe = best.pipeline
+        flags += (
+            f" --pp {pipe.ranks} --pp-schedule {pipe.schedule} --microbatches {pipe.microbatches}"
+        )
     if best.sublayers:
         flags += " --units sublayers"
     if best.sharding_factor:
@@ -254,19 +330,23 @@ def _recommend(config: PlanConfig, model: PlannedModel, first: flatshard.Plan) -
 # What ``flatshard train`` sets from the recommendation itself, or has no flag for.
 _NOT_REPEATED = {
     "strategy", "sharding_factor", "units", "keep_gathered", "checkpoint_activations",
-    "cpu_offload", "row_sparse_tables",
+    "cpu_offload", "row_sparse_tables", "pp", "pp_schedule", "microbatches",
 }  # fmt: skip
 
 
-def planned_train_flags(config: PlanConfig, ranks_per_host: int) -> str:
+def planned_train_flags(
+    config: PlanConfig, ranks_per_host: int, pipeline: Pipeline | None = None
+) -> str:
     """The train flags that reproduce what was planned: every option ``flatshard train``
     shares with ``plan`` whose value differs from train's default (--nproc: the ranks per
-    host planned for)."""
+    host planned for; a pipeline's micro-batches are its own flag)."""
     train = {f.name: f.default for f in fields(TrainConfig)}
     flags = ""
     for f in fields(PlanConfig):
         value = ranks_per_host if f.name == "nproc" else getattr(config, f.name)
         if f.name in _NOT_REPEATED or f.name not in train or value == train[f.name]:
+            continue
+        if pipeline is not None and f.name == "grad_accum":
             continue
         if isinstance(value, bool):
             flags += f"{flag(f.name) if value else '--no-' + flag(f.name)[2:]} "
@@ -275,12 +355,26 @@ def planned_train_flags(config: PlanConfig, ranks_per_host: int) -> str:
     return flags
 
 
+def _pipelines(config: PlanConfig) -> Any:
+    """The budget search's pipelines (--model gpt): 1F1B over P x --grad-accum
+    micro-batches (the same global batch), the blocks cut into P stages."""
+    if config.model != "gpt" or config.pp > 1:
+        return None
+
+    def cut_into(ranks: int) -> Pipeline | None:
+        if config.layers % ranks:
+            return None
+        return config.pipeline(ranks, config.grad_accum * ranks, "1f1b")
+
+    return cut_into
+
+
 def _print_candidates(model: PlannedModel, found: list[Candidate], budget: int) -> None:
     print(f"model: {model.description}; budget {size(budget)} per device")
-    print(f"  {'setup':<60} {'step':>10} {'device memory':>14}")
+    print(f"  {'setup':<78} {'step':>10} {'device memory':>14}")
     for c in found:
         verdict = "fits" if c.plan.fits_within(budget) else "over budget"
         print(
-            f"  {c.label:<60} {c.plan.step.seconds * 1e3:>8.1f}ms "
+            f"  {c.label:<78} {c.plan.step.seconds * 1e3:>8.1f}ms "
             f"{size(c.plan.device_memory_needed):>14}  {verdict}"
         )

@@ -55,6 +55,7 @@ def table(plan: Plan, budget: int | None = None) -> str:
         )
     if not plan.collectives:
         lines.append("  none (one rank)")
+    lines += _pipeline_lines(plan)
     lines += [
         "",
         f"step time: {step.seconds * 1e3:.2f} ms (compute {step.compute_s * 1e3:.2f} ms, "
@@ -65,6 +66,34 @@ def table(plan: Plan, budget: int | None = None) -> str:
     ]
     lines += [f"note: {note}" for note in cluster.notes]
     return "\n".join(lines)
+
+
+def _pipeline_lines(plan: Plan) -> list[str]:
+    """--pp: every pipeline rank's memory and work, the bubble and the sends."""
+    cost = plan.pipeline
+    if cost is None:
+        return []
+    layout = cost.layout
+    lines = [
+        "",
+        f"pipeline: {layout.stages} stages on {layout.ranks} ranks ({layout.schedule}, "
+        f"{layout.microbatches} micro-batches a step); above: the rank with the most memory",
+        f"  {'rank':<5} {'stages':<8} {'peak':>10} {'at rest':>10} {'in flight':>10} "
+        f"{'activations/mb':>15} {'work/step':>12}",
+    ]
+    for r in cost.ranks:
+        stages = ",".join(map(str, r.stages))
+        lines.append(
+            f"  {r.rank:<5} {stages:<8} {size(r.peak_memory_bytes):>10} "
+            f"{size(r.at_rest_bytes):>10} {r.in_flight:>10} {size(r.activation_bytes):>15} "
+            f"{r.busy_s * 1e3:>9.2f} ms"
+        )
+    lines += [
+        f"  bubble: {cost.bubble_s * 1e3:.2f} ms, {cost.bubble_fraction:.1%} of the step; "
+        f"sends: {size(cost.send_bytes)} per rank per step ({cost.send_s * 1e3:.2f} ms to fill "
+        "and drain)",
+    ]
+    return lines
 
 
 def _flops(rate: float) -> str:

@@ -18,7 +18,7 @@ import tempfile
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -67,6 +67,7 @@ from flatshard.cli.train.progress import (
     plot,
 )
 from flatshard.cli.train.resume import resume_changes
+from flatshard.models.gpt import cut_to_stage
 
 PROMPT = "And God said"
 
@@ -314,7 +315,7 @@ class PipelineTrainer(Trainer):
         stages: list[Any] = []  # torch's schedules take its stage base class
         for index in indices:
             module = self.lm.module if len(indices) == 1 else copy.deepcopy(self.lm.module)
-            _cut_to_stage(module, index, config.pp_stages)
+            cut_to_stage(module, index, config.pp_stages)
             part = shard_language_model(replace(self.lm, module=module), config, device, mesh["dp"])
             parts.append(part)
             stages.append(PipelineStage(part, index, config.pp_stages, device, group=self.pipeline))
@@ -386,21 +387,6 @@ class PipelineTrainer(Trainer):
 
 def _next_byte_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
-
-
-def _cut_to_stage(model: nn.Module, stage: int, stages: int) -> None:
-    """Keep stage ``stage``'s part of the GPT, as torchtitan cuts its models: its blocks
-    (the others become nn.Identity, so the names stay the whole model's), the embeddings on
-    the first stage, the final norm and the head on the last (None elsewhere)."""
-    blocks = cast(nn.ModuleList, model.blocks)
-    per = len(blocks) // stages
-    for index in range(len(blocks)):
-        if not stage * per <= index < (stage + 1) * per:
-            blocks[index] = nn.Identity()
-    if stage > 0:
-        model.tok = model.pos = None  # type: ignore[assignment]
-    if stage < stages - 1:
-        model.ln_f = model.head = None  # type: ignore[assignment]
 
 
 def _compiled(model: nn.Module, lm: LanguageModel, config: TrainConfig) -> nn.Module:
