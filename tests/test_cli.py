@@ -492,6 +492,37 @@ def test_bench_moe_preset_splits_the_experts(
     assert "tokens' all-to-alls: flatshard" in stdout
 
 
+def test_bench_runs_pipeline_stages(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--pp 2 at 4 ranks: flatshard's and FSDP2's stages under 1F1B, each with its bubble
+    measured (a share of the step) and its bytes by kind: rank 0 (the first stage) sends
+    each micro-batch's activations and receives their gradients, --batch x --seq-len x
+    --dim fp32 values each way per step; the plan's bubble beside the measured one."""
+    argv = ["--nproc", "4", "--pp", "2", "--grad-accum", "2", "--dim", "16", "--layers", "2"]
+    argv += ["--heads", "2", "--vocab", "40", "--seq-len", "8", "--batch", "4", "--steps", "1"]
+    argv += ["--rounds", "1"]
+    report, stdout = _bench(argv, tmp_path, capsys)
+    assert set(report["systems"]) == {"flatshard", "fsdp2"}
+    for system, row in report["systems"].items():
+        assert 0 < row["bubble"] < 1, (system, row)
+        assert row["bytes send"] == row["bytes recv"] == 4 * 8 * 16 * 4, (system, row)
+    assert "pipeline (2 stages, 1f1b, 2 mb), rank 0 per step: flatshard: bubble" in stdout
+    assert re.search(r"bubble [0-9.]+ \(measured [0-9.]+\)", stdout), stdout
+
+
+def test_bench_refuses_what_pipeline_stages_do_not_run(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for argv, message in [
+        (["--pp", "2", "--nproc", "3"], "--pp 2 needs --nproc (3) it divides"),
+        (["--pp", "2", "--systems", "flatshard,ddp", "--grad-accum", "2"], "runs --systems"),
+        (["--pp", "2", "--pp-schedule", "zero-bubble", "--systems", "fsdp2", "--grad-accum",
+          "2"], "FSDP2's zero-bubble is not exact"),
+        (["--pp", "2", "--grad-accum", "2", "--compile"], "--compile does not combine with --pp"),
+    ]:  # fmt: skip
+        assert main(["bench", *argv]) == 2, argv
+        assert message in capsys.readouterr().err, argv
+
+
 def test_bench_rejects_an_ep_that_does_not_divide(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--experts", "6", "--ep", "4"]) == 2
     assert "--ep 4 needs --experts (got 6) and --nproc (got 2) that it divides" in (

@@ -10,9 +10,11 @@ after three SGD steps agree to fp32 noise at PP2 x DP2 and PP4 (4 ranks) and PP2
 ranks), under FULL_SHARD and SHARD_GRAD_OP, with flatshard's and torch's clipping over all
 stages. Collectives per step by formula: each group gathered once and reduced once where
 units stay gathered; in zero-bubble schedules the reductions come after the stage's last
-weight pass. Misuse: stages that disagree on the micro-batch count, the sync switches
-inside a schedule's step, a module flatshard did not shard, accumulation over steps with
-the schedule's per-step division. See [Note: a schedule runs the step].
+weight pass; point-to-point sends and receives, one per micro-batch and neighbouring stage
+on another rank. The planner's price of a pipeline against a measured run. Misuse: stages
+that disagree on the micro-batch count, the sync switches inside a schedule's step, a
+module flatshard did not shard, accumulation over steps with the schedule's per-step
+division. See [Note: a schedule runs the step].
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from torch.utils.checkpoint import checkpoint
 
 import flatshard
 from flatshard.integrations.pipelining import PipelineStage
-from flatshard.measure import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, CollectiveTracker
+from flatshard.measure import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, RECV, SEND, CollectiveTracker
 from flatshard.testing.workers import WorkerContext, WorkerPool
 
 DIM, MICRO, BATCH, STEPS, LR = 16, 4, 8, 3, 0.1
@@ -199,7 +201,7 @@ def pipeline_job(
     optim = torch.optim.SGD(params, lr=LR)
     ref_optim = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=LR)
     flats = sum(f.requires_grad for m in modules for f in flatshard.sharding_summary(m).flat_params)
-    gathers, reductions, norms = [], [], []
+    gathers, reductions, norms, p2p = [], [], [], []
     for step in range(STEPS):
         gen = torch.Generator().manual_seed(step)
         xs = torch.randn(dp, BATCH, DIM, generator=gen)
@@ -217,6 +219,7 @@ def pipeline_job(
         big = [(kind, size) for kind, size in tracker.ops if size > 64]  # not the digests
         gathers.append(sum(kind == ALL_GATHER for kind, _ in big))
         reductions.append(sum(kind in (ALL_TO_ALL, ALL_REDUCE) for kind, _ in big))
+        p2p.append((tracker.counts[SEND], tracker.counts[RECV]))
         ref_optim.zero_grad()
         for r in range(dp):  # DDP's semantics: each rank's micro-batches, averaged
             for xm, ym in zip(xs[r].chunk(MICRO), ys[r].chunk(MICRO), strict=True):
@@ -230,6 +233,7 @@ def pipeline_job(
         with flatshard.summon_full_params(module):
             for p, q in zip(module.parameters(), reference[index].parameters(), strict=True):
                 worst = max(worst, _relative(p.detach(), q.detach()))
+    sends = _point_to_point(schedule, pp, ids)
     return {
         "worst": worst,
         "moved": moved,
@@ -237,7 +241,25 @@ def pipeline_job(
         "gathers": gathers,
         "reductions": reductions,
         "flats": flats,
+        "p2p": p2p,
+        "p2p_formula": [(sends, sends)] * STEPS,
     }
+
+
+def _point_to_point(schedule: str, pp: int, ids: list[int]) -> int:
+    """Sends (and receives) of a rank per step, by formula: for each of its stages, one per
+    micro-batch to each neighbouring stage on another rank (activations forward, their
+    gradient back); the V-shaped schedules hold stages pp - 1 and pp on one rank, which
+    pass each other tensors without sending."""
+    n_stages = pp * (2 if schedule in MULTI else 1)
+    owner = {s: r for r in range(pp) for s in _stage_ids(schedule, pp, r)}
+    crossings = sum(
+        owner[neighbour] != owner[stage]
+        for stage in ids
+        for neighbour in (stage - 1, stage + 1)
+        if 0 <= neighbour < n_stages
+    )
+    return MICRO * crossings
 
 
 def _check(results: list[dict[str, Any] | None]) -> list[dict[str, Any]]:
@@ -248,6 +270,8 @@ def _check(results: list[dict[str, Any] | None]) -> list[dict[str, Any]]:
         norms = result["norms"]
         for ours, theirs in zip(norms[0::2], norms[1::2], strict=True):
             assert math.isclose(ours, theirs, rel_tol=1e-5), norms  # the global norm
+        if "p2p" in result:  # the first step's also exchange the stages' shapes
+            assert result["p2p"][1:] == result["p2p_formula"][1:], result
     return found
 
 

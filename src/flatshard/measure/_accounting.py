@@ -18,6 +18,8 @@ ALL_GATHER = "all_gather"
 REDUCE_SCATTER = "reduce_scatter"
 ALL_REDUCE = "all_reduce"
 ALL_TO_ALL = "all_to_all"
+SEND = "send"  # point to point (pipeline stages: activations forward, gradients back)
+RECV = "recv"
 # The end-of-step check (flatshard/comm/_ledger.py): one all-gather of an 8-byte digest per
 # rank at the end of every backward pass and of every forward without backward.
 STEP_CHECK = 1  # all-gathers per check
@@ -30,6 +32,8 @@ _KINDS = {
     "c10d.reduce_scatter_": REDUCE_SCATTER,
     "c10d.allreduce_": ALL_REDUCE,
     "c10d.alltoall_base_": ALL_TO_ALL,
+    "c10d.send": SEND,
+    "c10d.recv_": RECV,
 }
 
 
@@ -167,6 +171,8 @@ def _sent(kind: str, args: tuple[Any, ...]) -> int:
     compare badly across forms of one reduction: gloo's reduce-scatter as an all-to-all
     (``comm/_collectives.py``) outputs every rank's chunk, W times a reduce-scatter's
     output, yet sends the same bytes."""
+    if kind in (SEND, RECV):  # (tensors, group, peer, tag): a send sends them whole
+        return sum(int(t.numel() * t.element_size()) for t in args[0]) if kind == SEND else 0
     boxed = next((a for a in args if isinstance(a, torch.ScriptObject)), None)
     if boxed is None:
         return 0

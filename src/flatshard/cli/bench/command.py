@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import tempfile
 import time
 from dataclasses import asdict, replace
@@ -36,8 +37,9 @@ import flatshard
 from flatshard.cli.bench.config import GATHER_SYSTEMS, PRESETS, BenchConfig
 from flatshard.cli.bench.formula import flatshard_formulas
 from flatshard.cli.bench.memory import steady_state_peak
+from flatshard.cli.bench.pipeline import PipelinedGPT, build_pipelined
 from flatshard.cli.bench.prediction import predict, predicted_line
-from flatshard.cli.bench.report import chart, scaling_table, summarize, table
+from flatshard.cli.bench.report import chart, pipeline_line, scaling_table, summarize, table
 from flatshard.cli.config import add_config_parser, config_from_args
 from flatshard.cli.devices import init_rank, peak_memory_mib, resolve_device
 from flatshard.cli.internals import PlacementRule, TokenBytes, WaitClock, fast_context
@@ -74,6 +76,9 @@ def run(args: argparse.Namespace) -> int:
         print(scaling_table({w: s for w, (s, _) in by_world.items()}, config.system_list))
     else:
         print(table(summary, "RSS" if config.device == "cpu" else "alloc."))
+        if config.pp > 1:
+            stages = f"{config.pp_stages} stages, {config.pp_schedule}, {config.grad_accum} mb"
+            print(pipeline_line(summary, stages))
         # Adafactor's step reads values a plan lacks; the plan accumulates with no_sync.
         plannable = config.optimizer != "adafactor" and config.accum == "no_sync"
         if "flatshard" in summary and not config.compile and plannable:
@@ -131,7 +136,7 @@ def _bench(config: BenchConfig) -> tuple[dict[str, dict[str, float]], str]:
         for system, report in _interleaved_round(config).items():
             runs[system].append(report)
     collectives = next((r["collectives"] for r in runs.get("flatshard", [])), "")
-    tokens = config.batch * config.seq_len * config.nproc
+    tokens = config.batch * config.seq_len * config.nproc // config.pp  # --pp: per replica
     return summarize(tokens, config.layers + 1, runs), collectives
 
 
@@ -182,6 +187,7 @@ def _interleaved_round(config: BenchConfig) -> dict[str, dict[str, Any]]:
     """
     times: dict[str, list[float]] = {s: [] for s in config.system_list}
     waits: dict[str, list[float]] = {s: [] for s in config.system_list}
+    bubbles: dict[str, list[float]] = {s: [] for s in config.system_list}  # --pp
     reports: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="flatshard-bench-") as tmp:
         systems = [
@@ -192,16 +198,21 @@ def _interleaved_round(config: BenchConfig) -> dict[str, dict[str, Any]]:
                 system.collect()  # built and ready
             for step in range(config.warmup + config.steps):
                 for system in systems:
-                    rank0 = system.ask("step")[0]
+                    answers = system.ask("step")
+                    rank0 = answers[0]
                     if step >= config.warmup:
                         times[system.system].append(rank0["time"])
                         waits[system.system].append(rank0["wait"])
+                        if "bubble" in rank0:  # [Note: the bubble, measured]
+                            bubble = statistics.mean(a["bubble"] for a in answers)
+                            bubbles[system.system].append(bubble)
             for system in systems:
                 answers = system.ask("stop")
                 reports[system.system] = {
                     **answers[0],
                     "step_times": times[system.system],
                     "comm_waits": waits[system.system] if answers[0]["waits_measured"] else [],
+                    "bubbles": bubbles[system.system],
                     "peak_mem_mib": max(a["peak_mem_mib"] for a in answers),
                     "tensor_peak_mib": max(a["tensor_peak_mib"] for a in answers),
                     "tensor_rest_mib": max(a["tensor_rest_mib"] for a in answers),
@@ -256,12 +267,16 @@ def _serve(
         if step == config.warmup:
             tokens_before = TokenBytes.received
         start, waited = time.perf_counter(), WaitClock.seconds
+        busy = model.busy_s if isinstance(model, PipelinedGPT) else 0.0
         with tracker if step == config.warmup else contextlib.nullcontext():
             _train_step(model, optim, idx, config, system)
         _synchronize(device)
         dist.barrier()
         elapsed = time.perf_counter() - start
-        answers.put({"rank": rank, "time": elapsed, "wait": WaitClock.seconds - waited})
+        answer = {"rank": rank, "time": elapsed, "wait": WaitClock.seconds - waited}
+        if isinstance(model, PipelinedGPT):  # [Note: the bubble, measured]
+            answer["bubble"] = 1 - (model.busy_s - busy) / elapsed
+        answers.put(answer)
         step += 1
     formulas = {"rest": -1, "collective": -1}  # -1: no formula for this system
     plain = system.startswith("flatshard") and system not in GATHER_SYSTEMS
@@ -292,6 +307,7 @@ def _serve(
         "sent_bytes": tracker.sent_bytes(),  # [Note: bytes sent, not bytes produced]
         "all_gather_bytes": int(tracker.bytes[ALL_GATHER]),
         "all_to_all_bytes": int(tracker.bytes[ALL_TO_ALL]),
+        "bytes_by_kind": {kind: int(n) for kind, n in tracker.bytes.items()},
         # the experts' token all-to-alls alone (gloo's reduce-scatters are all-to-alls too)
         "token_bytes": token_bytes,
         "peak_mem_mib": peak_memory_mib(device),
@@ -330,6 +346,9 @@ def _embedding_report(
 def _build(
     config: BenchConfig, system: str, device: torch.device
 ) -> tuple[nn.Module, list[torch.optim.Optimizer]]:
+    if config.pp > 1:  # AdamW alone: nothing kept whole
+        run = build_pipelined(config, system, device)
+        return run, build_optimizers(run, {GPTBlock}, config.optimizer, 1e-4, 0.0)
     torch.manual_seed(0)
     gpt = GPT(
         config.vocab,
@@ -362,6 +381,9 @@ def _train_step(
 ) -> None:
     """One optimizer step over --grad-accum micro-batches of ``idx``, accumulated as
     --accum says, with each system's own switches."""
+    if isinstance(model, PipelinedGPT):  # --pp: the schedule runs the micro-batches
+        model.train_step(idx, optimizers, system)
+        return
     count = config.grad_accum
     parts = idx.chunk(count)
     if system.startswith("flatshard"):  # flatshard train's own loop (runtime/_step_loop.py)

@@ -35,6 +35,8 @@ EXTRA_SYSTEMS = (
 
 
 ACCUMULATIONS = ("no_sync", "reduce", "keep")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
+PP_SYSTEMS = ("flatshard", "fsdp2")  # the systems --pp runs in stages
 
 # bool values are flags too (``tied``, ``row_sparse_tables``)
 PRESETS: dict[str, dict[str, int]] = {
@@ -135,6 +137,15 @@ class BenchConfig:
     overhead a model with negligible compute (16 blocks of width 16, 4 tokens): the
     "ms/unit" column (time over the floor per unit) is then host overhead, best measured
     with --nproc 1 --systems flatshard,fsdp2,floor (and --compile)"""
+    pp: int = 1
+    """pipeline stages: each system's GPT cut into --pp stages as train --pp cuts it (head
+    untied), each stage sharded over nproc / pp ranks, run by --pp-schedule over
+    --grad-accum micro-batches of the --batch sequences; systems flatshard and fsdp2; a
+    line after the table gives the bubble measured (each rank's share of the step outside
+    its stages' passes, mean over ranks) and the bytes per step by kind"""
+    pp_schedule: str = "1f1b"
+    """gpipe | 1f1b | interleaved | zero-bubble (interleaved: 2 x --pp stages, two a rank;
+    zero-bubble runs flatshard alone: FSDP2's is not exact)"""
     out: str = "runs/bench"
     """directory for bench.json and bench.png"""
 
@@ -180,9 +191,55 @@ class BenchConfig:
             )
         if self.preset and self.preset not in PRESETS:
             raise ConfigError(f"--preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
+        self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        """--pp: what a pipelined bench takes (the rest refused by name)."""
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ConfigError(
+                f"--pp-schedule must be one of {', '.join(PP_SCHEDULES)}, got {self.pp_schedule!r}"
+            )
+        if self.pp < 1:
+            raise ConfigError(f"--pp must be >= 1, got {self.pp}")
+        if self.pp == 1:
+            return
+        if self.nproc % self.pp or self.layers % self.pp_stages or self.grad_accum < self.pp:
+            raise ConfigError(
+                f"--pp {self.pp} needs --nproc ({self.nproc}) it divides, --layers "
+                f"({self.layers}) that {self.pp_stages} stages divide, and at least {self.pp} "
+                f"micro-batches (--grad-accum, got {self.grad_accum})"
+            )
+        allowed = ("flatshard",) if self.pp_schedule == "zero-bubble" else PP_SYSTEMS
+        if set(self.system_list) - set(allowed):
+            raise ConfigError(
+                f"--pp --pp-schedule {self.pp_schedule} runs --systems {','.join(allowed)}"
+                + (
+                    " (FSDP2's zero-bubble is not exact)"
+                    if self.pp_schedule == "zero-bubble"
+                    else ""
+                )
+                + f", got {self.systems!r}"
+            )
+        for name, value in {
+            "--experts": self.experts,
+            "--row-sparse-tables": self.row_sparse_tables,
+            "--compile": self.compile,
+            "--scaling": self.scaling,
+            "--accum reduce|keep": self.accum != "no_sync",
+            f"--optimizer {self.optimizer}": self.optimizer != "adamw",
+        }.items():
+            if value:
+                raise ConfigError(f"{name} does not combine with --pp yet")
+
+    @property
+    def pp_stages(self) -> int:
+        """--pp: the stages (two a rank under the interleaved schedule)."""
+        return 2 * self.pp if self.pp_schedule == "interleaved" else self.pp
 
     @property
     def system_list(self) -> list[str]:
+        if not self.systems and self.pp > 1:
+            return ["flatshard"] if self.pp_schedule == "zero-bubble" else list(PP_SYSTEMS)
         if not self.systems:
             exact = not needs_whole_params(self.optimizer)
             return [s for s in SYSTEMS if s != "fsdp2" or exact]

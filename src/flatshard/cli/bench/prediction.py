@@ -9,7 +9,8 @@ from torch import nn
 import flatshard
 from flatshard.cli.bench.config import BenchConfig
 from flatshard.models import GPT, GPTBlock
-from flatshard.planner import cpu_cluster
+from flatshard.models.gpt import cut_to_stage
+from flatshard.planner import Pipeline, cpu_cluster
 
 MiB = 1 << 20
 
@@ -18,8 +19,9 @@ def predict(config: BenchConfig) -> dict[str, float]:
     """The plan of flatshard's bench run: tensor peak (MiB) and, on CPU (this machine,
     measured), the step (s); on a GPU memory only (the step depends on which GPU)."""
 
-    def build() -> nn.Module:
-        return GPT(config.vocab, config.dim, config.heads, config.layers, config.seq_len)
+    def build() -> nn.Module:  # --pp: the head untied, as the bench's stages hold it
+        shape = (config.vocab, config.dim, config.heads, config.layers, config.seq_len)
+        return GPT(*shape, config.tied and config.pp == 1)
 
     def inputs() -> tuple[torch.Tensor, ...]:  # one micro-batch
         rows = config.batch // config.grad_accum
@@ -41,11 +43,22 @@ def predict(config: BenchConfig) -> dict[str, float]:
         optimizer=config.optimizer,
         grad_accum=config.grad_accum,
         clip=False,  # the bench's step does not clip
+        pipeline=(
+            Pipeline(config.pp, config.grad_accum, cut_to_stage, _stage_loss, config.pp_schedule)
+            if config.pp > 1
+            else None
+        ),
     )
     predicted = {"tensor_peak_mib": plan.peak_memory_bytes / MiB}
     if cpu:
         predicted["median_step_s"] = plan.step.seconds
+    if plan.pipeline is not None:
+        predicted["bubble"] = plan.pipeline.bubble_fraction
     return predicted
+
+
+def _stage_loss(logits: torch.Tensor, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.flatten(0, 1), batch[0].flatten())
 
 
 def predicted_line(predicted: dict[str, float], measured: dict[str, float]) -> str:
@@ -56,4 +69,6 @@ def predicted_line(predicted: dict[str, float], measured: dict[str, float]) -> s
     if "median_step_s" in predicted:
         step, actual = predicted["median_step_s"], measured["median_step_s"]
         line += f", step {step:.3f} s (measured {actual:.3f})"
+    if "bubble" in predicted and "bubble" in measured:
+        line += f", bubble {predicted['bubble']:.2f} (measured {measured['bubble']:.2f})"
     return line

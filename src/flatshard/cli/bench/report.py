@@ -40,6 +40,11 @@ def summarize(
         waits = [w for r in system_runs for w in r["comm_waits"]]
         if waits:
             summary[system]["exposed_comm_s"] = statistics.median(waits)
+        bubbles = [b for r in system_runs for b in r.get("bubbles", [])]
+        if bubbles:  # --pp: [Note: the bubble, measured]
+            summary[system]["bubble"] = statistics.median(bubbles)
+        for kind, nbytes in system_runs[0].get("bytes_by_kind", {}).items():
+            summary[system][f"bytes {kind}"] = nbytes
     floor = summary.get("floor", {}).get("median_step_s")
     for row in summary.values():
         if floor is not None:
@@ -76,6 +81,19 @@ def table(summary: dict[str, dict[str, float]], memory: str) -> str:
             f"{_cell(row.get('over_floor_ms_per_unit'), '', 8)} " + " ".join(cells)
         )
     return "\n".join(lines)
+
+
+def pipeline_line(summary: dict[str, dict[str, float]], stages: str) -> str:
+    """--pp: each system's bubble measured and rank 0's bytes per step by kind."""
+    parts = []
+    for system, row in summary.items():
+        kinds = ", ".join(
+            f"{key[len('bytes ') :]} {value / 1e6:.1f}"
+            for key, value in sorted(row.items())
+            if key.startswith("bytes ") and value
+        )
+        parts.append(f"{system}: bubble {row.get('bubble', float('nan')):.2f}; MB {kinds}")
+    return f"pipeline ({stages}), rank 0 per step: " + " | ".join(parts)
 
 
 def scaling_table(by_world: dict[int, dict[str, dict[str, float]]], systems: list[str]) -> str:
