@@ -1,6 +1,7 @@
 """Runs every Python block of docs/guide.md in order, in one namespace (the guide's blocks
-build on each other), for test_guide.py: ``torchrun --nproc-per-node 2 guide_script.py``.
-A failing block is reported with its first line in the guide."""
+build on each other), for test_guide.py: ``torchrun --nproc-per-node 2 guide_script.py``;
+``--section TITLE``: the setup block and that section's blocks alone. A failing block is
+reported with its first line in the guide."""
 
 from __future__ import annotations
 
@@ -23,9 +24,22 @@ def blocks(text: str) -> list[tuple[int, str]]:
     return found
 
 
+def section(text: str, title: str) -> list[tuple[int, str]]:
+    """The guide's first block (its setup: imports, the process group) and the blocks of
+    the section whose heading starts with ``title``."""
+    start = text.index(f"\n## {title}")
+    end = text.find("\n## ", start + 1)
+    first, *rest = blocks(text)
+    lo, hi = text.count("\n", 0, start), text.count("\n", 0, end if end >= 0 else len(text))
+    return [first, *(b for b in rest if lo < b[0] <= hi)]
+
+
 def main() -> None:
+    """Every block, or with ``--section TITLE`` that section's alone (after the setup)."""
     namespace: dict[str, object] = {"__name__": "__guide__"}
-    for line, code in blocks(GUIDE.read_text()):
+    text = GUIDE.read_text()
+    chosen = section(text, sys.argv[2]) if sys.argv[1:2] == ["--section"] else blocks(text)
+    for line, code in chosen:
         try:
             exec(compile(code, f"docs/guide.md:{line}", "exec"), namespace)
         except Exception as error:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from typing import Any, ClassVar
 
 import pytest
@@ -422,6 +423,52 @@ def test_sync_switches_inside_a_schedules_step_are_refused(local_group: Any) -> 
 def test_a_module_flatshard_did_not_shard_is_refused(local_group: Any) -> None:
     with pytest.raises(ValueError, match=r"is not sharded; call flatshard.fully_shard"):
         PipelineStage(nn.Sequential(Block()), 0, 1, torch.device("cpu"), group=local_group)
+
+
+def test_a_tied_embedding_and_head_cut_apart_are_refused(local_group: Any) -> None:
+    """A GPT (and a Hugging Face model) that declares its embedding and head tied, cut so
+    that a stage holds one of them: refused on the stage of either, with the fix; untied,
+    or with both on one stage, accepted."""
+    from flatshard.models import GPT, GPTBlock
+    from flatshard.models.gpt import cut_to_stage
+
+    def stage(index: int, tied: bool) -> PipelineStage:
+        model = GPT(64, 16, 2, 2, 8, tied=tied)
+        cut_to_stage(model, index, 2)
+        sharded = flatshard.fully_shard(
+            model, auto_wrap_policy={GPTBlock}, process_group=local_group
+        )
+        return PipelineStage(sharded, index, 2, torch.device("cpu"), group=local_group)
+
+    for index, held in ((0, "input embedding ('tok')"), (1, "output head ('head')")):
+        with pytest.raises(ValueError, match=rf"stage {index} holds the {re.escape(held)} but"):
+            stage(index, tied=True)
+    with pytest.raises(ValueError, match=r"Untie them before cutting .* GPT\(\.\.\., tied=False\)"):
+        stage(1, tied=True)
+    stage(1, tied=False)
+    whole = flatshard.fully_shard(GPT(64, 16, 2, 2, 8), process_group=local_group)
+    PipelineStage(whole, 0, 1, torch.device("cpu"), group=local_group)
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    llama = transformers.LlamaForCausalLM(config)
+    llama.model.embed_tokens = None  # the last stage, cut torchtitan's way
+    sharded = flatshard.fully_shard(llama, process_group=local_group)
+    with pytest.raises(ValueError, match=r"holds the output head \('lm_head'\)"):
+        PipelineStage(sharded, 1, 2, torch.device("cpu"), group=local_group)
+
+
+def test_a_stage_cut_from_a_model_sharded_whole_is_refused(local_group: Any) -> None:
+    """fully_shard on the whole model, then a block of it as a stage: the units of the
+    model's one step lie in other stages; refused with the order that works."""
+    whole = flatshard.fully_shard(
+        nn.Sequential(Block(), Block()), auto_wrap_policy={Block}, process_group=local_group
+    )
+    refused = r"stage 0's module is part of a model sharded as one \(units outside it: 1\)"
+    with pytest.raises(ValueError, match=refused + r".*Cut the model into stages first"):
+        PipelineStage(whole[0], 0, 2, torch.device("cpu"), group=local_group)
 
 
 def test_accumulating_over_steps(local_group: Any) -> None:

@@ -132,6 +132,42 @@ def _require_sharded(module: nn.Module, stage: int) -> None:
         )
 
 
+def _refuse_a_cut_tie(module: nn.Module, stage: int) -> None:
+    """A model that declares its input embedding and output head tied (Hugging Face's
+    ``tie_word_embeddings``, on it or its ``config``) but holds only one of them: the cut
+    separated one weight into two copies that would train apart."""
+    config = getattr(module, "config", None)
+    tied = getattr(module, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False))
+    if tied is not True or not hasattr(module, "get_output_embeddings"):
+        return
+    parts = {}
+    for side in ("input", "output"):
+        try:
+            found = getattr(module, f"get_{side}_embeddings")()
+        except (AttributeError, NotImplementedError):
+            found = None
+        parts[side] = (
+            found
+            if isinstance(found, nn.Module) and any(True for _ in found.parameters())
+            else None
+        )
+    if (parts["input"] is None) == (parts["output"] is None):
+        return
+    held = "input embedding" if parts["input"] is not None else "output head"
+    missing = "output head" if held == "input embedding" else "input embedding"
+    names = {id(m): name for name, m in module.named_modules()}
+    name = names.get(id(parts["input"] or parts["output"]), "?")
+    raise ValueError(
+        f"flatshard PipelineStage: stage {stage} holds the {held} ({name!r}) but not the "
+        f"{missing}, and its model declares them tied (tie_word_embeddings=True: one "
+        "weight). torch's pipelining cannot share a parameter between stages: each stage "
+        "would train a copy of its own, no longer the tied model. Untie them before "
+        "cutting (a head with a weight of its own: config.tie_word_embeddings=False for "
+        "Hugging Face models, GPT(..., tied=False)), or keep the embedding and the head "
+        "on one stage."
+    )
+
+
 class PipelineStage(_ShardedStage, TorchPipelineStage):
     """torch's ``PipelineStage`` for a module sharded with ``flatshard.fully_shard``.
 
@@ -153,6 +189,7 @@ class PipelineStage(_ShardedStage, TorchPipelineStage):
         **kwargs: Any,
     ) -> None:
         _require_sharded(submodule, stage_index)
+        _refuse_a_cut_tie(submodule, stage_index)
         super().__init__(
             submodule,
             stage_index,

@@ -84,7 +84,15 @@ class GPT(nn.Module):
         self.head = nn.Linear(dim, vocab, bias=False)
         if tied:
             self.head.weight = self.tok.weight
+        # Hugging Face's name and accessors for the tie (a pipeline stage checks them).
+        self.tie_word_embeddings = tied
         self.checkpoint_blocks = False  # recompute each block (hooks included) in backward
+
+    def get_input_embeddings(self) -> nn.Module | None:
+        return self._modules["tok"]
+
+    def get_output_embeddings(self) -> nn.Module | None:
+        return self._modules["head"]
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """(B, T) ids -> (B, T, vocab) logits; a later pipeline stage takes and an earlier

@@ -59,8 +59,20 @@ def join_pipeline(
     model: nn.Module, group: dist.ProcessGroup, stage: int, stages: int, owner: str
 ) -> None:
     """``model`` is stage ``stage`` of ``stages`` of the pipeline over ``group``: its
-    gradient norms add up over the stages ([Note: a norm over every stage])."""
-    for context in contexts_under(model, owner):
+    gradient norms add up over the stages ([Note: a norm over every stage]). A model
+    sharded whole and cut afterwards is refused: its step (gathers, reductions, the
+    end-of-step check) would span stages that torch's schedule runs apart."""
+    contexts = contexts_under(model, owner)
+    inside = {id(m) for m in model.modules()}
+    outside = [u.fqn or "<root>" for c in contexts for u in c.units if id(u.module) not in inside]
+    if outside:
+        raise ValueError(
+            f"{owner}: stage {stage}'s module is part of a model sharded as one "
+            f"(units outside it: {', '.join(outside[:4])}{', ...' if len(outside) > 4 else ''}"
+            "): a sharded model's step cannot span pipeline stages. Cut the model into "
+            "stages first, then call flatshard.fully_shard on each stage's module."
+        )
+    for context in contexts:
         context.pipeline = PipelineSeat(group, stage, stages)
 
 
