@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import math
 import re
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
@@ -1015,3 +1016,74 @@ def test_the_plan_of_a_pipeline_predicts_each_stages_peak(pool: WorkerPool, sche
     in_flight = [r.in_flight for r in planned.pipeline.ranks]
     assert in_flight == ([GPT_MICRO, GPT_MICRO] if schedule == "gpipe" else [2, 1])
     assert planned.peak_memory_bytes == max(r.peak_memory_bytes for r in planned.pipeline.ranks)
+
+
+def _tiny_llama() -> nn.Module:
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def export_job(ctx: WorkerContext, out: str) -> dict[str, Any] | None:
+    """A Hugging Face Llama cut in two stages torchtitan's way (the other stage's layers
+    nn.Identity, the embedding on the first, the norm and head on the last), each sharded
+    over its 2 data-parallel ranks as a PipelineStage, exported from the stages; rank 0
+    loads the export with ``from_pretrained`` and compares it with the stages' own full
+    state dicts, which together name every entry of the whole model."""
+    import transformers
+
+    dps, pps = _groups(2, 2)
+    pp_rank, dp_rank = divmod(ctx.rank, 2)
+    model = _tiny_llama()
+    layers = model.model.layers
+    for index in range(len(layers)):
+        if index // 2 != pp_rank:
+            layers[index] = nn.Identity()
+    if pp_rank == 0:
+        model.model.norm, model.lm_head = nn.Identity(), None
+    else:
+        model.model.embed_tokens = None
+    layer = type(_tiny_llama().model.layers[0])
+    sharded = flatshard.fully_shard(model, auto_wrap_policy={layer}, process_group=dps[pp_rank])
+    PipelineStage(sharded, pp_rank, 2, torch.device("cpu"), group=pps[dp_rank])
+    with torch.no_grad():  # trained weights, not the initial ones
+        for param in sharded.parameters():
+            param.add_(0.5)
+    full = flatshard.full_state_dict(sharded)  # this stage's part, before the export
+    files = flatshard.export_safetensors(sharded, out)
+    parts: list[Any] = [None] * 4
+    dist.all_gather_object(parts, full if dp_rank == 0 else None)  # the world
+    if ctx.rank != 0:
+        return None
+    loaded = transformers.LlamaForCausalLM.from_pretrained(out).state_dict()
+    expected = {**parts[0], **parts[2]}
+    return {
+        "files": sorted(files),
+        "whole": sorted(_tiny_llama().state_dict()) == sorted(expected),
+        "missing": sorted(set(expected) - set(loaded)),
+        "worst": max(_relative(loaded[k], v) for k, v in expected.items()),
+    }
+
+
+def test_an_export_of_pipeline_stages_loads_with_from_pretrained(
+    pool: WorkerPool, tmp_path: Any
+) -> None:
+    """export_safetensors on every rank of a PP2 x DP2 Llama: each stage's first rank
+    writes its part, the first stage the joint index and config.json; from_pretrained
+    reads the whole model, equal to the stages' parts."""
+    pytest.importorskip("transformers")
+    result = pool.run(export_job, str(tmp_path / "hf"))[0]
+    assert result is not None
+    assert result["whole"] and not result["missing"], result
+    assert result["worst"] == 0.0, result
+    assert sorted(Path(f).name for f in result["files"]) == [
+        "config.json",
+        "generation_config.json",
+        "model-stage001-00001-of-00001.safetensors",
+        "model.safetensors.index.json",
+    ], result["files"]

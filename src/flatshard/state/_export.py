@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
@@ -17,7 +18,7 @@ from torch import nn
 from flatshard.comm._collectives import all_gather_object
 from flatshard.comm._ranks import global_rank, rank_in
 from flatshard.flat._full_params import gather_copies
-from flatshard.runtime._step import every_rank_calls
+from flatshard.runtime._step import PipelineSeat, context_of, every_rank_calls
 from flatshard.state._checkpoint import (
     MODEL,
     checkpoint_metadata,
@@ -26,7 +27,7 @@ from flatshard.state._checkpoint import (
     verify_files,
 )
 from flatshard.state._directory import read_manifest
-from flatshard.state._safetensors import Entry, StreamWriter
+from flatshard.state._safetensors import INDEX, Entry, StreamWriter, weight_map, write_index
 from flatshard.state._state_dict import (
     HeldRows,
     Names,
@@ -66,6 +67,8 @@ def export_safetensors(
     # With tensor parallelism each TP peer of rank 0 gathers too (the TP collectives need
     # them); only TP rank 0 writes.
     write = keep and all(tp.holds_first for tp in tensor_parallel_of(model))
+    checkpoint_group(model)  # refuses a pipeline whose ranks hold several stages, first
+    seat = _stage_seat(model)
     state = renamed(plain_state_dict(model), names, "export_safetensors")
     keys_of: dict[int, list[str]] = {}
     for key, value in state.items():
@@ -76,7 +79,8 @@ def export_safetensors(
         Entry(key, _out_dtype(state[key].dtype, dtype), tuple(_full_shape(state[key], places)))
         for key in order
     ]
-    writer = _Writer(Path(out_dir), entries, max_shard_bytes, dtype, write)
+    prefix = "model" if seat is None else f"model-stage{seat.stage + 1:03d}"
+    writer = _Writer(Path(out_dir), entries, max_shard_bytes, dtype, write, prefix)
     written: set[str] = set()
     for flat in flat_params(model):
         copies = gather_copies(flat, flat.param_region, keep, cpu_offload=True)
@@ -87,9 +91,19 @@ def export_safetensors(
     for key in order:
         if key not in written:
             writer.write(key, state[key].detach())
-    files = writer.finish(model)
+    if seat is None:
+        files = writer.finish(model, index=True, configs=True)
+    else:  # [Note: an export of pipeline stages]
+        files = writer.finish(model, index=False, configs=seat.stage == 0)
+        if write:
+            files += writer.joint_index(seat)
     _agree_written(model, Path(out_dir), writer.failure)
     return files
+
+
+def _stage_seat(model: nn.Module) -> PipelineSeat | None:
+    context = context_of(model)
+    return None if context is None else context.pipeline
 
 
 class _Writer:
@@ -105,6 +119,7 @@ class _Writer:
         max_shard_bytes: int,
         dtype: torch.dtype | None,
         active: bool,
+        prefix: str = "model",
     ) -> None:
         self.out_dir, self.dtype = out_dir, dtype
         self.failure: Exception | None = None
@@ -112,7 +127,7 @@ class _Writer:
         if not active:
             return
         try:
-            self.stream = StreamWriter(out_dir, entries, max_shard_bytes)
+            self.stream = StreamWriter(out_dir, entries, max_shard_bytes, prefix)
         except Exception as error:
             self.failure = error
 
@@ -124,15 +139,37 @@ class _Writer:
         except Exception as error:
             self.stream, self.failure = None, error
 
-    def finish(self, model: nn.Module) -> list[str]:
+    def finish(self, model: nn.Module, index: bool, configs: bool) -> list[str]:
         """The files written (``[]`` after a failure)."""
         if self.stream is None:
             return []
         try:
-            return self.stream.finish() + _write_hugging_face_configs(model, self.out_dir)
+            files = self.stream.finish(index)
+            return files + (_write_hugging_face_configs(model, self.out_dir) if configs else [])
         except Exception as error:
             self.stream, self.failure = None, error
             return []
+
+    def joint_index(self, seat: PipelineSeat) -> list[str]:
+        """[Note: an export of pipeline stages]
+        Each stage's writer (rank 0 of its data-parallel ranks) writes its part under a
+        name of its own (``model-stage001-00001-of-00002.safetensors``); the writers, one
+        per stage, are the ranks of one pipeline group, and they send each other which file
+        holds each name: the first stage writes the joint index (and the model's
+        ``config.json``), so that ``from_pretrained`` reads the whole model. A writer that
+        failed sends nothing, and ``_agree_written`` raises on every rank."""
+        mine = None if self.stream is None else weight_map(self.stream.files)
+        maps = cast(list[tuple[dict[str, str], int] | None], all_gather_object(mine, seat.group))
+        parts = [m for m in maps if m is not None]
+        if seat.stage != 0 or self.stream is None or len(parts) < len(maps):
+            return []
+        names = {name: file for part in parts for name, file in part[0].items()}
+        try:
+            write_index(self.out_dir, names, sum(part[1] for part in parts))
+        except Exception as error:
+            self.stream, self.failure = None, error
+            return []
+        return [INDEX]
 
 
 def _agree_written(model: nn.Module, out_dir: Path, failure: Exception | None) -> None:

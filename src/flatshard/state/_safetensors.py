@@ -51,10 +51,13 @@ class Entry:
         return numel * torch.empty((), dtype=self.dtype).element_size()
 
 
-def split_into_files(entries: list[Entry], max_shard_bytes: int) -> list[tuple[str, list[Entry]]]:
+def split_into_files(
+    entries: list[Entry], max_shard_bytes: int, prefix: str = "model"
+) -> list[tuple[str, list[Entry]]]:
     """Split ``entries`` (in write order) into files of at most ``max_shard_bytes``.
 
-    A tensor larger than the limit gets a file of its own.
+    A tensor larger than the limit gets a file of its own. ``prefix``: the files' names
+    (another than "model": a part of an export, numbered even when one file).
     """
     for entry in entries:
         if entry.dtype not in DTYPES:
@@ -67,20 +70,21 @@ def split_into_files(entries: list[Entry], max_shard_bytes: int) -> list[tuple[s
             size = 0
         groups[-1].append(entry)
         size += entry.nbytes
-    if len(groups) == 1:
+    if len(groups) == 1 and prefix == "model":
         return [("model.safetensors", groups[0])]
     total = len(groups)
-    return [(f"model-{i + 1:05d}-of-{total:05d}.safetensors", g) for i, g in enumerate(groups)]
+    return [(f"{prefix}-{i + 1:05d}-of-{total:05d}.safetensors", g) for i, g in enumerate(groups)]
 
 
-def write_index(out_dir: Path, files: list[tuple[str, list[Entry]]]) -> None:
-    """``model.safetensors.index.json``: which file holds each name (only for 2+ files)."""
-    if len(files) < 2:
-        return
-    index = {
-        "metadata": {"total_size": sum(e.nbytes for _, group in files for e in group)},
-        "weight_map": {e.name: name for name, group in files for e in group},
-    }
+def weight_map(files: list[tuple[str, list[Entry]]]) -> tuple[dict[str, str], int]:
+    """Which file holds each name, and the bytes of them all."""
+    names = {e.name: name for name, group in files for e in group}
+    return names, sum(e.nbytes for _, group in files for e in group)
+
+
+def write_index(out_dir: Path, names: dict[str, str], total_size: int) -> None:
+    """``model.safetensors.index.json``: which file holds each name."""
+    index = {"metadata": {"total_size": total_size}, "weight_map": names}
     (out_dir / INDEX).write_text(json.dumps(index, indent=2))
 
 
@@ -126,10 +130,12 @@ class StreamWriter:
     Each file is written under a temporary name and renamed once complete.
     """
 
-    def __init__(self, out_dir: Path, entries: list[Entry], max_shard_bytes: int) -> None:
+    def __init__(
+        self, out_dir: Path, entries: list[Entry], max_shard_bytes: int, prefix: str = "model"
+    ) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
         self.out_dir = out_dir
-        self.files = split_into_files(entries, max_shard_bytes)
+        self.files = split_into_files(entries, max_shard_bytes, prefix)
         self._next_file = 0
         self._writer: FileWriter | None = None
         self._handle: BinaryIO | None = None
@@ -164,9 +170,10 @@ class StreamWriter:
     def _partial_path(self, index: int) -> Path:
         return self.out_dir / (self.files[index][0] + ".partial")
 
-    def finish(self) -> list[str]:
-        """Write the index; the names of the files written."""
+    def finish(self, index: bool = True) -> list[str]:
+        """Write the index (``index``: where there are 2+ files); the files written."""
         if self._writer is not None or self._next_file != len(self.files):
             raise RuntimeError("safetensors writer: finished before every tensor arrived")
-        write_index(self.out_dir, self.files)
+        if index and len(self.files) > 1:
+            write_index(self.out_dir, *weight_map(self.files))
         return [name for name, _ in self.files]
