@@ -14,7 +14,9 @@ two under the interleaved schedule (stages r and r + P). Around them:
 
 - memory: the rank's stages' simulated peaks, plus the activations of the micro-batches
   in flight beyond one per stage (what a micro-batch's forward adds, but the units it
-  gathers): GPipe holds all M; 1F1B and zero-bubble P - r on rank r (at most M);
+  gathers): GPipe holds all M; 1F1B and zero-bubble P - r on rank r (at most M; the
+  weight passes of zero-bubble keep more until they run, not modelled: measured 1.7x
+  1F1B's peak on docs/performance.md's byte-gpt);
   interleaved (v = 2 stages a rank) the (v - 1) P + 2 (P - 1 - r) + 1 chunks of torch's
   warm-up (at most v M); plus torch's receive buffers, one per micro-batch for the
   activations a stage takes and one for the gradient it gets back;
