@@ -142,7 +142,13 @@ CALLS: dict[str, Call] = {
     "register_comm_hook": lambda m, o, t: comm_hooks.register_comm_hook(
         m, comm_hooks.LowPrecisionHook(torch.bfloat16)
     ),
+    "set_all_reduce_hook": lambda m, o, t: flatshard.set_all_reduce_hook(m, _keep),
 }
+
+
+def _keep(shard: torch.Tensor) -> None:
+    """An all-reduce hook that leaves the shard as it is."""
+
 
 # Public functions that take no sharded model, each with why it needs no agreement here.
 NOT_ON_A_MODEL: dict[str, str] = {
@@ -320,6 +326,8 @@ def alone_job(rank: int, case: str) -> tuple[str, str, float]:
                 flatshard.set_gradient_divide_factor(model, 1.0)
             elif case == "unshard":
                 flatshard.unshard(model.blocks[0])
+            elif case == "all_reduce_hook":
+                flatshard.set_all_reduce_hook(model, _keep)
         elif case == "divide_factor_both":
             flatshard.set_gradient_divide_factor(model, 2.0)
         if case == "divide_factor_both" and rank == 0:
@@ -343,6 +351,7 @@ CASES = {
     "divide_factor": ("CollectiveTimeoutError", "set_gradient_divide_factor(1.0)"),
     "divide_factor_both": ("CollectiveMismatchError", "set_gradient_divide_factor(2.0)"),
     "unshard": ("CollectiveTimeoutError", "reach unshard"),
+    "all_reduce_hook": ("CollectiveTimeoutError", "set_all_reduce_hook("),
 }
 
 

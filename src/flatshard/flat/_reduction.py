@@ -65,6 +65,8 @@ class GradientReduction:
     def __init__(self, flat: ReducedGroup) -> None:
         self.flat = flat
         self.comm_hook: CommHook | None = None  # None: the built-in reduction
+        # set_all_reduce_hook: runs on the reduced shard before it reaches ``.grad``
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         self.pending: PendingReduction | None = None  # started, not waited
         # Whether this backward pass's gradient was dealt with (reduced, or kept for
         # later under no_sync); reset by the end of the pass.
@@ -195,7 +197,15 @@ class GradientReduction:
                 self.owes = Owed.NOTHING
             tag = self.flat.on_collective("all_reduce", part.numel())
             all_reduce(part, groups.replicate, tag)
+        self._run_hook(part)
         self.flat.add_to_grads(part)
+
+    def _run_hook(self, reduced: torch.Tensor) -> None:
+        """``set_all_reduce_hook``'s hook on this rank's reduced shard, in place (FSDP2's
+        all-reduce hook: after the reduce-scatter, and under hybrid sharding after the
+        replicas' all-reduce)."""
+        if self.all_reduce_hook is not None:
+            self.all_reduce_hook(reduced)
 
     def _finish_dense(self) -> None:
         if self.pending is None:
@@ -217,4 +227,5 @@ class GradientReduction:
             else:
                 tag = self.flat.on_collective("all_reduce", reduced.numel())
                 all_reduce(reduced, groups.replicate, tag)
+        self._run_hook(reduced)
         self.flat.add_to_grads(reduced)

@@ -31,6 +31,7 @@ from flatshard.runtime._summary import (
 )
 from flatshard.runtime._switches import (
     no_sync,
+    set_all_reduce_hook,
     set_gradient_divide_factor,
     set_prefetch,
     set_requires_all_reduce,
@@ -58,6 +59,7 @@ __all__ = [
     "register_entry_point",
     "register_matrix_optimizer",
     "reshard",
+    "set_all_reduce_hook",
     "set_custom_all_gather",
     "set_custom_reduce_scatter",
     "set_gradient_divide_factor",

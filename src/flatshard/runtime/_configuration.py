@@ -6,7 +6,8 @@ size) hang in a collective, abort inside gloo on a size mismatch, or train silen
 So those options are two frozen values, compared across ranks as lines of text:
 - ``UnitConfig``, per unit: the options of the ``fully_shard`` call that made it (strategy,
   mixed precision, prefetch) and the per-unit calls after it (divide factor,
-  communication hook, custom collectives, ``set_unshard_in_backward``, ``set_prefetch``);
+  communication hook, all-reduce hook, custom collectives, ``set_unshard_in_backward``,
+  ``set_prefetch``);
 - ``Switches``, per model (``StepContext``): the step's switches (FSDP2's ``set_*``).
 Their lines are made from the dataclass fields (``config_lines``), so an option added as a
 field is compared without anyone remembering to: ``fully_shard``'s startup check compares
@@ -48,6 +49,8 @@ class UnitConfig:
     gradient_divide_factor: float | None = None
     # flatshard.comm_hooks.register_comm_hook: None is the built-in reduction
     comm_hook: Callable[..., Any] | None = None
+    # set_all_reduce_hook: runs on each reduced gradient shard (the replicas' all-reduce)
+    all_reduce_hook: Callable[..., Any] | None = None
     # set_custom_all_gather / set_custom_reduce_scatter: None is torch's
     custom_all_gather: Callable[..., Any] | None = None
     custom_reduce_scatter: Callable[..., Any] | None = None

@@ -15,11 +15,12 @@ and its value through the c10d store: a rank that differs raises
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -101,6 +102,26 @@ def set_requires_all_reduce(model: nn.Module, requires_all_reduce: bool) -> None
     changes for non-hybrid units. FSDP2's ``model.set_requires_all_reduce(False)``."""
     value = bool(requires_all_reduce)
     change_switches(model, "set_requires_all_reduce", value, requires_all_reduce=value)
+
+
+def set_all_reduce_hook(model: nn.Module, hook: Callable[[torch.Tensor], None] | None) -> None:
+    """Call ``hook(shard)`` on each unit's reduced gradient shard inside ``model``, in
+    place, before it reaches the parameters' ``.grad``: once per reduction (per step under
+    ``no_sync`` accumulation), after the reduce-scatter (averaged over the unit's ranks,
+    or as ``set_gradient_divide_factor`` says) and, under the hybrid strategies, after the
+    replicas' all-reduce. The place to sum gradients across replicas flatshard does not
+    know of, e.g. torchft's fault-tolerant replica groups
+    (``flatshard.integrations.torchft``). None removes it. FSDP2's
+    ``module.set_all_reduce_hook(hook)``, for every unit inside ``model``. Every rank
+    makes the same call (agreed: a hook of another function or class on one rank is a
+    ``CollectiveMismatchError`` on every rank)."""
+    if hook is not None and not callable(hook):
+        raise TypeError(
+            f"flatshard.set_all_reduce_hook: hook must be callable or None, got {hook!r} "
+            f"(rank {global_rank()})"
+        )
+    units = units_of(model, "set_all_reduce_hook")
+    change_units(model, units, "set_all_reduce_hook", hook, all_reduce_hook=hook)
 
 
 def set_gradient_divide_factor(model: nn.Module, factor: float | None) -> None:

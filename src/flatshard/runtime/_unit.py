@@ -206,6 +206,7 @@ class Unit:
         for flat in self.trainable:
             flat.reduction.divide_factor = config.gradient_divide_factor
             flat.reduction.comm_hook = config.comm_hook
+            flat.reduction.all_reduce_hook = config.all_reduce_hook
         for flat in self.flat_params:
             flat.transport = replace(
                 flat.transport,
