@@ -1,0 +1,190 @@
+"""Fault-tolerant replica groups on torchft (``flatshard.integrations.torchft``).
+
+Replica groups of 1 and 2 ranks, each sharded with flatshard (FULL_SHARD over its own
+ranks), average their gradients through torchft's quorum (a Lighthouse in the test's
+process). Every rank of replica group 1 dies at a step (``os._exit``); group 0 takes every
+later step alone, in the same processes; group 1 is started again, heals from group 0
+over torchft's checkpoint transport (no checkpoint on disk) and from then on both groups
+hold bitwise-equal shards. The parameters equal a reference that replays each committed
+step with its membership (the average over the groups that took part, each on its own
+data for that step).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+pytest.importorskip("torchft")
+
+STEPS, LR = 16, 0.1
+# Seconds a step lasts: alone, a group's restart (processes, imports) spans a few steps.
+PAUSE, PAUSE_ALONE = 0.1, 1.0
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = x + self.down(torch.relu(self.up(x)))
+        return out
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(Block(), Block())
+
+
+def _batch(group: int, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What rank ``rank`` of replica group ``group`` reads at ``step`` (the data position
+    is the step: a group that heals reads on where the others are)."""
+    gen = torch.Generator().manual_seed(10_000 * step + 100 * group + rank)
+    return torch.randn(4, 16, generator=gen), torch.randn(4, 16, generator=gen)
+
+
+def _rank_main(
+    group: int,
+    rank: int,
+    size: int,
+    lighthouse: str,
+    die_at: int | None,
+    ports: Any,
+    out: Any,
+    start: Any,
+) -> None:
+    """One rank of one replica group: flatshard over the group, torchft across groups."""
+    from torchft import Manager
+    from torchft.optim import OptimizerWrapper
+    from torchft.process_group import ProcessGroupGloo
+
+    import flatshard
+    from flatshard.integrations.torchft import replicate_with, state_dict_fns
+
+    torch.set_num_threads(1)
+    if rank == 0:
+        store = dist.TCPStore("localhost", 0, size, is_master=True, wait_for_workers=False)
+        for _ in range(size - 1):
+            ports.put(store.port)
+    else:
+        store = dist.TCPStore("localhost", ports.get(timeout=60), size, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
+    model = flatshard.fully_shard(_model(), auto_wrap_policy={Block})
+    inner = torch.optim.SGD(model.parameters(), lr=LR)
+    load, save = state_dict_fns(model, [inner])
+    manager = Manager(
+        pg=ProcessGroupGloo(),
+        min_replica_size=1,
+        load_state_dict=load,
+        state_dict=save,
+        replica_id=f"group{group}",
+        store_addr="localhost",
+        store_port=store.port,
+        rank=rank,
+        world_size=size,
+        lighthouse_addr=lighthouse,
+        use_async_quorum=False,
+        timeout=timedelta(seconds=20),
+        quorum_timeout=timedelta(seconds=20),
+    )
+    replicate_with(model, manager)
+    optim = OptimizerWrapper(manager, inner)
+    if start is not None:
+        start.wait()  # the first quorum: every group heartbeating
+    log, pid = [], os.getpid()
+    while manager.current_step() < STEPS:
+        if die_at is not None and manager.current_step() == die_at:
+            os._exit(9)  # the whole group, at the same step
+        optim.zero_grad()  # the quorum, and a heal: the step is known after it
+        step = manager.current_step()
+        x, y = _batch(group, rank, step)
+        ((model(x) - y) ** 2).mean().backward()
+        members = manager.num_participants()
+        optim.step()  # only where should_commit says so
+        log.append((step, members, manager.current_step() > step))
+        time.sleep(PAUSE_ALONE if members == 1 else PAUSE)
+    with flatshard.summon_full_params(model):
+        params = [p.detach().clone().tolist() for p in model.parameters()]
+    out.put({"group": group, "rank": rank, "log": log, "params": params, "pid": pid})
+    manager.shutdown(wait=False)
+    dist.destroy_process_group()
+
+
+def _reference(log: list[tuple[int, int, bool]], size: int) -> list[torch.Tensor]:
+    """The committed steps replayed: each the average of the gradients of the groups in
+    its quorum (groups 0..members-1), each group's the average over its ranks."""
+    model = _model()
+    for step, members, committed in log:
+        if not committed:
+            continue
+        model.zero_grad()
+        for group in range(members):
+            for rank in range(size):
+                x, y = _batch(group, rank, step)
+                (((model(x) - y) ** 2).mean() / (members * size)).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= LR * p.grad
+    return [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_a_replica_group_dies_and_heals_from_a_live_one(size: int) -> None:
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(
+        bind="[::]:0", min_replicas=1, join_timeout_ms=2000, heartbeat_timeout_ms=2000
+    )
+    ctx = multiprocessing.get_context("spawn")
+    out, start = ctx.Queue(), ctx.Barrier(2 * size)
+    ports = [ctx.Queue(), ctx.Queue()]
+
+    def launch(group: int, die_at: int | None, barrier: Any) -> list[Any]:
+        procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(group, rank, size, lighthouse.address(), die_at, ports[group], out, barrier),
+            )
+            for rank in range(size)
+        ]
+        for proc in procs:
+            proc.start()
+        return procs
+
+    try:
+        live = launch(0, None, start)
+        dying = launch(1, 3, start)
+        for proc in dying:
+            proc.join(timeout=120)
+            assert proc.exitcode == 9, proc.exitcode
+        healed = launch(1, None, None)  # torchrun's restart of the group
+        results = [out.get(timeout=180) for _ in range(2 * size)]
+        for proc in live + healed:
+            proc.join(timeout=60)
+    finally:
+        lighthouse.shutdown()
+    by_group = {(r["group"], r["rank"]): r for r in results}
+    survivor = by_group[0, 0]
+    steps = [step for step, _, committed in survivor["log"] if committed]
+    assert steps == list(range(STEPS)), survivor["log"]  # every step, without a restart
+    assert {r["pid"] for r in results if r["group"] == 0} == {p.pid for p in live}
+    alone = [members for _, members, _ in survivor["log"]]
+    assert alone[:3] == [2, 2, 2] and 1 in alone[3:] and alone[-1] == 2, alone
+    back = by_group[1, 0]["log"]
+    assert back[0][0] > 3 and back[-1][0] == STEPS - 1, back  # healed at a later step
+    reference = _reference(survivor["log"], size)
+    for (group, rank), result in by_group.items():
+        params = [torch.tensor(p) for p in result["params"]]
+        for ours, theirs in zip(params, reference, strict=True):
+            assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6), (group, rank)
+        for ours, theirs in zip(params, survivor["params"], strict=True):
+            assert torch.equal(ours, torch.tensor(theirs)), (group, rank)  # bitwise
