@@ -58,11 +58,13 @@ def _rank_main(
     size: int,
     lighthouse: str,
     die_at: int | None,
-    ports: Any,
-    out: Any,
     start: Any,
+    queues: tuple[Any, Any, Any],
 ) -> None:
-    """One rank of one replica group: flatshard over the group, torchft across groups."""
+    """One rank of one replica group: flatshard over the group, torchft across groups.
+    ``queues``: the group's store port (rank 0 to the others), the results, group 0's
+    progress (its quorum's size after each step)."""
+    ports, out, progress = queues
     from torchft import Manager
     from torchft.optim import OptimizerWrapper
     from torchft.process_group import ProcessGroupGloo
@@ -111,6 +113,8 @@ def _rank_main(
         members = manager.num_participants()
         optim.step()  # only where should_commit says so
         log.append((step, members, manager.current_step() > step))
+        if group == 0 and rank == 0:
+            progress.put(members)  # the test restarts group 1 once group 0 went on alone
         time.sleep(PAUSE_ALONE if members == 1 else PAUSE)
     with flatshard.summon_full_params(model):
         params = [p.detach().clone().tolist() for p in model.parameters()]
@@ -145,14 +149,22 @@ def test_a_replica_group_dies_and_heals_from_a_live_one(size: int) -> None:
         bind="[::]:0", min_replicas=1, join_timeout_ms=2000, heartbeat_timeout_ms=2000
     )
     ctx = multiprocessing.get_context("spawn")
-    out, start = ctx.Queue(), ctx.Barrier(2 * size)
+    out, start, progress = ctx.Queue(), ctx.Barrier(2 * size), ctx.Queue()
     ports = [ctx.Queue(), ctx.Queue()]
 
     def launch(group: int, die_at: int | None, barrier: Any) -> list[Any]:
         procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(group, rank, size, lighthouse.address(), die_at, ports[group], out, barrier),
+                args=(
+                    group,
+                    rank,
+                    size,
+                    lighthouse.address(),
+                    die_at,
+                    barrier,
+                    (ports[group], out, progress),
+                ),
             )
             for rank in range(size)
         ]
@@ -166,6 +178,8 @@ def test_a_replica_group_dies_and_heals_from_a_live_one(size: int) -> None:
         for proc in dying:
             proc.join(timeout=120)
             assert proc.exitcode == 9, proc.exitcode
+        while progress.get(timeout=120) != 1:  # group 0 committed a step alone
+            pass
         healed = launch(1, None, None)  # torchrun's restart of the group
         results = [out.get(timeout=180) for _ in range(2 * size)]
         for proc in live + healed:
@@ -188,3 +202,67 @@ def test_a_replica_group_dies_and_heals_from_a_live_one(size: int) -> None:
             assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6), (group, rank)
         for ours, theirs in zip(params, survivor["params"], strict=True):
             assert torch.equal(ours, torch.tensor(theirs)), (group, rank)  # bitwise
+
+
+def test_train_as_two_replica_groups_is_one_data_parallel_run(tmp_path: Any) -> None:
+    """``flatshard train --ft-replicas 2 --ft-replica-id I``: two runs of one rank each,
+    every step committed with both groups in the quorum (the Lighthouse waits for two),
+    train as one run of 2 ranks: each step's mean loss over the groups equals that run's,
+    both groups end with the same held-out loss, and metrics.jsonl says 2 groups a step."""
+    import json
+    import subprocess
+    import sys
+
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=1000)
+    common = ["--dim", "32", "--layers", "2", "--heads", "2", "--seq-len", "32", "--batch", "4"]
+    common += ["--steps", "4", "--sample-bytes", "0"]
+    command = [sys.executable, "-m", "flatshard.cli.main", "train", *common]
+    ft = ["--nproc", "1", "--ft-replicas", "2", "--ft-lighthouse", lighthouse.address()]
+    try:
+        groups = [
+            subprocess.Popen(
+                [*command, *ft, "--ft-replica-id", str(i), "--out-dir", str(tmp_path / f"g{i}")],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for i in range(2)
+        ]
+        outputs = [group.communicate(timeout=240)[0] for group in groups]
+    finally:
+        lighthouse.shutdown()
+    for group, output in zip(groups, outputs, strict=True):
+        assert group.returncode == 0, output[-3000:]
+    one = subprocess.run(
+        [*command, "--nproc", "2", "--out-dir", str(tmp_path / "one")],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert one.returncode == 0, one.stderr[-3000:]
+
+    def rows(name: str) -> list[dict[str, Any]]:
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line) for line in lines]
+
+    g0, g1, reference = rows("g0"), rows("g1"), rows("one")
+    assert [r["replica_groups"] for r in g0 + g1] == [2] * 8
+    for a, b, ref in zip(g0, g1, reference, strict=True):
+        assert (a["loss"] + b["loss"]) / 2 == pytest.approx(ref["loss"], rel=1e-5)
+    held_out = [o.split("held-out loss ")[1].split()[0] for o in (*outputs, one.stdout)]
+    assert held_out[0] == held_out[1], held_out  # the groups hold the same model
+    assert float(held_out[0]) == pytest.approx(float(held_out[2]), rel=1e-5)
+    assert "0 steps taken with fewer replica groups" in outputs[0]
+
+
+def test_train_refuses_what_replica_groups_do_not_take(capsys: Any) -> None:
+    from flatshard.cli.main import main
+
+    for argv, message in [
+        (["--ft-replicas", "1"], "--ft-replicas must be >= 2 replica groups"),
+        (["--ft-replicas", "2", "--ft-replica-id", "2"], "--ft-replica-id must be 0 to 1"),
+        (["--ft-replica-id", "1"], "--ft-replica-id applies with --ft-replicas"),
+        (["--ft-replicas", "2", "--optimizer", "muon"], "--optimizer does not combine"),
+    ]:
+        assert main(["train", *argv]) == 2, argv
+        assert message in capsys.readouterr().err, argv

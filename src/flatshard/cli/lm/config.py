@@ -152,6 +152,20 @@ class TrainConfig:
     microbatches: int = 0
     """--pp: micro-batches per optimizer step, each --batch sequences of every data-parallel
     replica (0: --grad-accum's count; at least --pp)"""
+    ft_replicas: int = 0
+    """fault-tolerant replica groups (torchft; pip install 'flatshard[ft]'): this run is
+    replica group --ft-replica-id of this many, each its own run (its own ranks, sharded
+    inside); every step averages the gradients over the groups alive, a group that dies
+    leaves the others training, and one that comes back copies a live group's state
+    (0: off)"""
+    ft_replica_id: int = 0
+    """--ft-replicas: which replica group this run is (0 to --ft-replicas - 1); it reads
+    its own part of each step's batch"""
+    ft_lighthouse: str = ""
+    """--ft-replicas: torchft's Lighthouse (e.g. http://host:29510; start one with
+    torchft_lighthouse --min_replicas 1); empty: the TORCHFT_LIGHTHOUSE variable"""
+    ft_min_replicas: int = 1
+    """--ft-replicas: the fewest replica groups a step commits with"""
     row_sparse_tables: bool = False
     """row-sparse embedding tables (fully_shard(..., placement=flatshard.RowSparse())): each lookup
     fetches only its tokens' rows and sends back only their gradients, where that moves
@@ -276,6 +290,35 @@ class TrainConfig:
             name = "predict" if self.predict else "fit_memory"
             fail(name, "cannot plan --experts (a simulated router has no choices to route by)")
         self._check_pipeline()
+        self._check_fault_tolerance()
+
+    def _check_fault_tolerance(self) -> None:
+        """--ft-replicas: what a replica group of a fault-tolerant run takes."""
+        if self.ft_replicas == 0:
+            for name in ("ft_replica_id", "ft_lighthouse"):
+                if getattr(self, name):
+                    fail(name, "applies with --ft-replicas")
+            return
+        if self.ft_replicas < 2:
+            fail("ft_replicas", f"must be >= 2 replica groups (or 0: off), got {self.ft_replicas}")
+        if not 0 <= self.ft_replica_id < self.ft_replicas:
+            fail(
+                "ft_replica_id",
+                f"must be 0 to {self.ft_replicas - 1} (--ft-replicas {self.ft_replicas}), "
+                f"got {self.ft_replica_id}",
+            )
+        if not 1 <= self.ft_min_replicas <= self.ft_replicas:
+            fail("ft_min_replicas", f"must be 1 to {self.ft_replicas}, got {self.ft_min_replicas}")
+        refused = {
+            "pp": self.pp > 1,
+            "optimizer": self.optimizer == "muon",  # two optimizers: one commit decision
+            "mixed_precision": self.mixed_precision == "fp16",  # the scaler's skipped steps
+            "predict": self.predict,
+            "fit_memory": bool(self.fit_memory),
+        }
+        for name, value in refused.items():
+            if value:
+                fail(name, "does not combine with --ft-replicas yet")
 
     def _check_pipeline(self) -> None:
         """--pp: what a pipelined GPT run takes (the rest is refused by name)."""

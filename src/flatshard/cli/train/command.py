@@ -51,6 +51,7 @@ from flatshard.cli.train.checkpoints import (
     resume_from,
 )
 from flatshard.cli.train.elastic import run_elastic
+from flatshard.cli.train.fault_tolerant import FaultTolerance
 from flatshard.cli.train.fit_memory import fit_memory
 from flatshard.cli.train.launch import (
     PREEMPT_GRACE_S,
@@ -154,13 +155,21 @@ def _worker(
 
 # ---------------------------------------------------------------- one rank
 class _Losses(flatshard.StepObserver):
-    """Sums a step's micro-batch losses (this rank's mean loss of the step)."""
+    """Sums a step's micro-batch losses (this rank's mean loss of the step); under
+    --ft-replicas also the size of the step's quorum (before the optimizer asks torchft
+    to commit: its next quorum starts right after)."""
 
-    def __init__(self) -> None:
+    def __init__(self, ft: FaultTolerance | None = None) -> None:
         self.total = 0.0
+        self.ft = ft
+        self.members = 0
 
     def backward_done(self, loss: torch.Tensor) -> None:
         self.total += loss.item()
+
+    def optimizer_starts(self) -> None:
+        if self.ft is not None:
+            self.members = int(self.ft.manager.num_participants())
 
 
 class Trainer:
@@ -188,6 +197,17 @@ class Trainer:
         self.scaler = flatshard.ShardedGradScaler(device.type, enabled=low is torch.float16)
         self.step = 0
         self.pending: flatshard.CheckpointSave | None = None  # --ckpt-async's last save
+        # --ft-replicas: this run is one replica group; torchft commits the steps.
+        self.ft: FaultTolerance | None = None
+        self.members = 0  # replica groups in the last step's quorum
+        self.quorum_change: str | None = None  # how the last committed step's quorum changed
+        if config.ft_replicas:
+            (optim,) = self.optims
+            self.ft = FaultTolerance(
+                self.model, optim, config.ft_replica_id, config.ft_min_replicas,
+                config.ft_lighthouse, device,
+            )  # fmt: skip
+            self.optims = [self.ft.optim]
 
     def _sharded(self) -> nn.Module:
         """The model, sharded over every rank."""
@@ -200,19 +220,34 @@ class Trainer:
         return nn.functional.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
 
     def train_step(self) -> float:
-        """One optimizer step over --grad-accum micro-batches; this rank's mean loss."""
-        config, step = self.config, self.step + 1
+        """One optimizer step over --grad-accum micro-batches; this rank's mean loss.
+        --ft-replicas: taken again until torchft commits it (or the group heals past it)."""
+        if self.ft is None:
+            return self._train_step()
+        while True:
+            attempt = self.ft.step + 1
+            loss = self._train_step(attempt)
+            if self.ft.step >= attempt:  # committed (or healed beyond it)
+                self.step = self.ft.step
+                self.quorum_change = self.ft.committed(self.members, self.config.ft_replicas)
+                return loss
+
+    def _train_step(self, step: int | None = None) -> float:
+        config, step = self.config, step or self.step + 1
         for optim in self.optims:
             for group in optim.param_groups:
                 group["lr"] = config.lr_at(step)
         rows = config.batch * self.world * config.grad_accum
-        batch = batch_for_step(self.corpus.train, config.seq_len, rows, config.seed, step)
+        # --ft-replicas: the step's batch is every group's; this group reads its part
+        groups, mine = max(1, config.ft_replicas), config.ft_replica_id
+        every = batch_for_step(self.corpus.train, config.seq_len, rows * groups, config.seed, step)
+        batch = every[mine * rows : (mine + 1) * rows]
 
         def micro_loss(micro: int) -> torch.Tensor:
             first = (micro * self.world + self.rank) * config.batch
             return self.loss(batch[first : first + config.batch])
 
-        losses = _Losses()
+        losses = _Losses(self.ft)
         # --no-accum-no-sync under a hybrid strategy: reduce-scatter every micro-batch,
         # the all-reduce across replicas once per step (flatshard.set_requires_all_reduce).
         flatshard.train_step(
@@ -225,9 +260,9 @@ class Trainer:
             scaler=self.scaler,
             observer=losses,
         )
-        total = losses.total
-        self.step = step
-        return total
+        self.members = losses.members  # --ft-replicas: the step's quorum
+        self.step = step if self.ft is None else self.step
+        return losses.total
 
     @torch.no_grad()
     def val_loss(self, batches: int = 4) -> float:
@@ -423,6 +458,8 @@ def _train(config: TrainConfig, store: str | None, prediction: Prediction | None
             _loop(trainer, backend)
         finally:  # a save being written needs the process groups: it ends first
             _settle_save(trainer, failing=sys.exc_info()[0] is not None)
+            if trainer.ft is not None:
+                trainer.ft.close()
     finally:
         dist.destroy_process_group()
 
@@ -453,9 +490,15 @@ def _loop(trainer: Trainer, backend: str) -> None:
                 print("options that differ from the saved run:\n  " + "\n  ".join(changes))
     elif config.resume == "auto" and lead:
         print(f"--resume auto: no whole checkpoint in {config.checkpoint_dir}, starting afresh")
+    if trainer.ft is not None:  # the first quorum: a late or restarted group heals here
+        trainer.ft.start(trainer.step)
+        healed, trainer.step = trainer.step != trainer.ft.step, trainer.ft.step
+        if lead and healed:
+            print(f"replica group {config.ft_replica_id}: healed from a live group at step "
+                  f"{trainer.step}")  # fmt: skip
     if lead:
         _print_start(trainer, backend)
-    resumed_at = trainer.step if path is not None else None
+    resumed_at = trainer.step if path is not None or trainer.step else None
     log = MetricsLog(out / "metrics.jsonl", resumed_at) if lead else None
     board = None
     if lead and config.log_to == "tensorboard":
@@ -486,8 +529,11 @@ def _loop(trainer: Trainer, backend: str) -> None:
                 tokens_per_s=tokens / (time.perf_counter() - tick),
                 peak_mem_mib=[round(float(f[1]), 1) for f in everyone],
                 elapsed_s=round(time.perf_counter() - started, 3),
+                replica_groups=trainer.members if trainer.ft is not None else None,
             )
             log.write(metrics)
+            if trainer.quorum_change:
+                bar.note(trainer.quorum_change)
             if board is not None:
                 board.write(metrics)
             bar.update(metrics)
@@ -590,6 +636,11 @@ def _finish(trainer: Trainer, out: Path, board: TensorBoardLog | None) -> None:
         return
     if trainer.measurement is not None:
         print(trainer.measurement.report())
+    if trainer.ft is not None:
+        print(
+            f"replica group {trainer.config.ft_replica_id} of {trainer.config.ft_replicas}: "
+            f"{trainer.ft.fewer} steps taken with fewer replica groups"
+        )
     if exported is not None:
         print(f"exported for from_pretrained: {exported}")
     print(

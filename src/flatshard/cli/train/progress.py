@@ -20,6 +20,8 @@ class StepMetrics:
     tokens_per_s: float  # global: all ranks' tokens over the step's wall time
     peak_mem_mib: list[float]  # per rank: peak RSS on CPU, max allocated on CUDA
     elapsed_s: float  # since the start of this process's training loop
+    # --ft-replicas: the replica groups in the step's quorum (written only then)
+    replica_groups: int | None = None
 
 
 class ProgressBar:
@@ -88,7 +90,8 @@ class MetricsLog:
 
     def write(self, m: StepMetrics) -> None:
         with self.path.open("a") as handle:
-            handle.write(json.dumps(asdict(m)) + "\n")
+            fields = {k: v for k, v in asdict(m).items() if v is not None}
+            handle.write(json.dumps(fields) + "\n")
 
 
 class TensorBoardLog:
@@ -115,7 +118,7 @@ class TensorBoardLog:
 
     def write(self, m: StepMetrics) -> None:
         for name, value in asdict(m).items():
-            if name == "step":
+            if name == "step" or value is None:
                 continue
             if isinstance(value, list):
                 for rank, v in enumerate(value):
