@@ -2,7 +2,8 @@
 
 Replica groups of 1 and 2 ranks, each sharded with flatshard (FULL_SHARD over its own
 ranks), average their gradients through torchft's quorum (a Lighthouse in the test's
-process). Every rank of replica group 1 dies at a step (``os._exit``); group 0 takes every
+process). Every rank of replica group 1 dies at a step (``os._exit``), before it or inside
+its all-reduce (then that step commits nowhere and is taken again); group 0 takes every
 later step alone, in the same processes; group 1 is started again, heals from group 0
 over torchft's checkpoint transport (no checkpoint on disk) and from then on both groups
 hold bitwise-equal shards. The parameters equal a reference that replays each committed
@@ -52,6 +53,22 @@ def _batch(group: int, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor
     return torch.randn(4, 16, generator=gen), torch.randn(4, 16, generator=gen)
 
 
+class DyingAllReduce:
+    """The all-reduce hook of a group that dies in the middle of step ``step``'s
+    all-reduce: the sum is started, then the process ends before it completes."""
+
+    def __init__(self, manager: Any, step: int) -> None:
+        from flatshard.integrations.torchft import ManagerAllReduce
+
+        self.manager, self.step, self.hook = manager, step, ManagerAllReduce(manager)
+
+    def __call__(self, shard: torch.Tensor) -> None:
+        if self.manager.current_step() == self.step:
+            self.manager.allreduce(shard)  # in flight...
+            os._exit(9)
+        self.hook(shard)
+
+
 def _rank_main(
     group: int,
     rank: int,
@@ -99,12 +116,14 @@ def _rank_main(
         quorum_timeout=timedelta(seconds=20),
     )
     replicate_with(model, manager)
+    if die_at is not None and die_at < 0:  # die inside step -die_at's all-reduce instead
+        flatshard.set_all_reduce_hook(model, DyingAllReduce(manager, -die_at))
     optim = OptimizerWrapper(manager, inner)
     if start is not None:
         start.wait()  # the first quorum: every group heartbeating
     log, pid = [], os.getpid()
     while manager.current_step() < STEPS:
-        if die_at is not None and manager.current_step() == die_at:
+        if die_at is not None and manager.current_step() == die_at >= 0:
             os._exit(9)  # the whole group, at the same step
         optim.zero_grad()  # the quorum, and a heal: the step is known after it
         step = manager.current_step()
@@ -141,8 +160,10 @@ def _reference(log: list[tuple[int, int, bool]], size: int) -> list[torch.Tensor
     return [p.detach() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("size", [1, 2])
-def test_a_replica_group_dies_and_heals_from_a_live_one(size: int) -> None:
+@pytest.mark.parametrize(("size", "die_at"), [(1, 3), (2, 3), (2, -3)])
+def test_a_replica_group_dies_and_heals_from_a_live_one(size: int, die_at: int) -> None:
+    """``die_at`` -3: the group dies inside step 3's all-reduce; group 0's step 3 is then not
+    committed (its sum never completed) and is taken again alone."""
     from torchft._torchft import LighthouseServer
 
     lighthouse = LighthouseServer(
@@ -174,7 +195,7 @@ def test_a_replica_group_dies_and_heals_from_a_live_one(size: int) -> None:
 
     try:
         live = launch(0, None, start)
-        dying = launch(1, 3, start)
+        dying = launch(1, die_at, start)
         for proc in dying:
             proc.join(timeout=120)
             assert proc.exitcode == 9, proc.exitcode
@@ -192,6 +213,8 @@ def test_a_replica_group_dies_and_heals_from_a_live_one(size: int) -> None:
     assert steps == list(range(STEPS)), survivor["log"]  # every step, without a restart
     assert {r["pid"] for r in results if r["group"] == 0} == {p.pid for p in live}
     alone = [members for _, members, _ in survivor["log"]]
+    failed = [(step, members) for step, members, committed in survivor["log"] if not committed]
+    assert failed == ([(3, 2)] if die_at < 0 else []), survivor["log"]  # never applied
     assert alone[:3] == [2, 2, 2] and 1 in alone[3:] and alone[-1] == 2, alone
     back = by_group[1, 0]["log"]
     assert back[0][0] > 3 and back[-1][0] == STEPS - 1, back  # healed at a later step
