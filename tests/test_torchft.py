@@ -57,13 +57,15 @@ class DyingAllReduce:
     """The all-reduce hook of a group that dies in the middle of step ``step``'s
     all-reduce: the sum is started, then the process ends before it completes."""
 
-    def __init__(self, manager: Any, step: int) -> None:
-        from flatshard.integrations.torchft import ManagerAllReduce
+    def __init__(self, manager: Any, step: int, model: nn.Module) -> None:
+        from flatshard.integrations.torchft import ManagerAllReduce, layout_digest
 
-        self.manager, self.step, self.hook = manager, step, ManagerAllReduce(manager)
+        self.manager, self.step = manager, step
+        self.hook = ManagerAllReduce(manager, layout_digest(model))
 
     def __call__(self, shard: torch.Tensor) -> None:
         if self.manager.current_step() == self.step:
+            self.hook._check_layout()  # as the live groups do first
             self.manager.allreduce(shard)  # in flight...
             os._exit(9)
         self.hook(shard)
@@ -117,7 +119,7 @@ def _rank_main(
     )
     replicate_with(model, manager)
     if die_at is not None and die_at < 0:  # die inside step -die_at's all-reduce instead
-        flatshard.set_all_reduce_hook(model, DyingAllReduce(manager, -die_at))
+        flatshard.set_all_reduce_hook(model, DyingAllReduce(manager, -die_at, model))
     optim = OptimizerWrapper(manager, inner)
     if start is not None:
         start.wait()  # the first quorum: every group heartbeating
@@ -289,3 +291,70 @@ def test_train_refuses_what_replica_groups_do_not_take(capsys: Any) -> None:
     ]:
         assert main(["train", *argv]) == 2, argv
         assert message in capsys.readouterr().err, argv
+
+
+def mismatched_main(group: int, lighthouse: str, out: Any, start: Any, sync: bool) -> None:
+    """A replica group of one rank whose model has ``group + 2`` blocks: one step
+    (``sync``: torchft's init_sync, the later group copies the first's state at step 0)."""
+    from torchft import Manager
+    from torchft.optim import OptimizerWrapper
+    from torchft.process_group import ProcessGroupGloo
+
+    import flatshard
+    from flatshard.integrations.torchft import replicate_with, state_dict_fns
+
+    store = dist.TCPStore("localhost", 0, 1, is_master=True, wait_for_workers=False)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = flatshard.fully_shard(nn.Sequential(*(Block() for _ in range(group + 2))))
+    inner = torch.optim.SGD(model.parameters(), lr=LR)
+    load, save = state_dict_fns(model, [inner])
+    manager = Manager(
+        pg=ProcessGroupGloo(), min_replica_size=1, load_state_dict=load, state_dict=save,
+        replica_id=f"group{group}", store_addr="localhost", store_port=store.port, rank=0,
+        world_size=1, lighthouse_addr=lighthouse, use_async_quorum=False,
+        timeout=timedelta(seconds=20), init_sync=sync,
+    )  # fmt: skip
+    replicate_with(model, manager)
+    optim = OptimizerWrapper(manager, inner)
+    start.wait()
+    try:
+        optim.zero_grad()
+        x, y = _batch(group, 0, 0)
+        ((model(x) - y) ** 2).mean().backward()
+        out.put((group, ""))
+    except ValueError as error:
+        out.put((group, str(error)))
+    manager.shutdown(wait=False)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_replica_groups_of_other_layouts_are_named(sync: bool) -> None:
+    """Two groups whose models differ (2 and 3 blocks). Without torchft's init_sync both
+    take step 0 and its layout check raises on both, by name, instead of averaging shards
+    of other rows; with it the group that copies the other's state refuses it by name
+    (the other never sums with it)."""
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=1000)
+    ctx = multiprocessing.get_context("spawn")
+    out, start = ctx.Queue(), ctx.Barrier(2)
+    procs = [
+        ctx.Process(target=mismatched_main, args=(g, lighthouse.address(), out, start, sync))
+        for g in range(2)
+    ]
+    try:
+        for proc in procs:
+            proc.start()
+        results = dict(out.get(timeout=120) for _ in procs)
+        for proc in procs:
+            proc.join(timeout=60)
+    finally:
+        lighthouse.shutdown()
+    layout = "built different models or sharded them otherwise"
+    if not sync:
+        assert all(layout in message for message in results.values()), results
+    else:
+        named = [m for m in results.values() if "the state a live replica group sent holds" in m]
+        assert len(named) == 1 and "" in results.values(), results

@@ -24,6 +24,7 @@ torchrun's restart brings it back as a recovering group).
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from flatshard.runtime import set_all_reduce_hook, unit_modules
+from flatshard.runtime import set_all_reduce_hook, sharding_summary, unit_modules
 
 __all__ = ["ManagerAllReduce", "replicate_with", "state_dict_fns"]
 
@@ -39,13 +40,40 @@ __all__ = ["ManagerAllReduce", "replicate_with", "state_dict_fns"]
 class ManagerAllReduce:
     """The all-reduce hook that averages a reduced gradient shard over torchft's quorum:
     ``Manager.allreduce`` (a no-op once the step has failed; ``should_commit`` then says
-    False on every group)."""
+    False on every group). With ``layout`` (``replicate_with`` gives it), the first shard
+    of each step is preceded by the groups' check of their layouts ([Note: replica groups
+    agree on their layout])."""
 
-    def __init__(self, manager: Any) -> None:
+    def __init__(self, manager: Any, layout: torch.Tensor | None = None) -> None:
         self.manager = manager
+        self.layout = layout
+        self._checked_step = -1
 
     def __call__(self, shard: torch.Tensor) -> None:
+        step = int(self.manager.current_step())
+        if self.layout is not None and step != self._checked_step:
+            self._checked_step = step
+            self._check_layout()
         self.manager.allreduce(shard).wait()
+
+    def _check_layout(self) -> None:
+        """[Note: replica groups agree on their layout]
+        A group that built another model, or sharded it otherwise (strategy, units, ranks
+        per group), would average gradient shards of other rows with the others' and
+        train silently wrong. Each step, before its first shard, the groups average their
+        layout's digest (three 16-bit parts, exact in floating point): a group whose
+        digest differs from the average finds out, and every group of the quorum with it.
+        One all-reduce of three numbers a step."""
+        assert self.layout is not None
+        average = self.layout.clone()
+        self.manager.allreduce(average).wait()
+        if not torch.equal(average, self.layout):
+            raise ValueError(
+                "flatshard.integrations.torchft: the replica groups in this step's quorum "
+                "built different models or sharded them otherwise (their layouts' digests "
+                f"differ; this group's is {_digest_text(self.layout)}). Every group must "
+                "build the same model and shard it alike (strategy, units, ranks per group)."
+            )
 
 
 def replicate_with(model: nn.Module, manager: Any) -> None:
@@ -60,7 +88,22 @@ def replicate_with(model: nn.Module, manager: Any) -> None:
             "flatshard.integrations.torchft.replicate_with: the model is not sharded; call "
             "flatshard.fully_shard on it first (over the replica group's own ranks)"
         )
-    set_all_reduce_hook(model, ManagerAllReduce(manager))
+    set_all_reduce_hook(model, ManagerAllReduce(manager, layout_digest(model)))
+
+
+def layout_digest(model: nn.Module) -> torch.Tensor:
+    """The model's layout as three 16-bit numbers: its parameters' names, shapes and
+    dtypes, and how flatshard shards them (units, rows per rank, the ranks)."""
+    text = repr([(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()])
+    text += str(sharding_summary(model))
+    value = int.from_bytes(hashlib.sha256(text.encode()).digest()[:6], "big")
+    parts = [(value >> shift) & 0xFFFF for shift in (32, 16, 0)]
+    device = next(model.parameters()).device
+    return torch.tensor(parts, dtype=torch.float32, device=device)
+
+
+def _digest_text(layout: torch.Tensor) -> str:
+    return "".join(f"{int(v):04x}" for v in layout.tolist())
 
 
 def state_dict_fns(
