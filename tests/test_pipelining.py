@@ -1087,3 +1087,67 @@ def test_an_export_of_pipeline_stages_loads_with_from_pretrained(
         "model-stage001-00001-of-00001.safetensors",
         "model.safetensors.index.json",
     ], result["files"]
+
+
+class Lookup(nn.Module):
+    """A token embedding as a first stage's own part (its table row-sparse)."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.table = nn.Embedding(vocab, DIM)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.table(ids)
+        return out
+
+
+def row_sparse_job(ctx: WorkerContext, schedule: str) -> dict[str, Any]:
+    """PP2 x DP2: a row-sparse embedding and a block on the first stage, a block on the
+    last, STEPS SGD steps of MICRO micro-batches against the unsharded model (DDP's
+    semantics): the lookups' rows kept by every micro-batch's backward are exchanged once,
+    at the step's reduction."""
+    dps, pps = _groups(2, 2)
+    pp_rank, dp_rank = divmod(ctx.rank, 2)
+    torch.manual_seed(0)
+    reference = nn.Sequential(Lookup(512), Block(), Block())
+    initial = copy.deepcopy(reference)
+    part = copy.deepcopy(reference)
+    if pp_rank == 0:
+        del part[2]
+    else:
+        del part[1], part[0]
+    flatshard.fully_shard(
+        part, auto_wrap_policy={Block}, process_group=dps[pp_rank], placement=flatshard.RowSparse()
+    )
+    stage = PipelineStage(part, pp_rank, 2, torch.device("cpu"), group=pps[dp_rank])
+    runner = SCHEDULES[schedule](stage, MICRO, loss_fn=mse)
+    optim = torch.optim.SGD(part.parameters(), lr=LR)
+    ref_optim = torch.optim.SGD(reference.parameters(), lr=LR)
+    for step in range(STEPS):
+        gen = torch.Generator().manual_seed(step)
+        ids = torch.randint(0, 512, (2, BATCH, 3), generator=gen)
+        ys = torch.randn(2, BATCH, 3, DIM, generator=gen)
+        runner.step(ids[dp_rank]) if pp_rank == 0 else runner.step(target=ys[dp_rank])
+        optim.step()
+        optim.zero_grad()
+        ref_optim.zero_grad()
+        for r in range(2):
+            for xm, ym in zip(ids[r].chunk(MICRO), ys[r].chunk(MICRO), strict=True):
+                (mse(reference(xm), ym) / (MICRO * 2)).backward()
+        ref_optim.step()
+    worst = 0.0
+    offset = 0 if pp_rank == 0 else 2
+    with flatshard.summon_full_params(part):
+        for index, module in enumerate(part):
+            theirs = reference[index + offset]
+            for p, q in zip(module.parameters(), theirs.parameters(), strict=True):
+                worst = max(worst, _relative(p.detach(), q.detach()))
+    return {"worst": worst, "moved": _moved(reference, initial)}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_row_sparse_table_in_a_stage_matches(pool: WorkerPool, schedule: str) -> None:
+    """Before: the table's gradient was zero at DP2 with several micro-batches (the rows
+    were kept, never exchanged: the step's reduction started only the dense part)."""
+    for result in pool.run(row_sparse_job, schedule):
+        assert result["moved"] > 1e-3 and result["worst"] < TOLERANCE, result

@@ -232,6 +232,8 @@ def _reduce_kept(context: StepContext) -> None:
             if flat.reduction.owes is Owed.REDUCTION:
                 in_flight = flat.placement.start_reduction(context.all_reduce_replicas, in_flight)
                 reduced.append(flat)
+    for flat in reduced:  # what the placement reduces at a backward's end (a table's rows)
+        flat.placement.finish_reduction(context.all_reduce_replicas)
     for flat in reduced:
         flat.reduction.finish()
         flat.reduction.pass_ended()
