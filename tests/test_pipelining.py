@@ -1151,3 +1151,39 @@ def test_a_row_sparse_table_in_a_stage_matches(pool: WorkerPool, schedule: str) 
     were kept, never exchanged: the step's reduction started only the dense part)."""
     for result in pool.run(row_sparse_job, schedule):
         assert result["moved"] > 1e-3 and result["worst"] < TOLERANCE, result
+
+
+def stage_misuse_job(ctx: WorkerContext, case: str) -> str:
+    """PP2 x DP2: ``clip``, the first stage's ranks clip over every stage and the last
+    stage's go on to the next step; ``stages``, the last stage is built with another
+    num_stages. Each rank's error (or "no error")."""
+    dps, pps = _groups(2, 2)
+    pp_rank, dp_rank = divmod(ctx.rank, 2)
+    torch.manual_seed(0)
+    module = flatshard.fully_shard(
+        nn.Sequential(Block()), auto_wrap_policy={Block}, process_group=dps[pp_rank]
+    )
+    stages = 3 if case == "stages" and pp_rank == 1 else 2
+    try:
+        stage = PipelineStage(module, pp_rank, stages, torch.device("cpu"), group=pps[dp_rank])
+        runner = Schedule1F1B(stage, MICRO, loss_fn=mse)
+        for _ in range(2):
+            x, y = torch.randn(BATCH, DIM), torch.randn(BATCH, DIM)
+            runner.step(x) if pp_rank == 0 else runner.step(target=y)
+            if pp_rank == 0:
+                flatshard.clip_grad_norm_(module, 1.0)
+    except (flatshard.CollectiveMismatchError, ValueError) as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize("case", ["clip", "stages"])
+def test_stages_that_part_ways_are_named_within_seconds(pool: WorkerPool, case: str) -> None:
+    """Before: a hang to the process group's timeout (the other stage waited in torch's
+    sends and receives, which flatshard does not see)."""
+    for message in pool.run(stage_misuse_job, case):
+        if case == "clip":
+            assert "clip_grad_norm_ over every stage" in message, message
+            assert "pipeline schedule step" in message, message
+        else:
+            assert "build pipeline stages with different numbers of stages" in message, message

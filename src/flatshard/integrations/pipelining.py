@@ -54,6 +54,12 @@ class _ShardedStage:
         self.pipeline_group = pipeline
         pipeline_steps.join_pipeline(module, pipeline, stage, stages, self.owner)
 
+    def clear_runtime_states(self) -> None:
+        """A schedule step (or evaluation) begins: every rank of the pipeline agrees on it
+        before any activation moves ([Note: a pipeline step starts on every rank])."""
+        pipeline_steps.step_starts(self.pipeline_group)
+        super().clear_runtime_states()  # type: ignore[misc]
+
     def _prepare_forward_infra(self, num_microbatches: int, *args: Any, **kwargs: Any) -> Any:
         pipeline_steps.agree_microbatches(self.pipeline_group, self.device, num_microbatches)
         # torch infers the shapes from a real forward and input-gradient pass on the first

@@ -41,8 +41,10 @@ import torch.distributed as dist
 from torch import nn
 
 from flatshard.comm._agreement import check_same_on_all_ranks
+from flatshard.comm._checks import Tag
 from flatshard.comm._collectives import all_gather_into
 from flatshard.comm._ranks import global_rank
+from flatshard.comm._watchdog import watchdog
 from flatshard.flat._flat_param import FlatParamGroup
 from flatshard.flat._reduction import Owed
 from flatshard.runtime._step import (
@@ -63,6 +65,15 @@ def join_pipeline(
     sharded whole and cut afterwards is refused: its step (gathers, reductions, the
     end-of-step check) would span stages that torch's schedule runs apart."""
     contexts = contexts_under(model, owner)
+    device = contexts[0].units[0].compute_device
+    check_same_on_all_ranks(  # before any step: a wrong count hangs in torch's first sends
+        [f"num_stages={stages}"],
+        group,
+        device,
+        what="build pipeline stages with different numbers of stages",
+        fix="Pass every rank's PipelineStage the same num_stages: the whole pipeline's.",
+        caller="integrations.pipelining.PipelineStage",
+    )
     inside = {id(m) for m in model.modules()}
     outside = [u.fqn or "<root>" for c in contexts for u in c.units if id(u.module) not in inside]
     if outside:
@@ -100,6 +111,9 @@ def pipeline_total(
     mine[0] = partial
     for seat in seats:
         mine[1 + seat.stage] += 1
+    dog = watchdog()
+    if dog is not None:  # every stage's ranks make the call ([Note: a pipeline step ...])
+        dog.entry(group, Tag(f"{caller} over every stage"))
     every = mine.new_empty(dist.get_world_size(group) * (1 + stages))
     all_gather_into(every, mine, group)
     every = every.view(-1, 1 + stages)
@@ -149,6 +163,21 @@ def stages_spanning(group: dist.ProcessGroup, seat: PipelineSeat) -> dist.Proces
         f"{dist.get_world_size(seat.group)} do not span the world "
         f"({dist.get_world_size()} ranks)."
     )
+
+
+def step_starts(group: dist.ProcessGroup) -> None:
+    """[Note: a pipeline step starts on every rank]
+    A rank of the pipeline that is still in a call every stage must make (a norm over
+    every stage) while another has gone on to the next ``schedule.step()`` would wait for
+    it for the process group's timeout: the other sits in torch's sends and receives,
+    which flatshard does not see. So each schedule step (and evaluation) begins, on each
+    stage, before any activation moves, with an entry every rank of the pipeline agrees on
+    through the store, as those calls do: a rank at another call makes it a
+    ``CollectiveMismatchError`` on every rank, within seconds. One store round trip a
+    stage and step."""
+    dog = watchdog()
+    if dog is not None and group.size() > 1:  # (the phase says what; no count to drift)
+        dog.entry(group, Tag("pipeline schedule step"))
 
 
 def begin_step(model: nn.Module, owner: str) -> None:
