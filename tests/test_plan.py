@@ -648,6 +648,10 @@ def test_the_budget_search_plans_pipelines_across_hosts() -> None:
             "--memory-budget is not planned with --pp",
         ),
         (["--pp-schedule", "dualpipe"], "--pp-schedule must be one of gpipe, 1f1b"),
+        (
+            ["--pp", "2", "--microbatches", "2", "--nproc", "3", "--cluster", "cpu-dev"],
+            "the pipeline's 2 ranks must divide the world (3 ranks)",
+        ),
     ],
 )
 def test_plan_refuses_pipelines_it_cannot_price(argv: list[str], message: str) -> None:

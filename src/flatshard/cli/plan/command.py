@@ -26,6 +26,7 @@ import torch
 
 import flatshard
 from flatshard.cli.config import (
+    ConfigError,
     add_config_parser,
     config_from_args,
     fail,
@@ -242,6 +243,15 @@ def _plan(config: PlanConfig, model: PlannedModel, checkpointing: bool) -> flats
         fail("sharding_factor", f"only applies to hybrid strategies, not {config.strategy}")
     if config.keep_gathered and strategy.kept_gathered is None:
         fail("keep_gathered", f"applies to FULL_SHARD and HYBRID_SHARD, not {config.strategy}")
+    try:
+        return _planned(config, model, checkpointing, strategy)
+    except ValueError as error:  # the planner's refusals (a layout it cannot plan), as errors
+        raise ConfigError(str(error)) from None
+
+
+def _planned(
+    config: PlanConfig, model: PlannedModel, checkpointing: bool, strategy: Any
+) -> flatshard.Plan:
     return plan(
         model.build(checkpointing),
         _inputs(config, model.vocab),
