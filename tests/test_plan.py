@@ -594,19 +594,21 @@ def gathers(plan: flatshard.Plan) -> Any:
     return next(c for c in plan.collectives if c.kind == "all_gather")
 
 
-def test_plan_prices_pipeline_stages() -> None:
+def test_plan_prices_pipeline_stages(planner: ProcessPoolExecutor) -> None:
     """--pp: every pipeline rank's memory and work, the bubble by schedule (zero-bubble's a
     third of 1F1B's, interleaved's 2P stages over the same ranks), the sends; GPipe holds
     every micro-batch in flight, 1F1B P - r on rank r."""
     base = ["plan", "--layers", "4", "--dim", "64", "--seq-len", "64", "--batch", "2"]
     base += ["--nproc", "4", "--cluster", "cpu-dev", "--pp", "2", "--microbatches", "4"]
-    code, out, err = run_cli([*base, "--pp-schedule", "1f1b"])
+    code, out, err = planner.submit(run_cli, [*base, "--pp-schedule", "1f1b"]).result()
     assert code == 0, err
     assert "pipeline: 2 stages on 2 ranks (1f1b, 4 micro-batches a step)" in out, out
     assert re.search(r"bubble: [0-9.]+ ms, [0-9.]+% of the step; sends:", out), out
     plans = {}
     for schedule in ("gpipe", "1f1b", "interleaved", "zero-bubble"):
-        code, out, err = run_cli([*base, "--pp-schedule", schedule, "--json"])
+        code, out, err = planner.submit(
+            run_cli, [*base, "--pp-schedule", schedule, "--json"]
+        ).result()
         assert code == 0, err
         plans[schedule] = json.loads(out)["pipeline"]
     assert [r["in_flight"] for r in plans["gpipe"]["per_rank"]] == [4, 4]
@@ -618,13 +620,13 @@ def test_plan_prices_pipeline_stages() -> None:
     assert 0 < plans["zero-bubble"]["bubble_fraction"] < plans["1f1b"]["bubble_fraction"]
 
 
-def test_the_budget_search_plans_pipelines_across_hosts() -> None:
+def test_the_budget_search_plans_pipelines_across_hosts(planner: ProcessPoolExecutor) -> None:
     """Across hosts the budget search also cuts the GPT into pipeline stages (P dividing
     the hosts, 1F1B, P x --grad-accum micro-batches); a pipelined recommendation gives
     train's --pp flags."""
     args = ["plan", "--layers", "4", "--dim", "64", "--seq-len", "64", "--batch", "2"]
     args += ["--nproc", "2", "--hosts", "2", "--cluster", "cpu-dev", "--memory-budget", "device"]
-    code, out, err = run_cli([*args, "--json"])
+    code, out, err = planner.submit(run_cli, [*args, "--json"]).result()
     assert code == 0, err
     labels = [c["setup"] for c in json.loads(out)["candidates"]]
     assert "FULL_SHARD, 2 pipeline stages (1f1b, 2 micro-batches)" in labels, labels
@@ -654,6 +656,8 @@ def test_the_budget_search_plans_pipelines_across_hosts() -> None:
         ),
     ],
 )
-def test_plan_refuses_pipelines_it_cannot_price(argv: list[str], message: str) -> None:
-    code, _, err = run_cli(["plan", *argv])
+def test_plan_refuses_pipelines_it_cannot_price(
+    planner: ProcessPoolExecutor, argv: list[str], message: str
+) -> None:
+    code, _, err = planner.submit(run_cli, ["plan", *argv]).result()
     assert code == 2 and message in err, err
