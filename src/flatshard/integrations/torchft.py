@@ -63,7 +63,9 @@ class ManagerAllReduce:
         train silently wrong. Each step, before its first shard, the groups average their
         layout's digest (three 16-bit parts, exact in floating point): a group whose
         digest differs from the average finds out, and every group of the quorum with it.
-        One all-reduce of three numbers a step."""
+        One all-reduce of three numbers a step, keyed on the step count: a step taken again
+        is not checked again (groups whose commits differed are at different steps, and the
+        next quorum heals the one behind to the others' step before any all-reduce)."""
         assert self.layout is not None
         average = self.layout.clone()
         self.manager.allreduce(average).wait()

@@ -124,6 +124,7 @@ class PipelineCost:
     bubble_fraction: float  # of the step
     send_bytes: int  # one rank's point-to-point sends per step (activations, gradients)
     send_s: float  # the sends that fill and drain the pipeline
+    links: str  # where the sends go: "intra-host" or "inter-host"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -324,6 +325,7 @@ def price(
         bubble_fraction=bubble / seconds if seconds else 0.0,
         send_bytes=2 * v * m * sent,
         send_s=send_s,
+        links="inter-host" if across else "intra-host",
     )
     heaviest = max(ranks, key=lambda r: r.peak_memory_bytes).rank
     return cost, heaviest, seconds

@@ -352,13 +352,8 @@ def _pipelined(
         sum(s.plan.step.communication_s + (m - 2) * s.microbatch.communication_s for s in own)
         + cost.send_s
     )
-    links = (
-        "inter-host"
-        if cluster.hosts > 1 and setup.world_size // pipeline.ranks >= cluster.ranks_per_host
-        else "intra-host"
-    )
     sends = CollectiveTotal(
-        "send/recv", 2 * pipeline.stages_per_rank * m, cost.send_bytes, cost.send_s, links
+        "send/recv", 2 * pipeline.stages_per_rank * m, cost.send_bytes, cost.send_s, cost.links
     )
     first = own[0].plan
     return Plan(

@@ -223,7 +223,9 @@ class Trainer:
         """One optimizer step over --grad-accum micro-batches; this rank's mean loss.
         --ft-replicas: taken again until torchft commits it (or the group heals past it)."""
         if self.ft is None:
-            return self._train_step()
+            loss = self._train_step(self.step + 1)
+            self.step += 1
+            return loss
         while True:
             attempt = self.ft.step + 1
             loss = self._train_step(attempt)
@@ -232,8 +234,9 @@ class Trainer:
                 self.quorum_change = self.ft.committed(self.members, self.config.ft_replicas)
                 return loss
 
-    def _train_step(self, step: int | None = None) -> float:
-        config, step = self.config, step or self.step + 1
+    def _train_step(self, step: int) -> float:
+        """Optimizer step ``step`` (1-based) taken once; this rank's mean loss."""
+        config = self.config
         for optim in self.optims:
             for group in optim.param_groups:
                 group["lr"] = config.lr_at(step)
@@ -261,7 +264,6 @@ class Trainer:
             observer=losses,
         )
         self.members = losses.members  # --ft-replicas: the step's quorum
-        self.step = step if self.ft is None else self.step
         return losses.total
 
     @torch.no_grad()

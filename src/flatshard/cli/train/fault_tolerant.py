@@ -53,7 +53,7 @@ class FaultTolerance:
                 "--ft-replicas needs torchft's Lighthouse: --ft-lighthouse http://host:29510 "
                 "or TORCHFT_LIGHTHOUSE (start one with: torchft_lighthouse --min_replicas 1)"
             )
-        address, port = _group_store()
+        self._store, address, port = _group_store()  # (served as long as it lives)
         load, save = state_dict_fns(model, [optim])
         across = ProcessGroupNCCL() if device.type == "cuda" else ProcessGroupGloo()
         self.manager = Manager(
@@ -102,9 +102,10 @@ class FaultTolerance:
         self.manager.shutdown(wait=False)
 
 
-def _group_store() -> tuple[str, int]:
-    """A store of this group's own for its managers: rank 0 serves it, every rank learns
-    where (torchrun's store would do too, but ``flatshard train``'s own launch uses a file)."""
+def _group_store() -> tuple[Any, str, int]:
+    """A store of this group's own for its managers (rank 0's, None elsewhere): rank 0
+    serves it, every rank learns where (torchrun's store would do too, but
+    ``flatshard train``'s own launch uses a file)."""
     store = None
     if dist.get_rank() == 0:
         store = dist.TCPStore(  # type: ignore[attr-defined]  # exported, not in __all__
@@ -112,8 +113,4 @@ def _group_store() -> tuple[str, int]:
         )
     where: list[Any] = [(os.environ.get("MASTER_ADDR", "localhost"), store.port if store else 0)]
     dist.broadcast_object_list(where, src=0)
-    _STORES.append(store)  # alive as long as the process
-    return where[0][0], int(where[0][1])
-
-
-_STORES: list[Any] = []
+    return store, where[0][0], int(where[0][1])
