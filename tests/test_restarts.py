@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from flatshard.testing.isolated import alive
+from flatshard.testing.isolated import alive, rank_pid, wait_until
+from flatshard.testing.scripts import last_logged_step
 
 TINY = ["--dim", "32", "--layers", "2", "--heads", "2", "--seq-len", "128", "--batch", "16"]
 RUN = [*TINY, "--steps", "24", "--ckpt-every", "8", "--keep-ckpts", "3", "--sample-bytes", "0"]
@@ -56,50 +57,14 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     return _losses(out)
 
 
-def _descendants(pid: int) -> list[int]:
-    found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    children = [int(p) for p in found.split()]
-    return children + [d for c in children for d in _descendants(c)]
-
-
-def _rank_pid(root: int, rank: int) -> int | None:
-    """The process of training rank ``rank`` under ``root`` (its environment says RANK)."""
-    for pid in _descendants(root):
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-        if b"flatshard.cli.main" in cmdline and f"RANK={rank}".encode() in environ:
-            return pid
-    return None
-
-
-def _last_step(out_dir: Path) -> int:
-    try:
-        lines = (out_dir / "metrics.jsonl").read_text().splitlines()
-    except FileNotFoundError:
-        return 0
-    return max((json.loads(line)["step"] for line in lines if line.endswith("}")), default=0)
-
-
 def _kill(root: int, rank: int) -> float:
     """SIGKILL rank ``rank``; returns once it is dead (the time of the kill)."""
-    pid = _rank_pid(root, rank)
+    pid = rank_pid(root, rank)
     assert pid is not None, f"no process for rank {rank}"
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
-    _wait(lambda: not alive(pid), 10.0)
+    wait_until(lambda: not alive(pid), 10.0)
     return killed
-
-
-def _wait(condition: object, seconds: float = 120.0) -> None:
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        if callable(condition) and condition():
-            return
-        time.sleep(0.005)
-    raise AssertionError("timed out waiting")
 
 
 def _being_saved(ckpt_dir: Path) -> str | None:
@@ -125,13 +90,13 @@ def _kill_twice(command: list[str], out: Path) -> tuple[str, float]:
     proc = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
-    _wait(lambda: _last_step(out) >= KILL_AT_STEP)
+    wait_until(lambda: last_logged_step(out) >= KILL_AT_STEP)
     killed = _kill(proc.pid, 1)
-    _wait(lambda: _last_step(out) < KILL_AT_STEP)  # resumed: later lines dropped
-    _wait(lambda: _last_step(out) > 8)  # the first step trained again after step 8
+    wait_until(lambda: last_logged_step(out) < KILL_AT_STEP)  # resumed: later lines dropped
+    wait_until(lambda: last_logged_step(out) > 8)  # the first step trained again after step 8
     back_after = time.monotonic() - killed
     saving: list[str] = []
-    _wait(lambda: (name := _being_saved(out / "checkpoints")) and not saving.append(name))
+    wait_until(lambda: (name := _being_saved(out / "checkpoints")) and not saving.append(name))
     _kill(proc.pid, 0)
     # The save may have ended between the look and the kill; else it was cut short (the
     # rank is dead by now, so a .partial left is one no rename will complete).
@@ -172,7 +137,7 @@ def test_a_kill_during_a_background_write_resumes_from_the_checkpoint_before(
     ckpts = tmp_path / "checkpoints"
     env = _slow_saves(tmp_path.parent / f"{tmp_path.name}-env")  # each write lasts 1 s more
     proc = subprocess.Popen(run, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    _wait(lambda: (ckpts / "step_000016.partial").exists())  # step 8's is whole by then
+    wait_until(lambda: (ckpts / "step_000016.partial").exists())  # step 8's is whole by then
     assert (ckpts / "step_000008" / "flatshard.json").exists()
     _kill(proc.pid, 0)
     proc.communicate(timeout=120)
@@ -194,7 +159,7 @@ def test_sigterm_during_a_background_write_saves_once_more_and_resumes_exactly(
     ckpts = tmp_path / "checkpoints"
     env = _slow_saves(tmp_path.parent / f"{tmp_path.name}-env")  # each write lasts 1 s more
     proc = subprocess.Popen(run, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
-    _wait(lambda: (ckpts / "step_000016.partial").exists())
+    wait_until(lambda: (ckpts / "step_000016.partial").exists())
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 128 + signal.SIGTERM, stdout + stderr[-3000:]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import queue
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -95,3 +96,34 @@ def _main(
     dog = _watchdog._WATCHDOG
     if dog is None or not dog.failed:  # else collectives are left in flight: see _at_exit
         dist.destroy_process_group()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children first)."""
+    found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    children = [int(p) for p in found.split()]
+    return children + [d for c in children for d in descendants(c)]
+
+
+def rank_pid(root: int, rank: int) -> int | None:
+    """The process of ``flatshard train``'s rank ``rank`` under ``root``, where its launcher
+    (torch's elastic agent, torchrun) gave it RANK in its environment."""
+    for pid in descendants(root):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if b"flatshard.cli.main" in cmdline and f"RANK={rank}".encode() in environ:
+            return pid
+    return None
+
+
+def wait_until(condition: Callable[[], object], seconds: float = 120.0) -> None:
+    """Poll ``condition`` until it holds; an AssertionError after ``seconds``."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if condition():
+            return
+        time.sleep(0.005)
+    raise AssertionError("timed out waiting")

@@ -41,6 +41,30 @@ def run_script(
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
 
 
+def run_scripts_together(
+    script: Path, runs: list[list[str]], cwd: Path, timeout: float = 600
+) -> None:
+    """Run ``script`` once for each argument list of ``runs``, all at once (runs that meet,
+    such as replica groups), each alone (no launch variables); an AssertionError with the
+    output's ends of any that fails. Outputs go to files: a full pipe would stall a run
+    that another waits for."""
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES}
+    logs = [cwd / f"run{i}.out" for i in range(len(runs))]
+    procs = []
+    for args, log in zip(runs, logs, strict=True):
+        with log.open("w") as out:
+            command = [sys.executable, str(script), *args]
+            procs.append(subprocess.Popen(command, env=env, cwd=cwd, stdout=out, stderr=out))
+    try:
+        for proc in procs:
+            proc.wait(timeout=timeout)
+    finally:
+        for proc in procs:
+            proc.kill()
+    for proc, log in zip(procs, logs, strict=True):
+        assert proc.returncode == 0, log.read_text()[-8000:]
+
+
 def run_ranks(
     script: Path, *args: str, cwd: Path, ranks: int = 2, timeout: float = 120
 ) -> list[tuple[int, str]]:
@@ -92,3 +116,13 @@ def run_results(out: Path) -> dict[str, Any]:
     return {
         name: json.loads((out / f"{name}.json").read_text()) for name in ("reference", "sharded")
     }
+
+
+def last_logged_step(out_dir: Path) -> int:
+    """The last step ``flatshard train`` logged in ``out_dir/metrics.jsonl`` (0: none yet;
+    a line being written is not read)."""
+    try:
+        lines = (out_dir / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return 0
+    return max((json.loads(line)["step"] for line in lines if line.endswith("}")), default=0)
