@@ -20,21 +20,267 @@ torchft owns the quorum, the Lighthouse, the managed process group, the commit d
 the step count and the transfer of the state. A whole group fails together: torchft
 tolerates the loss of groups, not of some ranks of one (those stop their group, and
 torchrun's restart brings it back as a recovering group).
+
+``ReplicaGroups(count, index, ...).join(model, optimizers)`` does all of it for a sharded
+model (``flatshard train --ft-replicas`` and the Lightning strategy use it): the manager
+over the group's ranks, the hook, the state, an optimizer that steps only what torchft
+commits, and the quorum's members by step; the lower parts stay public for a loop of
+one's own (torchtitan's way).
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
-from collections.abc import Callable, Sequence
+import os
+import re
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed import ReduceOp
 
 from flatshard.runtime import set_all_reduce_hook, sharding_summary, unit_modules
 
-__all__ = ["ManagerAllReduce", "replicate_with", "state_dict_fns"]
+__all__ = [
+    "CommittingOptimizer",
+    "ManagerAllReduce",
+    "NoQuorum",
+    "ReplicaGroup",
+    "ReplicaGroups",
+    "replicate_with",
+    "state_dict_fns",
+]
+
+
+class NoQuorum(RuntimeError):
+    """No quorum took this group's step within the quorum timeout (the message names the
+    groups the Lighthouse has heard from)."""
+
+
+@dataclass(frozen=True)
+class ReplicaGroups:
+    """This run as replica group ``index`` of ``count`` on torchft: each group its own
+    run (its own ranks, the model sharded over them alike), every step averaged over the
+    groups alive. ``lighthouse``: torchft's Lighthouse (``http://host:29510``; empty: the
+    TORCHFT_LIGHTHOUSE variable); ``min_replicas``: the fewest groups a step commits with;
+    ``quorum_timeout``: seconds a step waits for a quorum before ``NoQuorum``."""
+
+    count: int
+    index: int
+    lighthouse: str = ""
+    min_replicas: int = 1
+    quorum_timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        where = "flatshard.integrations.torchft.ReplicaGroups"
+        if self.count < 2:
+            raise ValueError(f"{where}: count must be >= 2 replica groups, got {self.count}")
+        if not 0 <= self.index < self.count:
+            raise ValueError(f"{where}: index must be 0 to {self.count - 1}, got {self.index}")
+        if not 1 <= self.min_replicas <= self.count:
+            raise ValueError(
+                f"{where}: min_replicas must be 1 to {self.count}, got {self.min_replicas}"
+            )
+        if self.quorum_timeout <= 0:
+            raise ValueError(f"{where}: quorum_timeout must be > 0 s, got {self.quorum_timeout}")
+
+    def join(
+        self,
+        model: nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer],
+        extra: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
+    ) -> ReplicaGroup:
+        """Join the replica groups with sharded ``model`` and its optimizers (every rank of
+        the group, after ``fully_shard``); ``extra``: the caller's own state a recovering
+        group receives too (see ``state_dict_fns``)."""
+        return ReplicaGroup(self, model, optimizers, extra)
+
+
+class ReplicaGroup:
+    """This rank's part of a replica group: torchft's manager, the hook that averages the
+    gradients over the quorum, and the quorum's members by committed step. Step with
+    ``wrap(optimizer)``'s optimizer: its ``zero_grad`` starts the next quorum (a heal
+    lands there, before the next forward), its ``step`` steps only what torchft commits."""
+
+    def __init__(
+        self,
+        groups: ReplicaGroups,
+        model: nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer],
+        extra: tuple[Callable[[], Any], Callable[[Any], None]] | None,
+    ) -> None:
+        _require_torchft()
+        from torchft import Manager  # type: ignore[import-untyped]
+        from torchft.process_group import (  # type: ignore[import-untyped]
+            ProcessGroupGloo,
+            ProcessGroupNCCL,
+        )
+
+        self.groups = groups
+        self.lighthouse = groups.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
+        if not self.lighthouse:
+            raise ValueError(
+                "flatshard.integrations.torchft: replica groups need torchft's Lighthouse: "
+                "give its address (http://host:29510) or set TORCHFT_LIGHTHOUSE (start one "
+                "with: torchft_lighthouse --min_replicas 1 --bind [::]:29510)"
+            )
+        self.timeout = timedelta(seconds=groups.quorum_timeout)
+        self._store, address, port = _group_store()  # (served as long as it lives)
+        load, save = state_dict_fns(model, optimizers, extra)
+        device = next(model.parameters()).device
+        self.manager = Manager(
+            pg=ProcessGroupNCCL() if device.type == "cuda" else ProcessGroupGloo(),
+            min_replica_size=groups.min_replicas,
+            load_state_dict=load,
+            state_dict=save,
+            replica_id=f"group{groups.index}",
+            store_addr=address,
+            store_port=port,
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            lighthouse_addr=self.lighthouse,
+            use_async_quorum=False,  # a heal applies before the step's forward
+            quorum_timeout=self.timeout,
+        )
+        self.hook = replicate_with(model, self.manager, groups.index, groups.count)
+        self.quorum: tuple[int, ...] = ()  # the groups of the last committed step
+        self.change: str | None = None  # how that step's quorum differs from the one before
+        self.fewer = 0  # committed steps taken with fewer groups than ``count``
+        self._pending = True  # the next step's quorum is still to start
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps committed so far (the manager's count, healed ones included)."""
+        return int(self.manager.current_step())
+
+    def start_quorum(self) -> None:
+        """The next step's quorum, where it has not started yet (a late or restarted group
+        heals in its first)."""
+        if self._pending:
+            self._pending = False
+            with self.named_timeouts():
+                self.manager.start_quorum()
+                self.manager.wait_quorum()
+
+    def should_commit(self) -> bool:
+        """Whether the step's all-reduces went through on every group of the quorum and
+        it took at least ``min_replicas`` groups (torchft's decision, every rank alike)."""
+        with self.named_timeouts():
+            committed = bool(self.manager.should_commit())
+        self._pending = True
+        if committed:
+            self._note_quorum()
+        return committed
+
+    def wrap(self, optimizer: torch.optim.Optimizer) -> CommittingOptimizer:
+        return CommittingOptimizer(optimizer, self)
+
+    @contextmanager
+    def named_timeouts(self) -> Iterator[None]:
+        """Inside, torchft's quorum timeout is a ``NoQuorum`` naming the groups seen."""
+        try:
+            yield
+        except TimeoutError:
+            raise NoQuorum(
+                f"replica group {self.groups.index}: no quorum formed within "
+                f"{self.timeout.total_seconds():g} s (the quorum timeout). {self.seen()} "
+                "The Lighthouse forms one once its --min_replicas groups ask: start the "
+                "missing groups, or start the Lighthouse with fewer."
+            ) from None
+
+    def seen(self) -> str:
+        """What the Lighthouse says of the groups it sees (its status page), if it answers."""
+        try:
+            with urllib.request.urlopen(f"{self.lighthouse}/status", timeout=5) as page:
+                text = page.read().decode(errors="replace")
+        except (OSError, ValueError):
+            return f"The Lighthouse at {self.lighthouse} did not answer."
+        status = re.search(r"Next quorum status:\s*([^<\n]*)", text)
+        heard = sorted(set(re.findall(r"(group\d+):", text)))
+        return (
+            f"The Lighthouse at {self.lighthouse} says: "
+            f"{status.group(1).strip() if status else 'nothing'}; groups it has heard from: "
+            f"{', '.join(heard) or 'none'}."
+        )
+
+    def _note_quorum(self) -> None:
+        """The quorum of the step just committed, and how it changed."""
+        before = self.quorum
+        self.quorum = self.hook.members or (self.groups.index,)
+        if len(self.quorum) < self.groups.count:
+            self.fewer += 1
+        left = sorted(set(before) - set(self.quorum)) if before else []
+        joined = sorted(set(self.quorum) - set(before)) if before else []
+        said = [f"group {', '.join(map(str, left))} left"] if left else []
+        said += [f"group {', '.join(map(str, joined))} joined"] if joined else []
+        self.change = None
+        if said:
+            self.change = (
+                f"step {self.step}: replica {' and '.join(said)}; {len(self.quorum)} of "
+                f"{self.groups.count} groups in the quorum"
+            )
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+class CommittingOptimizer(torch.optim.Optimizer):
+    """``optimizer`` stepping only what torchft commits: ``zero_grad`` starts the next
+    step's quorum (where it has not started), ``step`` runs the closure (if any), asks
+    ``should_commit`` and steps the optimizer only then (it returns the closure's loss)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, group: ReplicaGroup) -> None:
+        # Not Optimizer.__init__: the wrapped optimizer holds the state and the groups.
+        self.optimizer, self.group = optimizer, group
+        self.committed = False  # whether the last step was
+
+    @property
+    def param_groups(  # type: ignore[override]
+        self,
+    ) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(  # type: ignore[override]
+        self,
+    ) -> Any:
+        return self.optimizer.state
+
+    @property
+    def defaults(  # type: ignore[override]
+        self,
+    ) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.group.start_quorum()
+        self.optimizer.zero_grad(set_to_none)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = closure() if closure is not None else None
+        self.committed = self.group.should_commit()
+        if self.committed:
+            self.optimizer.step()
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def __repr__(self) -> str:
+        return f"CommittingOptimizer({self.optimizer!r})"
 
 
 class ManagerAllReduce:
@@ -42,17 +288,28 @@ class ManagerAllReduce:
     ``Manager.allreduce`` (a no-op once the step has failed; ``should_commit`` then says
     False on every group). With ``layout`` (``replicate_with`` gives it), the first shard
     of each step is preceded by the groups' check of their layouts ([Note: replica groups
-    agree on their layout])."""
+    agree on their layout]); with ``group`` of ``groups`` too, that check also finds
+    which groups are in the step's quorum (``members``)."""
 
-    def __init__(self, manager: Any, layout: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        manager: Any,
+        layout: torch.Tensor | None = None,
+        group: int | None = None,
+        groups: int = 0,
+    ) -> None:
         self.manager = manager
         self.layout = layout
-        self._checked_step = -1
+        self.group, self.groups = group, groups
+        self.members: tuple[int, ...] | None = None  # the groups of the last checked quorum
+        self._checked: tuple[int, Any] | None = None
 
     def __call__(self, shard: torch.Tensor) -> None:
-        step = int(self.manager.current_step())
-        if self.layout is not None and step != self._checked_step:
-            self._checked_step = step
+        # Once a step and quorum: a step taken again under a new quorum (a group left
+        # inside its all-reduce) is checked again.
+        key = (int(self.manager.current_step()), getattr(self.manager, "_quorum_id", None))
+        if self.layout is not None and key != self._checked:
+            self._checked = key
             self._check_layout()
         self.manager.allreduce(shard).wait()
 
@@ -60,37 +317,73 @@ class ManagerAllReduce:
         """[Note: replica groups agree on their layout]
         A group that built another model, or sharded it otherwise (strategy, units, ranks
         per group), would average gradient shards of other rows with the others' and
-        train silently wrong. Each step, before its first shard, the groups average their
-        layout's digest (three 16-bit parts, exact in floating point): a group whose
-        digest differs from the average finds out, and every group of the quorum with it.
-        One all-reduce of three numbers a step, keyed on the step count: a step taken again
-        is not checked again (groups whose commits differed are at different steps, and the
-        next quorum heals the one behind to the others' step before any all-reduce)."""
+        train silently wrong. Each step, before its first shard, the groups sum their
+        layout's digest (three 16-bit parts, exact in floating point) and the number of
+        groups they were told of: a group whose numbers times the quorum's size differ
+        from the sum finds out, and every group of the quorum with it. Then each group
+        adds a one at its own index, so the sum says which groups the quorum holds (the
+        console's and metrics.jsonl's "who left, who joined"; its length agreed by the
+        first sum). Two all-reduces of a few numbers a step and quorum: a step taken
+        again under the same quorum is not checked again (groups whose commits differed
+        are at different steps, and the next quorum heals the one behind to the others'
+        step before any all-reduce)."""
         assert self.layout is not None
-        average = self.layout.clone()
-        self.manager.allreduce(average).wait()
-        if not torch.equal(average, self.layout):
+        mine = torch.cat([self.layout, self.layout.new_tensor([self.groups])])
+        total = self._sum(mine)
+        if total is None:
+            return
+        if not torch.equal(total, mine * self.manager.num_participants()):
             raise ValueError(
                 "flatshard.integrations.torchft: the replica groups in this step's quorum "
-                "built different models or sharded them otherwise (their layouts' digests "
-                f"differ; this group's is {_digest_text(self.layout)}). Every group must "
-                "build the same model and shard it alike (strategy, units, ranks per group)."
+                "built different models, sharded them otherwise or count the groups "
+                f"otherwise (their layouts' digests differ; this group's is "
+                f"{_digest_text(self.layout)}, of {self.groups} groups). Every group must "
+                "build the same model and shard it alike (strategy, units, ranks per "
+                "group), and be told the same number of groups."
             )
+        if self.group is None:
+            return
+        one = torch.zeros(self.groups, dtype=mine.dtype, device=mine.device)
+        one[self.group] = 1
+        present = self._sum(one)
+        if present is not None:
+            self.members = tuple(int(i) for i in present.nonzero().flatten().tolist())
+
+    def _sum(self, mine: torch.Tensor) -> torch.Tensor | None:
+        """The quorum's sum of ``mine`` (None where the step failed, or where this group
+        only heals and takes no part)."""
+        self.members = None
+        total = mine.clone()
+        self.manager.allreduce(total, reduce_op=ReduceOp.SUM).wait()
+        if self.manager.errored() is not None or not self.manager.is_participating():
+            return None
+        return total
 
 
-def replicate_with(model: nn.Module, manager: Any) -> None:
+def replicate_with(
+    model: nn.Module, manager: Any, group: int | None = None, groups: int = 0
+) -> ManagerAllReduce:
     """Average the gradients of every unit inside sharded ``model`` across torchft's replica
     groups each step, through ``manager`` (a ``torchft.Manager``; see the module's note).
     Wrap the optimizers in ``torchft.optim.OptimizerWrapper(manager, optim)`` (the quorum
     at ``zero_grad``, ``should_commit`` before ``step``), and give the manager
-    ``state_dict_fns(model, optimizers)``."""
+    ``state_dict_fns(model, optimizers)``. With this group's index ``group`` of ``groups``
+    (every group gives the same ``groups``), the returned hook's ``members`` names the
+    groups in each step's quorum."""
     _require_torchft()
     if not unit_modules(model):
         raise ValueError(
             "flatshard.integrations.torchft.replicate_with: the model is not sharded; call "
             "flatshard.fully_shard on it first (over the replica group's own ranks)"
         )
-    set_all_reduce_hook(model, ManagerAllReduce(manager, layout_digest(model)))
+    if group is not None and not 0 <= group < groups:
+        raise ValueError(
+            f"flatshard.integrations.torchft.replicate_with: group must be 0 to groups - 1 "
+            f"({groups - 1}), got {group}"
+        )
+    hook = ManagerAllReduce(manager, layout_digest(model), group, groups)
+    set_all_reduce_hook(model, hook)
+    return hook
 
 
 def layout_digest(model: nn.Module) -> torch.Tensor:
@@ -162,3 +455,17 @@ def _require_torchft() -> None:
             "flatshard.integrations.torchft needs torchft: pip install 'flatshard[ft]' "
             "(or pip install torchft)"
         )
+
+
+def _group_store() -> tuple[Any, str, int]:
+    """A store of this group's own for its managers (rank 0's, None elsewhere): rank 0
+    serves it, every rank learns where (torchrun's store would do too, but
+    ``flatshard train``'s own launch uses a file)."""
+    store = None
+    if dist.get_rank() == 0:
+        store = dist.TCPStore(  # type: ignore[attr-defined]  # exported, not in __all__
+            "0.0.0.0", 0, dist.get_world_size(), is_master=True, wait_for_workers=False
+        )
+    where: list[Any] = [(os.environ.get("MASTER_ADDR", "localhost"), store.port if store else 0)]
+    dist.broadcast_object_list(where, src=0)
+    return store, where[0][0], int(where[0][1])

@@ -95,6 +95,7 @@ __all__ = [
     "quantize_rows",
     "ranks_per_host",
     "rate_limiter_of",
+    "replica_steps_pause",
     "select_unit_roots",
     "staging_buffers",
     "storage_move",
@@ -196,6 +197,24 @@ def checkpoint_saves_pause(seconds: float) -> None:
         return real(*args)
 
     _checkpoint._share_of_checksums = paused  # type: ignore[assignment]
+
+
+def replica_steps_pause(alone: float, together: float = 0.0) -> None:
+    """From now on in this process, each step ``flatshard train --ft-replicas`` commits
+    pauses ``alone`` seconds after it where fewer replica groups than it was told of took
+    part, ``together`` where all did: a group that goes on without a dead one takes few
+    steps while the dead one restarts (``tests/test_torchft.py`` loads it into the
+    groups' ranks)."""
+    from flatshard.cli.train.fault_tolerant import FaultTolerance
+
+    real = FaultTolerance.take
+
+    def paused(self: FaultTolerance, attempt: Any) -> float:
+        loss = real(self, attempt)
+        time.sleep(alone if len(self.group.quorum) < self.group.groups.count else together)
+        return loss
+
+    FaultTolerance.take = paused  # type: ignore[method-assign]
 
 
 @contextmanager

@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -166,6 +166,10 @@ class TrainConfig:
     torchft_lighthouse --min_replicas 1); empty: the TORCHFT_LIGHTHOUSE variable"""
     ft_min_replicas: int = 1
     """--ft-replicas: the fewest replica groups a step commits with"""
+    ft_quorum_timeout: float = 60.0
+    """--ft-replicas: seconds a step waits for a quorum (of the Lighthouse's
+    --min_replicas groups, and of --ft-min-replicas) before the run stops with an error
+    naming the groups the Lighthouse has heard from"""
     row_sparse_tables: bool = False
     """row-sparse embedding tables (fully_shard(..., placement=flatshard.RowSparse())): each lookup
     fetches only its tokens' rows and sends back only their gradients, where that moves
@@ -295,8 +299,9 @@ class TrainConfig:
     def _check_fault_tolerance(self) -> None:
         """--ft-replicas: what a replica group of a fault-tolerant run takes."""
         if self.ft_replicas == 0:
-            for name in ("ft_replica_id", "ft_lighthouse"):
-                if getattr(self, name):
+            given = ("ft_replica_id", "ft_lighthouse", "ft_min_replicas", "ft_quorum_timeout")
+            for name in given:
+                if getattr(self, name) != _DEFAULTS[name]:
                     fail(name, "applies with --ft-replicas")
             return
         if self.ft_replicas < 2:
@@ -309,6 +314,8 @@ class TrainConfig:
             )
         if not 1 <= self.ft_min_replicas <= self.ft_replicas:
             fail("ft_min_replicas", f"must be 1 to {self.ft_replicas}, got {self.ft_min_replicas}")
+        if self.ft_quorum_timeout <= 0:
+            fail("ft_quorum_timeout", f"must be > 0 seconds, got {self.ft_quorum_timeout}")
         refused = {
             "pp": self.pp > 1,
             "optimizer": self.optimizer == "muon",  # two optimizers: one commit decision
@@ -435,3 +442,8 @@ def _one_of(config: object, name: str, allowed: tuple[str, ...]) -> None:
         f" (did you mean {allowed[[a.lower() for a in allowed].index(close[0])]}?)" if close else ""
     )
     fail(name, f"must be one of {', '.join(allowed)}, got {value!r}{hint}")
+
+
+# What every option is when not given (an option that applies only with another is
+# refused when it differs from it).
+_DEFAULTS = {f.name: f.default for f in fields(TrainConfig)}

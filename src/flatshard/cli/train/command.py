@@ -155,21 +155,13 @@ def _worker(
 
 # ---------------------------------------------------------------- one rank
 class _Losses(flatshard.StepObserver):
-    """Sums a step's micro-batch losses (this rank's mean loss of the step); under
-    --ft-replicas also the size of the step's quorum (before the optimizer asks torchft
-    to commit: its next quorum starts right after)."""
+    """Sums a step's micro-batch losses (this rank's mean loss of the step)."""
 
-    def __init__(self, ft: FaultTolerance | None = None) -> None:
+    def __init__(self) -> None:
         self.total = 0.0
-        self.ft = ft
-        self.members = 0
 
     def backward_done(self, loss: torch.Tensor) -> None:
         self.total += loss.item()
-
-    def optimizer_starts(self) -> None:
-        if self.ft is not None:
-            self.members = int(self.ft.manager.num_participants())
 
 
 class Trainer:
@@ -199,14 +191,9 @@ class Trainer:
         self.pending: flatshard.CheckpointSave | None = None  # --ckpt-async's last save
         # --ft-replicas: this run is one replica group; torchft commits the steps.
         self.ft: FaultTolerance | None = None
-        self.members = 0  # replica groups in the last step's quorum
-        self.quorum_change: str | None = None  # how the last committed step's quorum changed
         if config.ft_replicas:
             (optim,) = self.optims
-            self.ft = FaultTolerance(
-                self.model, optim, config.ft_replica_id, config.ft_min_replicas,
-                config.ft_lighthouse, device,
-            )  # fmt: skip
+            self.ft = FaultTolerance(self.model, optim, config)
             self.optims = [self.ft.optim]
 
     def _sharded(self) -> nn.Module:
@@ -226,13 +213,9 @@ class Trainer:
             loss = self._train_step(self.step + 1)
             self.step += 1
             return loss
-        while True:
-            attempt = self.ft.step + 1
-            loss = self._train_step(attempt)
-            if self.ft.step >= attempt:  # committed (or healed beyond it)
-                self.step = self.ft.step
-                self.quorum_change = self.ft.committed(self.members, self.config.ft_replicas)
-                return loss
+        loss = self.ft.take(self._train_step)
+        self.step = self.ft.step
+        return loss
 
     def _train_step(self, step: int) -> float:
         """Optimizer step ``step`` (1-based) taken once; this rank's mean loss."""
@@ -250,7 +233,7 @@ class Trainer:
             first = (micro * self.world + self.rank) * config.batch
             return self.loss(batch[first : first + config.batch])
 
-        losses = _Losses(self.ft)
+        losses = _Losses()
         # --no-accum-no-sync under a hybrid strategy: reduce-scatter every micro-batch,
         # the all-reduce across replicas once per step (flatshard.set_requires_all_reduce).
         flatshard.train_step(
@@ -263,7 +246,6 @@ class Trainer:
             scaler=self.scaler,
             observer=losses,
         )
-        self.members = losses.members  # --ft-replicas: the step's quorum
         return losses.total
 
     @torch.no_grad()
@@ -531,11 +513,12 @@ def _loop(trainer: Trainer, backend: str) -> None:
                 tokens_per_s=tokens / (time.perf_counter() - tick),
                 peak_mem_mib=[round(float(f[1]), 1) for f in everyone],
                 elapsed_s=round(time.perf_counter() - started, 3),
-                replica_groups=trainer.members if trainer.ft is not None else None,
+                replica_groups=list(trainer.ft.group.quorum) if trainer.ft is not None else None,
+                quorum_change=trainer.ft.group.change if trainer.ft is not None else None,
             )
             log.write(metrics)
-            if trainer.quorum_change:
-                bar.note(trainer.quorum_change)
+            if trainer.ft is not None and trainer.ft.group.change:
+                bar.note(trainer.ft.group.change)
             if board is not None:
                 board.write(metrics)
             bar.update(metrics)
@@ -641,7 +624,7 @@ def _finish(trainer: Trainer, out: Path, board: TensorBoardLog | None) -> None:
     if trainer.ft is not None:
         print(
             f"replica group {trainer.config.ft_replica_id} of {trainer.config.ft_replicas}: "
-            f"{trainer.ft.fewer} steps taken with fewer replica groups"
+            f"{trainer.ft.group.fewer} steps taken with fewer replica groups"
         )
     if exported is not None:
         print(f"exported for from_pretrained: {exported}")

@@ -12,105 +12,87 @@ others are.
 
 from __future__ import annotations
 
-import os
-from datetime import timedelta
-from typing import Any
+import importlib.util
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from flatshard.cli.config import ConfigError
-from flatshard.integrations.torchft import replicate_with, state_dict_fns
+from flatshard.cli.lm.config import TrainConfig
+from flatshard.integrations.torchft import NoQuorum, ReplicaGroups
 
-QUORUM_TIMEOUT = timedelta(seconds=60)
+RETRY_PAUSE_S = 1.0  # between attempts at a step too few groups took part in
 
 
 class FaultTolerance:
-    """This rank's torchft manager and its optimizer wrapper; the quorum's size by step."""
+    """This rank's replica group (``flatshard.integrations.torchft.ReplicaGroup``) and its
+    optimizer, which steps only what torchft commits."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        optim: torch.optim.Optimizer,
-        group: int,
-        min_replicas: int,
-        lighthouse: str,
-        device: torch.device,
-    ) -> None:
-        try:
-            from torchft import Manager  # type: ignore[import-untyped]
-            from torchft.optim import OptimizerWrapper  # type: ignore[import-untyped]
-            from torchft.process_group import (  # type: ignore[import-untyped]
-                ProcessGroupGloo,
-                ProcessGroupNCCL,
-            )
-        except ImportError:
-            raise ConfigError("--ft-replicas needs torchft: pip install 'flatshard[ft]'") from None
-        lighthouse = lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
-        if not lighthouse:
-            raise ConfigError(
-                "--ft-replicas needs torchft's Lighthouse: --ft-lighthouse http://host:29510 "
-                "or TORCHFT_LIGHTHOUSE (start one with: torchft_lighthouse --min_replicas 1)"
-            )
-        self._store, address, port = _group_store()  # (served as long as it lives)
-        load, save = state_dict_fns(model, [optim])
-        across = ProcessGroupNCCL() if device.type == "cuda" else ProcessGroupGloo()
-        self.manager = Manager(
-            pg=across,
-            min_replica_size=min_replicas,
-            load_state_dict=load,
-            state_dict=save,
-            replica_id=f"group{group}",
-            store_addr=address,
-            store_port=port,
-            rank=dist.get_rank(),
-            world_size=dist.get_world_size(),
-            lighthouse_addr=lighthouse,
-            use_async_quorum=False,  # a heal applies before the step's forward
-            quorum_timeout=QUORUM_TIMEOUT,
+    def __init__(self, model: nn.Module, optim: torch.optim.Optimizer, config: TrainConfig) -> None:
+        if importlib.util.find_spec("torchft") is None:
+            raise ConfigError("--ft-replicas needs torchft: pip install 'flatshard[ft]'")
+        groups = ReplicaGroups(
+            config.ft_replicas,
+            config.ft_replica_id,
+            config.ft_lighthouse,
+            config.ft_min_replicas,
+            config.ft_quorum_timeout,
         )
-        replicate_with(model, self.manager)
-        self.optim: torch.optim.Optimizer = OptimizerWrapper(self.manager, optim)
-        self.members: int | None = None  # replica groups in the last committed step
-        self.fewer = 0  # committed steps taken with fewer groups than --ft-replicas
+        try:
+            self.group = groups.join(model, [optim])
+        except ValueError as error:  # no Lighthouse given
+            raise ConfigError(str(error).replace("give its address", "--ft-lighthouse")) from None
+        self.optim = self.group.wrap(optim)
+
+    @property
+    def step(self) -> int:
+        return self.group.step
 
     def start(self, step: int) -> None:
         """The first quorum (a late or restarted group heals in it), from ``step`` (a
         resumed checkpoint's)."""
         if step:
-            self.manager.load_state_dict({"step": step, "batches_committed": 0})
-        self.optim.zero_grad()
+            self.group.manager.load_state_dict({"step": step, "batches_committed": 0})
+        with _said_once():
+            self.group.start_quorum()
 
-    @property
-    def step(self) -> int:
-        """Optimizer steps committed so far (the manager's count, healed ones included)."""
-        return int(self.manager.current_step())
-
-    def committed(self, members: int, replicas: int) -> str | None:
-        """A step committed with ``members`` groups: what changed, in words (or None)."""
-        before, self.members = self.members, members
-        if members < replicas:
-            self.fewer += 1
-        if before is None or before == members:
-            return None
-        return (
-            f"step {self.step}: {members} of {replicas} replica groups in the quorum (was {before})"
-        )
+    def take(self, attempt: Callable[[int], float]) -> float:
+        """Take the next step (``attempt(step)``, 1-based, returns the loss) again until
+        torchft commits it or the group heals past it; the loss of the last attempt."""
+        waiting_since = None
+        while True:
+            target = self.step + 1
+            with _said_once():
+                loss = attempt(target)
+            if self.step >= target:
+                return loss
+            members = self.group.manager.num_participants()
+            if members >= self.group.groups.min_replicas:
+                waiting_since = None  # a failed all-reduce: taken again at once
+                continue
+            waiting_since = waiting_since or time.monotonic()
+            if time.monotonic() - waiting_since > self.group.timeout.total_seconds():
+                raise ConfigError(
+                    f"--ft-min-replicas {self.group.groups.min_replicas}: step {target} "
+                    f"found only {members} replica group(s) in its quorum for "
+                    f"{self.group.timeout.total_seconds():g} s and never committed. "
+                    f"{self.group.seen()} Start the missing groups, or lower "
+                    "--ft-min-replicas."
+                )
+            time.sleep(RETRY_PAUSE_S)
 
     def close(self) -> None:
-        self.manager.shutdown(wait=False)
+        self.group.close()
 
 
-def _group_store() -> tuple[Any, str, int]:
-    """A store of this group's own for its managers (rank 0's, None elsewhere): rank 0
-    serves it, every rank learns where (torchrun's store would do too, but
-    ``flatshard train``'s own launch uses a file)."""
-    store = None
-    if dist.get_rank() == 0:
-        store = dist.TCPStore(  # type: ignore[attr-defined]  # exported, not in __all__
-            "0.0.0.0", 0, dist.get_world_size(), is_master=True, wait_for_workers=False
-        )
-    where: list[Any] = [(os.environ.get("MASTER_ADDR", "localhost"), store.port if store else 0)]
-    dist.broadcast_object_list(where, src=0)
-    return store, where[0][0], int(where[0][1])
+@contextmanager
+def _said_once() -> Iterator[None]:
+    """Inside, no quorum in time is a one-line error (every rank of the group finds it)."""
+    try:
+        yield
+    except NoQuorum as error:
+        message = str(error).replace("(the quorum timeout)", "(--ft-quorum-timeout)")
+        raise ConfigError(message) from None

@@ -20,8 +20,10 @@ class StepMetrics:
     tokens_per_s: float  # global: all ranks' tokens over the step's wall time
     peak_mem_mib: list[float]  # per rank: peak RSS on CPU, max allocated on CUDA
     elapsed_s: float  # since the start of this process's training loop
-    # --ft-replicas: the replica groups in the step's quorum (written only then)
-    replica_groups: int | None = None
+    # --ft-replicas (written only then): the replica groups in the step's quorum, by
+    # --ft-replica-id; and where it differs from the step before's, who left and joined
+    replica_groups: list[int] | None = None
+    quorum_change: str | None = None
 
 
 class ProgressBar:
@@ -96,8 +98,9 @@ class MetricsLog:
 
 class TensorBoardLog:
     """``--log-to tensorboard``: each ``StepMetrics`` field as a scalar of the same name at its
-    step (``peak_mem_mib`` one per rank: ``peak_mem_mib/r0``, ...), and ``held_out_loss`` at
-    the last step, in ``directory``.
+    step (``peak_mem_mib`` one per rank: ``peak_mem_mib/r0``, ...; ``replica_groups`` their
+    count, ``quorum_change`` as text), and ``held_out_loss`` at the last step, in
+    ``directory``.
 
     A fresh start removes the event files of an earlier run there; a resumed run asks
     TensorBoard to drop the events after ``resumed_at`` (``purge_step``), as ``MetricsLog``
@@ -120,7 +123,11 @@ class TensorBoardLog:
         for name, value in asdict(m).items():
             if name == "step" or value is None:
                 continue
-            if isinstance(value, list):
+            if name == "replica_groups":  # how many (the groups by name: metrics.jsonl)
+                self.writer.add_scalar(name, len(value), m.step)
+            elif isinstance(value, str):
+                self.writer.add_text(name, value, m.step)
+            elif isinstance(value, list):
                 for rank, v in enumerate(value):
                     self.writer.add_scalar(f"{name}/r{rank}", v, m.step)
             else:
