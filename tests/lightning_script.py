@@ -2,6 +2,8 @@
 
 PACKAGE: ``lightning`` (the default: every scenario) or ``pytorch_lightning`` (the standalone
 package, with ``flatshard.integrations.pytorch_lightning``: the scenarios of ``shared``).
+``python lightning_script.py OUT_DIR replica GROUP LIGHTHOUSE``: one rank, replica group
+GROUP of two on torchft (``replica_groups``), writing OUT_DIR/replica<GROUP>.json.
 
 Run as a user runs Lightning: the Trainer (devices=2) launches the second rank itself,
 re-running this script. Every scenario trains the same small transformer from the same
@@ -24,7 +26,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import flatshard
 from flatshard.testing.internals import checkpoint_writes_start_after
 
-PACKAGE = sys.argv[2] if len(sys.argv) > 2 else "lightning"
+REPLICA = len(sys.argv) > 2 and sys.argv[2] == "replica"
+PACKAGE = sys.argv[2] if len(sys.argv) > 2 and not REPLICA else "lightning"
 L: Any = importlib.import_module(PACKAGE)  # Trainer, LightningModule, Callback in both
 _INTEGRATION = "pytorch_lightning" if PACKAGE == "pytorch_lightning" else "lightning"
 _flatshard_lightning = importlib.import_module(f"flatshard.integrations.{_INTEGRATION}")
@@ -131,6 +134,8 @@ def fit(kind: str, steps: int = STEPS, **options: Any) -> dict[str, Any]:
     ckpt_path = options.pop("ckpt_path", None)
     save_to = options.pop("save_to", None)
     every_step_to = options.pop("every_step_to", None)  # ModelCheckpoint, newest one kept
+    devices = options.pop("devices", 2)
+    full_params = options.pop("full_params", False)  # the trained parameters, whole
     trainer_options = {
         k: options.pop(k)
         for k in ("gradient_clip_val", "accumulate_grad_batches", "precision", "plugins")
@@ -154,7 +159,7 @@ def fit(kind: str, steps: int = STEPS, **options: Any) -> dict[str, Any]:
         )
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=2,
+        devices=devices,
         strategy=strategy(kind, **options),
         max_steps=steps,
         logger=False,
@@ -173,7 +178,11 @@ def fit(kind: str, steps: int = STEPS, **options: Any) -> dict[str, Any]:
     validated = trainer.validate(model, loader(), verbose=False)[0]["val_loss"]
     meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
     background = bool(getattr(trainer.strategy, "saves_in_background", False))
-    return {"losses": losses.losses, "val_loss": validated, "meta_left": meta, "bg": background}
+    results = {"losses": losses.losses, "val_loss": validated, "meta_left": meta, "bg": background}
+    if full_params:
+        with flatshard.summon_full_params(model):
+            results["params"] = [p.detach().flatten().tolist() for p in model.parameters()]
+    return results
 
 
 def shared(out: Path, state_dict_types: tuple[str, ...]) -> dict[str, Any]:
@@ -261,5 +270,18 @@ def main(out: Path) -> None:
     write(out, results)
 
 
+def replica(out: Path, group: int, lighthouse: str) -> None:
+    """Replica group ``group`` of two (one rank each) on torchft: trains as rank ``group``
+    of the 2-rank runs; writes its losses and its full parameters."""
+    from flatshard.integrations.torchft import ReplicaGroups
+
+    groups = ReplicaGroups(2, group, lighthouse)
+    results = fit("FULL_SHARD", devices=1, replica_groups=groups, full_params=True)
+    (out / f"replica{group}.json").write_text(json.dumps(results))
+
+
 if __name__ == "__main__":
-    (standalone if PACKAGE == "pytorch_lightning" else main)(Path(sys.argv[1]))
+    if REPLICA:
+        replica(Path(sys.argv[1]), int(sys.argv[3]), sys.argv[4])
+    else:
+        (standalone if PACKAGE == "pytorch_lightning" else main)(Path(sys.argv[1]))

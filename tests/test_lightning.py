@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import flatshard
-from flatshard.testing.scripts import run_script
+from flatshard.testing.scripts import run_script, run_scripts_together
 
 L = pytest.importorskip("lightning")
 from flatshard.integrations.lightning import (  # noqa: E402
@@ -185,6 +185,26 @@ def test_where_only_pytorch_lightning_is_installed_the_lightning_module_uses_it(
 
 
 # ---------------------------------------------------------------- options and misuse
+def test_replica_groups_on_torchft_train_as_ddp(runs: list[dict[str, Any]], tmp_path: Path) -> None:
+    """Two Trainers of one rank each, replica groups 0 and 1 of a run on torchft
+    (``FlatshardStrategy(replica_groups=ReplicaGroups(2, g, lighthouse))``): each trains as
+    rank g of the 2-rank DDP run (its batches, the average of both gradients), and both
+    end with bitwise-equal parameters."""
+    pytest.importorskip("torchft")
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=1000)
+    try:
+        groups = [["replica", str(g), lighthouse.address()] for g in range(2)]
+        run_scripts_together(SCRIPT, [[str(tmp_path), *args] for args in groups], tmp_path)
+    finally:
+        lighthouse.shutdown()
+    replicas = [json.loads((tmp_path / f"replica{g}.json").read_text()) for g in range(2)]
+    for group, replica in enumerate(replicas):
+        assert _close(replica["losses"], runs[group]["ddp_unclipped"]["losses"]), group
+    assert replicas[0]["params"] == replicas[1]["params"]
+
+
 def test_precision_settings_map_to_flatshard() -> None:
     policy = FlatshardPrecision("bf16-mixed").mixed_precision
     assert policy == flatshard.MixedPrecision(

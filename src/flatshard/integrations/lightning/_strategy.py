@@ -14,6 +14,12 @@ What each part of Lightning's loop becomes:
 - checkpoints: ``_checkpoints.py``; sharded directories by default, one full file with
   ``state_dict_type="full"``. ``trainer.fit(ckpt_path=...)`` resumes either, at any world
   size.
+- ``replica_groups`` (``flatshard.integrations.torchft.ReplicaGroups``): this Trainer is
+  one replica group of a fault-tolerant run on torchft. Its ranks read their part of each
+  group's share of the data; each training batch starts the step's quorum (where a group
+  that comes back heals: the model, the optimizer and Lightning's step count from a live
+  group); the optimizer steps only what torchft commits (a step it does not commit still
+  counts as Lightning's step, its batch unused, on every group of that quorum alike).
 
 Lightning's own helpers for the process group and launcher are used as its strategies use
 them, so ``devices=N`` spawns the ranks and ``torchrun`` works as for ``strategy="ddp"``.
@@ -65,6 +71,8 @@ else:
     rank_zero_only = _lightning.trainer("utilities").rank_zero_only
     is_overridden = _lightning.trainer("utilities.model_helpers").is_overridden
 
+from flatshard.integrations.torchft import ReplicaGroup, ReplicaGroups
+
 from ._sharding import (
     ShardOptions,
     holds_parameters_itself,
@@ -91,6 +99,9 @@ class FlatshardStrategy(ParallelStrategy):
         state_dict_type: ``"sharded"`` (each rank writes its rows; the default) or
             ``"full"`` (rank 0 writes one file with full tensors).
         process_group_backend: "gloo", "nccl", ...; by default the device's.
+        replica_groups: ``flatshard.integrations.torchft.ReplicaGroups(count, index,
+            lighthouse, ...)``: train as replica group ``index`` of a fault-tolerant run
+            on torchft (one optimizer, automatic optimization, no fp16 scaler).
         fully_shard_options: the other ``flatshard.fully_shard`` keywords
             (``sharding_factor``, ``param_init_fn``, ``prefetch``, ``init``, ``placement``).
     """
@@ -107,6 +118,7 @@ class FlatshardStrategy(ParallelStrategy):
         activation_checkpointing_policy: set[type[nn.Module]] | None = None,
         state_dict_type: str = "sharded",
         process_group_backend: str | None = None,
+        replica_groups: ReplicaGroups | None = None,
         **fully_shard_options: Any,
     ) -> None:
         super().__init__()
@@ -123,6 +135,8 @@ class FlatshardStrategy(ParallelStrategy):
         )
         self._process_group_backend = process_group_backend
         self.num_nodes = 1
+        self.replica_groups = replica_groups
+        self._replica: ReplicaGroup | None = None  # this rank's part, from setup on
 
     # ---------------------------------------------------------------- Lightning's plumbing
     @property
@@ -163,7 +177,15 @@ class FlatshardStrategy(ParallelStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        world = self.num_nodes * self.num_processes
+        if self.replica_groups is None:
+            return {"num_replicas": world, "rank": self.global_rank}
+        # Each replica group reads its own share, its ranks their parts of it
+        groups = self.replica_groups
+        return {
+            "num_replicas": groups.count * world,
+            "rank": groups.index * world + self.global_rank,
+        }
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -237,6 +259,20 @@ class FlatshardStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+            if self.replica_groups is not None and self._replica is None:
+                self._replica = _joined(self.replica_groups, trainer, self)
+
+    # ---------------------------------------------------------------- replica groups
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._replica is not None:  # the step's quorum (once per optimizer step)
+            self._replica.start_quorum()
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if self._replica is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        # Steps only what torchft commits (after the closure's backward and clipping)
+        committing = self._replica.wrap(_unwrapped(optimizer))
+        return super().optimizer_step(committing, closure, model, **kwargs)
 
     # ---------------------------------------------------------------- the step
     @contextmanager
@@ -320,11 +356,45 @@ class FlatshardStrategy(ParallelStrategy):
 
     def teardown(self) -> None:
         self._settle_saves()
+        if self._replica is not None:
+            self._replica.close()
+            self._replica = None
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+
+
+def _joined(
+    groups: ReplicaGroups, trainer: pl.Trainer, strategy: FlatshardStrategy
+) -> ReplicaGroup:
+    """This rank's part of the replica groups; a recovering group receives Lightning's
+    step count with the model and the optimizer."""
+    module = strategy.lightning_module
+    assert module is not None
+    optimizers = [_unwrapped(o) for o in strategy.optimizers]
+    refused = {
+        "more than one optimizer (one commit decision steps them all)": len(optimizers) != 1,
+        "manual optimization": not module.automatic_optimization,
+        "fp16's gradient scaler (its skipped steps)": strategy.precision_plugin.scaler is not None,
+    }
+    for what, found in refused.items():
+        if found:
+            raise ValueError(
+                f"flatshard.integrations.lightning: replica_groups does not combine with {what} yet"
+            )
+    loop = trainer.fit_loop.epoch_loop
+    progress = loop.automatic_optimization.optim_progress
+
+    def get() -> dict[str, Any]:
+        return {"optim": progress.state_dict(), "stepped": loop._batches_that_stepped}
+
+    def put(state: dict[str, Any]) -> None:
+        progress.load_state_dict(state["optim"])
+        loop._batches_that_stepped = state["stepped"]
+
+    return groups.join(module, optimizers, extra=(get, put))
 
 
 def _unwrapped(optimizer: Any) -> Any:
