@@ -50,6 +50,7 @@ from flatshard.runtime import set_all_reduce_hook, sharding_summary, unit_module
 
 __all__ = [
     "CommittingOptimizer",
+    "LayoutMismatch",
     "ManagerAllReduce",
     "NoQuorum",
     "ReplicaGroup",
@@ -57,6 +58,11 @@ __all__ = [
     "replicate_with",
     "state_dict_fns",
 ]
+
+
+class LayoutMismatch(ValueError):
+    """Replica groups that built other models, sharded them otherwise or were told other
+    numbers of groups met in a quorum, or in a heal."""
 
 
 class NoQuorum(RuntimeError):
@@ -333,7 +339,7 @@ class ManagerAllReduce:
         if total is None:
             return
         if not torch.equal(total, mine * self.manager.num_participants()):
-            raise ValueError(
+            raise LayoutMismatch(
                 "flatshard.integrations.torchft: the replica groups in this step's quorum "
                 "built different models, sharded them otherwise or count the groups "
                 f"otherwise (their layouts' digests differ; this group's is "
@@ -424,7 +430,7 @@ def state_dict_fns(
     def load_state_dict(state: dict[str, Any]) -> None:
         params, buffers = list(model.parameters()), list(model.buffers())
         if len(state["params"]) != len(params) or len(state["buffers"]) != len(buffers):
-            raise ValueError(
+            raise LayoutMismatch(
                 "flatshard.integrations.torchft: the state a live replica group sent holds "
                 f"{len(state['params'])} parameters and {len(state['buffers'])} buffers, "
                 f"this group's model {len(params)} and {len(buffers)}: the groups must "
@@ -435,7 +441,7 @@ def state_dict_fns(
                 params + buffers, state["params"] + state["buffers"], strict=True
             ):
                 if mine.shape != theirs.shape:
-                    raise ValueError(
+                    raise LayoutMismatch(
                         "flatshard.integrations.torchft: a live replica group's shard has "
                         f"shape {tuple(theirs.shape)}, this group's {tuple(mine.shape)}: the "
                         "groups must shard alike (strategy, ranks per group)"

@@ -22,7 +22,7 @@ from torch import nn
 
 from flatshard.cli.config import ConfigError
 from flatshard.cli.lm.config import TrainConfig
-from flatshard.integrations.torchft import NoQuorum, ReplicaGroups
+from flatshard.integrations.torchft import LayoutMismatch, NoQuorum, ReplicaGroups
 
 RETRY_PAUSE_S = 1.0  # between attempts at a step too few groups took part in
 
@@ -90,9 +90,13 @@ class FaultTolerance:
 
 @contextmanager
 def _said_once() -> Iterator[None]:
-    """Inside, no quorum in time is a one-line error (every rank of the group finds it)."""
+    """Inside, no quorum in time and groups of other layouts are one-line errors (every
+    rank of the group finds them alike)."""
     try:
         yield
     except NoQuorum as error:
         message = str(error).replace("(the quorum timeout)", "(--ft-quorum-timeout)")
+        raise ConfigError(message) from None
+    except LayoutMismatch as error:
+        message = str(error).replace("told the same number of groups", "given one --ft-replicas")
         raise ConfigError(message) from None
