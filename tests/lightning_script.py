@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import json
 import sys
+import time
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, cast
@@ -35,6 +36,7 @@ FlatshardPrecision = _flatshard_lightning.FlatshardPrecision
 FlatshardStrategy = _flatshard_lightning.FlatshardStrategy
 
 VOCAB, WIDTH, STEPS = 32, 16, 4
+_last_trainer = None  # the Trainer of the last fit
 
 
 class Block(nn.Module):
@@ -146,7 +148,7 @@ def fit(kind: str, steps: int = STEPS, **options: Any) -> dict[str, Any]:
     if options.pop("init_weights", False):  # the weights a meta build gets (ddp's reference)
         flatshard.init_weights(model, init_module, 0)
     losses = Losses()
-    callbacks: list[Any] = [losses]
+    callbacks: list[Any] = [losses, *options.pop("callbacks", [])]
     if every_step_to is not None:
         callbacks.append(
             L.pytorch.callbacks.ModelCheckpoint(
@@ -172,6 +174,8 @@ def fit(kind: str, steps: int = STEPS, **options: Any) -> dict[str, Any]:
         limit_train_batches=2,  # epochs of 2 steps: a checkpoint after 2 resumes at an epoch
         **trainer_options,
     )
+    global _last_trainer
+    _last_trainer = trainer
     trainer.fit(model, loader(), ckpt_path=ckpt_path)
     if save_to is not None:
         trainer.save_checkpoint(save_to)
@@ -270,18 +274,49 @@ def main(out: Path) -> None:
     write(out, results)
 
 
-def replica(out: Path, group: int, lighthouse: str) -> None:
+class JoinLate(L.Callback):
+    """Late joining, seen from group 0: after its second step it says so (``out/group0``)
+    and waits for group 1 to start (``out/group1``), then takes its steps alone slowly, so
+    group 1 joins while it trains."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, *args: Any) -> None:
+        if trainer.global_step == 2:
+            (self.out / "group0").touch()
+            _wait_for(self.out / "group1")
+        if len(trainer.strategy.replica_group.quorum) < 2:
+            time.sleep(0.5)
+
+
+def _wait_for(path: Path) -> None:
+    while not path.exists():
+        time.sleep(0.05)
+
+
+def replica(out: Path, group: int, lighthouse: str, late: bool) -> None:
     """Replica group ``group`` of two (one rank each) on torchft: trains as rank ``group``
-    of the 2-rank runs; writes its losses and its full parameters."""
+    of the 2-rank runs; writes its losses and its full parameters. ``late``: group 1 starts
+    once group 0 took two steps, and heals from it (``JoinLate``)."""
     from flatshard.integrations.torchft import ReplicaGroups
 
     groups = ReplicaGroups(2, group, lighthouse)
-    results = fit("FULL_SHARD", devices=1, replica_groups=groups, full_params=True)
+    options: dict[str, Any] = {"steps": 12} if late else {}
+    if late and group == 0:
+        options["callbacks"] = [JoinLate(out)]
+    elif late:
+        _wait_for(out / "group0")
+        (out / "group1").touch()
+    results = fit("FULL_SHARD", devices=1, replica_groups=groups, full_params=True, **options)
+    lr_scheduler = cast(Any, _last_trainer).lr_scheduler_configs[0].scheduler
+    results["lr"] = lr_scheduler.get_last_lr()
+    results["global_step"] = cast(Any, _last_trainer).global_step
     (out / f"replica{group}.json").write_text(json.dumps(results))
 
 
 if __name__ == "__main__":
     if REPLICA:
-        replica(Path(sys.argv[1]), int(sys.argv[3]), sys.argv[4])
+        replica(Path(sys.argv[1]), int(sys.argv[3]), sys.argv[4], "late" in sys.argv[5:])
     else:
         (standalone if PACKAGE == "pytorch_lightning" else main)(Path(sys.argv[1]))

@@ -205,6 +205,28 @@ def test_replica_groups_on_torchft_train_as_ddp(runs: list[dict[str, Any]], tmp_
     assert replicas[0]["params"] == replicas[1]["params"]
 
 
+def test_a_replica_group_that_starts_late_heals_from_a_live_one(tmp_path: Path) -> None:
+    """Group 1 starts once group 0 has taken two steps alone: at its first quorum it heals
+    from group 0 (model, optimizer, Lightning's step count and learning-rate schedule), the
+    two train on together, and both end at the same step with bitwise-equal parameters."""
+    pytest.importorskip("torchft")
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(
+        bind="[::]:0", min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=2000
+    )
+    try:
+        groups = [["replica", str(g), lighthouse.address(), "late"] for g in range(2)]
+        run_scripts_together(SCRIPT, [[str(tmp_path), *args] for args in groups], tmp_path)
+    finally:
+        lighthouse.shutdown()
+    first, late = [json.loads((tmp_path / f"replica{g}.json").read_text()) for g in range(2)]
+    assert first["global_step"] == late["global_step"] == 12
+    assert 2 <= 12 - len(late["losses"]) < 12, late["losses"]  # healed at step 2 or later
+    assert first["lr"] == late["lr"]
+    assert first["params"] == late["params"]
+
+
 def test_precision_settings_map_to_flatshard() -> None:
     policy = FlatshardPrecision("bf16-mixed").mixed_precision
     assert policy == flatshard.MixedPrecision(

@@ -18,8 +18,9 @@ What each part of Lightning's loop becomes:
   one replica group of a fault-tolerant run on torchft. Its ranks read their part of each
   group's share of the data; each training batch starts the step's quorum (where a group
   that comes back heals: the model, the optimizer and Lightning's step count from a live
-  group); the optimizer steps only what torchft commits (a step it does not commit still
-  counts as Lightning's step, its batch unused, on every group of that quorum alike).
+  group, with the learning-rate schedulers); the optimizer steps only what torchft commits
+  (a step it does not commit still counts as Lightning's step, its batch unused, on every
+  group of that quorum alike).
 
 Lightning's own helpers for the process group and launcher are used as its strategies use
 them, so ``devices=N`` spawns the ranks and ``torchrun`` works as for ``strategy="ddp"``.
@@ -263,6 +264,12 @@ class FlatshardStrategy(ParallelStrategy):
                 self._replica = _joined(self.replica_groups, trainer, self)
 
     # ---------------------------------------------------------------- replica groups
+    @property
+    def replica_group(self) -> ReplicaGroup | None:
+        """With ``replica_groups``, this rank's part while fitting (its ``quorum``,
+        ``change``, ``fewer``, ``step``); None otherwise."""
+        return self._replica
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._replica is not None:  # the step's quorum (once per optimizer step)
             self._replica.start_quorum()
@@ -370,7 +377,7 @@ def _joined(
     groups: ReplicaGroups, trainer: pl.Trainer, strategy: FlatshardStrategy
 ) -> ReplicaGroup:
     """This rank's part of the replica groups; a recovering group receives Lightning's
-    step count with the model and the optimizer."""
+    step count and its learning-rate schedulers with the model and the optimizer."""
     module = strategy.lightning_module
     assert module is not None
     optimizers = [_unwrapped(o) for o in strategy.optimizers]
@@ -386,13 +393,20 @@ def _joined(
             )
     loop = trainer.fit_loop.epoch_loop
     progress = loop.automatic_optimization.optim_progress
+    schedulers = [config.scheduler for config in strategy.lr_scheduler_configs]
 
     def get() -> dict[str, Any]:
-        return {"optim": progress.state_dict(), "stepped": loop._batches_that_stepped}
+        return {
+            "optim": progress.state_dict(),
+            "stepped": loop._batches_that_stepped,
+            "schedulers": [scheduler.state_dict() for scheduler in schedulers],
+        }
 
     def put(state: dict[str, Any]) -> None:
         progress.load_state_dict(state["optim"])
         loop._batches_that_stepped = state["stepped"]
+        for scheduler, saved in zip(schedulers, state["schedulers"], strict=True):
+            scheduler.load_state_dict(saved)
 
     return groups.join(module, optimizers, extra=(get, put))
 
