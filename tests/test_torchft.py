@@ -322,6 +322,22 @@ def test_train_refuses_what_replica_groups_do_not_take(capsys: Any) -> None:
             ReplicaGroups(**options)
 
 
+def test_without_torchft_the_extra_is_named(monkeypatch: Any, capsys: Any) -> None:
+    import importlib.util
+
+    from flatshard.cli.main import main
+    from flatshard.integrations.torchft import replicate_with
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "torchft" else real(name, *a)
+    )
+    assert main(["train", "--ft-replicas", "2"]) == 2
+    assert "--ft-replicas needs torchft: pip install 'flatshard[ft]'" in capsys.readouterr().err
+    with pytest.raises(ImportError, match=r"needs torchft: pip install 'flatshard\[ft\]'"):
+        replicate_with(nn.Linear(2, 2), None)
+
+
 def test_a_quorum_that_never_forms_is_named(tmp_path: Path) -> None:
     """One replica group alone, where the Lighthouse waits for two, and where
     ``--ft-min-replicas 2`` asks for two: each run stops after ``--ft-quorum-timeout``

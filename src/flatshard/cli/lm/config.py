@@ -306,6 +306,8 @@ class TrainConfig:
             return
         if self.ft_replicas < 2:
             fail("ft_replicas", f"must be >= 2 replica groups (or 0: off), got {self.ft_replicas}")
+        if importlib.util.find_spec("torchft") is None:
+            fail("ft_replicas", "needs torchft: pip install 'flatshard[ft]'")
         if not 0 <= self.ft_replica_id < self.ft_replicas:
             fail(
                 "ft_replica_id",

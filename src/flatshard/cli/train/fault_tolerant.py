@@ -12,7 +12,6 @@ others are.
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -32,8 +31,6 @@ class FaultTolerance:
     optimizer, which steps only what torchft commits."""
 
     def __init__(self, model: nn.Module, optim: torch.optim.Optimizer, config: TrainConfig) -> None:
-        if importlib.util.find_spec("torchft") is None:
-            raise ConfigError("--ft-replicas needs torchft: pip install 'flatshard[ft]'")
         groups = ReplicaGroups(
             config.ft_replicas,
             config.ft_replica_id,
