@@ -370,8 +370,11 @@ def test_a_quorum_that_never_forms_is_named(tmp_path: Path) -> None:
     assert "Traceback" not in errors[0] + errors[1]
 
 
-def mismatched_main(group: int, lighthouse: str, out: Any, start: Any, sync: bool) -> None:
-    """A replica group of one rank whose model has ``group + 2`` blocks: one step
+def mismatched_main(
+    group: int, lighthouse: str, out: Any, start: Any, sync: bool, differs: str
+) -> None:
+    """A replica group of one rank whose model has ``group + 2`` blocks (``differs``
+    "model"), or whose units divide their gradients by 1 on group 1 ("options"): one step
     (``sync``: torchft's init_sync, the later group copies the first's state at step 0)."""
     from torchft import Manager
     from torchft.optim import OptimizerWrapper
@@ -383,7 +386,10 @@ def mismatched_main(group: int, lighthouse: str, out: Any, start: Any, sync: boo
     store = dist.TCPStore("localhost", 0, 1, is_master=True, wait_for_workers=False)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     torch.manual_seed(0)
-    model = flatshard.fully_shard(nn.Sequential(*(Block() for _ in range(group + 2))))
+    blocks = group + 2 if differs == "model" else 2
+    model = flatshard.fully_shard(nn.Sequential(*(Block() for _ in range(blocks))))
+    if differs == "options" and group == 1:
+        flatshard.set_gradient_divide_factor(model, 1.0)  # a sum, not the average
     inner = torch.optim.SGD(model.parameters(), lr=LR)
     load, save = state_dict_fns(model, [inner])
     manager = Manager(
@@ -406,19 +412,24 @@ def mismatched_main(group: int, lighthouse: str, out: Any, start: Any, sync: boo
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("sync", [False, True])
-def test_replica_groups_of_other_layouts_are_named(sync: bool) -> None:
-    """Two groups whose models differ (2 and 3 blocks). Without torchft's init_sync both
-    take step 0 and its layout check raises on both, by name, instead of averaging shards
-    of other rows; with it the group that copies the other's state refuses it by name
-    (the other never sums with it)."""
+@pytest.mark.parametrize(
+    ("sync", "differs"), [(False, "model"), (True, "model"), (False, "options")]
+)
+def test_replica_groups_of_other_layouts_are_named(sync: bool, differs: str) -> None:
+    """Two groups whose models differ (2 and 3 blocks), or whose units' options do (one
+    divides its gradients by 1: silently a sum, were they averaged). Without torchft's
+    init_sync both take step 0 and its layout check raises on both, by name, instead of
+    averaging shards of other rows or scales; with it the group that copies the other's
+    state refuses it by name (the other never sums with it)."""
     from torchft._torchft import LighthouseServer
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=1000)
     ctx = multiprocessing.get_context("spawn")
     out, start = ctx.Queue(), ctx.Barrier(2)
     procs = [
-        ctx.Process(target=mismatched_main, args=(g, lighthouse.address(), out, start, sync))
+        ctx.Process(
+            target=mismatched_main, args=(g, lighthouse.address(), out, start, sync, differs)
+        )
         for g in range(2)
     ]
     try:

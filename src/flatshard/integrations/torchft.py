@@ -46,7 +46,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ReduceOp
 
-from flatshard.runtime import set_all_reduce_hook, sharding_summary, unit_modules
+from flatshard.runtime import (
+    agreed_configuration,
+    set_all_reduce_hook,
+    sharding_summary,
+    unit_modules,
+)
 
 __all__ = [
     "CommittingOptimizer",
@@ -394,9 +399,13 @@ def replicate_with(
 
 def layout_digest(model: nn.Module) -> torch.Tensor:
     """The model's layout as three 16-bit numbers: its parameters' names, shapes and
-    dtypes, and how flatshard shards them (units, rows per rank, the ranks)."""
+    dtypes, how flatshard shards them (units, rows per rank, the ranks) and each unit's
+    agreed options (strategy, dtypes, divide factor, hooks: what decides the reduced
+    shards the groups sum), less the all-reduce hook (each group's own names its group)."""
     text = repr([(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()])
     text += str(sharding_summary(model))
+    options = agreed_configuration(model)
+    text += "\n".join(line for line in options if not line.lstrip().startswith("all_reduce_hook="))
     value = int.from_bytes(hashlib.sha256(text.encode()).digest()[:6], "big")
     parts = [(value >> shift) & 0xFFFF for shift in (32, 16, 0)]
     device = next(model.parameters()).device

@@ -25,6 +25,7 @@ from flatshard.runtime._step_loop import StepObserver, train_step
 from flatshard.runtime._summary import (
     FlatParamSummary,
     ShardingSummary,
+    agreed_configuration,
     dtype_report,
     embedding_traffic,
     sharding_summary,
@@ -51,6 +52,7 @@ __all__ = [
     "ShardingSummary",
     "StepObserver",
     "UnshardHandle",
+    "agreed_configuration",
     "clip_grad_norm_",
     "dtype_report",
     "embedding_traffic",

@@ -9,6 +9,7 @@ from torch import nn
 from flatshard.flat._flat_param import FlatParamGroup
 from flatshard.flat._mixed_precision import DtypeReport, DtypeRow, dtype_name
 from flatshard.flat._placement import TableTraffic
+from flatshard.runtime._configuration import unit_lines
 from flatshard.runtime._unit import Unit, units_of
 
 
@@ -89,6 +90,15 @@ def sharding_summary(model: nn.Module) -> ShardingSummary:
                 )
             )
     return ShardingSummary(flat_params=tuple(entries))
+
+
+def agreed_configuration(model: nn.Module) -> list[str]:
+    """Every unit's options as the ranks agreed them, one line each (what ``fully_shard``'s
+    startup check compares across ranks: [Note: the agreed configuration])."""
+    lines = []
+    for unit in units_of(model, "agreed_configuration"):
+        lines += unit_lines(unit.label, unit.config)
+    return lines
 
 
 def dtype_report(model: nn.Module) -> DtypeReport:
