@@ -205,6 +205,27 @@ def test_replica_groups_on_torchft_train_as_ddp(runs: list[dict[str, Any]], tmp_
     assert replicas[0]["params"] == replicas[1]["params"]
 
 
+def test_fabric_replica_groups_on_torchft_train_as_ddp(
+    fabric_runs: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    """Two Fabrics of one rank each, replica groups 0 and 1 on torchft
+    (``FlatshardFabricStrategy(replica_groups=...)``), with accumulation and clipping: each
+    trains as rank g of the 2-rank DDP run, and both end with bitwise-equal parameters."""
+    pytest.importorskip("torchft")
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=1000)
+    try:
+        groups = [["replica", str(g), lighthouse.address()] for g in range(2)]
+        run_scripts_together(FABRIC_SCRIPT, [[str(tmp_path), *a] for a in groups], tmp_path)
+    finally:
+        lighthouse.shutdown()
+    replicas = [json.loads((tmp_path / f"replica{g}.json").read_text()) for g in range(2)]
+    for group, replica in enumerate(replicas):
+        assert _close(replica["losses"], fabric_runs[group]["ddp"]), group
+    assert replicas[0]["params"] == replicas[1]["params"]
+
+
 def test_a_replica_group_that_starts_late_heals_from_a_live_one(tmp_path: Path) -> None:
     """Group 1 starts once group 0 has taken two steps alone: at its first quorum it heals
     from group 0 (model, optimizer, Lightning's step count and learning-rate schedule), the

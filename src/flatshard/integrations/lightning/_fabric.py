@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 import flatshard
+from flatshard.integrations.torchft import ReplicaGroup, ReplicaGroups
 
 from . import _checkpoints
 from . import _process_group as process_group
@@ -96,7 +97,12 @@ class FlatshardFabricStrategy(ParallelStrategy):
     """Shard the module Fabric sets up with ``flatshard.fully_shard``.
 
     The options are ``FlatshardStrategy``'s (``flatshard.integrations.lightning``);
-    checkpoints are always sharded directories.
+    checkpoints are always sharded directories. ``replica_groups``
+    (``flatshard.integrations.torchft.ReplicaGroups``): this Fabric is one replica group
+    on torchft; ``fabric.setup_optimizers`` (one optimizer) joins the groups and forms the
+    first quorum, the optimizer it returns starts each next one at ``zero_grad`` and steps
+    only what torchft commits; ``replica_group.step`` is the committed step count (a
+    recovering group's first quorum copies a live group's state, the step count with it).
     """
 
     def __init__(
@@ -108,6 +114,7 @@ class FlatshardFabricStrategy(ParallelStrategy):
         cpu_offload: flatshard.CPUOffload | None = None,
         activation_checkpointing_policy: set[type[nn.Module]] | None = None,
         process_group_backend: str | None = None,
+        replica_groups: ReplicaGroups | None = None,
         **fully_shard_options: Any,
     ) -> None:
         super().__init__()
@@ -123,6 +130,9 @@ class FlatshardFabricStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._backward_sync_control = _NoSync()
         self.num_nodes = 1
+        self.replica_groups = replica_groups
+        self.replica_group: ReplicaGroup | None = None  # this rank's part, once joined
+        self._module: nn.Module | None = None  # the module setup_module sharded
 
     # ---------------------------------------------------------------- Fabric's plumbing
     @property
@@ -150,7 +160,7 @@ class FlatshardFabricStrategy(ParallelStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        return process_group.sampler_kwargs(self, self.global_rank, self.replica_groups)
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
@@ -203,7 +213,32 @@ class FlatshardFabricStrategy(ParallelStrategy):
         module = self.precision.convert_module(module)
         mixed = self.options.policy(self.precision.precision, self.precision.mixed_precision)
         self.options.shard(module, self.root_device, mixed)
+        self._module = module
         return module
+
+    def setup_optimizer(self, optimizer: Any) -> Any:
+        if self.replica_groups is None:
+            return optimizer
+        if self.replica_group is not None or self._module is None:
+            raise RuntimeError(
+                "flatshard.integrations.lightning: with replica_groups, set up the model, "
+                "then one optimizer (one commit decision steps it); "
+                + ("a second optimizer was set up." if self._module else "no model yet.")
+            )
+        if self.precision.scaler is not None:
+            raise ValueError(
+                "flatshard.integrations.lightning: replica_groups does not combine with "
+                "fp16's gradient scaler (its skipped steps) yet"
+            )
+        self.replica_group = self.replica_groups.join(self._module, [optimizer])
+        self.replica_group.start_quorum()  # the first step's (a recovering group heals)
+        return self.replica_group.wrap(optimizer)
+
+    def teardown(self) -> None:
+        if self.replica_group is not None:
+            self.replica_group.close()
+            self.replica_group = None
+        super().teardown()
 
     def clip_gradients_norm(
         self,

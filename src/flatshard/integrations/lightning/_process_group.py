@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.distributed as dist
 
+from flatshard.integrations.torchft import ReplicaGroups
+
 from ._packages import lightning_for
 
 # This copy's Lightning package ([Note: one integration, two Lightning packages]).
@@ -53,6 +55,16 @@ def set_world_ranks(strategy: Placed) -> None:
         processes = strategy.num_processes
         environment.set_global_rank(strategy.node_rank * processes + strategy.local_rank)
         environment.set_world_size(strategy.num_nodes * processes)
+
+
+def sampler_kwargs(strategy: Placed, rank: int, groups: ReplicaGroups | None) -> dict[str, Any]:
+    """Lightning's DistributedSampler arguments for the strategy's process (global rank
+    ``rank``): each rank its part of the data; with replica groups on torchft, each group
+    its own share, and each rank its part of that."""
+    world = strategy.num_nodes * strategy.num_processes
+    if groups is None:
+        return {"num_replicas": world, "rank": rank}
+    return {"num_replicas": groups.count * world, "rank": groups.index * world + rank}
 
 
 def connect(environment: ClusterEnvironment, backend: str | None, device: torch.device) -> str:

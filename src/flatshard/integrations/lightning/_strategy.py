@@ -178,15 +178,7 @@ class FlatshardStrategy(ParallelStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        world = self.num_nodes * self.num_processes
-        if self.replica_groups is None:
-            return {"num_replicas": world, "rank": self.global_rank}
-        # Each replica group reads its own share, its ranks their parts of it
-        groups = self.replica_groups
-        return {
-            "num_replicas": groups.count * world,
-            "rank": groups.index * world + self.global_rank,
-        }
+        return process_group.sampler_kwargs(self, self.global_rank, self.replica_groups)
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
