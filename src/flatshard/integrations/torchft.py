@@ -317,7 +317,8 @@ class ManagerAllReduce:
 
     def __call__(self, shard: torch.Tensor) -> None:
         # Once a step and quorum: a step taken again under a new quorum (a group left
-        # inside its all-reduce) is checked again.
+        # inside its all-reduce) is checked again. (The quorum's id is torchft's own
+        # attribute; without it, once a step.)
         key = (int(self.manager.current_step()), getattr(self.manager, "_quorum_id", None))
         if self.layout is not None and key != self._checked:
             self._checked = key
@@ -329,7 +330,7 @@ class ManagerAllReduce:
         A group that built another model, or sharded it otherwise (strategy, units, ranks
         per group), would average gradient shards of other rows with the others' and
         train silently wrong. Each step, before its first shard, the groups sum their
-        layout's digest (three 16-bit parts, exact in floating point) and the number of
+        layout's digest (three 16-bit parts, exact in float64) and the number of
         groups they were told of: a group whose numbers times the quorum's size differ
         from the sum finds out, and every group of the quorum with it. Then each group
         adds a one at its own index, so the sum says which groups the quorum holds (the
@@ -409,7 +410,8 @@ def layout_digest(model: nn.Module) -> torch.Tensor:
     value = int.from_bytes(hashlib.sha256(text.encode()).digest()[:6], "big")
     parts = [(value >> shift) & 0xFFFF for shift in (32, 16, 0)]
     device = next(model.parameters()).device
-    return torch.tensor(parts, dtype=torch.float32, device=device)
+    # float64: the digest times the quorum's size stays exact for any number of groups
+    return torch.tensor(parts, dtype=torch.float64, device=device)
 
 
 def _digest_text(layout: torch.Tensor) -> str:
