@@ -381,7 +381,7 @@ def mismatched_main(
     from torchft.process_group import ProcessGroupGloo
 
     import flatshard
-    from flatshard.integrations.torchft import replicate_with, state_dict_fns
+    from flatshard.integrations.torchft import layout_digest, replicate_with, state_dict_fns
 
     store = dist.TCPStore("localhost", 0, 1, is_master=True, wait_for_workers=False)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
@@ -390,15 +390,19 @@ def mismatched_main(
     model = flatshard.fully_shard(nn.Sequential(*(Block() for _ in range(blocks))))
     if differs == "options" and group == 1:
         flatshard.set_gradient_divide_factor(model, 1.0)  # a sum, not the average
-    inner = torch.optim.SGD(model.parameters(), lr=LR)
-    load, save = state_dict_fns(model, [inner])
+    lr = LR * (1 + group) if differs == "settings" else LR
+    inner = torch.optim.SGD(model.parameters(), lr=lr)
+    settings = {"lr": lr}
+    layout = layout_digest(model, settings)
+    load, save = state_dict_fns(model, [inner], None, (layout, 2, settings))
     manager = Manager(
         pg=ProcessGroupGloo(), min_replica_size=1, load_state_dict=load, state_dict=save,
         replica_id=f"group{group}", store_addr="localhost", store_port=store.port, rank=0,
         world_size=1, lighthouse_addr=lighthouse, use_async_quorum=False,
         timeout=timedelta(seconds=20), init_sync=sync,
     )  # fmt: skip
-    replicate_with(model, manager)
+    index = 0 if differs == "index" else group  # "index": both groups take index 0
+    replicate_with(model, manager, index, 2, layout)
     optim = OptimizerWrapper(manager, inner)
     start.wait()
     try:
@@ -413,14 +417,16 @@ def mismatched_main(
 
 
 @pytest.mark.parametrize(
-    ("sync", "differs"), [(False, "model"), (True, "model"), (False, "options")]
+    ("sync", "differs"),
+    [(False, "model"), (True, "model"), (False, "options"), (True, "settings"), (False, "index")],
 )
 def test_replica_groups_of_other_layouts_are_named(sync: bool, differs: str) -> None:
-    """Two groups whose models differ (2 and 3 blocks), or whose units' options do (one
-    divides its gradients by 1: silently a sum, were they averaged). Without torchft's
-    init_sync both take step 0 and its layout check raises on both, by name, instead of
-    averaging shards of other rows or scales; with it the group that copies the other's
-    state refuses it by name (the other never sums with it)."""
+    """Two groups whose models differ (2 and 3 blocks), whose units' options do (one
+    divides its gradients by 1: silently a sum, were they averaged), whose settings do
+    (learning rates), or that took the same index. Without torchft's init_sync both take
+    step 0 and its check raises on both, by name, instead of averaging shards of other
+    rows or scales; with it the group that copies the other's state refuses it by name,
+    alone (the other never sums with it)."""
     from torchft._torchft import LighthouseServer
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=1000)
@@ -440,12 +446,16 @@ def test_replica_groups_of_other_layouts_are_named(sync: bool, differs: str) -> 
             proc.join(timeout=60)
     finally:
         lighthouse.shutdown()
-    layout = "built different models, sharded them otherwise"
-    if not sync:
+    if differs == "index":
+        said = "2 replica groups of this step's quorum took the index 0"
+        assert all(said in message for message in results.values()), results
+    elif not sync:
+        layout = "built different models, sharded them otherwise"
         assert all(layout in message for message in results.values()), results
-    else:
-        named = [m for m in results.values() if "the state a live replica group sent holds" in m]
-        assert len(named) == 1 and "" in results.values(), results
+    else:  # the group that heals refuses the other's state, alone
+        what = "lr: " if differs == "settings" else "the model, its sharding or its units'"
+        named = [m for m in results.values() if "differs from the live group" in m]
+        assert len(named) == 1 and what in named[0] and "" in results.values(), results
 
 
 STEPS_CLI = 100

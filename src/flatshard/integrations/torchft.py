@@ -35,7 +35,7 @@ import importlib.util
 import os
 import re
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -107,11 +107,14 @@ class ReplicaGroups:
         model: nn.Module,
         optimizers: Sequence[torch.optim.Optimizer],
         extra: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
+        settings: Mapping[str, Any] | None = None,
     ) -> ReplicaGroup:
         """Join the replica groups with sharded ``model`` and its optimizers (every rank of
         the group, after ``fully_shard``); ``extra``: the caller's own state a recovering
-        group receives too (see ``state_dict_fns``)."""
-        return ReplicaGroup(self, model, optimizers, extra)
+        group receives too (see ``state_dict_fns``); ``settings``: what else every group
+        must share (the training options: a group whose settings, optimizer settings or
+        layout differ is named, [Note: replica groups agree on their layout])."""
+        return ReplicaGroup(self, model, optimizers, extra, settings or {})
 
 
 class ReplicaGroup:
@@ -126,6 +129,7 @@ class ReplicaGroup:
         model: nn.Module,
         optimizers: Sequence[torch.optim.Optimizer],
         extra: tuple[Callable[[], Any], Callable[[Any], None]] | None,
+        settings: Mapping[str, Any],
     ) -> None:
         _require_torchft()
         from torchft import Manager  # type: ignore[import-untyped]
@@ -142,25 +146,42 @@ class ReplicaGroup:
                 "give its address (http://host:29510) or set TORCHFT_LIGHTHOUSE (start one "
                 "with: torchft_lighthouse --min_replicas 1 --bind [::]:29510)"
             )
+        if not re.match(r"https?://[^/]+", self.lighthouse):
+            raise ValueError(
+                "flatshard.integrations.torchft: the Lighthouse's address must be a URL "
+                f"such as http://host:29510, got {self.lighthouse!r}"
+            )
         self.timeout = timedelta(seconds=groups.quorum_timeout)
         self._store, address, port = _group_store()  # (served as long as it lives)
-        load, save = state_dict_fns(model, optimizers, extra)
+        agreed = {**settings, "optimizers": optimizer_settings(optimizers)}
+        layout = layout_digest(model, agreed)
+        load, save = state_dict_fns(model, optimizers, extra, (layout, groups.count, agreed))
         device = next(model.parameters()).device
-        self.manager = Manager(
-            pg=ProcessGroupNCCL() if device.type == "cuda" else ProcessGroupGloo(),
-            min_replica_size=groups.min_replicas,
-            load_state_dict=load,
-            state_dict=save,
-            replica_id=f"group{groups.index}",
-            store_addr=address,
-            store_port=port,
-            rank=dist.get_rank(),
-            world_size=dist.get_world_size(),
-            lighthouse_addr=self.lighthouse,
-            use_async_quorum=False,  # a heal applies before the step's forward
-            quorum_timeout=self.timeout,
-        )
-        self.hook = replicate_with(model, self.manager, groups.index, groups.count)
+        try:
+            self.manager = Manager(
+                pg=ProcessGroupNCCL() if device.type == "cuda" else ProcessGroupGloo(),
+                min_replica_size=groups.min_replicas,
+                load_state_dict=load,
+                state_dict=save,
+                replica_id=f"group{groups.index}",
+                store_addr=address,
+                store_port=port,
+                rank=dist.get_rank(),
+                world_size=dist.get_world_size(),
+                lighthouse_addr=self.lighthouse,
+                use_async_quorum=False,  # a heal applies before the step's forward
+                quorum_timeout=self.timeout,
+                # A peer that stops answering (frozen, not dead) holds a step this long
+                timeout=self.timeout,
+                connect_timeout=self.timeout,
+            )
+        except RuntimeError as error:  # torchft's client could not reach the Lighthouse
+            raise NoQuorum(
+                f"replica group {groups.index}: torchft's Lighthouse at {self.lighthouse} "
+                f"did not answer within {self.timeout.total_seconds():g} s ({error}); check "
+                "the address from this host, and that the Lighthouse runs."
+            ) from None
+        self.hook = replicate_with(model, self.manager, groups.index, groups.count, layout)
         self.quorum: tuple[int, ...] = ()  # the groups of the last committed step
         self.change: str | None = None  # how that step's quorum differs from the one before
         self.fewer = 0  # committed steps taken with fewer groups than ``count``
@@ -358,8 +379,15 @@ class ManagerAllReduce:
         one = torch.zeros(self.groups, dtype=mine.dtype, device=mine.device)
         one[self.group] = 1
         present = self._sum(one)
-        if present is not None:
-            self.members = tuple(int(i) for i in present.nonzero().flatten().tolist())
+        if present is None:
+            return
+        if present[self.group] > 1:  # the others' step fails with these groups gone
+            raise LayoutMismatch(
+                f"flatshard.integrations.torchft: {int(present[self.group])} replica groups "
+                f"of this step's quorum took the index {self.group}: each group needs its "
+                "own (ReplicaGroups.index, flatshard train's --ft-replica-id)"
+            )
+        self.members = tuple(int(i) for i in present.nonzero().flatten().tolist())
 
     def _sum(self, mine: torch.Tensor) -> torch.Tensor | None:
         """The quorum's sum of ``mine`` (None where the step failed, or where this group
@@ -373,7 +401,11 @@ class ManagerAllReduce:
 
 
 def replicate_with(
-    model: nn.Module, manager: Any, group: int | None = None, groups: int = 0
+    model: nn.Module,
+    manager: Any,
+    group: int | None = None,
+    groups: int = 0,
+    layout: torch.Tensor | None = None,
 ) -> ManagerAllReduce:
     """Average the gradients of every unit inside sharded ``model`` across torchft's replica
     groups each step, through ``manager`` (a ``torchft.Manager``; see the module's note).
@@ -381,7 +413,8 @@ def replicate_with(
     at ``zero_grad``, ``should_commit`` before ``step``), and give the manager
     ``state_dict_fns(model, optimizers)``. With this group's index ``group`` of ``groups``
     (every group gives the same ``groups``), the returned hook's ``members`` names the
-    groups in each step's quorum."""
+    groups in each step's quorum. ``layout``: the digest the groups compare (by default
+    ``layout_digest(model)``)."""
     _require_torchft()
     if not unit_modules(model):
         raise ValueError(
@@ -393,17 +426,20 @@ def replicate_with(
             f"flatshard.integrations.torchft.replicate_with: group must be 0 to groups - 1 "
             f"({groups - 1}), got {group}"
         )
-    hook = ManagerAllReduce(manager, layout_digest(model), group, groups)
+    layout = layout if layout is not None else layout_digest(model)
+    hook = ManagerAllReduce(manager, layout, group, groups)
     set_all_reduce_hook(model, hook)
     return hook
 
 
-def layout_digest(model: nn.Module) -> torch.Tensor:
+def layout_digest(model: nn.Module, settings: Mapping[str, Any] | None = None) -> torch.Tensor:
     """The model's layout as three 16-bit numbers: its parameters' names, shapes and
-    dtypes, how flatshard shards them (units, rows per rank, the ranks) and each unit's
+    dtypes, how flatshard shards them (units, rows per rank, the ranks), each unit's
     agreed options (strategy, dtypes, divide factor, hooks: what decides the reduced
-    shards the groups sum), less the all-reduce hook (each group's own names its group)."""
-    text = repr([(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()])
+    shards the groups sum) less the all-reduce hook (each group's own names its group),
+    and ``settings`` (optimizer settings, training options)."""
+    text = repr(sorted((settings or {}).items()))
+    text += repr([(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()])
     text += str(sharding_summary(model))
     options = agreed_configuration(model)
     text += "\n".join(line for line in options if not line.lstrip().startswith("all_reduce_hook="))
@@ -414,6 +450,18 @@ def layout_digest(model: nn.Module) -> torch.Tensor:
     return torch.tensor(parts, dtype=torch.float64, device=device)
 
 
+def optimizer_settings(optimizers: Sequence[torch.optim.Optimizer]) -> list[Any]:
+    """Each optimizer's class and its groups' settings (learning rate, betas, weight decay,
+    ...; not the parameters), as the groups compare them."""
+    return [
+        (
+            type(o).__qualname__,
+            [{k: v for k, v in g.items() if k != "params"} for g in o.param_groups],
+        )
+        for o in optimizers
+    ]
+
+
 def _digest_text(layout: torch.Tensor) -> str:
     return "".join(f"{int(v):04x}" for v in layout.tolist())
 
@@ -422,11 +470,15 @@ def state_dict_fns(
     model: nn.Module,
     optimizers: Sequence[torch.optim.Optimizer],
     extra: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
+    agreed: tuple[torch.Tensor, int, Mapping[str, Any]] | None = None,
 ) -> tuple[Callable[[dict[str, Any]], None], Callable[[], dict[str, Any]]]:
     """``(load_state_dict, state_dict)`` for ``torchft.Manager``: this rank's shards of the
     parameters and buffers and its optimizers' state, exactly as they live (every group has
     the same layout, and rank r of a recovering group copies rank r of a live one).
-    ``extra``: (get, set) of the caller's own state to send along (the data position)."""
+    ``extra``: (get, set) of the caller's own state to send along (the data position).
+    ``agreed``: (layout digest, number of groups, settings), sent along and compared by a
+    recovering group before it takes anything: a group that differs refuses the state by
+    name, alone, before it ever sums with the live groups."""
 
     def state_dict() -> dict[str, Any]:
         state: dict[str, Any] = {
@@ -436,9 +488,13 @@ def state_dict_fns(
         }
         if extra is not None:
             state["extra"] = extra[0]()
+        if agreed is not None:
+            state["agreed"] = (agreed[0].tolist(), agreed[1], dict(agreed[2]))
         return state
 
     def load_state_dict(state: dict[str, Any]) -> None:
+        if agreed is not None and "agreed" in state:
+            _check_agreed(agreed, state["agreed"])
         params, buffers = list(model.parameters()), list(model.buffers())
         if len(state["params"]) != len(params) or len(state["buffers"]) != len(buffers):
             raise LayoutMismatch(
@@ -447,23 +503,51 @@ def state_dict_fns(
                 f"this group's model {len(params)} and {len(buffers)}: the groups must "
                 "build the same model and shard it alike (strategy, ranks per group)"
             )
+        pairs = list(zip(params + buffers, state["params"] + state["buffers"], strict=True))
+        for mine, theirs in pairs:  # every shape before anything is copied
+            if mine.shape != theirs.shape:
+                raise LayoutMismatch(
+                    "flatshard.integrations.torchft: a live replica group's shard has "
+                    f"shape {tuple(theirs.shape)}, this group's {tuple(mine.shape)}: the "
+                    "groups must shard alike (strategy, ranks per group)"
+                )
         with torch.no_grad():
-            for mine, theirs in zip(
-                params + buffers, state["params"] + state["buffers"], strict=True
-            ):
-                if mine.shape != theirs.shape:
-                    raise LayoutMismatch(
-                        "flatshard.integrations.torchft: a live replica group's shard has "
-                        f"shape {tuple(theirs.shape)}, this group's {tuple(mine.shape)}: the "
-                        "groups must shard alike (strategy, ranks per group)"
-                    )
+            for mine, theirs in pairs:
                 mine.copy_(theirs)
         for optim, saved in zip(optimizers, state["optimizers"], strict=True):
-            optim.load_state_dict(saved)
+            try:
+                optim.load_state_dict(saved)
+            except ValueError as error:
+                raise LayoutMismatch(
+                    "flatshard.integrations.torchft: a live replica group's optimizer state "
+                    f"does not fit this group's {type(optim).__qualname__} ({error}): every "
+                    "group must use the same optimizer and parameter groups"
+                ) from None
         if extra is not None:
             extra[1](state["extra"])
 
     return load_state_dict, state_dict
+
+
+def _check_agreed(mine: tuple[torch.Tensor, int, Mapping[str, Any]], theirs: Any) -> None:
+    """A recovering group's check of a live group's layout, group count and settings."""
+    layout, count, settings = theirs
+    if layout == mine[0].tolist() and count == mine[1]:
+        return
+    here = mine[2]
+    keys = [k for k in set(settings) | set(here) if repr(settings.get(k)) != repr(here.get(k))]
+    if len(keys) > 1:  # the optimizers' settings follow from the options named beside them
+        keys = [k for k in keys if k != "optimizers"]
+    differ = sorted(f"{k}: {settings.get(k)!r} there, {here.get(k)!r} here" for k in keys)
+    what = "; ".join(differ) if differ else "the model, its sharding or its units' options"
+    if count != mine[1]:
+        what = f"the number of groups: {count} there, {mine[1]} here; " + what
+    raise LayoutMismatch(
+        "flatshard.integrations.torchft: this replica group differs from the live group it "
+        f"would heal from ({what}); it takes no part. Every group must build the same "
+        "model, shard it alike, train it with the same settings and be told the same "
+        "number of groups."
+    )
 
 
 def _require_torchft() -> None:

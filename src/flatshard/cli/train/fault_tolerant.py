@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import asdict
 
 import torch
 from torch import nn
@@ -24,6 +25,13 @@ from flatshard.cli.lm.config import TrainConfig
 from flatshard.integrations.torchft import LayoutMismatch, NoQuorum, ReplicaGroups
 
 RETRY_PAUSE_S = 1.0  # between attempts at a step too few groups took part in
+# The options each replica group may set its own way (where it writes, how it reaches
+# the Lighthouse, how it restarts): every other option must match the other groups'.
+PER_GROUP = {
+    "ft_replica_id", "ft_lighthouse", "ft_quorum_timeout", "max_restarts", "device",
+    "share_gpus", "out_dir", "log_every", "log_to", "ckpt_dir", "ckpt_every", "keep_ckpts",
+    "ckpt_async", "ckpt_on_preempt", "resume", "exact_resume", "sample_bytes",
+}  # fmt: skip
 
 
 class FaultTolerance:
@@ -38,9 +46,11 @@ class FaultTolerance:
             config.ft_min_replicas,
             config.ft_quorum_timeout,
         )
+        agreed = {k: v for k, v in asdict(config).items() if k not in PER_GROUP}
         try:
-            self.group = groups.join(model, [optim])
-        except ValueError as error:  # no Lighthouse given
+            with _said_once():
+                self.group = groups.join(model, [optim], settings=agreed)
+        except ValueError as error:  # no Lighthouse given, or not a URL
             raise ConfigError(str(error).replace("give its address", "--ft-lighthouse")) from None
         self.optim = self.group.wrap(optim)
 
