@@ -81,7 +81,8 @@ class ReplicaGroups:
     run (its own ranks, the model sharded over them alike), every step averaged over the
     groups alive. ``lighthouse``: torchft's Lighthouse (``http://host:29510``; empty: the
     TORCHFT_LIGHTHOUSE variable); ``min_replicas``: the fewest groups a step commits with;
-    ``quorum_timeout``: seconds a step waits for a quorum before ``NoQuorum``."""
+    ``quorum_timeout``: seconds a step waits for a quorum before ``NoQuorum``, and for a
+    peer group's all-reduce or a heal's transfer before the step fails."""
 
     count: int
     index: int
@@ -157,9 +158,10 @@ class ReplicaGroup:
         layout = layout_digest(model, agreed)
         load, save = state_dict_fns(model, optimizers, extra, (layout, groups.count, agreed))
         device = next(model.parameters()).device
+        kind = ProcessGroupNCCL if device.type == "cuda" else ProcessGroupGloo
         try:
             self.manager = Manager(
-                pg=ProcessGroupNCCL() if device.type == "cuda" else ProcessGroupGloo(),
+                pg=kind(timeout=self.timeout),  # a frozen peer: this long, then the step fails
                 min_replica_size=groups.min_replicas,
                 load_state_dict=load,
                 state_dict=save,
@@ -171,7 +173,6 @@ class ReplicaGroup:
                 lighthouse_addr=self.lighthouse,
                 use_async_quorum=False,  # a heal applies before the step's forward
                 quorum_timeout=self.timeout,
-                # A peer that stops answering (frozen, not dead) holds a step this long
                 timeout=self.timeout,
                 connect_timeout=self.timeout,
             )

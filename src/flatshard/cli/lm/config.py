@@ -169,7 +169,8 @@ class TrainConfig:
     ft_quorum_timeout: float = 60.0
     """--ft-replicas: seconds a step waits for a quorum (of the Lighthouse's
     --min_replicas groups, and of --ft-min-replicas) before the run stops with an error
-    naming the groups the Lighthouse has heard from"""
+    naming the groups the Lighthouse has heard from; also how long a peer group that
+    stops answering (frozen, not dead) holds a step, and a heal's transfer may take"""
     row_sparse_tables: bool = False
     """row-sparse embedding tables (fully_shard(..., placement=flatshard.RowSparse())): each lookup
     fetches only its tokens' rows and sends back only their gradients, where that moves
