@@ -76,20 +76,28 @@ class FaultTolerance:
                 loss = attempt(target)
             if self.step >= target:
                 return loss
+            # Not committed: a peer failed inside the step (taken again at once), or too
+            # few groups took part (again after a pause); either, for longer than the
+            # quorum timeout, stops the run by name instead of retrying forever.
             members = self.group.manager.num_participants()
-            if members >= self.group.groups.min_replicas:
-                waiting_since = None  # a failed all-reduce: taken again at once
-                continue
+            few = members < self.group.groups.min_replicas
             waiting_since = waiting_since or time.monotonic()
-            if time.monotonic() - waiting_since > self.group.timeout.total_seconds():
+            seconds = self.group.timeout.total_seconds()
+            if time.monotonic() - waiting_since > seconds and few:
                 raise ConfigError(
                     f"--ft-min-replicas {self.group.groups.min_replicas}: step {target} "
-                    f"found only {members} replica group(s) in its quorum for "
-                    f"{self.group.timeout.total_seconds():g} s and never committed. "
-                    f"{self.group.seen()} Start the missing groups, or lower "
-                    "--ft-min-replicas."
+                    f"found only {members} replica group(s) in its quorum for {seconds:g} s "
+                    f"and never committed. {self.group.seen()} Start the missing groups, or "
+                    "lower --ft-min-replicas."
                 )
-            time.sleep(RETRY_PAUSE_S)
+            if time.monotonic() - waiting_since > seconds:
+                raise ConfigError(
+                    f"replica group {self.group.groups.index}: step {target} was taken again "
+                    f"for {seconds:g} s and never committed (torchft: "
+                    f"{self.group.manager.errored()}). {self.group.seen()}"
+                )
+            if few:
+                time.sleep(RETRY_PAUSE_S)
 
     def close(self) -> None:
         self.group.close()
