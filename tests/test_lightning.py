@@ -185,44 +185,33 @@ def test_where_only_pytorch_lightning_is_installed_the_lightning_module_uses_it(
 
 
 # ---------------------------------------------------------------- options and misuse
-def test_replica_groups_on_torchft_train_as_ddp(runs: list[dict[str, Any]], tmp_path: Path) -> None:
-    """Two Trainers of one rank each, replica groups 0 and 1 of a run on torchft
-    (``FlatshardStrategy(replica_groups=ReplicaGroups(2, g, lighthouse))``): each trains as
-    rank g of the 2-rank DDP run (its batches, the average of both gradients), and both
-    end with bitwise-equal parameters."""
-    pytest.importorskip("torchft")
-    from torchft._torchft import LighthouseServer
-
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=1000)
-    try:
-        groups = [["replica", str(g), lighthouse.address()] for g in range(2)]
-        run_scripts_together(SCRIPT, [[str(tmp_path), *args] for args in groups], tmp_path)
-    finally:
-        lighthouse.shutdown()
-    replicas = [json.loads((tmp_path / f"replica{g}.json").read_text()) for g in range(2)]
-    for group, replica in enumerate(replicas):
-        assert _close(replica["losses"], runs[group]["ddp_unclipped"]["losses"]), group
-    assert replicas[0]["params"] == replicas[1]["params"]
-
-
-def test_fabric_replica_groups_on_torchft_train_as_ddp(
-    fabric_runs: list[dict[str, Any]], tmp_path: Path
+@pytest.mark.parametrize(
+    ("script", "reference", "key"),
+    [(SCRIPT, "runs", "ddp_unclipped"), (FABRIC_SCRIPT, "fabric_runs", "ddp")],
+    ids=["trainer", "fabric"],
+)
+def test_replica_groups_on_torchft_train_as_ddp(
+    script: Path, reference: str, key: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
-    """Two Fabrics of one rank each, replica groups 0 and 1 on torchft
-    (``FlatshardFabricStrategy(replica_groups=...)``), with accumulation and clipping: each
-    trains as rank g of the 2-rank DDP run, and both end with bitwise-equal parameters."""
+    """Two Trainers (or Fabrics, with accumulation and clipping) of one rank each, replica
+    groups 0 and 1 of a run on torchft (``replica_groups=ReplicaGroups(2, g, lighthouse)``):
+    each trains as rank g of the 2-rank DDP run (its batches, the average of both
+    gradients), and both end with bitwise-equal parameters."""
     pytest.importorskip("torchft")
     from torchft._torchft import LighthouseServer
 
+    ddp = request.getfixturevalue(reference)
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=1000)
     try:
         groups = [["replica", str(g), lighthouse.address()] for g in range(2)]
-        run_scripts_together(FABRIC_SCRIPT, [[str(tmp_path), *a] for a in groups], tmp_path)
+        run_scripts_together(script, [[str(tmp_path), *args] for args in groups], tmp_path)
     finally:
         lighthouse.shutdown()
     replicas = [json.loads((tmp_path / f"replica{g}.json").read_text()) for g in range(2)]
     for group, replica in enumerate(replicas):
-        assert _close(replica["losses"], fabric_runs[group]["ddp"]), group
+        theirs = ddp[group][key]  # the Trainer's run: a dict; Fabric's: its losses
+        losses = theirs["losses"] if isinstance(theirs, dict) else theirs
+        assert _close(replica["losses"], losses), group
     assert replicas[0]["params"] == replicas[1]["params"]
 
 
