@@ -26,9 +26,10 @@ from flatshard.integrations.torchft import LayoutMismatch, NoQuorum, ReplicaGrou
 
 RETRY_PAUSE_S = 1.0  # between attempts at a step too few groups took part in
 # The options each replica group may set its own way (where it writes, how it reaches
-# the Lighthouse, how it restarts): every other option must match the other groups'.
+# the Lighthouse, how it starts and restarts: --nproc is not read under torchrun, and the
+# ranks per group are compared by the layout): every other option must match the others'.
 PER_GROUP = {
-    "ft_replica_id", "ft_lighthouse", "ft_quorum_timeout", "max_restarts", "device",
+    "ft_replica_id", "ft_lighthouse", "ft_quorum_timeout", "nproc", "max_restarts", "device",
     "share_gpus", "out_dir", "log_every", "log_to", "ckpt_dir", "ckpt_every", "keep_ckpts",
     "ckpt_async", "ckpt_on_preempt", "resume", "exact_resume", "sample_bytes",
 }  # fmt: skip
