@@ -15,7 +15,6 @@ back by its own torchrun (``--max-restarts``).
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 import signal
@@ -32,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flatshard.testing.isolated import descendants, rank_pid, wait_until
-from flatshard.testing.scripts import last_logged_step
+from flatshard.testing.scripts import last_logged_step, logged_rows
 
 pytest.importorskip("torchft")
 
@@ -281,11 +280,7 @@ def test_train_as_two_replica_groups_is_one_data_parallel_run(tmp_path: Any) -> 
     )  # fmt: skip
     assert one.returncode == 0, one.stderr[-3000:]
 
-    def rows(name: str) -> list[dict[str, Any]]:
-        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
-        return [json.loads(line) for line in lines]
-
-    g0, g1, reference = rows("g0"), rows("g1"), rows("one")
+    g0, g1, reference = (logged_rows(tmp_path / name) for name in ("g0", "g1", "one"))
     assert [r["replica_groups"] for r in g0 + g1] == [[0, 1]] * 8
     assert not any("quorum_change" in r for r in g0 + g1)  # the same quorum throughout
     for a, b, ref in zip(g0, g1, reference, strict=True):
@@ -522,7 +517,7 @@ def test_train_group_killed_is_restarted_by_torchrun_and_heals(tmp_path: Any) ->
             log.close()
     outputs = [(tmp_path / f"g{i}.out").read_text() for i in range(2)]
     assert live.returncode == 0 and dying.returncode == 0, outputs
-    rows = [json.loads(line) for line in (out[0] / "metrics.jsonl").read_text().splitlines()]
+    rows = logged_rows(out[0])
     assert [r["step"] for r in rows] == list(range(1, STEPS_CLI + 1)), rows  # each step once
     changes = [r["quorum_change"] for r in rows if "quorum_change" in r]
     assert changes[-2].endswith("replica group 1 left; 1 of 2 groups in the quorum"), changes
@@ -539,8 +534,4 @@ def test_train_group_killed_is_restarted_by_torchrun_and_heals(tmp_path: Any) ->
 
 def _quorums(out_dir: Path) -> list[list[int]]:
     """The replica groups of each step ``flatshard train`` logged in ``out_dir``."""
-    try:
-        lines = (out_dir / "metrics.jsonl").read_text().splitlines()
-    except FileNotFoundError:
-        return [[]]
-    return [json.loads(line)["replica_groups"] for line in lines if line.endswith("}")] or [[]]
+    return [row["replica_groups"] for row in logged_rows(out_dir)] or [[]]

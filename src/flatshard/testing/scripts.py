@@ -118,11 +118,16 @@ def run_results(out: Path) -> dict[str, Any]:
     }
 
 
-def last_logged_step(out_dir: Path) -> int:
-    """The last step ``flatshard train`` logged in ``out_dir/metrics.jsonl`` (0: none yet;
-    a line being written is not read)."""
+def logged_rows(out_dir: Path) -> list[dict[str, Any]]:
+    """The steps ``flatshard train`` logged so far in ``out_dir/metrics.jsonl`` (none yet
+    where it has no file; a line being written is not read)."""
     try:
         lines = (out_dir / "metrics.jsonl").read_text().splitlines()
     except FileNotFoundError:
-        return 0
-    return max((json.loads(line)["step"] for line in lines if line.endswith("}")), default=0)
+        return []
+    return [json.loads(line) for line in lines if line.endswith("}")]
+
+
+def last_logged_step(out_dir: Path) -> int:
+    """The last step ``flatshard train`` logged in ``out_dir`` (0: none yet)."""
+    return max((row["step"] for row in logged_rows(out_dir)), default=0)
