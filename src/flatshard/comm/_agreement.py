@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from flatshard.comm._collectives import all_gather_into, all_gather_object, on_device
+from flatshard.measure._accounting import resize_storage
 
 _SHOWN = 4  # differing lines quoted per rank
 
@@ -43,7 +44,7 @@ def lines_if_different(
     same = every_digest.is_meta or bool((every_digest == mine).all())
     # Waited for, so freed now: gloo's worker thread lets go of its reference a moment
     # after the wait, and the memory would outlive the check until then.
-    every_digest.untyped_storage().resize_(0)
+    resize_storage(every_digest.untyped_storage(), 0)
     if same:
         return None
     with on_device(device):  # the objects travel on the current device (NCCL)

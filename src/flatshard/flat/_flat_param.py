@@ -111,6 +111,7 @@ from flatshard.flat._placement import ROWS, GroupPlacement, ShardPlacement
 from flatshard.flat._reduction import GradientReduction
 from flatshard.flat._storage import Holding, Storage, storage_move
 from flatshard.flat._transport import IDENTITY, Gathering, Transport
+from flatshard.measure._accounting import resize_storage
 
 
 @dataclass(frozen=True)
@@ -127,12 +128,12 @@ class GroupSpec:
 
 def allocate_storage(tensor: torch.Tensor, nbytes: int) -> None:
     """Give ``tensor``'s storage its memory back (``nbytes``)."""
-    tensor.untyped_storage().resize_(nbytes)
+    resize_storage(tensor.untyped_storage(), nbytes)
 
 
 def free_storage(tensor: torch.Tensor) -> None:
     """Release ``tensor``'s memory while keeping its storage object (and its views) alive."""
-    tensor.untyped_storage().resize_(0)
+    resize_storage(tensor.untyped_storage(), 0)
 
 
 class FlatParamGroup:

@@ -6,8 +6,10 @@ than what flatshard believes it did.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import Counter
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -160,6 +162,34 @@ class PeakStorage(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     self._live[id(storage)] = weakref.ref(storage)
         self.peak = max(self.peak, _alive_bytes(self._live))
         return out
+
+
+# [Note: resizes the dispatcher does not see]
+# ``UntypedStorage.resize_`` changes a storage's bytes without any op passing the
+# dispatcher, so a mode that counts storage there sees a resize only by reading every
+# storage again after each op (``PeakStorage`` does: exact, and slow on large models).
+# flatshard frees and refills each unit's unsharded buffer that way, twice a step per unit;
+# it resizes through ``resize_storage``, which tells the modes that asked
+# (``watching_resizes``: the planner's recorder) which storage changed, so they can keep
+# a running total instead of reading every storage after every op.
+_RESIZE_WATCHERS: list[Callable[[torch.UntypedStorage], None]] = []
+
+
+def resize_storage(storage: torch.UntypedStorage, nbytes: int) -> None:
+    """``storage.resize_(nbytes)``, told to the modes watching resizes."""
+    storage.resize_(nbytes)
+    for watch in _RESIZE_WATCHERS:
+        watch(storage)
+
+
+@contextlib.contextmanager
+def watching_resizes(watch: Callable[[torch.UntypedStorage], None]) -> Iterator[None]:
+    """``watch(storage)`` after every ``resize_storage`` inside the block."""
+    _RESIZE_WATCHERS.append(watch)
+    try:
+        yield
+    finally:
+        _RESIZE_WATCHERS.remove(watch)
 
 
 def _sent(kind: str, args: tuple[Any, ...]) -> int:

@@ -14,6 +14,8 @@ the step-time model (``_timing.py``).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
 import weakref
 from collections.abc import Callable
@@ -27,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from flatshard.comm._mesh import is_reduction_group
+from flatshard.measure._accounting import watching_resizes
 
 # What a storage holds, by when and by which op it was made (see ``Recorder.tag_of``).
 PARAMETERS = "sharded parameters and buffers"
@@ -116,27 +119,54 @@ def _bytes(t: torch.Tensor) -> int:
 # torch ships TorchDispatchMode without annotations; subclassing it is an untyped call.
 class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Tracks every storage created inside it (meta included) and, while ``recording``, the
-    ops with their costs, the peak of the bytes alive and what they were at that peak."""
+    ops with their costs and the bytes alive after each.
 
-    def __init__(self) -> None:
+    [Note: a running total of live bytes]
+    The bytes alive are a running total: a storage adds its bytes when an op creates it,
+    and changes them when it is resized (by an op that mutates its inputs, ``resize_``
+    among them, or by flatshard: [Note: resizes the dispatcher does not see]) or dies (a
+    weak reference's callback). Reading every live storage after every op instead, as
+    ``PeakStorage`` does, cost most of a large model's plan (thousands of storages, tens of
+    thousands of ops). A storage that someone else resizes from Python would go unseen,
+    so the total is checked against the storages themselves at each collective and at the
+    ends of the step (``_check``); where it drifted, ``drifted`` says so and the
+    simulation runs again reading every storage after every op (``read_every_op``). Only
+    such a resize undone before the next collective stays unseen (nothing in torch's or
+    flatshard's training step does that).
+    """
+
+    def __init__(self, read_every_op: bool = False) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
+        self.read_every_op = read_every_op
+        self.drifted = False  # a storage changed size unseen ([Note: a running total ...])
         self._serial = itertools.count()
         self._live: dict[int, tuple[int, weakref.ref[torch.UntypedStorage]]] = {}
+        self._sizes: dict[int, int] = {}  # serial -> bytes, of the storages alive now
+        self._total = 0  # their sum
         self.tags: dict[int, str] = {}  # serial -> what it holds
         self.phase = PARAMETERS  # the tag of storages made by compute ops now
         self.backward = False
         self.recording = False
         self.ops: list[Op] = []
         self.peak = 0
-        self.at_peak: dict[int, int] = {}  # serial -> bytes alive at the peak
-        self.peak_op = 0  # ops recorded before the peak
         self.ranks_per_host = 1  # to tell which collectives cross hosts
         self.timeline: list[int] = []  # bytes alive after each recorded op (and at start)
         # While recording: (timeline index, serial, its bytes from then on; 0: freed), so
         # that the bytes can be split afterwards by where they live (``split``).
         self._events: list[tuple[int, int, int]] = []
-        self._sizes: dict[int, int] = {}  # serial -> bytes at the last timeline entry
         self._ops_at: list[int] = []  # ops recorded before each timeline entry
+        self._watches = contextlib.ExitStack()
+
+    def __enter__(self) -> Recorder:
+        self._watches.enter_context(watching_resizes(self._resized))
+        super().__enter__()  # type: ignore[no-untyped-call]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)  # type: ignore[no-untyped-call]
+        finally:
+            self._watches.close()
 
     def serial(self, storage: torch.UntypedStorage) -> int | None:
         entry = self._live.get(id(storage))
@@ -153,46 +183,57 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def settle(self) -> None:
         """After the last step: what the optimizer made that is gone now was a temporary of
         its step, not its state."""
-        alive = self.alive()
+        self._check()
         for serial, tag in self.tags.items():
-            if tag == OPTIMIZER and serial not in alive:
+            if tag == OPTIMIZER and serial not in self._sizes:
                 self.tags[serial] = OPTIMIZER_TEMPORARIES
 
     def start_recording(self) -> None:
         """From now on: ops are recorded and the peak counts from the bytes alive now."""
+        self._check()
         self.recording = True
         self.ops.clear()
         self.timeline.clear()
-        self._events.clear()
         self._ops_at.clear()
-        self._sizes = {}
+        self._events = [(0, serial, nbytes) for serial, nbytes in self._sizes.items()]
         self.peak = 0
         self._note_peak()
 
-    def alive(self) -> dict[int, int]:
-        """serial -> bytes, of the storages alive now."""
-        out: dict[int, int] = {}
-        for key, (serial, ref) in list(self._live.items()):
-            storage = ref()
-            if storage is None:
-                del self._live[key]
-            else:
-                out[serial] = storage.nbytes()
-        return out
-
     def _note_peak(self) -> None:
-        alive = self.alive()
-        total = sum(alive.values())
-        index = len(self.timeline)
-        for serial, nbytes in alive.items():
-            if self._sizes.get(serial) != nbytes:
-                self._events.append((index, serial, nbytes))
-        self._events.extend((index, serial, 0) for serial in self._sizes.keys() - alive.keys())
-        self._sizes = alive
+        if self.read_every_op:
+            self._check()
         self._ops_at.append(len(self.ops))
-        self.timeline.append(total)
-        if total > self.peak:
-            self.peak, self.at_peak, self.peak_op = total, alive, len(self.ops)
+        self.timeline.append(self._total)
+        self.peak = max(self.peak, self._total)
+
+    def _check(self) -> None:
+        """Every live storage's bytes read again; any that differ from the running total's
+        are taken (and, but where every op reads them, mark the total as ``drifted``)."""
+        for serial, ref in list(self._live.values()):
+            storage = ref()
+            if storage is not None and storage.nbytes() != self._sizes.get(serial):
+                self.drifted |= not self.read_every_op
+                self._resize(serial, storage.nbytes())
+
+    def _resized(self, storage: torch.UntypedStorage) -> None:
+        """``storage`` may have changed size (``resize_storage``, a mutating op)."""
+        serial = self.serial(storage)
+        if serial is not None and storage.nbytes() != self._sizes.get(serial):
+            self._resize(serial, storage.nbytes())
+
+    def _resize(self, serial: int, nbytes: int) -> None:
+        self._total += nbytes - self._sizes.get(serial, 0)
+        self._sizes[serial] = nbytes
+        if self.recording:
+            self._events.append((len(self.timeline), serial, nbytes))
+
+    def _died(self, key: int, serial: int, _: object) -> None:
+        """A tracked storage is gone (its weak reference's callback)."""
+        entry = self._live.get(key)
+        if entry is not None and entry[0] == serial:
+            del self._live[key]
+        self._resize(serial, 0)
+        del self._sizes[serial]
 
     @property
     def ops_at(self) -> list[int]:
@@ -203,30 +244,47 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         """The recorded step's bytes as two memories, the device's and the host's, by
         ``on_host(serial)`` (CPU offload: shards, gradients, optimizer state)."""
         device, host = MemoryView(), MemoryView()
-        alive: dict[int, int] = {}
+        peaks: dict[bool, int] = {}  # on the host? -> the timeline index of its peak
+        sizes: dict[int, int] = {}
         events = iter(self._events)
         pending = next(events, None)
         for index, ops in enumerate(self._ops_at):
             while pending is not None and pending[0] == index:
                 _, serial, nbytes = pending
                 memory = host if on_host(serial) else device
-                memory.total += nbytes - alive.get(serial, 0)
-                alive[serial] = nbytes
+                memory.total += nbytes - sizes.get(serial, 0)
+                sizes[serial] = nbytes
                 pending = next(events, None)
             for memory, mine in ((device, False), (host, True)):
                 memory.timeline.append(memory.total)
                 if memory.total > memory.peak:
                     memory.peak, memory.peak_op = memory.total, ops
-                    memory.at_peak = {s: b for s, b in alive.items() if b and on_host(s) == mine}
+                    peaks[mine] = index
+        for memory, mine in ((device, False), (host, True)):
+            if mine in peaks:
+                alive = self._alive_at(peaks[mine])
+                memory.at_peak = {s: b for s, b in alive.items() if b and on_host(s) == mine}
         return device, host
+
+    def _alive_at(self, index: int) -> dict[int, int]:
+        """serial -> bytes at the timeline entry ``index``."""
+        alive: dict[int, int] = {}
+        for at, serial, nbytes in self._events:
+            if at > index:
+                break
+            alive[serial] = nbytes
+        return alive
 
     def _track(self, t: torch.Tensor, tag: str) -> int:
         storage = t.untyped_storage()
         serial = self.serial(storage)
         if serial is None:
             serial = next(self._serial)
-            self._live[id(storage)] = (serial, weakref.ref(storage))
+            key = id(storage)
+            died = functools.partial(self._died, key, serial)
+            self._live[key] = (serial, weakref.ref(storage, died))
             self.tags[serial] = tag
+            self._resize(serial, storage.nbytes())
         return serial
 
     def __torch_dispatch__(
@@ -248,7 +306,12 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         new = [t for t in outputs if id(t.untyped_storage()) not in before]
         for t in new:
             self._track(t, self.phase)
+        if func._schema.is_mutable:  # resize_, set_...: an input's storage may have changed
+            for t in inputs:
+                self._resized(t.untyped_storage())
         if kind is not None:
+            if self.recording:
+                self._check()
             self._collective(kind, args, inputs)
         elif name in FUNCTIONAL_COLLECTIVES:
             self._functional(FUNCTIONAL_COLLECTIVES[name], args, inputs, outputs)
@@ -350,11 +413,11 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         found = (self.serial(t.untyped_storage()) for t in tensors)
         return [s for s in found if s is not None]
 
-    def breakdown(self, at_peak: dict[int, int] | None = None) -> dict[str, int]:
-        """Bytes alive at the peak (or ``at_peak``, a ``MemoryView``'s), by what they hold
-        (tags as they stand now)."""
+    def breakdown(self, at_peak: dict[int, int]) -> dict[str, int]:
+        """The bytes alive at a peak (a ``MemoryView``'s), by what they hold (tags as they
+        stand now)."""
         parts: dict[str, int] = {}
-        for serial, nbytes in (self.at_peak if at_peak is None else at_peak).items():
+        for serial, nbytes in at_peak.items():
             tag = self.tags.get(serial, ACTIVATIONS)
             parts[tag] = parts.get(tag, 0) + nbytes
         return parts
