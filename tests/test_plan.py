@@ -9,6 +9,7 @@ import contextlib
 import io
 import json
 import multiprocessing
+import os
 import re
 import shlex
 from collections.abc import Iterator
@@ -45,6 +46,10 @@ CPU = flatshard.Cluster(
     device="cpu",
 )
 VOCAB, SEQ, BATCH = 256, 32, 4
+LLAMA_OVERRIDES = (
+    "hidden_size=64,intermediate_size=128,num_hidden_layers=3,num_attention_heads=4,"
+    "num_key_value_heads=2,vocab_size=512"
+)
 
 
 def gpt(checkpointing: bool = False) -> nn.Module:
@@ -63,6 +68,27 @@ def tp_gpt(tp: DeviceMesh) -> nn.Module:
     for block in model.blocks:
         parallelize_module(block.mlp, tp, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     return model
+
+
+class ScratchGPT(GPT):
+    """A GPT whose forward sizes scratch memory itself: 4 MiB through ``resize_`` (an op
+    on a tensor that exists already) for one op at the end, and 1 MiB through
+    ``untyped_storage().resize_``, which no op shows the dispatcher, kept until the next
+    forward ([Note: a running total of live bytes])."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        self.kept = torch.empty(0, device=idx.device)
+        self.kept.untyped_storage().resize_(1 << 20)
+        logits = super().forward(idx)
+        scratch = logits.new_empty(0)
+        scratch.resize_(1 << 20)  # floats
+        logits = logits * 1.0
+        scratch.resize_(0)
+        return logits
+
+
+def scratch_gpt() -> nn.Module:
+    return ScratchGPT(VOCAB, 64, 4, 3, SEQ)
 
 
 def llama() -> nn.Module:
@@ -156,6 +182,7 @@ CASES = [
     # Every unit kept gathered from forward to backward under FULL_SHARD
     # (set_reshard_after_forward(False)): ZeRO-2's memory, no all-gather in backward.
     Case("kept-after-forward", gpt, options=(("reshard_after_forward", False),)),
+    Case("storage-resized-by-the-model", scratch_gpt),
 ]
 
 
@@ -367,6 +394,59 @@ def test_sublayer_units_are_recommended_where_they_make_a_faster_setup_fit(
     assert 0 < kept["kept_gathered"] < 12 and fits[kept["setup"]]
     split = next(c for c in result["candidates"] if c["setup"] == "FULL_SHARD, sublayer units")
     assert kept["step_time_s"] < split["step_time_s"]
+
+
+def test_the_kept_units_found_are_the_most_that_fit(planner: ProcessPoolExecutor) -> None:
+    """The budget search finds the most last units kept gathered that fit without planning
+    every count: here every count is planned, and the one it recommends fits while one
+    more does not."""
+    args = ["plan", "--layers", "4", "--dim", "256", "--batch", "8", "--nproc", "2"]
+    args += ["--cluster", "cpu-dev", "--units", "sublayers", "--json"]
+    code, out, _ = planner.submit(run_cli, [*args, "--memory-budget", "108MiB"]).result()
+    assert code == 0
+    result = json.loads(out)
+    kept = next(c for c in result["candidates"] if c["setup"] == result["recommended"])
+    needed = []
+    for count in range(kept["units"]):
+        code, out, _ = planner.submit(run_cli, [*args, "--keep-gathered", str(count)]).result()
+        needed.append(json.loads(out)["device_memory_needed_bytes"])
+    fitting = [count for count, need in enumerate(needed) if need <= result["budget_bytes"]]
+    assert fitting == list(range(len(fitting))), needed  # memory grows with the count
+    assert kept["kept_gathered"] == fitting[-1], (kept["kept_gathered"], needed)
+
+
+def run_cli_on_one_core(argv: list[str]) -> tuple[int, str, str]:
+    """``run_cli`` in a process allowed one core: the budget search's candidates are then
+    planned one after another."""
+    cores = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(cores)})
+    try:
+        return run_cli(argv)
+    finally:
+        os.sched_setaffinity(0, cores)
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs two cores to plan side by side",
+)
+def test_candidates_planned_side_by_side_are_planned_as_one_after_another(
+    planner: ProcessPoolExecutor,
+) -> None:
+    """[Note: candidates planned side by side]: the budget search on two cores (candidates
+    in forked processes, kept units probed two at a time) gives every candidate's figures
+    and the recommendation of the same search on one core, a Hugging Face model with
+    checkpointing among the candidates included (each build has a config of its own)."""
+    pytest.importorskip("transformers")
+    args = ["plan", "--model", "hf:llama", "--hf-overrides", LLAMA_OVERRIDES, "--json"]
+    args += ["--seq-len", "64", "--batch", "2", "--nproc", "4", "--cluster", "cpu-dev"]
+    args += ["--memory-budget", "3.6MiB"]
+    side_by_side = planner.submit(run_cli, args).result()
+    one_by_one = planner.submit(run_cli_on_one_core, args).result()
+    assert side_by_side[0] == one_by_one[0] == 0, side_by_side
+    found, expected = json.loads(side_by_side[1]), json.loads(one_by_one[1])
+    assert found == expected
+    assert found["recommended"] is not None and len(found["candidates"]) > 6
 
 
 def test_hybrid_candidates_try_every_sharding_factor(planner: ProcessPoolExecutor) -> None:

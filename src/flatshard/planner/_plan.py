@@ -90,14 +90,19 @@ class Plan:
     def fits(self) -> bool:
         return self.fits_within(self.cluster.memory_bytes)
 
+    @property
+    def memory_needed(self) -> int:
+        """What a memory budget holds: the device's memory needed, and on a CPU, whose one
+        memory holds what is offloaded too, that as well."""
+        if self.cluster.host_memory_bytes:
+            return self.device_memory_needed
+        return self.device_memory_needed + self.total_peak_bytes - self.peak_memory_bytes
+
     def fits_within(self, budget: int) -> bool:
-        """Within ``budget`` of device memory, and its host's memory (CPU offload); on a
-        CPU, whose one memory holds what is offloaded too, both within ``budget``."""
+        """``memory_needed`` within ``budget``, and its host's memory (CPU offload) within
+        the host's."""
         host = self.cluster.host_memory_bytes
-        if not host:
-            offloaded = self.total_peak_bytes - self.peak_memory_bytes
-            return self.device_memory_needed + offloaded <= budget
-        return self.device_memory_needed <= budget and self.host_memory_bytes <= host
+        return self.memory_needed <= budget and (not host or self.host_memory_bytes <= host)
 
     @property
     def tflops_per_device(self) -> float:

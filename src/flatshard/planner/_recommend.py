@@ -18,9 +18,13 @@ way, and the last.
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 
+import torch.distributed as dist
 from torch import nn
 
 from flatshard.comm._mesh import ShardingStrategy
@@ -112,14 +116,63 @@ def candidates(problem: Problem, setup: Setup) -> list[Candidate]:
     ]
     if cluster.hosts > 1:
         strategies += [ShardingStrategy.HYBRID_SHARD_ZERO2, ShardingStrategy.HYBRID_SHARD]
-    found = []
-    for strategy in strategies:
-        for factor in _factors(strategy, cluster):
-            for checkpointing in (False, True):
-                chosen = replace(setup, strategy=strategy, sharding_factor=factor)
-                plan = problem.plan(chosen, checkpointing)
-                found.append(Candidate(strategy, checkpointing, plan))
+    wanted = [
+        (replace(setup, strategy=strategy, sharding_factor=factor), checkpointing)
+        for strategy in strategies
+        for factor in _factors(strategy, cluster)
+        for checkpointing in (False, True)
+    ]
+    found = [
+        Candidate(chosen.strategy, checkpointing, plan)
+        for (chosen, checkpointing), plan in zip(wanted, plan_each(problem, wanted), strict=True)
+    ]
     return sorted(found, key=lambda c: c.plan.step.seconds)
+
+
+# [Note: candidates planned side by side]
+# Each candidate is a whole simulation, seconds each on a large model, and the candidates
+# of a round do not depend on each other: they are planned in processes of their own, as
+# many at once as this process may use cores. The processes are forked, so that they
+# inherit the problem (its build function is often a closure, which cannot be pickled);
+# only each plan comes back, pickled, without its setup (which may hold closures too: the
+# caller has it). Where fork is not offered, or a process group exists (``plan_setup``
+# then plans in a process of its own anyway), or pipelines are planned (their plans hold
+# the pipeline's functions), the candidates are planned one after another.
+_SHARED: tuple[Problem, list[tuple[Setup, bool]]] | None = None
+
+
+def plan_each(problem: Problem, wanted: list[tuple[Setup, bool]]) -> list[Plan]:
+    """``problem.plan(setup, checkpointing)`` of each of ``wanted``, side by side."""
+    global _SHARED
+    workers = min(len(wanted), _usable_cores())
+    if (
+        workers < 2
+        or "fork" not in mp.get_all_start_methods()
+        or dist.is_initialized()
+        or any(setup.pipeline is not None for setup, _ in wanted)
+    ):
+        return [problem.plan(setup, checkpointing) for setup, checkpointing in wanted]
+    _SHARED = (problem, wanted)
+    try:
+        with ProcessPoolExecutor(workers, mp_context=mp.get_context("fork")) as pool:
+            plans = list(pool.map(_plan_one, range(len(wanted))))
+    finally:
+        _SHARED = None
+    return [replace(plan, setup=setup) for plan, (setup, _) in zip(plans, wanted, strict=True)]
+
+
+def _plan_one(index: int) -> Plan:
+    """In a forked process: the plan of ``_SHARED``'s candidate ``index``, its setup left
+    out (the caller puts it back)."""
+    assert _SHARED is not None
+    problem, wanted = _SHARED
+    setup, checkpointing = wanted[index]
+    return replace(problem.plan(setup, checkpointing), setup=Setup())
+
+
+def _usable_cores() -> int:
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
 
 
 def _factors(strategy: ShardingStrategy, cluster: Cluster) -> list[int | None]:
@@ -153,16 +206,18 @@ def finer_units_where_they_help(
         if not c.plan.fits_within(budget)
         and (best is None or c.plan.step.seconds < best.plan.step.seconds)
     ][:MOST_SPLIT]
-    added = []
-    for c in [*faster, *([best] if best is not None and _splittable(best) else [])]:
-        split = replace(
-            c.plan.setup, auto_wrap_policy=SublayerPolicy(c.plan.setup.auto_wrap_policy)
+    chosen = [*faster, *([best] if best is not None and _splittable(best) else [])]
+    wanted = [
+        (
+            replace(c.plan.setup, auto_wrap_policy=SublayerPolicy(c.plan.setup.auto_wrap_policy)),
+            c.checkpoint_activations,
         )
-        added.append(
-            Candidate(
-                c.strategy, c.checkpoint_activations, problem.plan(split, c.checkpoint_activations)
-            )
-        )
+        for c in chosen
+    ]
+    added = [
+        Candidate(c.strategy, c.checkpoint_activations, plan)
+        for c, plan in zip(chosen, plan_each(problem, wanted), strict=True)
+    ]
     return sorted(found + added, key=lambda c: c.plan.step.seconds)
 
 
@@ -221,10 +276,10 @@ def offload_where_nothing_fits(
         foreach=False,  # the optimizer steps on the CPU
         pipeline=None,
     )
+    wanted = [(setup, False), (setup, True)]
     added = [
         Candidate(ShardingStrategy.FULL_SHARD, checkpointing, plan)
-        for checkpointing in (False, True)
-        for plan in [problem.plan(setup, checkpointing)]
+        for (_, checkpointing), plan in zip(wanted, plan_each(problem, wanted), strict=True)
     ]
     return sorted(found + added, key=lambda c: c.plan.step.seconds)
 
@@ -266,23 +321,42 @@ def keep_gathered_where_it_fits(
             or (best is not None and best.plan.step.seconds <= zero2.plan.step.seconds)
         ):
             continue
-        kept = _most_kept(reshards, budget, problem)
+        kept = _most_kept(reshards, zero2, budget, problem)
         if kept.plan.step.seconds < reshards.plan.step.seconds * (1 - MIN_GAIN):
             added.append(kept)
     return sorted(found + added, key=lambda c: c.plan.step.seconds)
 
 
-def _most_kept(reshards: Candidate, budget: int, problem: Problem) -> Candidate:
-    """``reshards`` with its most last units kept gathered that fit (bisection: memory
-    grows with their number)."""
-    chosen, low, high = reshards, 0, reshards.plan.units - 1  # the root is never one
-    while low < high:
-        count = (low + high + 1) // 2
-        setup = replace(reshards.plan.setup, kept_gathered=count)
-        planned = problem.plan(setup, reshards.checkpoint_activations)
-        if planned.fits_within(budget):
-            low = count
-            chosen = Candidate(reshards.strategy, reshards.checkpoint_activations, planned, count)
+def _most_kept(reshards: Candidate, zero2: Candidate, budget: int, problem: Problem) -> Candidate:
+    """``reshards`` with its most last units kept gathered that fit.
+
+    Memory grows with their number, from ``reshards`` (none kept, fits) to its ZeRO-2
+    form (every unit kept, does not fit): a search between the most known to fit and the
+    fewest known not to. Each kept unit adds about the same bytes, so each round plans the
+    count where the line between those two plans' memory meets the budget, and the next
+    (as many counts as there are cores: on two, a line that holds ends the search in one
+    round); where a round did not halve the range, the next one bisects it instead."""
+    fit, over = (0, reshards), (reshards.plan.units, zero2)  # the root is never one
+    interpolate = True
+    while over[0] - fit[0] > 1:
+        low, high = fit[0], over[0]
+        if interpolate:
+            need, fit_need = budget - fit[1].plan.memory_needed, fit[1].plan.memory_needed
+            slope = max(over[1].plan.memory_needed - fit_need, 1) / (high - low)
+            start = low + int(need // slope)
         else:
-            high = count - 1
-    return chosen
+            start = (low + high) // 2
+        start = min(max(start, low + 1), high - 1)
+        counts = list(range(start, min(start + _usable_cores(), high)))
+        wanted = [
+            (replace(reshards.plan.setup, kept_gathered=count), reshards.checkpoint_activations)
+            for count in counts
+        ]
+        for count, planned in zip(counts, plan_each(problem, wanted), strict=True):
+            probed = Candidate(reshards.strategy, reshards.checkpoint_activations, planned, count)
+            if planned.fits_within(budget):
+                fit = max(fit, (count, probed), key=lambda known: known[0])
+            else:
+                over = min(over, (count, probed), key=lambda known: known[0])
+        interpolate = 2 * (over[0] - fit[0]) <= high - low
+    return fit[1]

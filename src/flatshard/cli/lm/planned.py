@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -82,7 +83,10 @@ def _hugging_face(train: TrainConfig, fit_to_bytes: bool) -> PlannedModel:
 
     def build(checkpointing: bool) -> Callable[[], nn.Module]:
         def make() -> nn.Module:
-            model = transformers.AutoModelForCausalLM.from_config(settings)
+            # A config of its own: checkpointing turns the config's key-value cache off,
+            # and a plan built after it must not inherit that (a plan is the same
+            # whatever was planned before it in the process).
+            model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(settings))
             if checkpointing:
                 checkpoint_hf_blocks(model)
             return cast(nn.Module, model)
