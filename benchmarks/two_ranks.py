@@ -1,7 +1,7 @@
 """Run a function on two local gloo ranks and return what rank 0 put in its queue.
 
 Shared by the small collective benchmarks here (``group_queueing.py``,
-``comm_cpu_cost.py``): ``run(rank, world, init_method, results)`` joins the group at
+``agreement_cost.py``): ``run(rank, world, init_method, results)`` joins the group at
 ``init_method`` and puts its result in ``results`` (rank 0 only).
 """
 

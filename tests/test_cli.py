@@ -361,10 +361,20 @@ def test_bench_compares_all_systems(tmp_path: Path, capsys: pytest.CaptureFixtur
     argv = ["--preset", "byte-gpt", "--dim", "16", "--layers", "1", "--seq-len", "8"]
     argv += ["--batch", "2", "--steps", "2", "--warmup", "1", "--rounds", "1"]
     report, stdout = _bench(argv, tmp_path, capsys)
-    assert list(report["systems"]) == ["flatshard", "fsdp2", "ddp", "floor"]
+    assert list(report["systems"]) == ["flatshard", "fsdp2", "ddp", "floor", "comm"]
     for system, row in report["systems"].items():
         assert row["median_step_s"] > 0 and row["peak_mem_mib"] > 0, system
         assert row["tensor_peak_mib"] > 0 and row["time_vs_floor"] > 0, system
+    # The bound: the floor plus the CPU time of the least collectives alone ("comm"), the
+    # same for every system; nobody moves fewer bytes than the least (no row-sparse tables).
+    floor, comm = report["systems"]["floor"], report["systems"]["comm"]
+    bound = floor["median_step_s"] + comm["cpu_s"]
+    for system, row in report["systems"].items():
+        assert row["bound_s"] == pytest.approx(bound), system
+        assert row["time_vs_bound"] == pytest.approx(row["median_step_s"] / bound), system
+    for system in ("flatshard", "fsdp2"):
+        assert report["systems"][system]["sent_bytes"] >= comm["sent_bytes"] > 0, system
+    assert f"= {bound:.3f} s" in stdout and "vs bound" in stdout
     assert (report["config"]["vocab"], report["config"]["dim"]) == (256, 16)  # flags win
     systems = report["systems"]  # DDP holds the floor's tensors plus its gradient buckets
     assert systems["ddp"]["tensor_peak_mib"] > systems["floor"]["tensor_peak_mib"]

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 import flatshard
+from flatshard.cli.bench.bound import LeastCollectives
 from flatshard.cli.bench.config import GATHER_SYSTEMS, PRESETS, BenchConfig
 from flatshard.cli.bench.formula import flatshard_formulas
 from flatshard.cli.bench.memory import steady_state_peak
@@ -186,6 +187,7 @@ def _interleaved_round(config: BenchConfig) -> dict[str, dict[str, Any]]:
     system's rank-0 step times and waits, collective facts and peak memory of any rank.
     """
     times: dict[str, list[float]] = {s: [] for s in config.system_list}
+    cpus: dict[str, list[float]] = {s: [] for s in config.system_list}  # rank 0's CPU s
     waits: dict[str, list[float]] = {s: [] for s in config.system_list}
     bubbles: dict[str, list[float]] = {s: [] for s in config.system_list}  # --pp
     reports: dict[str, dict[str, Any]] = {}
@@ -202,6 +204,7 @@ def _interleaved_round(config: BenchConfig) -> dict[str, dict[str, Any]]:
                     rank0 = answers[0]
                     if step >= config.warmup:
                         times[system.system].append(rank0["time"])
+                        cpus[system.system].append(rank0["cpu"])
                         waits[system.system].append(rank0["wait"])
                         if "bubble" in rank0:  # [Note: the bubble, measured]
                             bubble = statistics.mean(a["bubble"] for a in answers)
@@ -211,6 +214,7 @@ def _interleaved_round(config: BenchConfig) -> dict[str, dict[str, Any]]:
                 reports[system.system] = {
                     **answers[0],
                     "step_times": times[system.system],
+                    "cpu_times": cpus[system.system],
                     "comm_waits": waits[system.system] if answers[0]["waits_measured"] else [],
                     "bubbles": bubbles[system.system],
                     "peak_mem_mib": max(a["peak_mem_mib"] for a in answers),
@@ -266,7 +270,7 @@ def _serve(
         dist.barrier()
         if step == config.warmup:
             tokens_before = TokenBytes.received
-        start, waited = time.perf_counter(), WaitClock.seconds
+        start, cpu, waited = time.perf_counter(), time.process_time(), WaitClock.seconds
         busy = model.busy_s if isinstance(model, PipelinedGPT) else 0.0
         with tracker if step == config.warmup else contextlib.nullcontext():
             _train_step(model, optim, idx, config, system)
@@ -274,6 +278,7 @@ def _serve(
         dist.barrier()
         elapsed = time.perf_counter() - start
         answer = {"rank": rank, "time": elapsed, "wait": WaitClock.seconds - waited}
+        answer["cpu"] = time.process_time() - cpu  # all of this rank's threads
         if isinstance(model, PipelinedGPT):  # [Note: the bubble, measured]
             answer["bubble"] = 1 - (model.busy_s - busy) / elapsed
         answers.put(answer)
@@ -286,7 +291,8 @@ def _serve(
     ):  # formulas of one batch (fp32 gathers)
         formulas = flatshard_formulas(model, optim, config.layers, config.nproc)
     tables = flatshard.embedding_traffic(model) if system.startswith("flatshard") else {}
-    embedding = _embedding_report(tables, step, next(model.parameters()).element_size())
+    row_bytes = next((p.element_size() for p in model.parameters()), 4)  # "comm": none
+    embedding = _embedding_report(tables, step, row_bytes)
     waits = _unit_waits(by_unit, max(1, step - config.warmup))  # before the memory pass
     token_bytes = (TokenBytes.received - tokens_before) // max(1, step - config.warmup)
     del model, optim  # the memory pass builds its own
@@ -359,6 +365,8 @@ def _build(
         config.tied,
         config.experts,
     )
+    if system == "comm":  # [Note: the achievable bound]
+        return LeastCollectives(gpt, config.nproc, device), []
     sparse = config.row_sparse_tables and system != "flatshard-dense"
     placement = placement_for(config.optimizer, gpt, {GPTBlock}, sparse)
     if config.ep > 1 and system.startswith("flatshard") and system != "flatshard-noep":
@@ -383,6 +391,9 @@ def _train_step(
     --accum says, with each system's own switches."""
     if isinstance(model, PipelinedGPT):  # --pp: the schedule runs the micro-batches
         model.train_step(idx, optimizers, system)
+        return
+    if isinstance(model, LeastCollectives):
+        model.step(config.grad_accum)
         return
     count = config.grad_accum
     parts = idx.chunk(count)

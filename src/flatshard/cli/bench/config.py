@@ -25,6 +25,7 @@ GATHER_SYSTEMS = {
     "flatshard-gather-bf16": torch.bfloat16,
 }
 EXTRA_SYSTEMS = (
+    "comm",  # the least collectives alone, run beside "floor" on CPUs: the bound
     "flatshard-noprefetch",
     "flatshard-debug",
     "flatshard-dense",
@@ -77,7 +78,9 @@ class BenchConfig:
     flatshard-gather-int8, flatshard-gather-fp8, flatshard-gather-bf16 (parameters
     all-gathered in that dtype, one byte per weight with a scale per row for int8 and fp8,
     decoded to fp32 before each block runs: MixedPrecision(gather_dtype=...));
-    default: flatshard,fsdp2,ddp,floor (without fsdp2 for --optimizer muon or adafactor)"""
+    default: flatshard,fsdp2,ddp,floor (without fsdp2 for --optimizer muon or adafactor);
+    on CPUs "comm" runs beside "floor": FULL_SHARD's least collectives alone, whose CPU
+    time plus the floor is the step no system can beat there ("vs bound")"""
     optimizer: str = "adamw"
     """adamw | muon | adafactor, as in flatshard train: muon and adafactor shard whole
     parameters under flatshard (fsdp2 would update slices of the matrices: not offered)"""
@@ -242,5 +245,9 @@ class BenchConfig:
             return ["flatshard"] if self.pp_schedule == "zero-bubble" else list(PP_SYSTEMS)
         if not self.systems:
             exact = not needs_whole_params(self.optimizer)
-            return [s for s in SYSTEMS if s != "fsdp2" or exact]
-        return [s for s in self.systems.split(",") if s]
+            found = [s for s in SYSTEMS if s != "fsdp2" or exact]
+        else:
+            found = [s for s in self.systems.split(",") if s]
+        if "floor" in found and "comm" not in found and self.device == "cpu" and self.pp == 1:
+            found.append("comm")  # the bound beside the floor ([Note: the achievable bound])
+        return found

@@ -46,6 +46,13 @@ def summarize(
         for kind, nbytes in system_runs[0].get("bytes_by_kind", {}).items():
             summary[system][f"bytes {kind}"] = nbytes
     floor = summary.get("floor", {}).get("median_step_s")
+    comm = runs.get("comm")
+    if comm is not None and floor is not None:  # [Note: the achievable bound]
+        summary["comm"]["cpu_s"] = statistics.median(t for r in comm for t in r["cpu_times"])
+        bound = floor + summary["comm"]["cpu_s"]
+        for row in summary.values():
+            row["bound_s"] = bound
+            row["time_vs_bound"] = row["median_step_s"] / bound
     for row in summary.values():
         if floor is not None:
             # Time added on top of training alone: unhidden communication plus overhead.
@@ -66,11 +73,11 @@ def table(summary: dict[str, dict[str, float]], memory: str) -> str:
     header += f"{'coll. MB':>9} {'sent MB':>8} "
     header += f"{'comm wait s':>12} {'over floor s':>13} {'ms/unit':>8} "
     header += f"{'vs fsdp2':>9} "
-    header += f"{'vs ddp':>7} {'vs floor':>9}"
+    header += f"{'vs ddp':>7} {'vs floor':>9} {'vs bound':>9}"
     lines = [header]
     for system, row in summary.items():
-        ratios = [row.get(f"time_vs_{o}") for o in ("fsdp2", "ddp", "floor")]
-        cells = [_cell(r, "x", w) for r, w in zip(ratios, (9, 7, 9), strict=True)]
+        ratios = [row.get(f"time_vs_{o}") for o in ("fsdp2", "ddp", "floor", "bound")]
+        cells = [_cell(r, "x", w) for r, w in zip(ratios, (9, 7, 9, 9), strict=True)]
         lines.append(
             f"{system:<{width}} {row['median_step_s']:>8.3f} {row['tokens_per_s']:>10,.0f} "
             f"{row['tensor_peak_mib']:>11,.1f} {row['tensor_rest_mib']:>8,.1f} "
@@ -79,6 +86,11 @@ def table(summary: dict[str, dict[str, float]], memory: str) -> str:
             f"{_cell(row.get('exposed_comm_s'), '', 12)} "
             f"{_cell(row.get('over_floor_s'), '', 13)} "
             f"{_cell(row.get('over_floor_ms_per_unit'), '', 8)} " + " ".join(cells)
+        )
+    if "bound_s" in row:
+        lines.append(
+            f"bound: floor + the least collectives' CPU time (comm: rank 0's "
+            f"{summary['comm']['cpu_s']:.3f} s per step) = {row['bound_s']:.3f} s"
         )
     return "\n".join(lines)
 
