@@ -28,6 +28,9 @@ from torch import nn
 
 from flatshard.models import GPT
 
+# torch 2.13 names it all_gather_single and warns on the old name (kept before 2.13)
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 class LeastCollectives(nn.Module):
     """One rank's buffers for the collectives of [Note: the achievable bound]."""
@@ -49,9 +52,9 @@ class LeastCollectives(nn.Module):
         units = range(len(self.shards))
         for _ in range(micro_batches):
             for unit in units:
-                dist.all_gather_into_tensor(self.gathered[unit], self.shards[unit])
+                _ALL_GATHER(self.gathered[unit], self.shards[unit])
             for unit in reversed(units[1:-1]):
-                dist.all_gather_into_tensor(self.gathered[unit], self.shards[unit])
+                _ALL_GATHER(self.gathered[unit], self.shards[unit])
         for unit in reversed(units):
             dist.all_to_all_single(self.received[unit], self.grads[unit])
             self.received[unit].view(self.world, -1).sum(0)
