@@ -6,6 +6,7 @@ table."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -123,7 +124,8 @@ def test_train_with_lora_exports_the_merged_model(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``--init pretrained --lora``: peft's adapters train on the sharded pretrained base
-    (loaded under peft's names; the checkpoint in several files), and the export is the
+    (loaded under peft's names; the checkpoint in several files; activation checkpointing
+    on), and the export is the
     base with the adapters merged: the same tensors as the final checkpoint merged by peft
     on one process, the untargeted weights bit-identical to the pretrained ones (the load
     is exact), and so are the targeted ones of layer 0, whose adapters ``--freeze`` keeps."""
@@ -139,7 +141,7 @@ def test_train_with_lora_exports_the_merged_model(
     out = tmp_path / "run"
     argv = ["--model", f"hf:{tmp_path / 'pre'}", "--init", "pretrained", "--steps", "3"]
     argv += ["--lora", "r=4,alpha=8,targets=q_proj,v_proj", "--lr", "1e-2", "--ckpt-every", "3"]
-    argv += ["--freeze", "*.layers.0.*lora_*"]
+    argv += ["--freeze", "*.layers.0.*lora_*", "--checkpoint-activations"]
     argv += ["--seq-len", "16", "--batch", "2", "--sample-bytes", "0", "--out-dir", str(out)]
     done = subprocess.run(
         [sys.executable, "-m", "flatshard.cli.main", "train", *argv],
@@ -161,6 +163,10 @@ def test_train_with_lora_exports_the_merged_model(
         assert torch.equal(value, merged[key]), key
         targeted = key.endswith(("q_proj.weight", "v_proj.weight")) and ".layers.0." not in key
         assert torch.equal(value, pretrained[key]) != targeted, key  # only adapters moved
+    # Trained with checkpointing and without a key-value cache, yet the exported config
+    # keeps the cache on, as the pretrained one had it: generation after from_pretrained
+    # reads it.
+    assert json.loads((out / "hf_model" / "config.json").read_text())["use_cache"] is True
     # The checkpoint as saved holds peft's names: its export is refused, with the recipe.
     assert "pretrained weights" in done.stdout
     assert main(["ckpt", "export", str(out / "checkpoints" / "step_000003"), str(tmp_path)]) == 2

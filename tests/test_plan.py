@@ -104,8 +104,8 @@ def llama() -> nn.Module:
         max_position_embeddings=SEQ,
     )
     model = LlamaForCausalLM(config)
-    # Checkpointing turns the KV cache off, and transformers then asks a meta tensor for a
-    # value ("packed sequences?"): the plan must answer as the run does.
+    # Called without a KV cache (language_model_loss), transformers asks a meta tensor for
+    # a value ("packed sequences?"): the plan must answer as the run does.
     checkpoint_hf_blocks(model)
     return model
 

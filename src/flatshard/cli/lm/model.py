@@ -100,7 +100,9 @@ def _call_model(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
 
 
 def _call_hf_model(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
-    out: torch.Tensor = model(input_ids=idx).logits
+    # Training and the sample (which recomputes its context) keep no key-value cache;
+    # transformers would build one in every forward where the config asks for it.
+    out: torch.Tensor = model(input_ids=idx, use_cache=False).logits
     return out
 
 
@@ -145,12 +147,9 @@ def _hugging_face(config: TrainConfig) -> LanguageModel:
 def checkpoint_hf_blocks(model: Any) -> bool:
     """Turn a transformers model's activation checkpointing on (non-reentrant, hooks
     included); False if it has none. transformers 5 renamed gradient_checkpointing_enable
-    (now a deprecated alias that warns) to activation_checkpointing_enable. Training keeps
-    no key-value cache, so ``use_cache`` goes off first (else transformers warns, at the
-    first forward, that it turned it off)."""
-    hf_config = getattr(model, "config", None)
-    if hf_config is not None and getattr(hf_config, "use_cache", False):
-        hf_config.use_cache = False
+    (now a deprecated alias that warns) to activation_checkpointing_enable. The config's
+    ``use_cache`` stays as it is: it travels with an exported model, where generation
+    reads it; the training calls pass ``use_cache=False`` instead."""
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(
             activation_checkpointing_kwargs={"use_reentrant": False}

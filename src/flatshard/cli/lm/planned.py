@@ -83,9 +83,8 @@ def _hugging_face(train: TrainConfig, fit_to_bytes: bool) -> PlannedModel:
 
     def build(checkpointing: bool) -> Callable[[], nn.Module]:
         def make() -> nn.Module:
-            # A config of its own: checkpointing turns the config's key-value cache off,
-            # and a plan built after it must not inherit that (a plan is the same
-            # whatever was planned before it in the process).
+            # A config of its own: a plan is the same whatever was planned before it in
+            # the process (one build's changes to its config stay its own).
             model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(settings))
             if checkpointing:
                 checkpoint_hf_blocks(model)
@@ -136,7 +135,9 @@ def _checkpointing_on(model: Any, spec: str) -> None:
 def language_model_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """Next-token cross-entropy of a model that maps ids (B, T) to logits (B, T, V)."""
     (ids,) = batch
-    out = model(ids)
+    # A transformers model: without a key-value cache, as flatshard train calls it.
+    takes_cache = getattr(getattr(model, "config", None), "use_cache", None) is not None
+    out = model(ids, use_cache=False) if takes_cache else model(ids)
     logits = cast(torch.Tensor, getattr(out, "logits", out))
     return nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids.flatten())
 
