@@ -418,7 +418,11 @@ def test_bench_reports_row_sparse_tables(
     assert sparse["collective_output_bytes"] < dense["collective_output_bytes"]
     assert "flatshard row-sparse tables:" in stdout
     assert sparse["wait_s <root>"] > 0  # gloo blocks the caller: the root's waits counted
-    assert "flatshard exposed wait per unit" in stdout
+    # A line of the waits per unit for each system that waited at least 0.5 ms on one (a
+    # one-step run of this tiny model may not: the line is then left out).
+    for system, row in report["systems"].items():
+        waited = any(v >= 0.0005 for k, v in row.items() if k.startswith("wait_s "))
+        assert (f"{system} exposed wait per unit" in stdout) == waited, (system, row)
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon", "adafactor"])
