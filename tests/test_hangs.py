@@ -50,12 +50,13 @@ def _outcome(run: Any) -> tuple[str, str, float]:
     return "", "", time.monotonic() - start
 
 
-def _all_raised(outcomes: list[Any], error: str) -> list[str]:
+def _all_raised(outcomes: list[Any], error: str, *or_: str) -> list[str]:
+    """Every rank's message, each rank having raised ``error`` (or one of ``or_``)."""
     messages = []
     for rank, outcome in enumerate(outcomes):
         assert isinstance(outcome, tuple), f"rank {rank}: {outcome}"
         name, message, seconds = outcome
-        assert name == error, f"rank {rank} ended with {name or 'no error'}: {message}"
+        assert name in (error, *or_), f"rank {rank} ended with {name or 'no error'}: {message}"
         assert seconds < LIMIT_S, f"rank {rank} took {seconds:.1f} s"
         messages.append(message)
     return messages
@@ -307,6 +308,9 @@ def unused_output_job(rank: int) -> tuple[str, str, float]:
 
 
 def test_an_output_that_reaches_the_loss_on_one_rank_only_is_reported() -> None:
-    for message in _all_raised(run_isolated(unused_output_job), "CollectiveTimeoutError"):
+    # The timeout (2 s) and the watchdog's first look for a proof (also at 2 s) race: a
+    # rank raises whichever comes first, the proof as a mismatch; both name the divergence.
+    outcomes = run_isolated(unused_output_job)
+    for message in _all_raised(outcomes, "CollectiveTimeoutError", "CollectiveMismatchError"):
         assert "Where the ranks diverged, at collective #" in message
         assert "unit 'c'" in message
