@@ -132,18 +132,18 @@ def candidates(problem: Problem, setup: Setup) -> list[Candidate]:
 # [Note: candidates planned side by side]
 # Each candidate is a whole simulation, seconds each on a large model, and the candidates
 # of a round do not depend on each other: they are planned in processes of their own, as
-# many at once as this process may use cores. The processes are forked, so that they
-# inherit the problem (its build function is often a closure, which cannot be pickled);
-# only each plan comes back, pickled, without its setup (which may hold closures too: the
-# caller has it). Where fork is not offered, or a process group exists (``plan_setup``
-# then plans in a process of its own anyway), or pipelines are planned (their plans hold
-# the pipeline's functions), the candidates are planned one after another.
-_SHARED: tuple[Problem, list[tuple[Setup, bool]]] | None = None
+# many at once as this process may use cores. The processes are forked, and the problem
+# and the candidates reach them as the pool's initializer arguments, which a forked
+# process inherits rather than unpickles (a build function is often a closure); only each
+# plan comes back, pickled, without its setup (which may hold closures too: the caller
+# has it). Where fork is not offered, or a process group exists (``plan_setup`` then plans
+# in a process of its own anyway), or pipelines are planned (their plans hold the
+# pipeline's functions), the candidates are planned one after another.
+_INHERITED: tuple[Problem, list[tuple[Setup, bool]]] | None = None  # in a forked worker
 
 
 def plan_each(problem: Problem, wanted: list[tuple[Setup, bool]]) -> list[Plan]:
     """``problem.plan(setup, checkpointing)`` of each of ``wanted``, side by side."""
-    global _SHARED
     workers = min(len(wanted), _usable_cores())
     if (
         workers < 2
@@ -152,20 +152,23 @@ def plan_each(problem: Problem, wanted: list[tuple[Setup, bool]]) -> list[Plan]:
         or any(setup.pipeline is not None for setup, _ in wanted)
     ):
         return [problem.plan(setup, checkpointing) for setup, checkpointing in wanted]
-    _SHARED = (problem, wanted)
-    try:
-        with ProcessPoolExecutor(workers, mp_context=mp.get_context("fork")) as pool:
-            plans = list(pool.map(_plan_one, range(len(wanted))))
-    finally:
-        _SHARED = None
+    with ProcessPoolExecutor(
+        workers, mp.get_context("fork"), initializer=_inherit, initargs=(problem, wanted)
+    ) as pool:
+        plans = list(pool.map(_plan_one, range(len(wanted))))
     return [replace(plan, setup=setup) for plan, (setup, _) in zip(plans, wanted, strict=True)]
 
 
+def _inherit(problem: Problem, wanted: list[tuple[Setup, bool]]) -> None:
+    global _INHERITED
+    _INHERITED = (problem, wanted)
+
+
 def _plan_one(index: int) -> Plan:
-    """In a forked process: the plan of ``_SHARED``'s candidate ``index``, its setup left
-    out (the caller puts it back)."""
-    assert _SHARED is not None
-    problem, wanted = _SHARED
+    """In a forked worker: the plan of candidate ``index``, its setup left out (the caller
+    puts it back)."""
+    assert _INHERITED is not None
+    problem, wanted = _INHERITED
     setup, checkpointing = wanted[index]
     return replace(problem.plan(setup, checkpointing), setup=Setup())
 
