@@ -34,7 +34,7 @@ import torch
 
 from flatshard.comm._mesh import ShardingStrategy
 from flatshard.flat._mixed_precision import MixedPrecision
-from flatshard.runtime._prefetch import Prefetch
+from flatshard.runtime._prefetch import Prefetch, Prefetchable
 
 
 @dataclass(frozen=True)
@@ -56,9 +56,9 @@ class UnitConfig:
     custom_reduce_scatter: Callable[..., Any] | None = None
     # set_unshard_in_backward ([Note: a unit backward does not read])
     unshard_in_backward: bool = True
-    # set_prefetch: the units named (their labels), None keeps the predicted order
-    prefetch_forward: tuple[str, ...] | None = None
-    prefetch_backward: tuple[str, ...] | None = None
+    # set_prefetch: the units named (compared by their labels), None: the predicted order
+    prefetch_forward: tuple[Prefetchable, ...] | None = None
+    prefetch_backward: tuple[Prefetchable, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,8 @@ def describe(value: object) -> str:
         return value.name
     if isinstance(value, torch.dtype):
         return str(value).removeprefix("torch.")
+    if isinstance(value, Prefetchable):  # a unit, named as it is now (adoption renames)
+        return value.label
     if isinstance(value, type):
         return f"{value.__module__}.{value.__qualname__}"
     if isinstance(value, tuple | list):

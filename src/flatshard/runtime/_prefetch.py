@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Protocol, TypeVar
+from typing import Protocol, TypeVar, runtime_checkable
 
 from flatshard.runtime._profiling import traced
 from flatshard.runtime._rate_limiter import Gathering, RateLimiter
@@ -58,10 +58,15 @@ class Prefetch:
             )
 
 
+@runtime_checkable
 class Prefetchable(Gathering, Protocol):
     """What prefetch needs of a unit (``Unit``)."""
 
-    prefetch_targets: PrefetchTargets  # explicit targets (set_prefetch), else predicted
+    @property
+    def prefetch_forward(self) -> Sequence[Prefetchable] | None: ...  # set_prefetch's
+
+    @property
+    def prefetch_backward(self) -> Sequence[Prefetchable] | None: ...  # None: predicted
 
     @property
     def unshard_in_backward(self) -> bool: ...  # False: never gathered in backward, nor prefetched
@@ -104,18 +109,10 @@ class ExecutionOrder:
         return bool(self.previous) and self.previous[-1] is unit
 
 
-@dataclass
-class PrefetchTargets:
-    """Explicit prefetch targets of one unit (``set_prefetch``); None: predicted."""
-
-    forward: list[Prefetchable] | None = None
-    backward: list[Prefetchable] | None = None
-
-
 def forward_targets(unit: Prefetchable, order: ExecutionOrder) -> list[Prefetchable]:
     """Units to gather when ``unit``'s forward starts (forward prefetch)."""
-    if unit.prefetch_targets.forward is not None:
-        return unit.prefetch_targets.forward
+    if unit.prefetch_forward is not None:
+        return list(unit.prefetch_forward)
     if not unit.prefetch.forward:
         return []
     found = _following(order.previous, unit, +1)
@@ -124,8 +121,8 @@ def forward_targets(unit: Prefetchable, order: ExecutionOrder) -> list[Prefetcha
 
 def backward_targets(unit: Prefetchable, order: ExecutionOrder) -> list[Prefetchable]:
     """Units to gather around ``unit``'s backward (backward prefetch)."""
-    if unit.prefetch_targets.backward is not None:
-        return unit.prefetch_targets.backward
+    if unit.prefetch_backward is not None:
+        return list(unit.prefetch_backward)
     if unit.prefetch.backward is None:
         return []
     found = _following(order.current, unit, -1)

@@ -29,7 +29,6 @@ from flatshard.comm._ranks import global_rank
 from flatshard.runtime._configuration import describe
 from flatshard.runtime._join import note_span
 from flatshard.runtime._pipeline import refuse_inside_schedule
-from flatshard.runtime._prefetch import Prefetchable
 from flatshard.runtime._step import StepContext, agree, collective_call, contexts_under
 from flatshard.runtime._unit import Unit, unit_or_error, units_of
 
@@ -216,20 +215,13 @@ def set_prefetch(
     alike (the order of the all-gathers changes).
     """
     owner = unit_or_error(module, "set_prefetch")
-    targets: dict[str, list[Prefetchable] | None] = {
-        name: None if modules is None else [unit_or_error(m, "set_prefetch") for m in modules]
+    targets = {
+        f"prefetch_{name}": tuple(unit_or_error(m, "set_prefetch") for m in modules)
         for name, modules in (("forward", forward), ("backward", backward))
+        if modules is not None
     }
-    labels = {
-        f"prefetch_{name}": tuple(u.label for u in units)
-        for name, units in targets.items()
-        if units is not None
-    }
-    change_units(module, [owner], "set_prefetch", labels, **labels)
-    if targets["forward"] is not None:
-        owner.prefetch_targets.forward = targets["forward"]
-    if targets["backward"] is not None:
-        owner.prefetch_targets.backward = targets["backward"]
+    labels = {name: tuple(u.label for u in units) for name, units in targets.items()}
+    change_units(module, [owner], "set_prefetch", labels, **targets)
 
 
 def change_switches(

@@ -54,6 +54,7 @@ that forward does read the parameters.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from dataclasses import replace
 from enum import Enum, auto
 from typing import Any, Protocol
@@ -75,7 +76,7 @@ from flatshard.runtime._prefetch import (
     BackwardPrefetch,
     ExecutionOrder,
     Prefetch,
-    PrefetchTargets,
+    Prefetchable,
     backward_targets,
     forward_targets,
     issue,
@@ -160,7 +161,6 @@ class Unit:
         self.inner_modules = [(n, m) for n, m in self.owned_modules if id(m) in owned]
         for flat in flat_params:
             flat.on_collective = self._record
-        self.prefetch_targets = PrefetchTargets()  # set_prefetch's units (its labels: config)
         self.context: UnitStep  # set when a StepContext adds the unit (see UnitStep)
         self.hold = Hold.NONE  # flatshard.unshard, summon_full_params
         self.held_calls = 0  # modules of a held unit running outside its forward
@@ -187,6 +187,16 @@ class Unit:
     def prefetch(self) -> Prefetch:
         """How far ahead of use this unit's neighbours are gathered."""
         return self.config.prefetch
+
+    @property
+    def prefetch_forward(self) -> Sequence[Prefetchable] | None:
+        """The units ``set_prefetch`` named for this unit's forward; None: predicted."""
+        return self.config.prefetch_forward
+
+    @property
+    def prefetch_backward(self) -> Sequence[Prefetchable] | None:
+        """The units ``set_prefetch`` named for this unit's backward; None: predicted."""
+        return self.config.prefetch_backward
 
     @property
     def is_root(self) -> bool:
