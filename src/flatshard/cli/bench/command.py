@@ -41,6 +41,8 @@ from flatshard.cli.bench.memory import steady_state_peak
 from flatshard.cli.bench.pipeline import PipelinedGPT, build_pipelined
 from flatshard.cli.bench.prediction import predict, predicted_line
 from flatshard.cli.bench.report import chart, pipeline_line, scaling_table, summarize, table
+from flatshard.cli.bench.zero3 import SYSTEM as DEEPSPEED
+from flatshard.cli.bench.zero3 import ZeRO3
 from flatshard.cli.config import add_config_parser, config_from_args
 from flatshard.cli.devices import init_rank, peak_memory_mib, resolve_device
 from flatshard.cli.internals import PlacementRule, TokenBytes, WaitClock, fast_context
@@ -367,6 +369,8 @@ def _build(
     )
     if system == "comm":  # [Note: the achievable bound]
         return LeastCollectives(gpt, config.nproc, device), []
+    if system == DEEPSPEED:
+        return ZeRO3(gpt.to(device), config.batch, config.grad_accum, device), []
     sparse = config.row_sparse_tables and system != "flatshard-dense"
     placement = placement_for(config.optimizer, gpt, {GPTBlock}, sparse)
     if config.ep > 1 and system.startswith("flatshard") and system != "flatshard-noep":
@@ -394,6 +398,9 @@ def _train_step(
         return
     if isinstance(model, LeastCollectives):
         model.step(config.grad_accum)
+        return
+    if isinstance(model, ZeRO3):
+        model.step(idx)
         return
     count = config.grad_accum
     parts = idx.chunk(count)

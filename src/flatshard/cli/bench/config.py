@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flatshard.cli.bench.zero3 import missing
 from flatshard.cli.config import ConfigError
 from flatshard.cli.lm.optimizers import OPTIMIZERS, needs_whole_params
 
@@ -19,6 +20,7 @@ SYSTEMS = ("flatshard", "fsdp2", "ddp", "floor")
 # (MixedPrecision(gather_dtype=...)), computing in fp32 like the others.
 # flatshard-noep: flatshard with the experts data parallel, whatever --ep says (what
 # expert parallelism buys, side by side).
+# deepspeed: DeepSpeed ZeRO-3 with its defaults (an optional extra, cli/bench/zero3.py).
 GATHER_SYSTEMS = {
     "flatshard-gather-int8": torch.int8,
     "flatshard-gather-fp8": torch.float8_e4m3fn,
@@ -32,6 +34,7 @@ EXTRA_SYSTEMS = (
     "flatshard-twin",
     "flatshard-noep",
     *GATHER_SYSTEMS,
+    "deepspeed",
 )
 
 
@@ -77,7 +80,10 @@ class BenchConfig:
     flatshard-noep (the experts data parallel, whatever --ep says),
     flatshard-gather-int8, flatshard-gather-fp8, flatshard-gather-bf16 (parameters
     all-gathered in that dtype, one byte per weight with a scale per row for int8 and fp8,
-    decoded to fp32 before each block runs: MixedPrecision(gather_dtype=...));
+    decoded to fp32 before each block runs: MixedPrecision(gather_dtype=...)),
+    deepspeed (DeepSpeed ZeRO-3 with its default buckets and prefetch and the same torch
+    AdamW: pip install deepspeed; it reduces every micro-batch, so --grad-accum above 1
+    takes --accum reduce);
     default: flatshard,fsdp2,ddp,floor (without fsdp2 for --optimizer muon or adafactor);
     on CPUs "comm" runs beside "floor": FULL_SHARD's least collectives alone, whose CPU
     time plus the floor is the step no system can beat there ("vs bound")"""
@@ -176,6 +182,7 @@ class BenchConfig:
             raise ConfigError(
                 f"--grad-accum ({self.grad_accum}) must be >= 1 and divide --batch ({self.batch})"
             )
+        self._check_deepspeed()
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(
                 f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
@@ -195,6 +202,23 @@ class BenchConfig:
         if self.preset and self.preset not in PRESETS:
             raise ConfigError(f"--preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
         self._check_pipeline()
+
+    def _check_deepspeed(self) -> None:
+        """--systems deepspeed: installed, and run where it compares like with like."""
+        if "deepspeed" not in self.system_list:
+            return
+        if missing():
+            raise ConfigError(missing())
+        for name, value in {
+            f"--optimizer {self.optimizer} (it runs a torch AdamW)": self.optimizer != "adamw",
+            "--compile": self.compile,
+            f"--accum {self.accum} with --grad-accum {self.grad_accum} (ZeRO-3 reduces every "
+            "micro-batch's gradients: use --accum reduce)": self.grad_accum > 1
+            and self.accum != "reduce",
+            "--pp": self.pp > 1,
+        }.items():
+            if value:
+                raise ConfigError(f"--systems deepspeed does not run with {name}")
 
     def _check_pipeline(self) -> None:
         """--pp: what a pipelined bench takes (the rest refused by name)."""
