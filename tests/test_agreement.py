@@ -371,3 +371,25 @@ def test_an_option_or_call_on_one_rank_is_named_on_every_rank(case: str, world: 
         assert seconds < LIMIT_S, f"rank {rank} took {seconds:.1f} s"
         if rank == 0 or error == "CollectiveMismatchError":
             assert words in message, f"rank {rank}: {message}"
+
+
+def test_set_prefetch_targets_are_named_as_they_are_after_adoption(
+    local_group: dist.ProcessGroup,
+) -> None:
+    """``set_prefetch`` on units sharded bottom-up, before the model's own call: the agreed
+    configuration holds the units themselves, so what ranks compare names them as they are
+    called once the model adopted them (a copy of their labels at the call said ``<root>``)."""
+    from flatshard.runtime import agreed_configuration
+    from flatshard.testing.models import MLPStack
+
+    model = MLPStack()
+    for block in model.blocks:
+        flatshard.fully_shard(block, process_group=local_group)
+    flatshard.set_prefetch(model.blocks[0], forward=[model.blocks[2], model.blocks[1]])
+    flatshard.set_prefetch(model.blocks[1], backward=[])
+    flatshard.fully_shard(model, process_group=local_group)
+    lines = agreed_configuration(model)
+    first = lines.index("unit 'blocks.0':")
+    assert "  prefetch_forward=(blocks.2, blocks.1)" in lines[first : first + 20], lines
+    second = lines.index("unit 'blocks.1':")
+    assert "  prefetch_backward=()" in lines[second : second + 20], lines
