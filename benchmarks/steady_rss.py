@@ -1,0 +1,157 @@
+"""Steady-state peak RSS per rank: flatshard against FSDP2 on a small GPT at 2 gloo ranks.
+
+Each system trains the same GPT (same seed, same batches) in 2 spawned ranks; after
+``--warmup`` steps each rank resets its peak resident set (``/proc/self/clear_refs``) and
+takes ``--steps`` more; the figure is the largest VmHWM over the ranks, in MiB, and what
+each rank held at rest after the last step (VmRSS). Every process runs with
+``MALLOC_MMAP_THRESHOLD_=65536``: glibc then maps every allocation above 64 KiB on its own
+and gives it back when freed, so the peak is what was alive at once, not what the
+allocator kept. ``--rounds`` alternates the systems, each round in fresh processes.
+
+    python benchmarks/steady_rss.py --layers 7 --dim 448 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from typing import Any
+
+SYSTEMS = ("flatshard", "fsdp2")
+
+
+def _status_mib(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _tensor_mib() -> float:
+    """MiB of the distinct storages of the tensors Python can reach (at rest: parameters,
+    optimizer state, buffers, what a library keeps)."""
+    import gc
+    import warnings
+
+    import torch
+
+    storages = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # isinstance on torch's deprecated module aliases
+        tensors = [t for t in gc.get_objects() if isinstance(t, torch.Tensor)]
+    for tensor in tensors:
+        try:
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        except RuntimeError:  # a wrapper subclass (DTensor): its local tensor is counted
+            continue
+    return sum(storages.values()) / 2**20
+
+
+def _rank(rank: int, world: int, address: str, results: Any, args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world)
+    try:
+        from flatshard.models import GPT, GPTBlock
+
+        torch.manual_seed(0)
+        model = GPT(args.vocab, args.dim, args.heads, args.layers, args.seq_len)
+        if args.system == "flatshard":
+            import flatshard
+
+            model = flatshard.fully_shard(model, auto_wrap_policy={GPTBlock})
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+            for block in model.blocks:
+                fully_shard(block)
+            fully_shard(model)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        gen = torch.Generator().manual_seed(1 + rank)
+        for step in range(args.warmup + args.steps):
+            if step == args.warmup:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")  # resets VmHWM to the current resident set
+            idx = torch.randint(0, args.vocab, (args.batch, args.seq_len + 1), generator=gen)
+            logits = model(idx[:, :-1])
+            nn.functional.cross_entropy(logits.flatten(0, 1), idx[:, 1:].flatten()).backward()
+            del logits
+            optim.step()
+            optim.zero_grad()
+        results.put((rank, _status_mib("VmHWM"), _status_mib("VmRSS"), _tensor_mib()))
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure(args: argparse.Namespace) -> tuple[float, float, float]:
+    """(steady peak, at rest, tensors at rest) in MiB, the largest over the ranks, of one
+    fresh run."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_rank, args=(r, 2, f"tcp://127.0.0.1:{port}", results, args))
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    answers = [results.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join()
+    return tuple(max(a[i] for a in answers) for i in (1, 2, 3))  # type: ignore[return-value]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=7)
+    parser.add_argument("--dim", type=int, default=448)
+    parser.add_argument("--heads", type=int, default=7)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") != "65536":  # read at process start
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+        os.execv(sys.executable, [sys.executable, *sys.argv])
+    peaks: dict[str, list[float]] = {s: [] for s in SYSTEMS}
+    rests: dict[str, list[float]] = {s: [] for s in SYSTEMS}
+    tensors: dict[str, list[float]] = {s: [] for s in SYSTEMS}
+    for _ in range(args.rounds):
+        for system in SYSTEMS:
+            peak, rest, held = _measure(argparse.Namespace(**vars(args), system=system))
+            peaks[system].append(peak)
+            rests[system].append(rest)
+            tensors[system].append(held)
+    print(
+        f"{'system':<10} {'steady peak RSS MiB':>20} {'at rest MiB':>12} "
+        f"{'tensors at rest':>16}  (median; each round)"
+    )
+    for system in SYSTEMS:
+        each = ", ".join(f"{p:.0f}" for p in peaks[system])
+        print(
+            f"{system:<10} {statistics.median(peaks[system]):>20.1f} "
+            f"{statistics.median(rests[system]):>12.1f} "
+            f"{statistics.median(tensors[system]):>16.1f}  ({each})"
+        )
+    ratio = statistics.median(peaks["flatshard"]) / statistics.median(peaks["fsdp2"])
+    print(f"flatshard / fsdp2 steady peak: {ratio:.3f}x")
+
+
+if __name__ == "__main__":
+    main()
