@@ -357,6 +357,19 @@ def _bench(
     return json.loads((out / "bench.json").read_text()), stdout
 
 
+def test_bench_predicts_from_a_process_that_joined_a_group(
+    local_group: object, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In a process with a process group (a notebook, the suite's own), the plan behind the
+    prediction line runs in a child process, which gets what it builds by pickling (the
+    bench's local functions could not be: the command failed after its table)."""
+    argv = ["--systems", "flatshard", "--vocab", "32", "--dim", "16", "--heads", "2"]
+    argv += ["--layers", "1", "--seq-len", "8", "--batch", "2", "--steps", "1", "--warmup", "0"]
+    report, stdout = _bench([*argv, "--rounds", "1"], tmp_path, capsys)
+    assert "flatshard plan predicted: tensors" in stdout, stdout
+    assert report["plan"]["tensor_peak_mib"] > 0
+
+
 def test_bench_compares_all_systems(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--preset", "byte-gpt", "--dim", "16", "--layers", "1", "--seq-len", "8"]
     argv += ["--batch", "2", "--steps", "2", "--warmup", "1", "--rounds", "1"]

@@ -3,6 +3,8 @@ next to what the bench measured (the planner's accounting checked on every bench
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
@@ -19,24 +21,12 @@ def predict(config: BenchConfig) -> dict[str, float]:
     """The plan of flatshard's bench run: tensor peak (MiB) and, on CPU (this machine,
     measured), the step (s); on a GPU memory only (the step depends on which GPU)."""
 
-    def build() -> nn.Module:  # --pp: the head untied, as the bench's stages hold it
-        shape = (config.vocab, config.dim, config.heads, config.layers, config.seq_len)
-        return GPT(*shape, config.tied and config.pp == 1)
-
-    def inputs() -> tuple[torch.Tensor, ...]:  # one micro-batch
-        rows = config.batch // config.grad_accum
-        return (torch.randint(0, config.vocab, (rows, config.seq_len)),)
-
-    def loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        logits = model(batch[0])
-        return nn.functional.cross_entropy(logits.flatten(0, 1), batch[0].flatten())
-
     cpu = config.device == "cpu"
     cluster = cpu_cluster(config.nproc) if cpu else "h200"
-    plan = flatshard.plan(
-        build,
-        inputs,
-        loss=loss,
+    plan = flatshard.plan(  # module-level callables: a process in a group plans in a child
+        partial(_build, config),
+        partial(_inputs, config),
+        loss=_loss,
         auto_wrap_policy={GPTBlock},
         cluster=cluster,
         ranks_per_host=config.nproc,
@@ -55,6 +45,23 @@ def predict(config: BenchConfig) -> dict[str, float]:
     if plan.pipeline is not None:
         predicted["bubble"] = plan.pipeline.bubble_fraction
     return predicted
+
+
+def _build(config: BenchConfig) -> nn.Module:
+    """The bench's GPT (--pp: the head untied, as the bench's stages hold it)."""
+    shape = (config.vocab, config.dim, config.heads, config.layers, config.seq_len)
+    return GPT(*shape, config.tied and config.pp == 1)
+
+
+def _inputs(config: BenchConfig) -> tuple[torch.Tensor, ...]:
+    """One micro-batch."""
+    rows = config.batch // config.grad_accum
+    return (torch.randint(0, config.vocab, (rows, config.seq_len)),)
+
+
+def _loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    logits = model(batch[0])
+    return nn.functional.cross_entropy(logits.flatten(0, 1), batch[0].flatten())
 
 
 def _stage_loss(logits: torch.Tensor, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
