@@ -22,6 +22,7 @@ from typing import Any, cast
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import flatshard
 from flatshard.measure import ALL_GATHER, STEP_CHECK_BYTES, CollectiveTracker
@@ -421,6 +422,102 @@ def test_a_non_finite_weight_is_not_hidden_by_its_scale(dtype: torch.dtype, bad:
     assert torch.isfinite(decoded[[0, 2]]).all()
     zero = quantize_rows(torch.zeros(2, 4), dtype)[1]
     assert torch.equal(zero, torch.ones(2))  # an all-zero row keeps the scale 1
+
+
+class _Launches(TorchDispatchMode):
+    """Counts the ops that compute or allocate (views are free): kernel launches on a GPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if not func.is_view and func is not torch.ops.aten._unsafe_view.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _Zeroed(TorchDispatchMode):
+    """Counts the bytes that ops writing zeros wrote."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in (torch.ops.aten.zero_.default, torch.ops.aten.zeros.default):
+            out = func(*args, **(kwargs or {}))
+            self.bytes += out.numel() * out.element_size()
+            return out
+        if func is torch.ops.aten.index_fill_.int_Scalar:
+            self.bytes += args[2].numel() * args[0].element_size()
+        return func(*args, **(kwargs or {}))
+
+
+def _decoded_reference(
+    full: torch.Tensor, layout: Any, dtype: torch.dtype, compute: torch.dtype
+) -> torch.Tensor:
+    """What the gathered buffer holds, parameter by parameter: each matrix row quantized
+    and dequantized on its own, vectors in the compute dtype, padding 0."""
+    from flatshard.testing.internals import quantize_rows
+
+    expected = torch.zeros(layout.unsharded_numel, dtype=compute)
+    for slot in layout.slots:
+        values = full[slot.offset : slot.end]
+        if dtype not in (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2):
+            decoded = values.to(dtype).to(compute)  # a cast dtype: every element cast
+        elif len(slot.shape) >= 2:
+            q, scale = quantize_rows(values.view(slot.rows, -1), dtype)
+            decoded = (q.to(dtype).float() * scale[:, None]).to(compute).flatten()
+        else:
+            decoded = values.to(compute)
+        expected[slot.offset : slot.end] = decoded
+    return expected
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn, torch.bfloat16])
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16])
+def test_one_decode_for_every_rank_by_count(dtype: torch.dtype, compute: torch.dtype) -> None:
+    """A gather's decode takes the same launches at every world size: one cast of every
+    rank's rows, the scales put in order, one scaling per matrix for all ranks' rows, the
+    vectors in one move (a cast dtype: one cast). Before, each rank's payload was decoded
+    parameter by parameter (3 launches per matrix and rank). The result is exact against
+    each parameter quantized alone, and no stale value of the buffer survives (padding
+    included). Encodes zero only what nothing writes: at most the bytes that are no rows."""
+    from flatshard.testing.internals import GatherCodec, row_layout
+
+    shapes = [torch.Size(s) for s in [(7, 5), (3,), (), (6, 2, 3), (5,), (4, 9), (2, 1)]]
+    matrices = sum(len(s) >= 2 for s in shapes)
+    scaled = dtype != torch.bfloat16
+    launches = {}
+    for factor in (1, 2, 3, 4):
+        layout = row_layout(shapes, factor)
+        gen = torch.Generator().manual_seed(factor)
+        full = torch.zeros(layout.unsharded_numel)  # padding 0, as in a flat buffer
+        for slot in layout.slots:
+            full[slot.offset : slot.end] = torch.randn(slot.numel, generator=gen)
+        chunk = layout.shard_numel
+        codecs = [GatherCodec(layout, rank, dtype) for rank in range(factor)]
+        payloads = []
+        for rank, codec in enumerate(codecs):
+            with _Zeroed() as zeroed:
+                payloads.append(codec.encode(full[rank * chunk : (rank + 1) * chunk], compute))
+            rows = sum(layout.shard_range(s, rank).numel for s in layout.slots if len(s.shape) > 1)
+            written = rows * (1 if scaled else dtype.itemsize)  # bytes no zero is needed for
+            assert zeroed.bytes <= payloads[-1].numel() - written, (factor, rank)
+        unsharded = torch.full((layout.unsharded_numel,), float("nan"), dtype=compute)
+        gathered = torch.cat(payloads)
+        with _Launches() as counted:
+            codecs[-1].decode(gathered, unsharded)
+        assert torch.equal(unsharded, _decoded_reference(full, layout, dtype, compute)), factor
+        launches[factor] = counted.count
+    if not scaled:
+        assert set(launches.values()) == {1}, launches
+        return
+    # The rows' cast, the scales (a copy out of the F payloads, put in order), one scaling
+    # per matrix, the vectors (a copy, put in order, moved). F = 1: no copies.
+    assert launches[2] == launches[3] == launches[4] == 1 + 2 + matrices + 3, launches
+    assert launches[1] == 1 + 1 + matrices + 2, launches
 
 
 def _same_report_job(ctx: WorkerContext) -> tuple[str, str] | None:

@@ -28,12 +28,25 @@ A rank's payload is one byte tensor: its scales (float32), its vectors' elements
 quantized rows (one byte per element of its shard), each part padded to 8 bytes and
 sized for the rank that has the most, so that every rank sends the same number of bytes
 and the all-gather stays one collective of bytes (any backend can send bytes, whatever the
-gather dtype). Decoding writes every rank's rows into the unsharded buffer and zeroes the
-padding between them. A cast dtype (bfloat16, float16) sends the whole shard cast, and
-decoding casts it back. Each gather encodes the shard as it is then (FULL_SHARD: twice
-per step), so a write of the shard flatshard does not know of is never hidden by an old
-encoding. Gradients are those of the decoded weights, applied to the master weights
-(straight-through), and reduced as always (``reduce_dtype``).
+gather dtype). The quantized part holds one byte per element of the shard, at the
+element's own position (the bytes at vectors and padding zero), so the F payloads' parts
+side by side are the unsharded buffer's layout. A cast dtype (bfloat16, float16) sends
+the whole shard cast, and decoding casts it back in one op.
+
+[Note: one decode for every rank]
+A decode's launches do not grow with the ranks: one cast of every rank's quantized part
+into the unsharded buffer (exact: int8 and fp8 values are exact in every compute dtype;
+padding arrives as zeros), the scales of every rank put in the parameters' row order by
+one index, one in-place scaling per parameter over all ranks' rows at once (a parameter's
+rows are one contiguous run of the buffer, rank after rank), and the vectors moved by one
+index. The product is computed in float32 and rounded once, as ``float32(q) * scale``
+cast to the compute dtype is, bit for bit. The indices are built once per group and
+device; no temporary is larger than the scales and vectors.
+
+Each gather encodes the shard as it is then (FULL_SHARD: twice per step), so a write of
+the shard flatshard does not know of is never hidden by an old encoding. Gradients are
+those of the decoded weights, applied to the master weights (straight-through), and
+reduced as always (``reduce_dtype``).
 """
 
 from __future__ import annotations
@@ -116,6 +129,8 @@ class GatherCodec:
         self._ranks = [self._rank_payload(r) for r in range(layout.factor)]
         self._scales = max(sum(p.rows for p in r.rows) for r in self._ranks)
         self._vector_numel = max(sum(v.numel for v in r.vectors) for r in self._ranks)
+        self._plans: dict[torch.device, _DecodePlan] = {}
+        self._encode_plans: dict[torch.device, _EncodePlan] = {}
 
     def _rank_payload(self, rank: int) -> _RankPayload:
         rows: list[_Rows] = []
@@ -157,11 +172,18 @@ class GatherCodec:
 
     def encode(self, shard: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
         """This rank's payload (bytes) from its ``shard`` (C,) (the master weights, on the
-        compute device), for a buffer in ``compute``."""
-        payload = torch.zeros(self.payload_numel(compute), dtype=torch.uint8, device=shard.device)
+        compute device), for a buffer in ``compute``. Only what nothing is written to is
+        zeroed: the scales' and vectors' parts before they are written (a few bytes per
+        row), the bytes among the rows at vectors and padding, and the tail."""
+        size = self.payload_numel(compute)
+        payload = torch.empty(size, dtype=torch.uint8, device=shard.device)
         if not self.scaled:
-            payload[: shard.numel() * self.dtype.itemsize].view(self.dtype).copy_(shard)
+            used = shard.numel() * self.dtype.itemsize
+            payload[:used].view(self.dtype).copy_(shard)
+            payload[used:].zero_()
             return payload
+        _, rows_at, _ = self._parts(compute)
+        payload[:rows_at].zero_()
         scales, vectors, rows = self._views(payload, compute)
         mine = self._ranks[self.rank]
         for part in mine.rows:
@@ -169,34 +191,89 @@ class GatherCodec:
             q, scale = quantize_rows(shard[part.offset : end].view(part.rows, -1), self.dtype)
             rows[part.offset : end].view(part.rows, -1).copy_(q)
             scales[part.scale_index : part.scale_index + part.rows].copy_(scale)
-        for span in mine.vectors:
-            vectors[span.index : span.index + span.numel].copy_(
-                shard[span.offset : span.offset + span.numel]
-            )
+        plan = self._encode_plan(shard.device)
+        if plan.vectors.numel():
+            vectors[: plan.vectors.numel()].copy_(shard.index_select(0, plan.vectors))
+        if plan.unwritten.numel():
+            payload[rows_at : rows_at + self.layout.shard_numel].index_fill_(0, plan.unwritten, 0)
+        payload[rows_at + self.layout.shard_numel :].zero_()
         return payload
+
+    def _encode_plan(self, device: torch.device) -> _EncodePlan:
+        """This rank's vector elements in its shard, and its shard's elements that are no
+        rows (vectors, padding) (indices on ``device``, built on first use there)."""
+        if device not in self._encode_plans:
+            mine = self._ranks[self.rank]
+            vectors = [i for v in mine.vectors for i in range(v.offset, v.offset + v.numel)]
+            gaps = [i for g in mine.gaps for i in range(g.offset, g.offset + g.numel)]
+            plan = _EncodePlan(_index(vectors, device), _index(sorted(vectors + gaps), device))
+            self._encode_plans[device] = plan
+        return self._encode_plans[device]
 
     def decode(self, gathered: torch.Tensor, unsharded: torch.Tensor) -> None:
         """Write every rank's payload in ``gathered`` (F payloads, in rank order) into
-        ``unsharded`` (C * F,), laid out as the group's buffer."""
-        size, chunk = self.payload_numel(unsharded.dtype), self.layout.shard_numel
-        for rank, payload in enumerate(self._ranks):
-            out = unsharded[rank * chunk : (rank + 1) * chunk]
-            sent = gathered[rank * size : (rank + 1) * size]
-            if not self.scaled:
-                out.copy_(sent[: chunk * self.dtype.itemsize].view(self.dtype))
+        ``unsharded`` (C * F,), laid out as the group's buffer ([Note: one decode for every
+        rank])."""
+        factor, chunk = self.layout.factor, self.layout.shard_numel
+        size = self.payload_numel(unsharded.dtype)
+        sent = gathered.view(factor, size)
+        if not self.scaled:
+            values = sent[:, : chunk * self.dtype.itemsize].view(self.dtype)
+            unsharded.view(factor, chunk).copy_(values)
+            return
+        vectors_at, rows_at, _ = self._parts(unsharded.dtype)
+        plan = self._decode_plan(unsharded.device)
+        # Every rank's rows at once, cast to the compute dtype (exact: the values are
+        # integers, or fp8, which the compute dtypes hold exactly)...
+        unsharded.view(factor, chunk).copy_(sent[:, rows_at : rows_at + chunk].view(self.dtype))
+        # ...then each parameter scaled row by row, all ranks' rows in one op.
+        scales = sent[:, : 4 * self._scales].reshape(-1).view(torch.float32)
+        by_row = scales.index_select(0, plan.scale_index)
+        for offset, rows, row_numel, first in plan.matrices:
+            matrix = unsharded[offset : offset + rows * row_numel].view(rows, row_numel)
+            matrix.mul_(by_row[first : first + rows, None])
+        if plan.vector_source.numel():
+            itemsize = unsharded.dtype.itemsize
+            part = sent[:, vectors_at : vectors_at + self._vector_numel * itemsize]
+            vectors = part.reshape(-1).view(unsharded.dtype)
+            unsharded.index_copy_(
+                0, plan.vector_target, vectors.index_select(0, plan.vector_source)
+            )
+
+    def _decode_plan(self, device: torch.device) -> _DecodePlan:
+        """Where every rank's scales and vectors go in the unsharded buffer (indices on
+        ``device``, built on its first decode there)."""
+        if device in self._plans:
+            return self._plans[device]
+        layout, chunk = self.layout, self.layout.shard_numel
+        scale_index: list[int] = []
+        matrices: list[tuple[int, int, int, int]] = []
+        for slot in layout.slots:
+            if len(slot.shape) < 2 or slot.numel == 0:
                 continue
-            scales, vectors, rows = self._views(sent, unsharded.dtype)
-            for part in payload.rows:
-                end = part.offset + part.rows * part.row_numel
-                q = rows[part.offset : end].view(part.rows, -1).float()
-                scale = scales[part.scale_index : part.scale_index + part.rows]
-                out[part.offset : end].view(part.rows, -1).copy_(q * scale[:, None])
+            first = len(scale_index)
+            for rank, payload in enumerate(self._ranks):
+                held = layout.shard_range(slot, rank)
+                part = next((p for p in payload.rows if p.offset == held.local_offset), None)
+                if held.rows == 0 or part is None:
+                    continue
+                # A parameter is one run of rows in the unsharded buffer, rank after rank.
+                done = (len(scale_index) - first) * slot.row_numel
+                assert rank * chunk + part.offset == slot.offset + done, (slot, rank)
+                start = rank * self._scales + part.scale_index
+                scale_index += range(start, start + part.rows)
+            matrices.append((slot.offset, slot.rows, slot.row_numel, first))
+        source: list[int] = []
+        target: list[int] = []
+        for rank, payload in enumerate(self._ranks):
             for span in payload.vectors:
-                out[span.offset : span.offset + span.numel].copy_(
-                    vectors[span.index : span.index + span.numel]
-                )
-            for gap in payload.gaps:
-                out[gap.offset : gap.offset + gap.numel].zero_()
+                sent_at = rank * self._vector_numel + span.index
+                source += range(sent_at, sent_at + span.numel)
+                lands_at = rank * chunk + span.offset
+                target += range(lands_at, lands_at + span.numel)
+        indices = (_index(scale_index, device), _index(source, device), _index(target, device))
+        plan = self._plans[device] = _DecodePlan(indices[0], tuple(matrices), *indices[1:])
+        return plan
 
     def _views(
         self, payload: torch.Tensor, compute: torch.dtype
@@ -208,6 +285,28 @@ class GatherCodec:
             payload[vectors : vectors + self._vector_numel * compute.itemsize].view(compute),
             payload[rows : rows + self.layout.shard_numel].view(self.dtype),
         )
+
+
+@dataclass(frozen=True)
+class _EncodePlan:
+    """Indices of one encode, in this rank's shard."""
+
+    vectors: torch.Tensor  # its vectors' elements, in the order its payload sends them
+    unwritten: torch.Tensor  # its elements that are no rows: their bytes are zeroed
+
+
+@dataclass(frozen=True)
+class _DecodePlan:
+    """Indices of one decode ([Note: one decode for every rank])."""
+
+    scale_index: torch.Tensor  # every matrix row's scale, in unsharded order
+    matrices: tuple[tuple[int, int, int, int], ...]  # (offset, rows, row_numel, first row)
+    vector_source: torch.Tensor  # elements of the F payloads' vector parts...
+    vector_target: torch.Tensor  # ...and where they go in the unsharded buffer
+
+
+def _index(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)
 
 
 def _aligned(nbytes: int) -> int:

@@ -25,8 +25,8 @@ from flatshard.comm._collectives import ReduceScatter
 from flatshard.comm._mesh import ranks_per_host
 from flatshard.comm._watchdog import watchdog
 from flatshard.flat._flat_param import FlatParamGroup
-from flatshard.flat._gather_codec import quantize_rows
-from flatshard.flat._layout import ViewSplits
+from flatshard.flat._gather_codec import GatherCodec, quantize_rows
+from flatshard.flat._layout import ViewSplits, row_layout
 from flatshard.flat._partition import UnitMembers, partition
 from flatshard.flat._policy import select_unit_roots
 from flatshard.flat._reduction import GradientReduction
@@ -60,6 +60,7 @@ def owners_of_state() -> dict[str, type]:
 
 __all__ = [
     "CalibratedSpeeds",
+    "GatherCodec",
     "RateLimiter",
     "RecordedOp",
     "ReduceScatter",
@@ -96,6 +97,7 @@ __all__ = [
     "ranks_per_host",
     "rate_limiter_of",
     "replica_steps_pause",
+    "row_layout",
     "select_unit_roots",
     "staging_buffers",
     "storage_move",
