@@ -81,9 +81,9 @@ class BenchConfig:
     flatshard-gather-int8, flatshard-gather-fp8, flatshard-gather-bf16 (parameters
     all-gathered in that dtype, one byte per weight with a scale per row for int8 and fp8,
     decoded to fp32 before each block runs: MixedPrecision(gather_dtype=...)),
-    deepspeed (DeepSpeed ZeRO-3 with its default buckets and prefetch and the same torch
-    AdamW: pip install deepspeed; it reduces every micro-batch, so --grad-accum above 1
-    takes --accum reduce);
+    deepspeed (DeepSpeed ZeRO-3 with its default buckets and prefetch, the same torch
+    AdamW and no clipping, as the others: pip install deepspeed; it reduces every
+    micro-batch, so --grad-accum above 1 takes --accum reduce);
     default: flatshard,fsdp2,ddp,floor (without fsdp2 for --optimizer muon or adafactor);
     on CPUs "comm" runs beside "floor": FULL_SHARD's least collectives alone, whose CPU
     time plus the floor is the step no system can beat there ("vs bound")"""
