@@ -17,7 +17,10 @@ import argparse
 import os
 import statistics
 import sys
+from functools import partial
 from typing import Any
+
+from two_ranks import on_two_ranks
 
 SYSTEMS = ("flatshard", "fsdp2")
 
@@ -51,7 +54,7 @@ def _tensor_mib() -> float:
     return sum(storages.values()) / 2**20
 
 
-def _rank(rank: int, world: int, address: str, results: Any, args: argparse.Namespace) -> None:
+def _rank(args: argparse.Namespace, rank: int, world: int, address: str, results: Any) -> None:
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -85,7 +88,11 @@ def _rank(rank: int, world: int, address: str, results: Any, args: argparse.Name
             del logits
             optim.step()
             optim.zero_grad()
-        results.put((rank, _status_mib("VmHWM"), _status_mib("VmRSS"), _tensor_mib()))
+        mine = (_status_mib("VmHWM"), _status_mib("VmRSS"), _tensor_mib())
+        every: list[Any] = [None] * world
+        dist.all_gather_object(every, mine)
+        if rank == 0:  # the largest of each over the ranks
+            results.put(tuple(max(r[i] for r in every) for i in range(3)))
     finally:
         dist.destroy_process_group()
 
@@ -93,25 +100,8 @@ def _rank(rank: int, world: int, address: str, results: Any, args: argparse.Name
 def _measure(args: argparse.Namespace) -> tuple[float, float, float]:
     """(steady peak, at rest, tensors at rest) in MiB, the largest over the ranks, of one
     fresh run."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [
-        ctx.Process(target=_rank, args=(r, 2, f"tcp://127.0.0.1:{port}", results, args))
-        for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    answers = [results.get(timeout=600) for _ in procs]
-    for p in procs:
-        p.join()
-    return tuple(max(a[i] for a in answers) for i in (1, 2, 3))  # type: ignore[return-value]
+    result: tuple[float, float, float] = on_two_ranks(partial(_rank, args))
+    return result
 
 
 def main() -> None:

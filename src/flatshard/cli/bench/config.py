@@ -207,8 +207,8 @@ class BenchConfig:
         """--systems deepspeed: installed, and run where it compares like with like."""
         if "deepspeed" not in self.system_list:
             return
-        if missing():
-            raise ConfigError(missing())
+        if why := missing():
+            raise ConfigError(why)
         for name, value in {
             f"--optimizer {self.optimizer} (it runs a torch AdamW)": self.optimizer != "adamw",
             "--compile": self.compile,
