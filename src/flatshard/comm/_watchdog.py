@@ -23,6 +23,18 @@ that error. To prove that a peer ended, each rank leaves an exit record in the s
 interpreter exits (how: returned, raised and what, or stopped by a signal it handled); a
 process killed outright leaves none, and proves nothing.
 
+[Note: no thread in torch at the interpreter's teardown]
+A daemon thread that returns from a torch call once the interpreter's teardown has begun
+(Python 3.11 and 3.12) is ended by ``pthread_exit`` on its way back into Python; the
+unwinding passes a C++ destructor and the process aborts ("terminate called without an
+active exception"), whatever its program did. flatshard's threads are in torch only for
+store calls: the responder's, and the exit record's (a store client sends one call at a
+time, so even a ``set`` waits while another thread's call waits for an answer). A call
+answered late (a loaded machine, a stalled store host) returns whenever the host answers,
+so the exit waits until both threads have left their calls, up to ``_EXIT_JOIN_S`` in all:
+a store silent for that long is not expected to answer in the instants the teardown takes,
+and an exit must not hang on a store that never answers.
+
 The store is polled with ``check``, never waited on with a timeout: each timed-out
 ``Store.wait`` makes torch's c10d log two lines, a flood over a long wait.
 
@@ -77,7 +89,7 @@ _REQUESTS = "flatshard/diagnosis/requests"
 _WARNINGS = "flatshard/warning/requests"  # early words: asked for, answered, nobody raises
 _PROBES = "flatshard/probe/requests"  # looks for a proof: asked for, answered, nobody raises
 _EXITS = "flatshard/exit/"  # + rank: the exit record
-_EXIT_RECORD_S = 1.0  # the longest an exit waits to leave its record
+_EXIT_JOIN_S = 10.0  # the longest an exit waits for its threads to leave their store calls
 _ERRORS: dict[str, type[CollectiveError]] = {
     e.__name__: e for e in (CollectiveTimeoutError, PeerLostError, CollectiveMismatchError)
 }
@@ -426,10 +438,11 @@ class Watchdog:
                 self._probes_answered += 1
                 self._publish(self._probes_answered, "probe")
 
-    def leave_exit_record(self, how: str) -> None:
-        """Say in the store how this process ends (see the module's note), giving up after
-        ``_EXIT_RECORD_S``: a store whose server went with a process group destroyed in
-        this process never answers (its socket stays open), and the exit must not wait."""
+    def leave_exit_record(self, how: str, deadline: float | None = None) -> None:
+        """Say in the store how this process ends (see the module's note), giving up at
+        ``deadline`` (by default ``_EXIT_JOIN_S`` from now): the exit must not hang on a
+        store that does not answer ([Note: no thread in torch at the interpreter's
+        teardown])."""
         if self.world is None:
             return
         record = json.dumps(self._status(how).to_json())
@@ -440,15 +453,17 @@ class Watchdog:
 
         writer = threading.Thread(target=write, name="flatshard-exit-record", daemon=True)
         writer.start()
-        writer.join(timeout=_EXIT_RECORD_S)
+        deadline = time.monotonic() + _EXIT_JOIN_S if deadline is None else deadline
+        writer.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def _at_exit(self) -> None:
+        deadline = time.monotonic() + _EXIT_JOIN_S
         if self.failed:
             with contextlib.suppress(Exception):  # (the store may have gone with its host)
                 self._answer_pending()
-        self.leave_exit_record(_how_it_ended())
         self._stop.set()
-        self._thread.join(timeout=2 * POLL_S)
+        self.leave_exit_record(_how_it_ended(), deadline)
+        self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
         if self.failed and any(not t.work.is_completed() for t in self._tracked):
             # A collective left in flight after the error would hold the process at exit
             # until the backend's own timeout (its worker thread cannot be joined).

@@ -11,8 +11,6 @@ the process runs plain torch again (torch's own functions, no hook).
 
 from __future__ import annotations
 
-import atexit
-import ctypes
 import weakref
 
 from torch.nn.modules.module import (
@@ -67,24 +65,6 @@ class TorchReach:
 
 
 TORCH_REACH = TorchReach()
-
-
-def _kept_past_exit() -> None:
-    """[Note: sharded models outlive the interpreter's teardown]
-    A sharded model is collected like any object once nothing holds it (its hooks hold
-    their unit weakly), and with the last one goes what ``TorchReach`` installed. At exit
-    it must not be: after the exit handlers, the interpreter's teardown collects what is
-    left in an order of its own, and a model destroyed there releases its process groups
-    and gloo work after torch's own teardown began, which once aborted a process
-    ("terminate called without an active exception"). So the models still alive at exit
-    get one reference more, from outside Python, and are never destroyed: the process
-    ends as it did when nothing could collect them. Registered at import, this handler
-    runs after every exit handler registered later (flatshard's own included)."""
-    for context in watched_contexts():
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(context))
-
-
-atexit.register(_kept_past_exit)
 
 
 def _registered(*unused: object) -> None:
