@@ -550,3 +550,82 @@ def test_one_default_for_the_tables_through_the_api_and_the_cli(pool: WorkerPool
     # the unit's two groups told apart by their parameters (before: "<root>" twice)
     assert any(row.startswith("<root> [tok.weight, pos.weight]") for row in rows), api
     assert any(row.startswith("<root> [ln_f.weight, ln_f.bias]") for row in rows), api
+
+
+def _encodes_job(ctx: WorkerContext, strategy: str) -> dict[str, Any] | None:
+    """Encodes and gathers of the groups that encode, per step and per no-grad forward,
+    at 2 ranks with int8 gathers; and the losses and weights of 3 AdamW steps."""
+    from flatshard.testing.internals import GatherCodec
+
+    group = ctx.group(2)
+    if group is None:
+        return None
+    torch.manual_seed(0)
+    model: Any = build("gpt")
+    flatshard.fully_shard(
+        model,
+        auto_wrap_policy=set(model.UNIT_CLASSES),
+        process_group=group,
+        strategy=getattr(flatshard.ShardingStrategy, strategy),
+        mixed_precision=flatshard.MixedPrecision(gather_dtype=torch.int8),
+    )
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    encodes = [0]
+    encode = GatherCodec.encode
+
+    def counted(self: Any, shard: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
+        encodes[0] += 1
+        return encode(self, shard, compute)
+
+    encoding = [
+        f for u in units_of(model, "test") for f in u.flat_params if f.transport.codec is not None
+    ]
+    gathers = [0]
+    for flat in encoding:
+
+        def gathered(kind: str, numel: int, inner: Any = flat.on_collective) -> Any:
+            gathers[0] += kind == "all_gather"
+            return inner(kind, numel)
+
+        flat.on_collective = gathered
+    found: dict[str, Any] = {"groups": len(encoding), "steps": [], "losses": []}
+    GatherCodec.encode = counted  # type: ignore[method-assign]
+    try:
+        for batch in batches(model, 3):
+            encodes[0] = gathers[0] = 0
+            loss = model.loss(batch)
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            found["steps"].append((encodes[0], gathers[0]))
+            found["losses"].append(float(loss))
+        encodes[0] = gathers[0] = 0
+        with torch.no_grad():  # no backward follows: nothing kept
+            model.loss(batch)
+            model.loss(batch)
+        found["no_grad"] = (encodes[0], gathers[0])
+    finally:
+        GatherCodec.encode = encode  # type: ignore[method-assign]
+    found["weights"] = [p.detach().clone() for p in model.parameters()]
+    return found
+
+
+def test_a_shard_is_encoded_once_per_write(pool: WorkerPool) -> None:
+    """FULL_SHARD gathers each unit twice a step, and its shard is written once (the
+    optimizer step): forward's payload is sent again by backward's gather, one encode per
+    group and step (before: one per gather). The same losses and weights, bit for bit,
+    as SHARD_GRAD_OP, which gathers once a step; a forward with no backward keeps no
+    payload (each of two encodes)."""
+    full = pool.run(_encodes_job, "FULL_SHARD")[0]
+    grad_op = pool.run(_encodes_job, "SHARD_GRAD_OP")[0]
+    groups = full["groups"]
+    assert groups > 0
+    for encodes, gathers in full["steps"]:
+        assert gathers > groups, (gathers, groups)  # (the root and the last unit: once)
+        assert encodes == groups, (encodes, groups, gathers)
+    for encodes, gathers in grad_op["steps"]:
+        assert encodes == gathers == groups, (encodes, gathers, groups)
+    assert full["no_grad"] == (2 * groups, 2 * groups), full["no_grad"]
+    assert full["losses"] == grad_op["losses"]
+    for ours, theirs in zip(full["weights"], grad_op["weights"], strict=True):
+        assert torch.equal(ours, theirs)

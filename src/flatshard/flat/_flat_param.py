@@ -96,7 +96,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
-from typing import cast
+from typing import NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -134,6 +134,15 @@ def allocate_storage(tensor: torch.Tensor, nbytes: int) -> None:
 def free_storage(tensor: torch.Tensor) -> None:
     """Release ``tensor``'s memory while keeping its storage object (and its views) alive."""
     resize_storage(tensor.untyped_storage(), 0)
+
+
+class _Encoding(NamedTuple):
+    """A codec's payload of this rank's shard, and the shard it encoded: its generation
+    and torch's version counter then."""
+
+    payload: torch.Tensor
+    generation: int
+    version: int
 
 
 class FlatParamGroup:
@@ -209,6 +218,11 @@ class FlatParamGroup:
         # group after forward]). The part: (its elements, the generation it was cut at).
         self.post_forward_group: dist.ProcessGroup | None = None
         self._part: tuple[torch.Tensor, int] | None = None
+        # A codec's payload of this rank's shard: the last one sent, while the buffer is
+        # gathered, and the one kept from forward for backward's gather ([Note: one
+        # encoding per write]).
+        self._sent: _Encoding | None = None
+        self._encoded: _Encoding | None = None
         self._allocate_unsharded()
         self.reduction = GradientReduction(self)
         # What the group does where its placement decides ([Note: one placement protocol])
@@ -362,18 +376,41 @@ class FlatParamGroup:
             )
             self._move(Storage.GATHERING)
             return
+        sent = self._kept_encoding()
         # Cast once per unshard (not once per op), before communicating; a codec encodes
         # from the master dtype.
         dtype = self.transport.source_dtype(self.shard.dtype, self.compute_dtype)
-        source = self.shard.to(self.compute_device, dtype, non_blocking=True, copy=self.offloaded)
+        source = self.shard
+        if sent is None:
+            source = source.to(self.compute_device, dtype, non_blocking=True, copy=self.offloaded)
         if self.groups.shard is None and self.transport.codec is None:
             self._unsharded_data.copy_(source)
             self._move(Storage.GATHERED)
             return
         self._gather = self.transport.gather(
-            self._unsharded_data, source, self.groups.shard, self.on_collective
+            self._unsharded_data, source, self.groups.shard, self.on_collective, sent=sent
         )
+        if self._gather.sent is not None:
+            self._sent = _Encoding(self._gather.sent, self.generation, self.shard._version)
         self._move(Storage.GATHERING)
+
+    def _kept_encoding(self) -> torch.Tensor | None:
+        """The payload kept from forward, if the shard has not been written since.
+
+        [Note: one encoding per write]
+        A codec's payload depends on the shard alone, and under FULL_SHARD a unit is
+        gathered twice between two writes of its shard (forward, backward). So the
+        payload a forward gather sent is kept when the unit reshards after forward, and
+        backward's gather sends it again: one encoding per step instead of two, for a
+        payload per unit held from its forward to its backward (a quarter of the fp32
+        shard for int8, half for bfloat16). It is used once, and only if the shard is as
+        it was: the same generation (the writes flatshard knows of: optimizer steps,
+        loads, write-backs) and the same version counter (torch counts every in-place
+        write of the shard or a view of it)."""
+        kept, self._encoded = self._encoded, None
+        if kept is None or kept.generation != self.generation:
+            return None
+        return kept.payload if kept.version == self.shard._version else None
 
     def finish_unshard(self) -> None:
         """Wait for a started all-gather (and decode it); the buffer is then safe to read."""
@@ -417,11 +454,13 @@ class FlatParamGroup:
         self.finish_unshard()
         self.generation += 1
         self._part = None  # cut from the old shards
+        self._encoded = None
 
-    def reshard_after_forward(self) -> bool:
+    def reshard_after_forward(self, backward_follows: bool) -> bool:
         """``reshard``, keeping this rank's part for its post-forward group if it has one
-        ([Note: resharding to a smaller group after forward]). Returns whether memory was
-        freed."""
+        ([Note: resharding to a smaller group after forward]), or, where a backward will
+        gather the unit again, the codec's payload sent ([Note: one encoding per write]).
+        Returns whether memory was freed."""
         self.finish_unshard()
         group = self.post_forward_group
         if group is not None and self.storage is Storage.GATHERED and not self.aliases_shard:
@@ -430,7 +469,11 @@ class FlatParamGroup:
             start = group.rank() * size
             cut = self._unsharded_data[start : start + size].clone()
             self._part = (cut, self._gathered_generation)
-        return self.reshard()
+        sent = self._sent
+        freed = self.reshard()
+        if backward_follows and sent is not None and group is None:
+            self._encoded = sent  # for backward's gather ([Note: one encoding per write])
+        return freed
 
     @property
     def unshard_allocates(self) -> bool:
@@ -449,6 +492,7 @@ class FlatParamGroup:
         if freed:
             free_storage(self._unsharded_data)
             self._move(Storage.SHARDED)
+        self._sent = None
         self.register_views(None)
         return freed
 

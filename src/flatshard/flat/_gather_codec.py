@@ -43,8 +43,9 @@ index. The product is computed in float32 and rounded once, as ``float32(q) * sc
 cast to the compute dtype is, bit for bit. The indices are built once per group and
 device; no temporary is larger than the scales and vectors.
 
-Each gather encodes the shard as it is then (FULL_SHARD: twice per step), so a write of
-the shard flatshard does not know of is never hidden by an old encoding. Gradients are
+A shard is encoded once per write: backward's gather sends the payload forward's sent
+where the shard is as it was ([Note: one encoding per write] in ``_flat_param.py``: the
+writes flatshard knows of, and torch's version counter for the others). Gradients are
 those of the decoded weights, applied to the master weights (straight-through), and
 reduced as always (``reduce_dtype``).
 """

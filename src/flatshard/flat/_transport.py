@@ -42,6 +42,7 @@ class Gathering(NamedTuple):
     work: dist.Work | None  # None: nothing to wait for
     held: tuple[torch.Tensor, ...]
     finish: Callable[[], None] | None = None
+    sent: torch.Tensor | None = None  # this rank's payload, where a codec encoded the shard
 
 
 @dataclass(frozen=True)
@@ -66,26 +67,30 @@ class Transport:
         group: dist.ProcessGroup | None,
         record: Callable[[str, int], Tag | None],
         encoded: bool = True,
+        sent: torch.Tensor | None = None,
     ) -> Gathering:
         """All-gather ``source`` (C,) of every rank into ``unsharded`` (C * F,), without
         waiting; ``unsharded`` is complete once the work is waited for and finished.
         ``source`` is the shard in ``source_dtype``, or (``encoded=False``) a part of the
-        buffer already decoded, sent as it is. ``record`` is told of the collective and
-        gives its tag. ``group`` None (F = 1): the codec's round trip alone, done."""
+        buffer already decoded, sent as it is; ``sent``, the codec's payload of an earlier
+        gather of the same shard, is sent again instead of encoding ``source``. ``record``
+        is told of the collective and gives its tag. ``group`` None (F = 1): the codec's
+        round trip alone, done."""
         codec = self.codec if encoded else None
         if codec is None:
             assert group is not None
             tag = record("all_gather", source.numel())
             work = start_all_gather(unsharded, source, group, tag, self.all_gather)
             return Gathering(work, (source,))
-        payload = codec.encode(source, unsharded.dtype)
+        payload = codec.encode(source, unsharded.dtype) if sent is None else sent
         if group is None:
             codec.decode(payload, unsharded)
             return Gathering(None, ())
         gathered = payload.new_empty(payload.numel() * group.size())
         tag = record("all_gather", payload.numel())
         work = start_all_gather(gathered, payload, group, tag, self.all_gather)
-        return Gathering(work, (payload, gathered), partial(codec.decode, gathered, unsharded))
+        finish = partial(codec.decode, gathered, unsharded)
+        return Gathering(work, (payload, gathered), finish, payload)
 
     def reduce(
         self,

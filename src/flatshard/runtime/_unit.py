@@ -430,7 +430,7 @@ class Unit:
                 self.hide_views()
             elif hidden_graph:
                 pass  # no pre-backward hook could gather again: stays as it is until backward
-            elif any([flat.reshard_after_forward() for flat in self.flat_params]):
+            elif any([flat.reshard_after_forward(bool(needs_grad)) for flat in self.flat_params]):
                 self.context.rate_limiter.resharded()
             self.context.forward_ended()
         return output
