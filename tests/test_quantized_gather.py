@@ -600,6 +600,14 @@ def _encodes_job(ctx: WorkerContext, strategy: str) -> dict[str, Any] | None:
             found["steps"].append((encodes[0], gathers[0]))
             found["losses"].append(float(loss))
         encodes[0] = gathers[0] = 0
+        loss = model.loss(batch)
+        with torch.no_grad():  # a write flatshard is not told of: torch's version counter
+            for flat in encoding:
+                flat.shard.add_(0.0)
+        loss.backward()
+        optim.zero_grad()
+        found["written"] = (encodes[0], gathers[0])
+        encodes[0] = gathers[0] = 0
         with torch.no_grad():  # no backward follows: nothing kept
             model.loss(batch)
             model.loss(batch)
@@ -614,7 +622,8 @@ def test_a_shard_is_encoded_once_per_write(pool: WorkerPool) -> None:
     """FULL_SHARD gathers each unit twice a step, and its shard is written once (the
     optimizer step): forward's payload is sent again by backward's gather, one encode per
     group and step (before: one per gather). The same losses and weights, bit for bit,
-    as SHARD_GRAD_OP, which gathers once a step; a forward with no backward keeps no
+    as SHARD_GRAD_OP, which gathers once a step. A shard written between forward and
+    backward behind flatshard's back is encoded again; a forward with no backward keeps no
     payload (each of two encodes)."""
     full = pool.run(_encodes_job, "FULL_SHARD")[0]
     grad_op = pool.run(_encodes_job, "SHARD_GRAD_OP")[0]
@@ -626,6 +635,7 @@ def test_a_shard_is_encoded_once_per_write(pool: WorkerPool) -> None:
     for encodes, gathers in grad_op["steps"]:
         assert encodes == gathers == groups, (encodes, gathers, groups)
     assert full["no_grad"] == (2 * groups, 2 * groups), full["no_grad"]
+    assert full["written"][0] == full["written"][1] > groups, full["written"]  # encoded anew
     assert full["losses"] == grad_op["losses"]
     for ours, theirs in zip(full["weights"], grad_op["weights"], strict=True):
         assert torch.equal(ours, theirs)
