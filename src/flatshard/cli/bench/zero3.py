@@ -37,6 +37,38 @@ def missing() -> str:
     return ""
 
 
+def zero3_engine(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batch: int,
+    micro_batches: int,
+    device: torch.device,
+) -> Any:
+    """A DeepSpeed ZeRO-3 engine over ``model`` and ``optimizer`` (its parameters'), with
+    DeepSpeed's defaults but for clipping; in a process that has joined its group."""
+    # The accelerator is chosen at import, from the environment; the engine reads its
+    # device from LOCAL_RANK (the bench's process group exists already: it is reused).
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if device.type == "cpu" else device.type)
+    os.environ.setdefault("LOCAL_RANK", str(device.index or 0))
+    import deepspeed
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    config = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": micro_batches,
+        "zero_optimization": {"stage": 3},
+        "zero_allow_untested_optimizer": True,  # a torch optimizer: nothing compiled
+        # DeepSpeed clips the gradient norm at 1.0 unless told: the same update as the
+        # other systems (none clips) is no clipping.
+        "gradient_clipping": 0.0,
+        "steps_per_print": 2**31 - 1,
+    }
+    with warnings.catch_warnings():  # its all_gather_into_tensor's deprecation
+        warnings.simplefilter("ignore", FutureWarning)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
+
+
 class ZeRO3(nn.Module):
     """A DeepSpeed engine over one GPT: ``step`` is one optimizer step of the bench."""
 
@@ -50,28 +82,9 @@ class ZeRO3(nn.Module):
     ) -> None:
         """``optimizer`` over ``gpt``'s parameters; None: the bench's AdamW."""
         super().__init__()
-        # The accelerator is chosen at import, from the environment; the engine reads its
-        # device from LOCAL_RANK (the bench's process group exists already: it is reused).
-        os.environ.setdefault("DS_ACCELERATOR", "cpu" if device.type == "cpu" else device.type)
-        os.environ.setdefault("LOCAL_RANK", str(device.index or 0))
-        import deepspeed
-
-        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         if optimizer is None:
             (optimizer,) = build_optimizers(gpt, {GPTBlock}, "adamw", 1e-4, 0.0)
-        config = {
-            "train_micro_batch_size_per_gpu": batch // micro_batches,
-            "gradient_accumulation_steps": micro_batches,
-            "zero_optimization": {"stage": 3},
-            "zero_allow_untested_optimizer": True,  # a torch optimizer: nothing compiled
-            # DeepSpeed clips the gradient norm at 1.0 unless told: the same update as the
-            # other systems (none clips) is no clipping.
-            "gradient_clipping": 0.0,
-            "steps_per_print": 2**31 - 1,
-        }
-        with warnings.catch_warnings():  # its all_gather_into_tensor's deprecation
-            warnings.simplefilter("ignore", FutureWarning)
-            engine, *_ = deepspeed.initialize(model=gpt, optimizer=optimizer, config=config)
+        engine = zero3_engine(gpt, optimizer, batch // micro_batches, micro_batches, device)
         self.engine: Any = engine
         self.micro_batches = micro_batches
 
