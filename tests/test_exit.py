@@ -20,9 +20,11 @@ SCRIPT = Path(__file__).with_name("exit_script.py")
 SERVE = """
 import sys, time
 from datetime import timedelta
+from pathlib import Path
 import torch.distributed as dist
 store = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=60), wait_for_workers=False)
-print(store.port, flush=True)
+Path(sys.argv[1] + ".tmp").write_text(str(store.port))
+Path(sys.argv[1] + ".tmp").rename(sys.argv[1])
 time.sleep(120)
 """
 STALL_S = 4.0  # past the script's second of waiting and 2 s of exit, into its teardown
@@ -37,11 +39,14 @@ def _wait_for(path: Path, proc: subprocess.Popen[bytes], log: Path) -> None:
 
 
 def test_a_late_store_answer_at_exit_ends_the_process_cleanly(tmp_path: Path) -> None:
-    server = subprocess.Popen([sys.executable, "-c", SERVE], stdout=subprocess.PIPE, text=True)
     log = tmp_path / "script.out"
+    port_file = tmp_path / "port"
+    with (tmp_path / "server.out").open("w") as out:
+        serve = [sys.executable, "-c", SERVE, str(port_file)]
+        server = subprocess.Popen(serve, stdout=out, stderr=out)
     try:
-        assert server.stdout is not None
-        port = server.stdout.readline().strip()
+        _wait_for(port_file, server, tmp_path / "server.out")
+        port = port_file.read_text()
         with log.open("w") as out:
             command = [sys.executable, str(SCRIPT), port, str(tmp_path)]
             script = subprocess.Popen(command, stdout=out, stderr=out)

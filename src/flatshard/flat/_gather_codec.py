@@ -130,7 +130,7 @@ class GatherCodec:
         self._ranks = [self._rank_payload(r) for r in range(layout.factor)]
         self._scales = max(sum(p.rows for p in r.rows) for r in self._ranks)
         self._vector_numel = max(sum(v.numel for v in r.vectors) for r in self._ranks)
-        self._plans: dict[torch.device, _DecodePlan] = {}
+        self._decode_plans: dict[torch.device, _DecodePlan] = {}
         self._encode_plans: dict[torch.device, _EncodePlan] = {}
 
     def _rank_payload(self, rank: int) -> _RankPayload:
@@ -244,8 +244,8 @@ class GatherCodec:
     def _decode_plan(self, device: torch.device) -> _DecodePlan:
         """Where every rank's scales and vectors go in the unsharded buffer (indices on
         ``device``, built on its first decode there)."""
-        if device in self._plans:
-            return self._plans[device]
+        if device in self._decode_plans:
+            return self._decode_plans[device]
         layout, chunk = self.layout, self.layout.shard_numel
         scale_index: list[int] = []
         matrices: list[tuple[int, int, int, int]] = []
@@ -273,7 +273,7 @@ class GatherCodec:
                 lands_at = rank * chunk + span.offset
                 target += range(lands_at, lands_at + span.numel)
         indices = (_index(scale_index, device), _index(source, device), _index(target, device))
-        plan = self._plans[device] = _DecodePlan(indices[0], tuple(matrices), *indices[1:])
+        plan = self._decode_plans[device] = _DecodePlan(indices[0], tuple(matrices), *indices[1:])
         return plan
 
     def _views(
