@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Iterator
 
 import pytest
@@ -22,11 +20,11 @@ def pool() -> Iterator[WorkerPool]:
 
 
 @pytest.fixture(scope="session")
-def local_group() -> Iterator[dist.ProcessGroup]:
-    """A world of one process (this one), for checks that need no peers."""
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group(
-            "gloo", init_method=f"file://{os.path.join(tmp, 'store')}", rank=0, world_size=1
-        )
-        yield dist.group.WORLD
-        dist.destroy_process_group()
+def local_group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dist.ProcessGroup]:
+    """A world of one process (this one), for checks that need no peers. Its store's
+    folder is pytest's (removed by a later session), not removed at teardown: flatshard's
+    watchdog thread still polls the store's file after the group is destroyed."""
+    store = tmp_path_factory.mktemp("local_group") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
