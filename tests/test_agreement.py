@@ -373,6 +373,98 @@ def test_an_option_or_call_on_one_rank_is_named_on_every_rank(case: str, world: 
             assert words in message, f"rank {rank}: {message}"
 
 
+def stepping_alone_job(rank: int, case: str) -> tuple[str, str]:
+    """``optimizer.step()`` on rank 0 alone: between a forward and its backward
+    ("between"), or an extra one between two steps ("extra"); "all": every rank steps
+    between its forward and its backward."""
+    flatshard.set_checks(CHECKS)
+    model = _net()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        _step(model, optim)
+        torch.manual_seed(2)
+        loss = model(torch.randn(3, 4)).sum()
+        if case == "all" or (case == "between" and rank == 0):
+            optim.step()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        if case == "extra" and rank == 0:
+            optim.step()
+        for _ in range(2):
+            _step(model, optim)
+    except Exception as error:
+        named = str(error).startswith("flatshard") or isinstance(error, flatshard.CollectiveError)
+        return type(error).__name__ if named else f"unnamed {type(error).__name__}", str(error)
+    return "", ""
+
+
+@pytest.mark.parametrize(
+    ("case", "world"), [("between", 2), ("extra", 2), ("extra", 4), ("all", 2)]
+)
+def test_an_optimizer_step_on_one_rank_is_named_on_every_rank(case: str, world: int) -> None:
+    """Before: a step between forward and backward on rank 0 aborted the processes (gloo:
+    rank 0 gathered again what its peers reused, "Received data size doesn't match"); an
+    extra step on rank 0 trained on silently, the ranks' shards a step apart. Unsharded,
+    torch refuses a step between forward and backward too ("modified by an inplace
+    operation"), on every rank that steps there."""
+    outcomes = run_isolated(stepping_alone_job, case, world_size=world)
+    if case == "extra":
+        for rank, (name, message) in enumerate(outcomes):
+            assert name == "CollectiveMismatchError", f"rank {rank}: {name} {message}"
+            assert "optimizer.step() ran a different number of times on the ranks" in message
+            assert "rank 0 (" in message and "optimizer.step() of model '<root>'" in message
+        return
+    stepped = range(world) if case == "all" else [0]
+    for rank, (name, message) in enumerate(outcomes):
+        if rank in stepped:
+            assert name == "RuntimeError", f"rank {rank}: {name} {message}"
+            assert f"backward of unit '<root>' on rank {rank} after optimizer.step()" in message
+            assert "Call optimizer.step() after loss.backward()" in message
+        else:  # told how rank 0 ended, by name, instead of a size mismatch's abort
+            assert name in ("PeerLostError", "CollectiveTimeoutError"), f"rank {rank}: {message}"
+            assert "rank 0" in message, message
+
+
+def two_optimizers_job(ctx: WorkerContext) -> dict[str, torch.Tensor] | None:
+    """A GAN's pattern in one sharded model: ``blocks.0`` generates, ``blocks.2``
+    discriminates, each with its own optimizer; the discriminator steps between the
+    generator's forward and its backward, which reads none of the discriminator's
+    shards."""
+    group = ctx.group(2)
+    torch.manual_seed(0)
+    net = ReluNet()
+    if group is not None:  # ranks 2 and 3 train the unsharded reference
+        net = flatshard.fully_shard(net, auto_wrap_policy={ReluLinear}, process_group=group)
+    generator = torch.optim.SGD(net.blocks[0].parameters(), lr=0.1)
+    discriminator = torch.optim.SGD(net.blocks[2].parameters(), lr=0.1)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(5))
+    for _ in range(2):
+        fake = net.blocks[0](x)
+        net.blocks[2](fake.detach()).sum().backward()
+        discriminator.step()
+        discriminator.zero_grad()
+        net.blocks[2](fake).pow(2).sum().backward()  # through blocks.0, forward before the step
+        generator.step()
+        generator.zero_grad()
+        discriminator.zero_grad()
+    if group is None:
+        return dict(net.state_dict()) if ctx.rank == 3 else None
+    return flatshard.full_state_dict(net)
+
+
+def test_a_step_of_other_units_between_a_forward_and_its_backward_is_allowed(
+    pool: WorkerPool,
+) -> None:
+    """Only a step that wrote the unit's own shards refuses its backward (as unsharded
+    torch refuses only a write of what the graph saved)."""
+    sharded, _, _, reference = pool.run(two_optimizers_job)
+    assert sharded is not None and reference is not None
+    assert sharded.keys() == reference.keys()
+    for name, value in reference.items():
+        torch.testing.assert_close(sharded[name], value, msg=name)
+
+
 def test_set_prefetch_targets_are_named_as_they_are_after_adoption(
     local_group: dist.ProcessGroup,
 ) -> None:

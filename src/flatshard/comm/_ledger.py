@@ -16,6 +16,14 @@ naming the first call where the ranks differ, before ``optimizer.step()`` can ap
 anything. Counts that differ (one rank issues more) hang or mispair before this check
 can run; that is for a timeout to report.
 
+[Note: steps in the ledger]
+An optimizer step of the model issues no collective, but a rank that steps alone (or
+skips a step) leaves its shards a step apart from its peers': every later gather mixes
+two models, silently. So each step of an optimizer that holds the model's parameters is
+an entry of the ledger too, compared with the collectives at the next check; a step
+between a forward and its backward is refused before it can pair anything (the unit's
+pre-backward hook, ``runtime/_unit.py``).
+
 [Note: the digest without a host sync]
 Reading the gathered digests on the host (``bool(...)``) waits for everything the device
 was asked to do before them: the whole backward and every reduction. On gloo that costs
@@ -49,6 +57,8 @@ from flatshard.comm._errors import CollectiveMismatchError
 from flatshard.comm._ranks import global_rank
 
 _SHOWN = 6  # calls quoted per rank around the first difference
+_STEP = "optimizer_step"  # not a collective: an entry the ranks compare all the same
+_STEP_SHOWN = "optimizer.step() of model"
 
 
 @dataclass(frozen=True)
@@ -60,6 +70,8 @@ class Call:
     numel: int  # elements this rank sent
 
     def __str__(self) -> str:
+        if self.op == _STEP:
+            return f"{_STEP_SHOWN} '{self.unit}'"
         return f"{self.op} of unit '{self.unit}' ({self.numel:,} elements)"
 
 
@@ -93,6 +105,10 @@ class StepLedger:
 
     def record(self, op: str, unit: str, numel: int) -> None:
         self.calls.append(Call(op, unit, numel))
+
+    def record_step(self, model: str) -> None:
+        """An optimizer is about to step the model's shards ([Note: steps in the ledger])."""
+        self.calls.append(Call(_STEP, model, 0))
 
     def check(
         self, group: dist.ProcessGroup | None, device: torch.device, when: str, tag: Tag
@@ -187,6 +203,15 @@ def _report(per_rank: list[list[str]], when: str, late: bool = False) -> str:
         window = calls[max(0, first - 1) : first + _SHOWN - 1]
         shown = "; ".join(window) if window else "(no further call)"
         lines.append(f"  rank {rank} ({len(calls)} calls): {shown}")
+    if any(line.startswith(_STEP_SHOWN) for calls in per_rank for line in calls[first : first + 1]):
+        lines.append(
+            "optimizer.step() ran a different number of times on the ranks: a rank that "
+            "steps alone (or skips a step) leaves its shards out of step with the others' "
+            "and the model is then a mix of two. Call optimizer.step() on every rank alike "
+            "(a skip decided on one rank, e.g. a NaN guard, must be agreed first: "
+            "all_reduce the flag)."
+        )
+        return "\n".join(lines)
     lines.append(
         "Every rank must run every unit in the same order, and each unit's output must reach "
         "the loss on every rank: run conditional units (e.g. experts that got no tokens) on "

@@ -13,7 +13,10 @@ step (torch's global step pre-hook):
   the next synchronized step;
 - every gathered buffer of the model becomes stale ([Note: stale gathers]): the step
   writes the shards, so nothing gathered before it is used after it (a held unit, a unit
-  kept gathered by ``set_reshard_after_backward(False)``, a replica's region).
+  kept gathered by ``set_reshard_after_backward(False)``, a replica's region);
+- the step joins the ledger the ranks compare ([Note: steps in the ledger]), and each unit
+  whose parameters the optimizer holds counts it: a backward of a forward that ran before
+  it is refused (``Unit._refuse_step_since_forward``).
 An optimizer of another model, on one rank or all, changes nothing here. An optimizer that
 holds parameters on the meta device was built before ``fully_shard`` materialized a
 meta-built model: it would step tensors no forward reads, so it is refused too. Matrix
@@ -52,12 +55,12 @@ def before_step(
     # ``args`` starts with the optimizer itself; a closure, if any, comes next.
     closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
     if closure is None:
-        _about_to_update(owned)
+        _about_to_update(owned, held)
         return None
 
     def checked_closure() -> Any:
         loss = closure()
-        _about_to_update(owned)
+        _about_to_update(owned, held)
         return loss
 
     if "closure" in kwargs:
@@ -65,11 +68,12 @@ def before_step(
     return (args[0], checked_closure, *args[2:]), kwargs
 
 
-def _about_to_update(contexts: list[StepContext]) -> None:
-    """The models' shards are about to be written by their optimizer."""
+def _about_to_update(contexts: list[StepContext], held: set[int]) -> None:
+    """The models' shards are about to be written by their optimizer (``held``: the ids
+    of the parameters it holds)."""
     for context in contexts:
         _refuse_owed(context)
-        context.optimizer_steps()
+        context.optimizer_steps(held)
 
 
 def _refuse_owed(context: StepContext) -> None:

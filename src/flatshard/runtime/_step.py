@@ -11,7 +11,7 @@ import atexit
 import functools
 import itertools
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
@@ -89,10 +89,10 @@ class StepContext:
         self.schedule: ScheduledStep | None = None
         # Where the model sits in a pipeline, if it is a stage (``_pipeline.join_pipeline``)
         self.pipeline: PipelineSeat | None = None
-        # An optimizer holding the model's parameters has stepped: its steps mark the
-        # shards written; before that, each synchronized backward does (a hand-written
+        # Steps of optimizers holding the model's parameters: they mark the shards
+        # written; before the first, each synchronized backward does (a hand-written
         # update through p.data may follow). See [Note: stale gathers].
-        self.stepped_by_optimizer = False
+        self.optimizer_steps_taken = 0
         self.forward_depth = 0  # units whose forward runs now (nested calls)
         self.step = 0  # backward passes completed (the ledger's and the reports' step)
         self.phase = "forward"  # what the units do now, in the reports' words
@@ -173,14 +173,19 @@ class StepContext:
             for flat in unit.flat_params:
                 yield from flat.originals
 
-    def optimizer_steps(self) -> None:
-        """An optimizer holding the model's parameters is about to step (every rank
-        alike): nothing gathered before it may be used after it ([Note: the model's
-        optimizer step] in _optimizer_steps.py)."""
-        self.stepped_by_optimizer = True
+    @property
+    def stepped_by_optimizer(self) -> bool:
+        return self.optimizer_steps_taken > 0
+
+    def optimizer_steps(self, held: Collection[int]) -> None:
+        """An optimizer holding the model's parameters (``held``: their ids) is about to
+        step (every rank alike): nothing gathered before it may be used after it, and the
+        ranks compare their steps with their collectives ([Note: the model's optimizer
+        step] in _optimizer_steps.py)."""
+        self.optimizer_steps_taken += 1
+        self.ledger.record_step(self.root_label)
         for unit in self.units:
-            for flat in unit.flat_params:
-                flat.shards_written()
+            unit.optimizer_steps(held)
 
     def check_unchanged(self) -> None:
         """An error if parameters were added, removed or replaced since ``fully_shard``."""

@@ -54,7 +54,7 @@ that forward does read the parameters.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import replace
 from enum import Enum, auto
 from typing import Any, Protocol
@@ -174,6 +174,10 @@ class Unit:
         self.state = TrainingState.IDLE
         self.expects_backward = False  # a forward with grad ran: every rank must reduce
         self.pending_input_grads = 0  # forwards whose inputs' gradients are still to come
+        # Steps of optimizers holding the unit's parameters, in all and when its last
+        # forward with grad ran: a step between a forward and its backward is refused
+        self.optimizer_steps_taken = 0
+        self.forward_at_step = 0
         # (name, tensor) left to flatshard.load_safetensors by skip_init (flat/_awaiting_load.py)
         self.awaiting_load: list[tuple[str, torch.Tensor]] = []
 
@@ -411,6 +415,8 @@ class Unit:
             if self.state is TrainingState.BACKWARD:
                 return output  # recomputation inside backward: keep the parameters
             self.state = TrainingState.IDLE
+            if needs_grad:
+                self.forward_at_step = self.optimizer_steps_taken
             # Kept until backward: the root and the last unit of the forward order
             # (backward starts with them, they would be gathered again at once, with no
             # compute to hide the wait), and units whose strategy keeps parameters from
@@ -444,6 +450,7 @@ class Unit:
 
     def pre_backward(self, *unused: Any) -> None:
         with traced(f"pre_backward {self.label}"):
+            self._refuse_step_since_forward()
             self.context.queue_finish_backward()
             self.state = TrainingState.BACKWARD
             # Autograd runs hooks with grad disabled; views made so would not require grad,
@@ -478,7 +485,35 @@ class Unit:
         for flat in self.flat_params:
             flat.reduction.pass_ended()
 
+    def optimizer_steps(self, held: Collection[int]) -> None:
+        """An optimizer holding the parameters ``held`` (ids) is about to step: the
+        unit's shards are written if it holds any of them (then, and only then, a backward
+        of a forward before it is refused: ``_refuse_step_since_forward``)."""
+        if any(id(o.param) in held for f in self.flat_params for o in f.originals):
+            self.optimizer_steps_taken += 1
+        for flat in self.flat_params:
+            flat.shards_written()
+
     # ------------------------------------------------------------------ hook helpers
+    def _refuse_step_since_forward(self) -> None:
+        """An optimizer step between a forward and its backward: refused here, on the
+        rank that stepped, before this backward issues anything.
+
+        Unsharded, torch refuses it too (the step wrote weights the graph saved: "modified
+        by an inplace operation"). Sharded, the backward would gather the new weights
+        beside the old activations, and a rank that stepped alone would gather again where
+        its peers reuse what forward kept: collectives of different sizes, an abort.
+        """
+        steps = self.optimizer_steps_taken - self.forward_at_step
+        if steps == 0:
+            return
+        raise RuntimeError(
+            f"flatshard: backward of unit '{self.label}' on rank {global_rank()} after "
+            f"optimizer.step() wrote its shards since its forward ({steps} step(s) between "
+            "them): the gradient would mix the old activations with the new weights. Call "
+            "optimizer.step() after loss.backward() (forward, backward, step), on every rank."
+        )
+
     def _check_inference_only(self) -> None:
         """Inside summon_full_params a forward may not record a graph: its backward would
         write full-size gradients no reduction would see."""
