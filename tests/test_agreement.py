@@ -334,6 +334,11 @@ def alone_job(rank: int, case: str) -> tuple[str, str, float]:
             flatshard.set_gradient_divide_factor(model, 1.0)
         for _ in range(2):
             _step(model)
+            limit = 1.0 if rank == 0 else 2.0
+            if case == "clip":
+                flatshard.clip_grad_norm_(model, limit)
+            elif case == "torch_clip":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), limit)
     except Exception as error:
         named = str(error).startswith("flatshard") or isinstance(error, flatshard.CollectiveError)
         return (
@@ -352,17 +357,23 @@ CASES = {
     "divide_factor_both": ("CollectiveMismatchError", "set_gradient_divide_factor(2.0)"),
     "unshard": ("CollectiveTimeoutError", "reach unshard"),
     "all_reduce_hook": ("CollectiveTimeoutError", "set_all_reduce_hook("),
+    "clip": ("CollectiveMismatchError", "rank 1: clip_grad_norm_(max_norm=2.0, norm_type=2.0)"),
+    "torch_clip": (
+        "CollectiveMismatchError",
+        "rank 1: torch.nn.utils.clip_grad_norm_(max_norm=2.0, norm_type=2.0)",
+    ),
 }
 
 
 @pytest.mark.parametrize(
     ("case", "world"),
     [(case, 2) for case in sorted(CASES)]
-    + [(case, 4) for case in ("prefetch", "unshard", "divide_factor_both")],
+    + [(case, 4) for case in ("prefetch", "unshard", "divide_factor_both", "clip")],
 )
 def test_an_option_or_call_on_one_rank_is_named_on_every_rank(case: str, world: int) -> None:
     """Before: a hang to the group's timeout (prefetch), gloo's SIGABRT (comm hook, unshard)
-    or silently wrong shards (divide factor, per-rank meta seeds)."""
+    or silently wrong shards (divide factor, per-rank meta seeds, a clip's max_norm: each
+    rank scaled its own rows by its own factor)."""
     error, words = CASES[case]
     for rank, outcome in enumerate(run_isolated(alone_job, case, world_size=world)):
         assert isinstance(outcome, tuple), f"rank {rank}: {outcome}"
@@ -375,8 +386,8 @@ def test_an_option_or_call_on_one_rank_is_named_on_every_rank(case: str, world: 
 
 def stepping_alone_job(rank: int, case: str) -> tuple[str, str]:
     """``optimizer.step()`` on rank 0 alone: between a forward and its backward
-    ("between"), or an extra one between two steps ("extra"); "all": every rank steps
-    between its forward and its backward."""
+    ("between"), an extra one between two steps ("extra"), or with another learning rate
+    ("lr"); "all": every rank steps between its forward and its backward."""
     flatshard.set_checks(CHECKS)
     model = _net()
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -391,6 +402,8 @@ def stepping_alone_job(rank: int, case: str) -> tuple[str, str]:
         optim.zero_grad()
         if case == "extra" and rank == 0:
             optim.step()
+        if case == "lr" and rank == 0:
+            optim.param_groups[0]["lr"] = 0.2  # e.g. a scheduler stepped on one rank only
         for _ in range(2):
             _step(model, optim)
     except Exception as error:
@@ -400,20 +413,23 @@ def stepping_alone_job(rank: int, case: str) -> tuple[str, str]:
 
 
 @pytest.mark.parametrize(
-    ("case", "world"), [("between", 2), ("extra", 2), ("extra", 4), ("all", 2)]
+    ("case", "world"), [("between", 2), ("extra", 2), ("extra", 4), ("lr", 2), ("all", 2)]
 )
 def test_an_optimizer_step_on_one_rank_is_named_on_every_rank(case: str, world: int) -> None:
     """Before: a step between forward and backward on rank 0 aborted the processes (gloo:
     rank 0 gathered again what its peers reused, "Received data size doesn't match"); an
-    extra step on rank 0 trained on silently, the ranks' shards a step apart. Unsharded,
-    torch refuses a step between forward and backward too ("modified by an inplace
-    operation"), on every rank that steps there."""
+    extra step (or another learning rate) on rank 0 trained on silently, the ranks' shards
+    apart. Unsharded, torch refuses a step between forward and backward too ("modified by
+    an inplace operation"), on every rank that steps there."""
     outcomes = run_isolated(stepping_alone_job, case, world_size=world)
-    if case == "extra":
+    if case in ("extra", "lr"):
         for rank, (name, message) in enumerate(outcomes):
             assert name == "CollectiveMismatchError", f"rank {rank}: {name} {message}"
-            assert "optimizer.step() ran a different number of times on the ranks" in message
+            assert "optimizer.step() differs between the ranks" in message
             assert "rank 0 (" in message and "optimizer.step() of model '<root>'" in message
+        if case == "lr":
+            assert "(SGD: dampening=0 lr=0.2 momentum=0" in message
+            assert "(SGD: dampening=0 lr=0.1 momentum=0" in message
         return
     stepped = range(world) if case == "all" else [0]
     for rank, (name, message) in enumerate(outcomes):

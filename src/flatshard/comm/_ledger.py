@@ -18,9 +18,10 @@ can run; that is for a timeout to report.
 
 [Note: steps in the ledger]
 An optimizer step of the model issues no collective, but a rank that steps alone (or
-skips a step) leaves its shards a step apart from its peers': every later gather mixes
-two models, silently. So each step of an optimizer that holds the model's parameters is
-an entry of the ledger too, compared with the collectives at the next check; a step
+skips a step, or steps with another learning rate) leaves its shards apart from its
+peers': every later gather mixes two models, silently. So each step of an optimizer that
+holds the model's parameters is an entry of the ledger too, with the optimizer's class and
+its float hyper-parameters, compared with the collectives at the next check; a step
 between a forward and its backward is refused before it can pair anything (the unit's
 pre-backward hook, ``runtime/_unit.py``).
 
@@ -63,15 +64,16 @@ _STEP_SHOWN = "optimizer.step() of model"
 
 @dataclass(frozen=True)
 class Call:
-    """One collective flatshard issued for a unit."""
+    """One collective flatshard issued for a unit (or an optimizer step of the model)."""
 
     op: str  # "all_gather" or "reduce"
     unit: str  # the unit's name
     numel: int  # elements this rank sent
+    settings: str = ""  # an optimizer step's hyper-parameters
 
     def __str__(self) -> str:
         if self.op == _STEP:
-            return f"{_STEP_SHOWN} '{self.unit}'"
+            return f"{_STEP_SHOWN} '{self.unit}' ({self.settings})"
         return f"{self.op} of unit '{self.unit}' ({self.numel:,} elements)"
 
 
@@ -106,9 +108,10 @@ class StepLedger:
     def record(self, op: str, unit: str, numel: int) -> None:
         self.calls.append(Call(op, unit, numel))
 
-    def record_step(self, model: str) -> None:
-        """An optimizer is about to step the model's shards ([Note: steps in the ledger])."""
-        self.calls.append(Call(_STEP, model, 0))
+    def record_step(self, model: str, settings: str) -> None:
+        """An optimizer is about to step the model's shards, with its hyper-parameters
+        ``settings`` ([Note: steps in the ledger])."""
+        self.calls.append(Call(_STEP, model, 0, settings))
 
     def check(
         self, group: dist.ProcessGroup | None, device: torch.device, when: str, tag: Tag
@@ -205,10 +208,11 @@ def _report(per_rank: list[list[str]], when: str, late: bool = False) -> str:
         lines.append(f"  rank {rank} ({len(calls)} calls): {shown}")
     if any(line.startswith(_STEP_SHOWN) for calls in per_rank for line in calls[first : first + 1]):
         lines.append(
-            "optimizer.step() ran a different number of times on the ranks: a rank that "
-            "steps alone (or skips a step) leaves its shards out of step with the others' "
-            "and the model is then a mix of two. Call optimizer.step() on every rank alike "
-            "(a skip decided on one rank, e.g. a NaN guard, must be agreed first: "
+            "optimizer.step() differs between the ranks (how often, or its "
+            "hyper-parameters): a rank that steps alone, skips a step or steps with another "
+            "learning rate leaves its shards apart from the others', and the model is then "
+            "a mix of two. Call optimizer.step() on every rank alike, with the same "
+            "settings (a skip decided on one rank, e.g. a NaN guard, must be agreed first: "
             "all_reduce the flag)."
         )
         return "\n".join(lines)

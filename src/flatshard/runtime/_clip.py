@@ -11,23 +11,35 @@ from torch import nn
 from flatshard.comm._collectives import all_reduce
 from flatshard.runtime._join import note_call
 from flatshard.runtime._pipeline import pipeline_total
-from flatshard.runtime._step import distinct_contexts, every_rank_calls
+from flatshard.runtime._step import collective_call, distinct_contexts
 from flatshard.runtime._unit import Unit, units_of
 
 
-@every_rank_calls("clip_grad_norm_")
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip the gradients of ``model`` in place by their global norm; return that norm.
 
     The norm is taken over the whole (unsharded) gradient, as
     ``torch.nn.utils.clip_grad_norm_`` would on the unsharded model, for any mix of
-    sharding strategies. A collective: call it on every rank, after backward (and after
-    unscaling, with a grad scaler).
+    sharding strategies. A collective: call it on every rank, with the same ``max_norm``
+    and ``norm_type`` (agreed: a rank that clips alone or with other values is named on
+    every rank), after backward (and after unscaling, with a grad scaler).
     """
     norm_type = float(norm_type)
-    note_call(lambda: clip_grad_norm_(model, max_norm, norm_type))  # (inside join)
     if not norm_type > 0:
         raise ValueError(f"flatshard.clip_grad_norm_: norm_type must be > 0, got {norm_type}")
+    with collective_call(model, clip_call("clip_grad_norm_", max_norm, norm_type)):
+        return _clip(model, max_norm, norm_type)
+
+
+def clip_call(name: str, max_norm: object, norm_type: float) -> str:
+    """The call the ranks agree on, with its values: each rank scales its own rows by
+    ``max_norm / norm``, so a rank with another ``max_norm`` would scale its rows alone."""
+    limit = float(max_norm) if isinstance(max_norm, float | int) else max_norm
+    return f"{name}(max_norm={limit!r}, norm_type={norm_type!r})"
+
+
+def _clip(model: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
+    note_call(lambda: clip_grad_norm_(model, max_norm, norm_type))  # (inside join)
     total = _global_norm(model, norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for param in model.parameters():

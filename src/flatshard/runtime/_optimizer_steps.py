@@ -25,6 +25,7 @@ optimizers refuse row shards here as well (``_matrix_optimizers.py``).
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
@@ -54,13 +55,14 @@ def before_step(
         return None
     # ``args`` starts with the optimizer itself; a closure, if any, comes next.
     closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    settings = _settings(optimizer)
     if closure is None:
-        _about_to_update(owned, held)
+        _about_to_update(owned, held, settings)
         return None
 
     def checked_closure() -> Any:
         loss = closure()
-        _about_to_update(owned, held)
+        _about_to_update(owned, held, settings)
         return loss
 
     if "closure" in kwargs:
@@ -68,12 +70,31 @@ def before_step(
     return (args[0], checked_closure, *args[2:]), kwargs
 
 
-def _about_to_update(contexts: list[StepContext], held: set[int]) -> None:
+def _about_to_update(contexts: list[StepContext], held: set[int], settings: str) -> None:
     """The models' shards are about to be written by their optimizer (``held``: the ids
-    of the parameters it holds)."""
+    of the parameters it holds; ``settings``: its hyper-parameters)."""
     for context in contexts:
         _refuse_owed(context)
-        context.optimizer_steps(held)
+        context.optimizer_steps(held, settings)
+
+
+_SETTINGS_SHOWN = 160  # characters of an optimizer's settings quoted in an error
+
+
+def _settings(optimizer: torch.optim.Optimizer) -> str:
+    """The optimizer's class and each parameter group's numeric hyper-parameters (``lr``,
+    ``betas``, ``weight_decay``, ...), as the ranks compare them ([Note: steps in the
+    ledger]); a long list is cut, with a digest of the whole so that a difference past the
+    cut still shows."""
+    groups = [
+        " ".join(f"{key}={group[key]!r}" for key in sorted(group) if _number(group[key]))
+        for group in optimizer.param_groups
+    ]
+    text = f"{type(optimizer).__name__}: " + "; ".join(groups)
+    if len(text) <= _SETTINGS_SHOWN:
+        return text
+    digest = hashlib.blake2b(text.encode(), digest_size=4).hexdigest()
+    return f"{text[:_SETTINGS_SHOWN]}... (all: {digest})"
 
 
 def _refuse_owed(context: StepContext) -> None:
@@ -125,3 +146,10 @@ def _name(optimizer: torch.optim.Optimizer) -> str:
     kind = type(optimizer)
     where = "torch.optim" if kind.__module__.startswith("torch.optim") else kind.__module__
     return f"{where}.{kind.__name__}"
+
+
+def _number(value: object) -> bool:
+    """A float or int (not a bool, not a tensor), or a tuple of them (``betas``)."""
+    if isinstance(value, tuple):
+        return all(_number(v) for v in value)
+    return type(value) in (float, int)

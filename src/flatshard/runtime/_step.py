@@ -177,13 +177,13 @@ class StepContext:
     def stepped_by_optimizer(self) -> bool:
         return self.optimizer_steps_taken > 0
 
-    def optimizer_steps(self, held: Collection[int]) -> None:
+    def optimizer_steps(self, held: Collection[int], settings: str) -> None:
         """An optimizer holding the model's parameters (``held``: their ids) is about to
-        step (every rank alike): nothing gathered before it may be used after it, and the
-        ranks compare their steps with their collectives ([Note: the model's optimizer
-        step] in _optimizer_steps.py)."""
+        step (every rank alike), with its hyper-parameters ``settings``: nothing gathered
+        before it may be used after it, and the ranks compare their steps with their
+        collectives ([Note: the model's optimizer step] in _optimizer_steps.py)."""
         self.optimizer_steps_taken += 1
-        self.ledger.record_step(self.root_label)
+        self.ledger.record_step(self.root_label, settings)
         for unit in self.units:
             unit.optimizer_steps(held)
 

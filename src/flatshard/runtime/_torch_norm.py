@@ -33,7 +33,7 @@ import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad
 
-from flatshard.runtime._clip import sharded_norm
+from flatshard.runtime._clip import clip_call, sharded_norm
 from flatshard.runtime._join import note_unreplayable
 from flatshard.runtime._step import StepContext, collective_call, sharded_contexts
 
@@ -80,7 +80,7 @@ def _total_norm(
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
     given = {id(t) for t in tensors}
     grads = {c: _grads(c) for c in sharded_contexts()}  # each sharded model's gradients
-    params = _clipped_parameters()
+    params, max_norm = _clipped_call()
     if params is not None:  # which models: by the parameters, the same on every rank
         contexts = [c for c in grads if any(id(o.param) in params for o in c.originals())]
     else:
@@ -91,7 +91,10 @@ def _total_norm(
     managed = {id(g) for c in contexts for g in grads[c]}
     local = [t for t in tensors if id(t) not in managed]
     order = float(norm_type)
-    with collective_call(contexts[0].root, "torch.nn.utils.clip_grad_norm_"):
+    call = "torch.nn.utils.clip_grad_norm_"
+    if max_norm is not None:  # the values are agreed too (see clip_call)
+        call = clip_call(call, max_norm, order)
+    with collective_call(contexts[0].root, call):
         total = sharded_norm(
             units, given, local, order, units[0].compute_device, "torch.nn.utils.clip_grad_norm_"
         )
@@ -104,9 +107,9 @@ def _total_norm(
     return total
 
 
-def _clipped_parameters() -> set[int] | None:
-    """``id``s of the parameters torch's ``clip_grad_norm_`` was given, when it is the
-    caller of the norm (two frames up), else None.
+def _clipped_call() -> tuple[set[int] | None, object]:
+    """``id``s of the parameters torch's ``clip_grad_norm_`` was given, and its
+    ``max_norm``, when it is the caller of the norm (two frames up); else (None, None).
 
     torch passes the norm only the gradients it found. A rank that holds no gradient of the
     parameters given (placement ``Whole()``: each matrix on one rank; a subset such as Muon's
@@ -116,11 +119,11 @@ def _clipped_parameters() -> set[int] | None:
     """
     frame = sys._getframe(2)
     if frame.f_code is not _CLIP_CODE:
-        return None
+        return None, None
     parameters = frame.f_locals.get("parameters")
     if not isinstance(parameters, list):
-        return None
-    return {id(p) for p in parameters}
+        return None, None
+    return {id(p) for p in parameters}, frame.f_locals.get("max_norm")
 
 
 def _grads(context: StepContext) -> list[torch.Tensor]:
