@@ -156,7 +156,7 @@ class Watchdog:
             return
         seq = self._seq.get(group.group_name, 0)
         record = Record(seq, group.group_name, "call", 0, "", tag.phase, tag.unit, tag.step)
-        call = tag.phase.split("(")[0]
+        call = tag.phase.split("(")[0].strip()  # without its values
         self.agree(group, record, Waited(group.group_name, seq, 0, "", call, _program_line()))
 
     def step_ended(self) -> None:

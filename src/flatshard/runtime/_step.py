@@ -94,6 +94,9 @@ class StepContext:
         # update through p.data may follow). See [Note: stale gathers].
         self.optimizer_steps_taken = 0
         self.forward_depth = 0  # units whose forward runs now (nested calls)
+        # Whether the last outermost forward could train ([Note: a forward only some ranks
+        # run]); True before the first, so that a first evaluation agrees too
+        self.last_forward_trains = True
         self.step = 0  # backward passes completed (the ledger's and the reports' step)
         self.phase = "forward"  # what the units do now, in the reports' words
         # Per backward pass:
@@ -211,6 +214,7 @@ class StepContext:
             # would mispair this step's collectives too ([Note: the digest without a host
             # sync]; its event completed while the host ran optimizer.step()).
             self.ledger.settle()
+            self._agree_mode_change()
         if unit.is_root:
             # (A schedule runs several forwards before their backward passes, on purpose.)
             if self.schedule is None and any(u.expects_backward for u in self.units):
@@ -224,6 +228,28 @@ class StepContext:
             self._free_kept(but=unit)
         self.forward_depth += 1
         self.phase = "forward"
+
+    def _agree_mode_change(self) -> None:
+        """[Note: a forward only some ranks run]
+        An evaluation or a generation on some ranks only (``if rank == 0: with
+        torch.no_grad(): model(sample)``) is a common slip: its all-gathers pair with the
+        others' training collectives, and the end-of-forward check's all-gather with a
+        collective of another size, which makes gloo abort the process. So where a model
+        goes from forwards that can train (grad on, a trainable parameter) to ones that
+        cannot, or back, the ranks first agree on it through the store (one round trip,
+        ``Watchdog.entry``): a rank that evaluates alone waits there while the others wait
+        in a collective, and the diagnosis names both on every rank within seconds. Only
+        the change agrees, so a model that only ever evaluates (a teacher, a reference
+        model) or only trains pays nothing per step; the first forward counts as a change
+        from training, so an evaluation before training on one rank is named too. A
+        schedule runs its own forwards on every stage alike, unagreed."""
+        trains = torch.is_grad_enabled() and any(u.trainable for u in self.units)
+        changed, self.last_forward_trains = trains != self.last_forward_trains, trains
+        dog = watchdog()
+        if not changed or self.schedule is not None or dog is None or self.process_group is None:
+            return
+        what = "a training forward (grad on)" if trains else "an evaluation forward (no grad)"
+        dog.entry(self.process_group, self.tag(self.root_label, what))
 
     def _agree_backward_skipped(self) -> None:
         """[Note: a backward one rank skipped]
