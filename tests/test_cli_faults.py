@@ -69,9 +69,11 @@ def _start_long_run(tmp_path: Path) -> tuple[subprocess.Popen[str], list[int]]:
     for line in proc.stdout:
         if line.startswith("step "):
             break
-    ranks = [
-        c for c in _children(proc.pid) if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()
+    # The ranks are forked from the launcher's fork server (a child of the launcher)
+    servers = [
+        c for c in _children(proc.pid) if "forkserver" in Path(f"/proc/{c}/cmdline").read_text()
     ]
+    ranks = [rank for server in servers for rank in _children(server)]
     assert len(ranks) == 2, ranks
     return proc, ranks
 

@@ -8,8 +8,8 @@ with the same isolation as a spawned one. Two differences matter here:
 - the server's environment is the one it had when it started, so a caller whose
   environment may have changed since passes ``os.environ`` along and the child adopts
   it (``adopt_environment``);
-- a child's parent is the server, not the caller, so ``flatshard train``'s launcher,
-  whose ranks die with it (``cli.launch.stop_with_parent``), still spawns.
+- a child's parent is the server, not the caller: ``flatshard train``'s ranks, which die
+  with their launcher, watch the launcher itself (``cli/train/launch.py``).
 """
 
 from __future__ import annotations

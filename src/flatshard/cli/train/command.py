@@ -57,7 +57,6 @@ from flatshard.cli.train.launch import (
     PREEMPT_GRACE_S,
     STOP_GRACE_S,
     run_local_ranks,
-    stop_with_parent,
 )
 from flatshard.cli.train.predict import Measurement, Prediction, predict_run, prediction_line
 from flatshard.cli.train.progress import (
@@ -138,10 +137,7 @@ def _spawn(config: TrainConfig, store: str, prediction: Prediction | None) -> in
     return run_local_ranks(config.nproc, _worker, (config, store, prediction), grace)
 
 
-def _worker(
-    rank: int, config: TrainConfig, store: str, prediction: Prediction | None, launcher: int
-) -> None:
-    stop_with_parent(launcher)  # never outlive the launcher
+def _worker(rank: int, config: TrainConfig, store: str, prediction: Prediction | None) -> None:
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(config.nproc)
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(config.nproc))
     try:

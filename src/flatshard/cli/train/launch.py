@@ -4,19 +4,25 @@ Without torchrun, ``flatshard train --nproc N`` starts its ranks here. A rank th
 stops the others (they would wait in a collective forever) and is named with its exit
 code or signal; SIGTERM / SIGINT to the launcher stop every rank; a launcher killed with
 SIGKILL takes its ranks with it.
+
+The ranks are forked from a server that imported torch and flatshard once ([Note: fast
+ranks] in ``comm/_processes.py``), not spawned (each importing them again: seconds of CPU
+per rank). Their parent is then that server, so each rank watches the launcher itself
+(``stop_with_parent``).
 """
 
 from __future__ import annotations
 
-import ctypes
-import multiprocessing as mp
 import os
+import select
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+from flatshard.comm._processes import adopt_environment, fast_context
 
 STOP_GRACE_S = 5.0  # how long stopped ranks may take before SIGKILL
 PREEMPT_GRACE_S = 300.0  # ... when they finish a step and save first (--ckpt-on-preempt)
@@ -25,17 +31,20 @@ PREEMPT_GRACE_S = 300.0  # ... when they finish a step and save first (--ckpt-on
 def run_local_ranks(
     nproc: int, worker: Callable[..., None], args: tuple[Any, ...], grace_s: float = STOP_GRACE_S
 ) -> int:
-    """Run ``worker(rank, *args, launcher_pid)`` in one process per local rank; stop them
-    all at the first failure or signal; the exit code for the command.
+    """Run ``worker(rank, *args)`` in one process per local rank (with the launcher's
+    environment); stop them all at the first failure or signal; the exit code for the
+    command.
 
     SIGTERM / SIGINT to the launcher are passed to every rank, which then have ``grace_s``
     seconds before SIGKILL; a launcher killed outright takes its ranks with it
     (``stop_with_parent``). The rank that failed first is named, with its exit code or
     the signal that killed it.
     """
-    ctx = mp.get_context("spawn")
-    launcher = os.getpid()
-    procs = [ctx.Process(target=worker, args=(r, *args, launcher)) for r in range(nproc)]
+    ctx = fast_context()
+    launcher, env = os.getpid(), dict(os.environ)
+    procs = [
+        ctx.Process(target=_rank_main, args=(worker, r, args, launcher, env)) for r in range(nproc)
+    ]
     for proc in procs:
         proc.start()
     received: list[int] = []
@@ -96,22 +105,54 @@ def _how(exitcode: int) -> str:
     return f"exited with code {exitcode}"
 
 
-def stop_with_parent(parent: int) -> None:
-    """Have this process receive SIGTERM when ``parent`` dies (Linux), so that ranks never
-    outlive a launcher killed with SIGKILL; elsewhere a thread watches the parent."""
+def _rank_main(
+    worker: Callable[..., None],
+    rank: int,
+    args: tuple[Any, ...],
+    launcher: int,
+    env: dict[str, str],
+) -> None:
+    adopt_environment(env)  # the server's is the one it started with
+    stop_with_parent(launcher)  # never outlive the launcher
+    worker(rank, *args)
+
+
+def stop_with_parent(launcher: int) -> None:
+    """Have this process receive SIGTERM when the launcher dies, so that ranks never
+    outlive a launcher killed with SIGKILL.
+
+    Not the parent's death signal (``prctl``): a rank's parent is the fork server, which
+    outlives the launcher as long as any process it forked does (every child holds the
+    server's "alive" pipe open, by design). So a thread waits on the launcher itself: on
+    a process descriptor of it where the kernel has them (Linux 5.3), else by polling.
+    """
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
-    if os.getppid() != parent:  # it died before prctl took effect
+        descriptor = os.pidfd_open(launcher)
+    except ProcessLookupError:  # it died already
         os.kill(os.getpid(), signal.SIGTERM)
+        return
+    except (AttributeError, OSError):  # no process descriptors here
+        threading.Thread(target=_watch_launcher, args=(launcher,), daemon=True).start()
+        return
+    threading.Thread(target=_wait_for_exit, args=(descriptor,), daemon=True).start()
 
 
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+def _wait_for_exit(descriptor: int) -> None:
+    select.select([descriptor], [], [])  # readable once the process ended
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _watch_parent(parent: int) -> None:
-    while os.getppid() == parent:
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _watch_launcher(launcher: int) -> None:
+    while _alive(launcher):
         time.sleep(1.0)
     os.kill(os.getpid(), signal.SIGTERM)
