@@ -16,7 +16,6 @@ back by its own torchrun (``--max-restarts``).
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -31,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flatshard.testing.internals import fast_context
 from flatshard.testing.isolated import descendants, rank_pid, wait_until
 from flatshard.testing.scripts import last_logged_step, logged_rows
 
@@ -186,7 +186,7 @@ def test_a_replica_group_dies_and_heals_from_a_live_one(
     lighthouse = LighthouseServer(
         bind="[::]:0", min_replicas=1, join_timeout_ms=2000, heartbeat_timeout_ms=2000
     )
-    ctx = multiprocessing.get_context("spawn")
+    ctx = fast_context()  # forked from a server that imported torch once
     out, start, progress = ctx.Queue(), ctx.Barrier(groups * size), ctx.Queue()
     ports = [ctx.Queue() for _ in range(groups)]
 
@@ -426,7 +426,7 @@ def test_replica_groups_of_other_layouts_are_named(sync: bool, differs: str) -> 
     from torchft._torchft import LighthouseServer
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=1000)
-    ctx = multiprocessing.get_context("spawn")
+    ctx = fast_context()  # forked from a server that imported torch once
     out, start = ctx.Queue(), ctx.Barrier(2)
     procs = [
         ctx.Process(

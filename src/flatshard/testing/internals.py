@@ -23,6 +23,7 @@ from flatshard.comm import _ledger as comm_ledger
 from flatshard.comm._checks import Tag
 from flatshard.comm._collectives import ReduceScatter
 from flatshard.comm._mesh import ranks_per_host
+from flatshard.comm._processes import fast_context
 from flatshard.comm._watchdog import watchdog
 from flatshard.flat._flat_param import FlatParamGroup
 from flatshard.flat._gather_codec import GatherCodec, quantize_rows
@@ -82,6 +83,7 @@ __all__ = [
     "context_of",
     "contexts_under",
     "device_with_index",
+    "fast_context",
     "fitted_achieved",
     "forced_reduce_scatter",
     "forget_hybrid_groups",
