@@ -12,7 +12,7 @@ module to the public surfaces (as ``flatshard.testing.internals`` is for tests).
 
 from flatshard.comm._collectives import ReduceScatter, WaitClock, reduce_scatter_impl
 from flatshard.comm._mesh import not_a_strategy, strategy_names
-from flatshard.comm._processes import exit_without_teardown, fast_context
+from flatshard.comm._processes import adopt_environment, exit_without_teardown, fast_context
 from flatshard.flat._experts import TokenBytes
 from flatshard.flat._placement import PlacementRule, WholeChoice, placement_rule
 from flatshard.flat._policy import AutoWrapPolicy
@@ -46,6 +46,7 @@ __all__ = [
     "TokenBytes",
     "WaitClock",
     "WholeChoice",
+    "adopt_environment",
     "checkpoint_metadata",
     "exit_without_teardown",
     "fast_context",

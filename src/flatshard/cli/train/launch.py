@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from flatshard.comm._processes import adopt_environment, fast_context
+from flatshard.cli.internals import adopt_environment, fast_context
 
 STOP_GRACE_S = 5.0  # how long stopped ranks may take before SIGKILL
 PREEMPT_GRACE_S = 300.0  # ... when they finish a step and save first (--ckpt-on-preempt)
