@@ -455,6 +455,42 @@ def test_an_optimizer_step_on_one_rank_is_named_on_every_rank(case: str, world: 
             assert "rank 0" in message, message
 
 
+def writeback_alone_job(rank: int) -> tuple[str, bool, bool]:
+    """A change inside ``summon_full_params`` on rank 0 only (through ``.data``, which no
+    version counter sees), then the same change on every rank."""
+    model = _net()
+    with flatshard.summon_full_params(model, writeback=False):
+        before = model.inp.weight.detach().clone()
+    message = ""
+    try:
+        with flatshard.summon_full_params(model):
+            if rank == 0:
+                model.inp.weight.data.fill_(0.5)  # e.g. weights loaded on rank 0 only
+    except RuntimeError as error:
+        message = str(error)
+    with flatshard.summon_full_params(model, writeback=False):
+        unchanged = bool(torch.equal(model.inp.weight, before))
+    with flatshard.summon_full_params(model):
+        model.inp.weight.data.fill_(0.25)
+    with flatshard.summon_full_params(model, writeback=False):
+        written = bool((model.inp.weight == 0.25).all())
+    return message, unchanged, written
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_write_back_of_a_change_on_one_rank_is_named_on_every_rank(world: int) -> None:
+    """Before: each rank wrote back its own rows, rank 0's change landed in rank 0's rows
+    only (a silent mix of two models)."""
+    for rank, (message, unchanged, written) in enumerate(
+        run_isolated(writeback_alone_job, world_size=world)
+    ):
+        assert "summon_full_params(writeback=True) ended with 1 full parameter(s)" in message
+        assert "'inp.weight': one value on rank(s) 0, another on rank(s) 1" in message
+        assert "nothing was written back" in message and f"(seen on rank {rank})" in message
+        assert unchanged, f"rank {rank}: the refused write-back changed the shards"
+        assert written, f"rank {rank}: the same change on every rank was not written back"
+
+
 def two_optimizers_job(ctx: WorkerContext) -> dict[str, torch.Tensor] | None:
     """A GAN's pattern in one sharded model: ``blocks.0`` generates, ``blocks.2``
     discriminates, each with its own optimizer; the discriminator steps between the

@@ -87,13 +87,51 @@ def pack_rows(flat: FlatParamGroup, local_rows: list[torch.Tensor]) -> torch.Ten
     return packed
 
 
+class Summoned:
+    """A group's parameters, full-size for a while (``full_params``)."""
+
+    def __init__(self, flat: FlatParamGroup, views: list[torch.Tensor], given: list[torch.Tensor]):
+        self.flat = flat
+        self.writeback = True  # False: what was written is dropped (``discard``)
+        # The originals every rank holds alike: all but a tensor-parallel part (this rank's)
+        self._alike = [
+            orig
+            for orig, view, tensor in zip(flat.originals, views, given, strict=True)
+            if orig.tp is None or tensor is not view
+        ]
+
+    def digests(self) -> list[tuple[str, int]]:
+        """(name, digest) of each parameter every rank must hold alike, as it is now."""
+        return [(orig.fqn, value_digest(orig.param.data)) for orig in self._alike]
+
+    def discard(self) -> None:
+        self.writeback = False
+
+
+_INTEGER_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_DIGEST_CHUNK = 1 << 20  # elements per step (an int64 temporary of this size)
+
+
+def value_digest(tensor: torch.Tensor) -> int:
+    """A digest of ``tensor``'s bits: equal on every rank for equal values (NaNs included),
+    whatever the reduction order (a position-weighted sum in wrapping 64-bit integers)."""
+    bits = tensor.detach().contiguous().reshape(-1).view(_INTEGER_OF_SIZE[tensor.element_size()])
+    weights = torch.arange(1, _DIGEST_CHUNK + 1, dtype=torch.int64, device=bits.device)
+    total = torch.zeros((), dtype=torch.int64, device=bits.device)
+    for start in range(0, bits.numel(), _DIGEST_CHUNK):
+        chunk = bits[start : start + _DIGEST_CHUNK].to(torch.int64)
+        total += (chunk * weights[: chunk.numel()]).sum() + start
+    return int(total)
+
+
 @contextmanager
-def full_params(flat: FlatParamGroup, writeback: bool) -> Iterator[None]:
+def full_params(flat: FlatParamGroup, writeback: bool) -> Iterator[Summoned]:
     """Give every original parameter of ``flat`` its full shape and value (master dtype).
 
     A split parameter becomes what ``SplitParam.summoned`` says: expert slices the whole
     global tensor (joined over their group, as in a full state dict), tensor-parallel parts
-    this rank's part.
+    this rank's part. With ``writeback`` what they hold at exit is written to the shards,
+    unless ``discard`` was called.
     """
     full, views = gather_full(flat, flat.param_region)
     joined = [
@@ -102,10 +140,11 @@ def full_params(flat: FlatParamGroup, writeback: bool) -> Iterator[None]:
     ]
     for orig, tensor in zip(flat.originals, joined, strict=True):
         orig.param.data = tensor
+    summoned = Summoned(flat, views, joined)
     try:
-        yield
+        yield summoned
     finally:
-        if writeback:
+        if writeback and summoned.writeback:
             flat.shards_written()
             _write_back(flat, full, views, joined)
         flat.use_sharded_data()

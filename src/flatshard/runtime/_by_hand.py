@@ -14,11 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from typing import cast
 
+import torch.distributed as dist
 from torch import nn
 
-from flatshard.flat._full_params import full_params
-from flatshard.runtime._step import agree, collective_call
+from flatshard.comm._collectives import all_gather_object
+from flatshard.comm._ranks import global_rank
+from flatshard.flat._full_params import Summoned, full_params
+from flatshard.runtime._step import agree, collective_call, distinct_contexts
 from flatshard.runtime._unit import Hold, Unit, unit_or_error, units_of
 
 
@@ -78,14 +82,60 @@ def summon_full_params(model: nn.Module, writeback: bool = True) -> Iterator[Non
                     "enter summon_full_params between steps, not inside forward or backward.",
                 )
                 unit.reshard()  # a root kept unsharded must not go stale under writeback
-            for unit in units:
-                for flat in unit.flat_params:
-                    stack.enter_context(full_params(flat, writeback))
+            summoned = [
+                stack.enter_context(full_params(flat, writeback))
+                for unit in units
+                for flat in unit.flat_params
+            ]
         holds = [unit.hold for unit in units]
         for unit in units:
             unit.hold = Hold.SUMMONED
         try:
             yield
+            if writeback:
+                _written_alike(model, summoned)
         finally:
             for unit, hold in zip(units, holds, strict=True):
                 unit.hold = hold
+
+
+def _written_alike(model: nn.Module, summoned: list[Summoned]) -> None:
+    """[Note: a write-back every rank makes alike]
+    Each rank writes back only its own rows of what it holds at exit. So a change made on
+    some ranks only (``if rank == 0: model.load_state_dict(...)`` inside the summon) would
+    land in those ranks' rows alone: a silent mix. At exit the ranks compare a digest of
+    every parameter they must hold alike (all but tensor-parallel parts, each rank's own),
+    and where any differs, every rank raises naming them and nothing is written back.
+    One O(parameters) pass and one small all-gather per write-back summon.
+    """
+    mine = [digest for s in summoned for digest in s.digests()]
+    contexts = distinct_contexts(units_of(model, "summon_full_params"))
+    groups = {id(c.process_group): c.process_group for c in contexts if c.process_group}
+    ranks: list[int] = []
+    every: list[list[tuple[str, int]]] = []
+    with collective_call(model, "summon_full_params(writeback=True) exit"):
+        for group in groups.values():
+            if dist.get_world_size(group) > 1:
+                ranks += dist.get_process_group_ranks(group)
+                every += [cast(list[tuple[str, int]], d) for d in all_gather_object(mine, group)]
+    differ = [i for i in range(len(mine)) if len({digests[i][1] for digests in every}) > 1]
+    if not differ:
+        return
+    for s in summoned:
+        s.discard()
+    holders: dict[int, list[str]] = {}  # the first differing parameter's values: ranks
+    for rank, digests in zip(ranks, every, strict=True):
+        holders.setdefault(digests[differ[0]][1], []).append(str(rank))
+    values = [f"rank(s) {', '.join(sorted(set(r), key=int))}" for r in holders.values()]
+    sides = f"one value on {values[0]}" + "".join(f", another on {v}" for v in values[1:])
+    names = [mine[i][0] for i in differ]
+    named = ", ".join(f"'{n}'" for n in names[:3]) + (", ..." if len(names) > 3 else "")
+    raise RuntimeError(
+        f"flatshard: summon_full_params(writeback=True) ended with {len(names)} full "
+        f"parameter(s) that differ between the ranks (seen on rank {global_rank()}): "
+        f"{named} ('{names[0]}': {sides}). Each rank writes back only its own rows, so "
+        "the model would become a mix of them: nothing was written back. Make the same "
+        "change on every rank inside the summon (e.g. load the same state dict on every "
+        "rank), or load rank 0's values into every rank with flatshard.load_state_dict("
+        "model, state_dict, from_rank0=True)."
+    )
