@@ -184,6 +184,15 @@ _HOW = {
     "summon_full_params": _WRITES,
     "full_state_dict": _WRITES,
     "export_safetensors": _WRITES,
+    # (the two forwards ranks agree on: [Note: a forward only some ranks run])
+    "an evaluation forward": (
+        "each rank its share of the evaluation batches, as many on every rank "
+        "(DistributedSampler pads them), or decode inside summon_full_params entered on "
+        "every rank"
+    ),
+    "a training forward": (
+        "after as many evaluation batches on every rank (DistributedSampler pads them)"
+    ),
 }
 
 
