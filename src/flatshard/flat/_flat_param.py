@@ -565,7 +565,7 @@ class FlatParamGroup:
         """``zero_grad`` of the originals at indices ``zeroed``: their part of the
         gradients this group keeps unreduced goes with their ``.grad`` (the sum of backward
         passes with sync off; hybrid, a chunk owed to the replicas' all-reduce). See
-        [Note: zero_grad drops kept gradients] in runtime/_zero_grad.py."""
+        [Note: zero_grad drops kept gradients] in runtime/_torch_utilities.py."""
         reduction = self.reduction
         if not reduction.keeps_gradients or not zeroed:
             return
