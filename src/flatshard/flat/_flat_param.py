@@ -42,7 +42,7 @@ until it is waited for). After the wait the compute stream is ordered after the
 collective, and the buffer was allocated on that stream, so the caching allocator can
 hand its memory only to work that runs later. The cast source is held until the wait for
 the same reason. The CPU may run ahead of the GPU; the rate limiter
-(``_rate_limiter.py``) bounds how far.
+(``runtime/_prefetch.py``) bounds how far.
 
 [Note: stale gathers]
 A gathered buffer is a copy of the shards at the time its all-gather started. If the shard

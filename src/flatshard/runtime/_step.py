@@ -33,9 +33,8 @@ from flatshard.flat._original_param import OriginalParam
 from flatshard.flat._reduction import GradientReduction
 from flatshard.runtime._changes import ChangeWatch, check_parameters
 from flatshard.runtime._configuration import Switches, model_lines
-from flatshard.runtime._prefetch import ExecutionOrder
+from flatshard.runtime._prefetch import ExecutionOrder, RateLimiter
 from flatshard.runtime._profiling import traced
-from flatshard.runtime._rate_limiter import RateLimiter
 from flatshard.runtime._unit import Hold, Unit, unit_of, units_of
 
 CONTEXT_ATTR = "_flatshard_context"  # attribute of a module fully_shard was called on
@@ -76,7 +75,7 @@ class StepContext:
         self.created = next(_CREATED)
         # All the ranks that train the model together (None after interpreter exit began).
         self.process_group: dist.ProcessGroup | None = process_group
-        self.rate_limiter = rate_limiter  # Prefetch.limit_all_gathers (see _rate_limiter.py)
+        self.rate_limiter = rate_limiter  # Prefetch.limit_all_gathers (see _prefetch.py)
         self.units: list[Unit] = []  # inner units first; forward order is not assumed
         # Parameters the placement rule left alone (Unmanaged()): in no flat group, by design
         self.left_alone: list[nn.Parameter] = []

@@ -77,12 +77,12 @@ from flatshard.runtime._prefetch import (
     ExecutionOrder,
     Prefetch,
     Prefetchable,
+    RateLimiter,
     backward_targets,
     forward_targets,
     issue,
 )
 from flatshard.runtime._profiling import traced
-from flatshard.runtime._rate_limiter import RateLimiter
 
 UNIT_ATTR = "_flatshard_unit"  # attribute of a unit's module holding its Unit
 OWNER_ATTR = "_flatshard_owner"  # attribute of the other modules a unit owns: (Unit, name)

@@ -38,8 +38,7 @@ from flatshard.flat._row_sparse import RowSparse
 from flatshard.flat._tensor_parallel import global_shapes, localize
 from flatshard.runtime._configuration import UnitConfig, config_lines, describe
 from flatshard.runtime._hooks import install, install_output_cast
-from flatshard.runtime._prefetch import Prefetch
-from flatshard.runtime._rate_limiter import DEFAULT_LIMIT, RateLimiter
+from flatshard.runtime._prefetch import DEFAULT_LIMIT, Prefetch, RateLimiter
 from flatshard.runtime._step import CONTEXT_ATTR, StepContext, context_of
 from flatshard.runtime._torch_utilities import watch_torch_utilities
 from flatshard.runtime._unit import Unit, owner_of, unit_of

@@ -39,9 +39,8 @@ from flatshard.planner._recorder import Op as RecordedOp
 from flatshard.planner._simulate import measure as measured_step_peak
 from flatshard.planner._simulate import measure_step_seconds as measured_step_seconds
 from flatshard.runtime._configuration import Switches, UnitConfig, config_lines
-from flatshard.runtime._prefetch import ExecutionOrder
+from flatshard.runtime._prefetch import ExecutionOrder, RateLimiter
 from flatshard.runtime._profiling import Ranges
-from flatshard.runtime._rate_limiter import RateLimiter
 from flatshard.runtime._step import StepContext, context_of, contexts_under
 from flatshard.runtime._torch_utilities import TorchReach
 from flatshard.runtime._unit import Unit, units_of
