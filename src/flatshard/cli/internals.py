@@ -18,7 +18,7 @@ from flatshard.flat._placement import PlacementRule, WholeChoice, placement_rule
 from flatshard.flat._policy import AutoWrapPolicy
 from flatshard.planner._plan import ALLOCATOR_SLACK
 from flatshard.planner._recommend import kept_phrase
-from flatshard.runtime._matrix_optimizers import muon_matrices
+from flatshard.runtime._optimizer_steps import muon_matrices
 from flatshard.sharding._keep_gathered import shard_keeping_last
 from flatshard.state._checkpoint import (
     EXTRA,

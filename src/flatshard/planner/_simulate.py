@@ -32,7 +32,7 @@ from flatshard.planner import _recorder as tags
 from flatshard.planner._attention import fused_attention
 from flatshard.planner._pipeline import Pipeline
 from flatshard.planner._recorder import Recorder
-from flatshard.runtime._matrix_optimizers import muon_matrices
+from flatshard.runtime._optimizer_steps import muon_matrices
 from flatshard.runtime._prefetch import Prefetch
 from flatshard.runtime._step_loop import StepObserver, train_step
 from flatshard.runtime._summary import sharding_summary

@@ -19,7 +19,7 @@ from flatshard.runtime._custom_comms import set_custom_all_gather, set_custom_re
 from flatshard.runtime._grad_scaler import ShardedGradScaler
 from flatshard.runtime._hooks import register_entry_point
 from flatshard.runtime._join import join
-from flatshard.runtime._matrix_optimizers import register_matrix_optimizer
+from flatshard.runtime._optimizer_steps import register_matrix_optimizer
 from flatshard.runtime._prefetch import BackwardPrefetch, Prefetch
 from flatshard.runtime._step_loop import StepObserver, train_step
 from flatshard.runtime._summary import (

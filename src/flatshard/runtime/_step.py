@@ -488,7 +488,7 @@ def every_rank_calls(caller: str, model_arg: int = 0) -> Callable[[F], F]:
 
 
 # The models sharded in this process, held weakly, for what torch's own utilities do to them:
-# its gradient norm (``_torch_utilities.py``) and its optimizers (``_matrix_optimizers.py``) look
+# its gradient norm (``_torch_utilities.py``) and its optimizers (``_optimizer_steps.py``) look
 # their tensors up here. A model that dies leaves.
 _SHARDED: weakref.WeakSet[StepContext] = weakref.WeakSet()
 
