@@ -75,12 +75,11 @@ from flatshard.comm._diagnosis import SAME_CALLS
 from flatshard.comm._errors import CollectiveMismatchError
 from flatshard.comm._mesh import ShardingStrategy
 from flatshard.comm._ranks import global_rank
-from flatshard.flat._flat_param import FlatParamGroup
+from flatshard.flat._flat_param import FlatParamGroup, Holding
 from flatshard.flat._lookup_options import max_norm_message
 from flatshard.flat._original_param import OriginalParam
 from flatshard.flat._placement import GroupPlacement, ShardPlacement, TableTraffic
 from flatshard.flat._reduction import GradientReduction
-from flatshard.flat._storage import Holding
 
 _ID_BYTES = 8  # int64 token ids
 
