@@ -40,6 +40,8 @@ The store is polled with ``check``, never waited on with a timeout: each timed-o
 
 On backends whose wait does not block the host (NCCL: it makes the stream wait), the wait
 is left to the backend's own watchdog.
+
+``Record``: one flatshard collective as the watchdog keeps it and the reports name it.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from types import FrameType
 from typing import NamedTuple, NoReturn
@@ -76,7 +79,6 @@ from flatshard.comm._errors import (
     PeerLostError,
     SlowCollectiveWarning,
 )
-from flatshard.comm._record import Record
 
 SLICE_S = 1.0  # a wait looks for diagnosis requests this often
 PROBE_S = 2.0  # a wait this long asks every rank's status, to look for a proof; then doubling
@@ -553,3 +555,41 @@ def watchdog() -> Watchdog | None:
         return None  # (fake: the planner's simulated world, where no peer runs)
     _WATCHDOG = Watchdog(world)
     return _WATCHDOG
+
+
+# ---------------------------------------------------------------- a record of one collective
+@dataclass(frozen=True)
+class Record:
+    """One collective (or one call every rank must make) on a group, in issue order."""
+
+    seq: int  # this rank's count of flatshard collectives on the group, this one included
+    group: str  # the group's name
+    op: str  # "all_gather", "reduce", "all_reduce", "broadcast", ... ("call": an entry)
+    numel: int  # elements this rank sends
+    dtype: str
+    phase: str  # "forward", "backward", "clip_grad_norm_", ...
+    unit: str  # the unit's name, "" if none
+    step: int  # backward passes the model's root completed
+
+    def describe(self, sizes: bool = True) -> str:
+        """In user terms, e.g. collective #7 (step 1, forward): all_gather of unit 'b' ...
+        (``sizes=False``: without the elements this rank sends)."""
+        if self.op == "call":
+            return f"{self.phase} at step {self.step} (after collective #{self.seq})"
+        unit = f" of unit '{self.unit}'" if self.unit else ""
+        data = f"{self.numel:,} {self.dtype}" if sizes else self.dtype
+        return f"collective #{self.seq} (step {self.step}, {self.phase}): {self.op}{unit} ({data})"
+
+    def agreed(self) -> str:
+        """What every rank's record of this collective must say alike: ``describe()``, but
+        for an all-to-all without the elements this rank sent (uneven by design: each rank
+        sends what the others asked of it)."""
+        return self.describe(sizes=self.op != "all_to_all")
+
+    def descriptor(self) -> str:
+        """What every rank must agree on, as text that travels through the store."""
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @staticmethod
+    def from_descriptor(text: str) -> Record:
+        return Record(**json.loads(text))

@@ -18,13 +18,13 @@ from torch import nn
 from flatshard.comm._ranks import global_rank
 from flatshard.flat._flat_param import FlatParamGroup
 from flatshard.flat._lookup_options import LOOKUPS
-from flatshard.runtime._inputs import cast_floats
 from flatshard.runtime._unit import (
     OWNER_ATTR,
     UNIT_ATTR,
     Hold,
     TrainingState,
     Unit,
+    cast_floats,
     unit_or_error,
 )
 
