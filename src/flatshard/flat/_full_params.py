@@ -91,7 +91,6 @@ class Summoned:
     """A group's parameters, full-size for a while (``full_params``)."""
 
     def __init__(self, flat: FlatParamGroup, views: list[torch.Tensor], given: list[torch.Tensor]):
-        self.flat = flat
         self.writeback = True  # False: what was written is dropped (``discard``)
         # The originals every rank holds alike: all but a tensor-parallel part (this rank's)
         self._alike = [

@@ -8,7 +8,7 @@ SIGKILL takes its ranks with it.
 The ranks are forked from a server that imported torch and flatshard once ([Note: fast
 ranks] in ``comm/_processes.py``), not spawned (each importing them again: seconds of CPU
 per rank). Their parent is then that server, so each rank watches the launcher itself
-(``stop_with_parent``).
+(``stop_with_launcher``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def run_local_ranks(
 
     SIGTERM / SIGINT to the launcher are passed to every rank, which then have ``grace_s``
     seconds before SIGKILL; a launcher killed outright takes its ranks with it
-    (``stop_with_parent``). The rank that failed first is named, with its exit code or
+    (``stop_with_launcher``). The rank that failed first is named, with its exit code or
     the signal that killed it.
     """
     ctx = fast_context()
@@ -113,11 +113,11 @@ def _rank_main(
     env: dict[str, str],
 ) -> None:
     adopt_environment(env)  # the server's is the one it started with
-    stop_with_parent(launcher)  # never outlive the launcher
+    stop_with_launcher(launcher)  # never outlive the launcher
     worker(rank, *args)
 
 
-def stop_with_parent(launcher: int) -> None:
+def stop_with_launcher(launcher: int) -> None:
     """Have this process receive SIGTERM when the launcher dies, so that ranks never
     outlive a launcher killed with SIGKILL.
 
