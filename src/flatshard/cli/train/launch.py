@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from multiprocessing.connection import wait
 from typing import Any
 
 from flatshard.cli.internals import adopt_environment, fast_context
@@ -73,17 +74,25 @@ _STOP = (signal.SIGTERM, signal.SIGINT)
 
 
 def _supervise(procs: list[Any], received: list[int], grace_s: float) -> tuple[int, int] | None:
-    """Wait for the ranks; at a failure or a signal, stop the rest. The first failure."""
+    """Wait for the ranks; at a failure or a signal, stop the rest. The first failure.
+
+    Woken by any rank's end (its sentinel), so that the rank that failed first is usually
+    the only one ended when looked at. Where several are (a peer's connection error
+    follows a rank's death within milliseconds), one killed by a signal is named before
+    one that exited with an error: the error is what the death caused.
+    """
     while True:
         # Checked once more after the last rank ended: ranks that all fail at once (a bad
         # option every rank finds) must not look like a success.
         failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode]
         if failed or received:
             _stop(procs, grace_s)  # a rank failed: the others would wait forever
+            failed.sort(key=lambda rank_code: rank_code[1] > 0)  # (stable: then by rank)
             return failed[0] if failed else None
-        if not any(p.is_alive() for p in procs):
+        alive = [p.sentinel for p in procs if p.is_alive()]
+        if not alive:
             return None
-        procs[0].join(timeout=0.2)
+        wait(alive, timeout=0.2)
 
 
 def _stop(procs: list[Any], grace_s: float) -> None:
