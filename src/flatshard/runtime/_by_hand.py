@@ -93,13 +93,13 @@ def summon_full_params(model: nn.Module, writeback: bool = True) -> Iterator[Non
         try:
             yield
             if writeback:
-                _written_alike(model, summoned)
+                _written_alike(model, units, summoned)
         finally:
             for unit, hold in zip(units, holds, strict=True):
                 unit.hold = hold
 
 
-def _written_alike(model: nn.Module, summoned: list[Summoned]) -> None:
+def _written_alike(model: nn.Module, units: list[Unit], summoned: list[Summoned]) -> None:
     """[Note: a write-back every rank makes alike]
     Each rank writes back only its own rows of what it holds at exit. So a change made on
     some ranks only (``if rank == 0: model.load_state_dict(...)`` inside the summon) would
@@ -109,7 +109,7 @@ def _written_alike(model: nn.Module, summoned: list[Summoned]) -> None:
     One O(parameters) pass and one small all-gather per write-back summon.
     """
     mine = [digest for s in summoned for digest in s.digests()]
-    contexts = distinct_contexts(units_of(model, "summon_full_params"))
+    contexts = distinct_contexts(units)
     groups = {id(c.process_group): c.process_group for c in contexts if c.process_group}
     ranks: list[int] = []
     every: list[list[tuple[str, int]]] = []
