@@ -25,6 +25,7 @@ LAYERS = [
     "comm",  # collectives, groups, watchdog, diagnosis, errors
     "flat",  # row-aligned layout, FlatParamGroup, reduction, policies
     "runtime",  # units, step context, hooks, prefetch; no_sync, clip, summon
+    "placements",  # placements with hooks and collectives of their own: row-sparse, experts
     "sharding",  # fully_shard, init, startup checks
     "state",  # state dicts, optimizer state, checkpoints, safetensors
     "planner",  # flatshard.plan

@@ -252,7 +252,7 @@ WRITERS: dict[str, set[str]] = {
         "runtime/_step.py",
     },
     "FlatParamGroup.storage": {"flat/_flat_param.py"},
-    "FlatParamGroup.holding": {"flat/_flat_param.py", "flat/_row_sparse.py"},
+    "FlatParamGroup.holding": {"flat/_flat_param.py", "placements/_row_sparse.py"},
     "FlatParamGroup.generation": {"flat/_flat_param.py"},
     "GradientReduction.owes": {"flat/_reduction.py"},
 }

@@ -31,10 +31,8 @@ from flatshard.comm import (
 )
 from flatshard.flat import (
     CPUOffload,
-    Experts,
     MixedPrecision,
     Rows,
-    RowSparse,
     ShardPlacement,
     SizePolicy,
     SublayerPolicy,
@@ -42,6 +40,7 @@ from flatshard.flat import (
     Unmanaged,
     Whole,
 )
+from flatshard.placements import Experts, RowSparse
 from flatshard.runtime import (
     BackwardPrefetch,
     Prefetch,

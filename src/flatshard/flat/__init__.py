@@ -7,31 +7,28 @@ tensor-parallel (DTensor) parameters (``_tensor_parallel``), which unit owns eac
 parameter (``_partition``) and which modules become units (``_policy``), full-size gathers
 outside forward/backward (``_full_params``), the marks of tensors awaiting a load
 (``_awaiting_load``). How each parameter lies across the shard group is its placement
-(``_placement``: the protocol, ``Rows``, ``Whole``; ``_row_sparse``: ``RowSparse``;
-``_experts``: ``Experts``, expert parallelism and its token all-to-all), and
-how gathers and reductions travel its group's transport (``_transport``).
+(``_placement``: the protocol, ``Rows``, ``Whole``, ``Unmanaged``; the placements that
+install hooks and issue collectives of their own, ``RowSparse`` and ``Experts``, sit above
+the runtime in ``flatshard.placements``), and how gathers and reductions travel its
+group's transport (``_transport``, its codec ``_gather_codec``).
 
 Layer 2: imports ``flatshard.comm`` and below.
 """
 
-from flatshard.flat._experts import Experts
 from flatshard.flat._layout import FlatLayout, ParamSlot, ShardRange, row_layout
 from flatshard.flat._mixed_precision import CPUOffload, DtypeReport, DtypeRow, MixedPrecision
 from flatshard.flat._placement import Rows, ShardPlacement, TableTraffic, Unmanaged, Whole
 from flatshard.flat._policy import SizePolicy, SublayerPolicy
 from flatshard.flat._reduction import CommHook
-from flatshard.flat._row_sparse import RowSparse
 
 __all__ = [
     "CPUOffload",
     "CommHook",
     "DtypeReport",
     "DtypeRow",
-    "Experts",
     "FlatLayout",
     "MixedPrecision",
     "ParamSlot",
-    "RowSparse",
     "Rows",
     "ShardPlacement",
     "ShardRange",

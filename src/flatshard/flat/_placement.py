@@ -6,11 +6,11 @@ value, or a rule ``(name, parameter) -> ShardPlacement | None``. Five exist:
 - ``Rows()`` (the default): the row-aligned layout, every rank a slice of whole rows.
 - ``Whole()``: no parameter cut; each lies whole in one rank's shard, for optimizers that
   update a matrix as a whole (``flat/_layout.py``, [Note: whole-parameter layout]).
-- ``RowSparse()`` (``_row_sparse.py``): an ``nn.Embedding`` weight whose lookups fetch only
-  their rows from the ranks that hold them.
+- ``RowSparse()`` (``placements/_row_sparse.py``): an ``nn.Embedding`` weight whose
+  lookups fetch only their rows from the ranks that hold them.
 - ``Unmanaged()``: left out of every flat group (FSDP2's ``ignored_params``): the parameter
   stays whole on every rank, is never gathered, and its gradient is not reduced.
-- ``Experts(degree)`` (``_experts.py``): a mixture of experts' stacked weights, each rank
+- ``Experts(degree)`` (``placements/_experts.py``): a mixture of experts' stacked weights, each rank
   keeping its experts only, sharded over the ranks that hold the same ones ([Note: expert
   parallelism]).
 
@@ -37,8 +37,11 @@ Both gather and reduction send their payloads through the group's ``Transport``
 (``_transport.py``), whose codec ``gathered_in`` chooses (the dtype on the wire:
 ``_gather_codec.py``).
 
-To add a placement, open this file: subclass ``ShardPlacement`` (a frozen dataclass) and,
-where run time differs from rows, ``GroupPlacement``; export the value from ``flatshard``.
+To add a placement, subclass ``ShardPlacement`` (a frozen dataclass) and, where run time
+differs from rows, ``GroupPlacement``; export the value from ``flatshard``. One that
+installs hooks or issues collectives of its own (as ``RowSparse`` and ``Experts`` do) goes
+in ``flatshard/placements/``, above the runtime: the runtime reaches it only through these
+two classes, and the layer test keeps it that way.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ _ATTR = "_flatshard_tensor_parallel"
 class SplitParam:
     """A parameter whose local tensor is this rank's part of a global tensor that other
     ranks hold other parts of: tensor parallelism (``TensorParallel``) or expert
-    parallelism (``flat/_experts.py``). Norms, full state dicts and checkpoint chunks ask
+    parallelism (``placements/_experts.py``). Norms, full state dicts and checkpoint chunks ask
     it, not which it is."""
 
     # Whether the parts are held by ranks beside the model's own (tensor parallelism), not

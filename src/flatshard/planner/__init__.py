@@ -5,7 +5,7 @@ op by op by ``_recorder``: [Note: simulated step]), prices the ops (``_timing``)
 ``Cluster`` (``_cluster``: presets; ``_calibrate``: this machine measured), and recommends
 the fastest setup that fits a memory budget (``_recommend``).
 
-Layer 6: imports ``flatshard.state`` and below. The public types users plan with are here:
+Layer 7: imports ``flatshard.state`` and below. The public types users plan with are here:
 ``plan``, ``Plan``, ``Setup``, ``Cluster``, ``PRESETS``, ``recommend``, ``Pipeline`` (a
 pipelined layout to plan; ``_pipeline``).
 """

@@ -6,7 +6,7 @@ initialization and rank-0 broadcast (``_init``), ``skip_init`` for pretrained we
 the startup consistency lines (``_consistency``), and ``shard_keeping_last`` (the last units
 kept gathered in the ZeRO-2 form).
 
-Layer 4: imports ``flatshard.runtime`` and below.
+Layer 5: imports ``flatshard.placements`` and below.
 """
 
 from flatshard.sharding._fully_shard import fully_shard

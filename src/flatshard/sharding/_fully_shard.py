@@ -34,8 +34,8 @@ from flatshard.flat._placement import (
     split_by_placement,
 )
 from flatshard.flat._policy import AutoWrapPolicy, is_within, select_unit_roots
-from flatshard.flat._row_sparse import RowSparse
 from flatshard.flat._tensor_parallel import global_shapes, localize
+from flatshard.placements._row_sparse import RowSparse
 from flatshard.runtime._configuration import UnitConfig, config_lines, describe
 from flatshard.runtime._hooks import install, install_output_cast
 from flatshard.runtime._prefetch import DEFAULT_LIMIT, Prefetch, RateLimiter

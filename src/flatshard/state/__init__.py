@@ -1,7 +1,7 @@
 """State in and out of a sharded model: state dicts, optimizer state, checkpoint
 directories (DCP), safetensors export and sharded loading.
 
-Layer 5: imports ``flatshard.sharding`` and below. The names below are the documented
+Layer 6: imports ``flatshard.sharding`` and below. The names below are the documented
 API; the checkpoint directory's reading side (manifest, entries, raw loads) that
 ``flatshard ckpt`` needs comes through ``flatshard.cli.internals``.
 """

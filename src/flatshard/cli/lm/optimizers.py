@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from flatshard.cli.internals import PlacementRule, WholeChoice, muon_matrices, placement_rule
-from flatshard.flat import Experts, RowSparse, ShardPlacement
+from flatshard.flat import ShardPlacement
+from flatshard.placements import Experts, RowSparse
 
 OPTIMIZERS = ("adamw", "muon", "adafactor")
 
