@@ -1,4 +1,4 @@
-"""CPU time of one quantized gather's encode and decode (``flat/_gather_codec.py``) for a
+"""CPU time of one quantized gather's encode and decode (``flat/_transport.py``) for a
 GPT block's flat group (``--dim`` wide, int8 with row scales), at F = 2 and F = 8, in this
 process, one thread: what each gather adds on top of its all-gather.
 

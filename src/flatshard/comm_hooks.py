@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from flatshard.comm import ShardGroups
+from flatshard.comm._agreement import global_rank
 from flatshard.comm._collectives import split_division, sum_reduce
-from flatshard.comm._ranks import global_rank
 from flatshard.flat import CommHook
 from flatshard.runtime._switches import change_units
 from flatshard.runtime._unit import units_of

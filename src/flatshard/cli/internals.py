@@ -13,8 +13,8 @@ module to the public surfaces (as ``flatshard.testing.internals`` is for tests).
 from flatshard.comm._collectives import ReduceScatter, WaitClock, reduce_scatter_impl
 from flatshard.comm._mesh import not_a_strategy, strategy_names
 from flatshard.comm._processes import adopt_environment, exit_without_teardown, fast_context
+from flatshard.flat._partition import AutoWrapPolicy
 from flatshard.flat._placement import PlacementRule, WholeChoice, placement_rule
-from flatshard.flat._policy import AutoWrapPolicy
 from flatshard.placements._experts import TokenBytes
 from flatshard.planner._plan import ALLOCATOR_SLACK
 from flatshard.planner._recommend import kept_phrase

@@ -51,11 +51,10 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
-from flatshard.comm._agreement import digest_of, lines_if_different
+from flatshard.comm._agreement import digest_of, global_rank, lines_if_different
 from flatshard.comm._checks import Tag, tagged
 from flatshard.comm._collectives import all_gather_into, all_gather_object, on_device
 from flatshard.comm._errors import CollectiveMismatchError
-from flatshard.comm._ranks import global_rank
 
 _SHOWN = 6  # calls quoted per rank around the first difference
 _STEP = "optimizer_step"  # not a collective: an entry the ranks compare all the same

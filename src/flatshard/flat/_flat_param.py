@@ -108,16 +108,15 @@ from typing import NamedTuple, cast
 import torch
 import torch.distributed as dist
 
+from flatshard.comm._agreement import global_rank
 from flatshard.comm._checks import Tag
 from flatshard.comm._collectives import start_all_gather, wait_work
 from flatshard.comm._mesh import ShardGroups
-from flatshard.comm._ranks import global_rank
-from flatshard.flat._gather_codec import SCALED, GatherCodec
 from flatshard.flat._layout import FlatLayout, ViewSplits
-from flatshard.flat._original_param import OriginalParam
+from flatshard.flat._partition import OriginalParam
 from flatshard.flat._placement import ROWS, GroupPlacement, ShardPlacement
 from flatshard.flat._reduction import GradientReduction
-from flatshard.flat._transport import IDENTITY, Gathering, Transport
+from flatshard.flat._transport import IDENTITY, SCALED, GatherCodec, Gathering, Transport
 from flatshard.measure._accounting import resize_storage
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from flatshard.comm._ranks import global_rank
+from flatshard.comm._agreement import global_rank
 
 LOOKUPS = (nn.Embedding, nn.EmbeddingBag)  # the modules whose options are checked
 

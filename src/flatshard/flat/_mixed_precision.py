@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from flatshard.flat._gather_codec import gather_dtype_error
+from flatshard.flat._transport import gather_dtype_error
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

@@ -1,22 +1,234 @@
-"""Which unit owns each original parameter, and how a unit's parameters are grouped.
+"""Units: which modules become units, which unit owns each of the user's parameters, and
+how a unit's parameters are grouped.
 
-A parameter belongs to the deepest unit whose module contains every module that registers
-it, so tied parameters (an embedding shared with the LM head) land in their lowest common
-ancestor unit and are flattened once (paper mechanism 15). Inside a unit, parameters are
-grouped by (requires_grad, dtype), one flat parameter group per group, in first-seen order.
+Auto-wrap policies (``SizePolicy``, ``SublayerPolicy``, a callable) choose which
+submodules become units (paper mechanism 14).
+
+An ``OriginalParam`` is one of the user's parameters as a flat group and its placement see
+it: the parameter, its first name, and every place a module registers it. A parameter
+belongs to the deepest unit whose module contains every module that registers it, so tied
+parameters (an embedding shared with the LM head) land in their lowest common ancestor unit
+and are flattened once (paper mechanism 15). Inside a unit, parameters are grouped by
+(requires_grad, dtype), one flat parameter group per group, in first-seen order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from flatshard.comm._ranks import join_name
-from flatshard.flat._original_param import OriginalParam
-from flatshard.flat._policy import is_within
+from flatshard.comm._agreement import join_name
+from flatshard.flat._tensor_parallel import SplitParam, tensor_parallel
+
+
+@dataclass(frozen=True)
+class SizePolicy:
+    """Make a unit of every module holding at least ``min_params`` parameter elements.
+
+    Counted bottom-up: elements already owned by an inner unit do not count again, so a
+    large block becomes a unit and its parent only counts what is left.
+    """
+
+    min_params: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.min_params, int) or self.min_params < 1:
+            raise ValueError(
+                f"SizePolicy(min_params=...) must be a positive int, got {self.min_params!r}"
+            )
+
+
+@dataclass(frozen=True)
+class SublayerPolicy:
+    """Finer units than ``blocks`` makes: its units, each of their children that holds at
+    least ``min_share`` of its unit's parameters (the attention and the MLP of a
+    transformer block; the block keeps the rest, its norms), and each module outside them
+    that holds no unit and at least ``min_share`` of an average unit's parameters, tied to
+    nothing (an untied input embedding, an output head).
+
+    Fewer parameters are gathered at once, for more and smaller collectives: ``flatshard
+    plan --memory-budget`` weighs the two and recommends it (``--units sublayers``) where
+    it makes a faster setup fit.
+    """
+
+    blocks: AutoWrapPolicy
+    min_share: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.blocks is None or isinstance(self.blocks, SublayerPolicy):
+            raise ValueError(
+                "SublayerPolicy(blocks=...) takes the policy that chooses the blocks to "
+                f"split (e.g. {{Block}}), got {self.blocks!r}"
+            )
+        if not 0 < self.min_share <= 1:
+            raise ValueError(
+                f"SublayerPolicy(min_share=...) must be in (0, 1], got {self.min_share!r}"
+            )
+
+
+ModulePredicate = Callable[[nn.Module, str], bool]
+AutoWrapPolicy = (
+    Collection[type[nn.Module]]
+    | type[nn.Module]
+    | ModulePredicate
+    | SizePolicy
+    | SublayerPolicy
+    | None
+)
+
+
+def select_unit_roots(root: nn.Module, policy: AutoWrapPolicy, skip: Collection[str]) -> list[str]:
+    """Names of the submodules (never the root) that the policy makes units.
+
+    ``skip`` holds names of submodules that are units already; nothing inside them is chosen.
+    """
+    candidates = [
+        (name, module)
+        for name, module in root.named_modules()
+        if name and not is_within(name, skip)
+    ]
+    if policy is None:
+        return []
+    if isinstance(policy, SizePolicy):
+        return _select_by_size(root, policy.min_params, skip)
+    if isinstance(policy, SublayerPolicy):
+        return _select_sublayers(root, policy, skip)
+    if callable(policy) and not isinstance(policy, type):
+        return [name for name, module in candidates if policy(module, name)]
+    classes = _as_class_set(policy)
+    return [name for name, module in candidates if isinstance(module, classes)]
+
+
+def last_units(root: nn.Module, policy: AutoWrapPolicy, count: int) -> list[nn.Module]:
+    """The last ``count`` submodules (in module order) that the policy makes units, each
+    after the units inside it (``SublayerPolicy`` nests them): the order to shard them in."""
+    if count <= 0:
+        return []
+    names = select_unit_roots(root, policy, skip=())
+    if count > len(names):
+        raise ValueError(
+            f"keep_gathered ({count}) exceeds the {len(names)} units the auto_wrap_policy "
+            "makes (the root is never one of them)"
+        )
+    position = {name: i for i, name in enumerate(_post_order(root))}
+    return [root.get_submodule(name) for name in sorted(names[-count:], key=position.__getitem__)]
+
+
+def _post_order(root: nn.Module, name: str = "") -> list[str]:
+    """Module names, each after its submodules'."""
+    inner = [
+        found
+        for child, module in root.named_children()
+        for found in _post_order(module, join_name(name, child))
+    ]
+    return [*inner, name]
+
+
+def _as_class_set(policy: object) -> tuple[type[nn.Module], ...]:
+    if isinstance(policy, type) and issubclass(policy, nn.Module):
+        return (policy,)
+    if isinstance(policy, Collection) and not isinstance(policy, str):
+        classes = tuple(policy)
+        if all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+            return classes
+    raise TypeError(
+        "auto_wrap_policy must be a set of nn.Module classes (e.g. {Block}), a callable "
+        "(module, name) -> bool, flatshard.SizePolicy(min_params=N) or None; "
+        f"got {policy!r}"
+    )
+
+
+def _select_by_size(root: nn.Module, min_params: int, skip: Collection[str]) -> list[str]:
+    chosen: list[str] = []
+    seen: set[int] = set()  # parameters already counted (ties count once)
+
+    def visit(module: nn.Module, name: str) -> int:
+        if is_within(name, skip):
+            return 0
+        remaining = sum(visit(child, join_name(name, c)) for c, child in module.named_children())
+        for param in module.parameters(recurse=False):
+            if id(param) not in seen:
+                seen.add(id(param))
+                remaining += param.numel()
+        if name and remaining >= min_params:
+            chosen.append(name)
+            return 0
+        return remaining
+
+    visit(root, "")
+    return chosen
+
+
+def is_within(name: str, prefixes: Collection[str]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _select_sublayers(root: nn.Module, policy: SublayerPolicy, skip: Collection[str]) -> list[str]:
+    blocks = select_unit_roots(root, policy.blocks, skip)
+    if not blocks:
+        return []
+    sizes = {name: _numel(root.get_submodule(name)) for name in blocks}
+    chosen = set(blocks)
+    for name in blocks:
+        for child, module in root.get_submodule(name).named_children():
+            if _numel(module) >= policy.min_share * sizes[name]:
+                chosen.add(join_name(name, child))
+    average = sum(sizes.values()) / len(sizes)
+    chosen |= _large_leftovers(root, blocks, policy.min_share * average, skip)
+    return [name for name, _ in root.named_modules() if name in chosen]
+
+
+def _large_leftovers(
+    root: nn.Module, blocks: Collection[str], threshold: float, skip: Collection[str]
+) -> set[str]:
+    """The outermost modules that hold no block, at least ``threshold`` parameters and
+    no tied one (a tied one lands in the common ancestor's unit: the unit would be empty)."""
+    tied = _tied_params(root)
+    found: set[str] = set()
+
+    def visit(name: str, module: nn.Module) -> None:
+        if name in blocks or is_within(name, skip):
+            return
+        if not name or any(b.startswith(name + ".") for b in blocks):
+            for child, inner in module.named_children():
+                visit(join_name(name, child), inner)
+        elif _numel(module) >= threshold and not any(id(p) in tied for p in module.parameters()):
+            found.add(name)
+
+    visit("", root)
+    return found
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _tied_params(root: nn.Module) -> set[int]:
+    """Ids of the parameters that more than one module registers."""
+    seen: dict[int, int] = {}
+    for _, module in root.named_modules(remove_duplicate=False):
+        for param in module._parameters.values():
+            if param is not None:
+                seen[id(param)] = seen.get(id(param), 0) + 1
+    return {key for key, count in seen.items() if count > 1}
+
+
+@dataclass
+class OriginalParam:
+    """One of the user's parameters, with every place a module registers it (ties)."""
+
+    param: nn.Parameter
+    fqn: str  # its first name in the model
+    usages: list[tuple[nn.Module, str]] = field(default_factory=list)
+
+    @property
+    def tp(self) -> SplitParam | None:
+        """Set when its local tensor is a part of a global one: a DTensor parameter ([Note:
+        DTensor parameters]) or experts ([Note: expert parallelism])."""
+        return tensor_parallel(self.param)
 
 
 @dataclass

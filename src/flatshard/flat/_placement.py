@@ -34,8 +34,7 @@ placement modules (``tests/test_structure.py``). The planner prices a placement 
 it on the meta device, so it needs nothing more (but for ``Experts``, whose routing has no
 values there: refused).
 Both gather and reduction send their payloads through the group's ``Transport``
-(``_transport.py``), whose codec ``gathered_in`` chooses (the dtype on the wire:
-``_gather_codec.py``).
+(``_transport.py``), whose codec ``gathered_in`` chooses (the dtype on the wire).
 
 To add a placement, subclass ``ShardPlacement`` (a frozen dataclass) and, where run time
 differs from rows, ``GroupPlacement``; export the value from ``flatshard``. One that
@@ -55,10 +54,10 @@ import torch.distributed as dist
 from torch import nn
 
 from flatshard.comm._mesh import ShardGroups, ShardingStrategy
-from flatshard.flat._gather_codec import SCALED, gather_dtype_error
 from flatshard.flat._layout import FlatLayout, row_layout
 from flatshard.flat._lookup_options import refuse_lookup_options
-from flatshard.flat._original_param import OriginalParam
+from flatshard.flat._partition import OriginalParam
+from flatshard.flat._transport import SCALED, gather_dtype_error
 
 if TYPE_CHECKING:
     from flatshard.flat._flat_param import FlatParamGroup

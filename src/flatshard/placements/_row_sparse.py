@@ -70,14 +70,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from flatshard.comm._agreement import global_rank
 from flatshard.comm._collectives import all_gather_into, exchange_rows
 from flatshard.comm._diagnosis import SAME_CALLS
 from flatshard.comm._errors import CollectiveMismatchError
 from flatshard.comm._mesh import ShardingStrategy
-from flatshard.comm._ranks import global_rank
 from flatshard.flat._flat_param import FlatParamGroup, Holding
 from flatshard.flat._lookup_options import max_norm_message
-from flatshard.flat._original_param import OriginalParam
+from flatshard.flat._partition import OriginalParam
 from flatshard.flat._placement import GroupPlacement, ShardPlacement, TableTraffic
 from flatshard.flat._reduction import GradientReduction
 

@@ -17,8 +17,8 @@ from torch import nn
 
 from flatshard.comm._mesh import ShardingStrategy
 from flatshard.comm._processes import fast_context
+from flatshard.flat._partition import AutoWrapPolicy
 from flatshard.flat._placement import Rows, ShardPlacement
-from flatshard.flat._policy import AutoWrapPolicy
 from flatshard.planner._cluster import PRESETS, Cluster
 from flatshard.planner._pipeline import (
     Pipeline,

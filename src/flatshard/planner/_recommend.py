@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flatshard.comm._mesh import ShardingStrategy
-from flatshard.flat._policy import SublayerPolicy
+from flatshard.flat._partition import SublayerPolicy
 from flatshard.planner._cluster import Cluster
 from flatshard.planner._pipeline import Pipeline
 from flatshard.planner._plan import Plan, plan_setup

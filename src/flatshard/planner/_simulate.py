@@ -25,8 +25,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from flatshard.comm._collectives import simulating
 from flatshard.comm._mesh import ShardingStrategy
 from flatshard.flat._mixed_precision import CPUOffload, MixedPrecision
+from flatshard.flat._partition import AutoWrapPolicy, SublayerPolicy
 from flatshard.flat._placement import ShardPlacement, placement_rule
-from flatshard.flat._policy import AutoWrapPolicy, SublayerPolicy
 from flatshard.measure import PeakStorage
 from flatshard.planner import _recorder as tags
 from flatshard.planner._attention import fused_attention

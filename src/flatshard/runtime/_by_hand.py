@@ -19,8 +19,8 @@ from typing import cast
 import torch.distributed as dist
 from torch import nn
 
+from flatshard.comm._agreement import global_rank
 from flatshard.comm._collectives import all_gather_object
-from flatshard.comm._ranks import global_rank
 from flatshard.flat._full_params import Summoned, full_params
 from flatshard.runtime._step import agree, collective_call, distinct_contexts
 from flatshard.runtime._unit import Hold, Unit, unit_or_error, units_of

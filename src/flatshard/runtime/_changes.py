@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from flatshard.comm._ranks import global_rank, join_name
+from flatshard.comm._agreement import global_rank, join_name
 from flatshard.flat._flat_param import FlatParamGroup
 
 _SHOWN = 8  # names quoted per kind of change

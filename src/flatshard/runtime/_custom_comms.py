@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from flatshard.comm._agreement import global_rank
 from flatshard.comm._collectives import AllGatherComm, ReduceScatterComm
-from flatshard.comm._ranks import global_rank
 from flatshard.runtime._switches import change_units
 from flatshard.runtime._unit import Unit, unit_or_error
 

@@ -15,7 +15,7 @@ from typing import Any, TypeVar, cast
 import torch
 from torch import nn
 
-from flatshard.comm._ranks import global_rank
+from flatshard.comm._agreement import global_rank
 from flatshard.flat._flat_param import FlatParamGroup
 from flatshard.flat._lookup_options import LOOKUPS
 from flatshard.runtime._unit import (

@@ -34,9 +34,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from flatshard.comm._agreement import global_rank
 from flatshard.comm._checks import tagged
 from flatshard.comm._collectives import all_gather_into
-from flatshard.comm._ranks import global_rank
 from flatshard.runtime._step import StepContext, agree, contexts_under
 
 

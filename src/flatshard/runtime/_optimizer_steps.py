@@ -54,8 +54,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from flatshard.comm._ranks import global_rank
-from flatshard.flat._original_param import OriginalParam
+from flatshard.comm._agreement import global_rank
+from flatshard.flat._partition import OriginalParam
 from flatshard.flat._reduction import Owed
 from flatshard.runtime._step import StepContext, sharded_contexts
 

@@ -29,7 +29,7 @@ from flatshard.comm._mesh import ShardGroups
 from flatshard.comm._watchdog import watchdog
 from flatshard.flat._flat_param import FlatParamGroup
 from flatshard.flat._mixed_precision import MixedPrecision
-from flatshard.flat._original_param import OriginalParam
+from flatshard.flat._partition import OriginalParam
 from flatshard.flat._reduction import GradientReduction
 from flatshard.runtime._changes import ChangeWatch, check_parameters
 from flatshard.runtime._configuration import Switches, model_lines

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flatshard.comm._agreement import global_rank
 from flatshard.comm._mesh import post_forward_groups, reduction_groups
-from flatshard.comm._ranks import global_rank
 from flatshard.runtime._configuration import describe
 from flatshard.runtime._join import note_span
 from flatshard.runtime._pipeline import refuse_inside_schedule

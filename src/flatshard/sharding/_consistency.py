@@ -12,7 +12,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from flatshard.comm._ranks import join_name
+from flatshard.comm._agreement import join_name
 from flatshard.flat._lookup_options import LOOKUPS
 from flatshard.flat._partition import UnitMembers
 from flatshard.flat._placement import ShardPlacement

@@ -11,18 +11,22 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from flatshard.comm._agreement import check_same_on_all_ranks
+from flatshard.comm._agreement import check_same_on_all_ranks, join_name
 from flatshard.comm._checks import Tag, tagged
 from flatshard.comm._collectives import has_cpu_backend
 from flatshard.comm._mesh import ShardGroups, ShardingStrategy, model_group, resolve_groups
-from flatshard.comm._ranks import join_name
 from flatshard.flat._awaiting_load import awaits_load, mark_awaiting
 from flatshard.flat._flat_param import FlatParamGroup, GroupSpec
-from flatshard.flat._gather_codec import SCALED
 from flatshard.flat._lookup_options import LOOKUPS
 from flatshard.flat._mixed_precision import CPUOffload, MixedPrecision, host_of
-from flatshard.flat._original_param import OriginalParam
-from flatshard.flat._partition import UnitMembers, partition
+from flatshard.flat._partition import (
+    AutoWrapPolicy,
+    OriginalParam,
+    UnitMembers,
+    is_within,
+    partition,
+    select_unit_roots,
+)
 from flatshard.flat._placement import (
     ROWS,
     PlacementRule,
@@ -33,8 +37,8 @@ from flatshard.flat._placement import (
     placement_rule,
     split_by_placement,
 )
-from flatshard.flat._policy import AutoWrapPolicy, is_within, select_unit_roots
 from flatshard.flat._tensor_parallel import global_shapes, localize
+from flatshard.flat._transport import SCALED
 from flatshard.placements._row_sparse import RowSparse
 from flatshard.runtime._configuration import UnitConfig, config_lines, describe
 from flatshard.runtime._hooks import install, install_output_cast

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flatshard.comm._agreement import join_name
 from flatshard.comm._collectives import broadcast
 from flatshard.comm._mesh import ShardGroups
-from flatshard.comm._ranks import join_name
 from flatshard.flat._partition import UnitMembers
 from flatshard.flat._tensor_parallel import carry
 

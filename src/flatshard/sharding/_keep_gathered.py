@@ -13,7 +13,7 @@ from typing import Any
 from torch import nn
 
 from flatshard.comm._mesh import ShardingStrategy
-from flatshard.flat._policy import last_units
+from flatshard.flat._partition import last_units
 from flatshard.sharding._fully_shard import fully_shard
 
 

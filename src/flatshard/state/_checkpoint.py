@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flatshard.comm._agreement import rank_in
 from flatshard.comm._collectives import all_gather_object, barrier
-from flatshard.comm._ranks import rank_in
 from flatshard.runtime._step import context_of, every_rank_calls
 from flatshard.state._async_save import CheckpointSave, Exchange, settle_pending, start_save
 from flatshard.state._directory import (

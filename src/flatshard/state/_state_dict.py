@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flatshard.comm._agreement import checked_on_rank0, global_rank, rank_in
 from flatshard.comm._collectives import broadcast
-from flatshard.comm._ranks import checked_on_rank0, global_rank, rank_in
 from flatshard.flat._flat_param import FlatParamGroup
 from flatshard.flat._full_params import copy_out, gather_copies
 from flatshard.flat._layout import rows_shape

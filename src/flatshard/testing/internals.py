@@ -26,11 +26,10 @@ from flatshard.comm._mesh import ranks_per_host
 from flatshard.comm._processes import fast_context
 from flatshard.comm._watchdog import watchdog
 from flatshard.flat._flat_param import FlatParamGroup, Storage, storage_move
-from flatshard.flat._gather_codec import GatherCodec, quantize_rows
 from flatshard.flat._layout import ViewSplits, row_layout
-from flatshard.flat._partition import UnitMembers, partition
-from flatshard.flat._policy import select_unit_roots
+from flatshard.flat._partition import UnitMembers, partition, select_unit_roots
 from flatshard.flat._reduction import GradientReduction
+from flatshard.flat._transport import GatherCodec, quantize_rows
 from flatshard.planner._calibrate import _achieved as fitted_achieved
 from flatshard.planner._calibrate import _predicted as calibrated_seconds
 from flatshard.planner._calibrate import _Speeds as CalibratedSpeeds
