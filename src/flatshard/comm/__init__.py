@@ -12,7 +12,6 @@ Layer 1: imports only ``flatshard.measure``-level code and torch. The names belo
 documented API; the CLI's plumbing comes through ``flatshard.cli.internals``.
 """
 
-from flatshard.comm._checks import Checks, set_checks
 from flatshard.comm._collectives import split_division
 from flatshard.comm._errors import (
     CollectiveError,
@@ -22,6 +21,7 @@ from flatshard.comm._errors import (
     SlowCollectiveWarning,
 )
 from flatshard.comm._mesh import ShardGroups, ShardingStrategy
+from flatshard.comm._watchdog import Checks, set_checks
 
 __all__ = [
     "Checks",

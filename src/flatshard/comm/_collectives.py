@@ -20,9 +20,8 @@ from typing import Any, ClassVar, NamedTuple, Protocol, cast
 import torch
 import torch.distributed as dist
 
-from flatshard.comm._checks import Tag, current_tag
 from flatshard.comm._mesh import ShardGroups
-from flatshard.comm._watchdog import watchdog
+from flatshard.comm._watchdog import Tag, current_tag, watchdog
 
 # torch 2.13 renamed the tensor collectives; older releases only have the old names.
 # Module attributes looked up at call time, so that tests can delay them

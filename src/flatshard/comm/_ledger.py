@@ -52,9 +52,9 @@ import torch
 import torch.distributed as dist
 
 from flatshard.comm._agreement import digest_of, global_rank, lines_if_different
-from flatshard.comm._checks import Tag, tagged
 from flatshard.comm._collectives import all_gather_into, all_gather_object, on_device
 from flatshard.comm._errors import CollectiveMismatchError
+from flatshard.comm._watchdog import Tag, tagged
 
 _SHOWN = 6  # calls quoted per rank around the first difference
 _STEP = "optimizer_step"  # not a collective: an entry the ranks compare all the same

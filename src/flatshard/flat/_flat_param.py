@@ -109,9 +109,9 @@ import torch
 import torch.distributed as dist
 
 from flatshard.comm._agreement import global_rank
-from flatshard.comm._checks import Tag
 from flatshard.comm._collectives import start_all_gather, wait_work
 from flatshard.comm._mesh import ShardGroups
+from flatshard.comm._watchdog import Tag
 from flatshard.flat._layout import FlatLayout, ViewSplits
 from flatshard.flat._partition import OriginalParam
 from flatshard.flat._placement import ROWS, GroupPlacement, ShardPlacement

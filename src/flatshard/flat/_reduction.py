@@ -14,7 +14,6 @@ from typing import Protocol
 
 import torch
 
-from flatshard.comm._checks import Tag, current_tag, tagged
 from flatshard.comm._collectives import (
     PendingReduction,
     all_reduce,
@@ -23,6 +22,7 @@ from flatshard.comm._collectives import (
     wait_reduction,
 )
 from flatshard.comm._mesh import ShardGroups
+from flatshard.comm._watchdog import Tag, current_tag, tagged
 from flatshard.flat._transport import Transport
 
 CommHook = Callable[[torch.Tensor, ShardGroups], torch.Tensor]

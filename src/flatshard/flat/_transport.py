@@ -74,7 +74,6 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from flatshard.comm._checks import Tag
 from flatshard.comm._collectives import (
     AllGatherComm,
     PendingReduction,
@@ -83,6 +82,7 @@ from flatshard.comm._collectives import (
     start_all_gather,
 )
 from flatshard.comm._mesh import ShardGroups
+from flatshard.comm._watchdog import Tag
 from flatshard.flat._layout import FlatLayout
 
 

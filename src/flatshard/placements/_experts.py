@@ -41,9 +41,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatshard.comm._checks import Tag
 from flatshard.comm._collectives import all_gather_into, exchange_rows
 from flatshard.comm._mesh import ShardGroups, ShardingStrategy, expert_groups
+from flatshard.comm._watchdog import Tag
 from flatshard.flat._partition import OriginalParam
 from flatshard.flat._placement import ShardPlacement
 from flatshard.flat._tensor_parallel import SplitParam, mark_split

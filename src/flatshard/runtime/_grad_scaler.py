@@ -7,9 +7,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flatshard.comm._checks import Tag
 from flatshard.comm._collectives import all_reduce
-from flatshard.comm._watchdog import watchdog
+from flatshard.comm._watchdog import Tag, watchdog
 from flatshard.runtime._join import note_unreplayable
 
 

@@ -35,8 +35,8 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from flatshard.comm._agreement import global_rank
-from flatshard.comm._checks import tagged
 from flatshard.comm._collectives import all_gather_into
+from flatshard.comm._watchdog import tagged
 from flatshard.runtime._step import StepContext, agree, contexts_under
 
 

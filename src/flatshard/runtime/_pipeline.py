@@ -41,9 +41,8 @@ import torch.distributed as dist
 from torch import nn
 
 from flatshard.comm._agreement import check_same_on_all_ranks, global_rank
-from flatshard.comm._checks import Tag
 from flatshard.comm._collectives import all_gather_into
-from flatshard.comm._watchdog import watchdog
+from flatshard.comm._watchdog import Tag, watchdog
 from flatshard.flat._flat_param import FlatParamGroup
 from flatshard.flat._reduction import Owed
 from flatshard.runtime._step import (

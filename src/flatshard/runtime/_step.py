@@ -22,11 +22,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from flatshard.comm._checks import Tag, tagged
 from flatshard.comm._collectives import on_device
 from flatshard.comm._ledger import StepLedger
 from flatshard.comm._mesh import ShardGroups
-from flatshard.comm._watchdog import watchdog
+from flatshard.comm._watchdog import Tag, tagged, watchdog
 from flatshard.flat._flat_param import FlatParamGroup
 from flatshard.flat._mixed_precision import MixedPrecision
 from flatshard.flat._partition import OriginalParam

@@ -67,8 +67,8 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils import _pytree as pytree
 
 from flatshard.comm._agreement import global_rank, join_name
-from flatshard.comm._checks import Tag
 from flatshard.comm._ledger import StepLedger
+from flatshard.comm._watchdog import Tag
 from flatshard.flat._awaiting_load import check_loaded
 from flatshard.flat._flat_param import FlatParamGroup
 from flatshard.flat._mixed_precision import MixedPrecision

@@ -3,8 +3,8 @@
 ``fully_shard`` (``_fully_shard``): choose units, check that ranks agree, create groups,
 then per unit allocate shards, materialize or load, and register hooks. Deferred (meta)
 initialization and rank-0 broadcast (``_init``), ``skip_init`` for pretrained weights,
-the startup consistency lines (``_consistency``), and ``shard_keeping_last`` (the last units
-kept gathered in the ZeRO-2 form).
+and ``shard_keeping_last`` (the last units kept gathered in the ZeRO-2 form). The lines the
+startup check compares are made in ``flatshard/runtime/_configuration.py``.
 
 Layer 5: imports ``flatshard.placements`` and below.
 """

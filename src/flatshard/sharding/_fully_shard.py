@@ -12,9 +12,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from flatshard.comm._agreement import check_same_on_all_ranks, join_name
-from flatshard.comm._checks import Tag, tagged
 from flatshard.comm._collectives import has_cpu_backend
 from flatshard.comm._mesh import ShardGroups, ShardingStrategy, model_group, resolve_groups
+from flatshard.comm._watchdog import Tag, tagged
 from flatshard.flat._awaiting_load import awaits_load, mark_awaiting
 from flatshard.flat._flat_param import FlatParamGroup, GroupSpec
 from flatshard.flat._lookup_options import LOOKUPS
@@ -40,13 +40,18 @@ from flatshard.flat._placement import (
 from flatshard.flat._tensor_parallel import global_shapes, localize
 from flatshard.flat._transport import SCALED
 from flatshard.placements._row_sparse import RowSparse
-from flatshard.runtime._configuration import UnitConfig, config_lines, describe
+from flatshard.runtime._configuration import (
+    UnitConfig,
+    config_lines,
+    describe,
+    structure_lines,
+    value_lines,
+)
 from flatshard.runtime._hooks import install, install_output_cast
 from flatshard.runtime._prefetch import DEFAULT_LIMIT, Prefetch, RateLimiter
 from flatshard.runtime._step import CONTEXT_ATTR, StepContext, context_of
 from flatshard.runtime._torch_utilities import watch_torch_utilities
 from flatshard.runtime._unit import Unit, owner_of, unit_of
-from flatshard.sharding._consistency import structure_lines, value_lines
 from flatshard.sharding._init import (
     InitOptions,
     ParamInitFn,

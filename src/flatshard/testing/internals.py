@@ -20,11 +20,10 @@ from torch import nn
 from flatshard.comm import _collectives, _mesh
 from flatshard.comm import _collectives as comm_collectives
 from flatshard.comm import _ledger as comm_ledger
-from flatshard.comm._checks import Tag
 from flatshard.comm._collectives import ReduceScatter
 from flatshard.comm._mesh import ranks_per_host
 from flatshard.comm._processes import fast_context
-from flatshard.comm._watchdog import watchdog
+from flatshard.comm._watchdog import Tag, watchdog
 from flatshard.flat._flat_param import FlatParamGroup, Storage, storage_move
 from flatshard.flat._layout import ViewSplits, row_layout
 from flatshard.flat._partition import UnitMembers, partition, select_unit_roots
