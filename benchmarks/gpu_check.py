@@ -32,7 +32,7 @@ from torch import nn
 import flatshard
 from flatshard.cli.devices import share_gpu_environment
 from flatshard.testing.delays import gpu_lag
-from flatshard.testing.internals import comm_ledger, forget_hybrid_groups
+from flatshard.testing.internals import comm_agreement, forget_hybrid_groups
 from flatshard.testing.models import build
 from flatshard.testing.parity import (
     ParityConfig,
@@ -415,7 +415,7 @@ def _count_syncs(counts: Counter[str]) -> Iterator[None]:
 
 def audit(report: _Report, device: torch.device) -> None:
     # A CPU rehearsal takes the accelerators' digest path (gloo compares at once otherwise).
-    rehearsal = mock.patch.object(comm_ledger, "defers_digest", lambda d: True)
+    rehearsal = mock.patch.object(comm_agreement, "defers_digest", lambda d: True)
     with rehearsal if device.type == "cpu" else contextlib.nullcontext():
         for option in ("defaults", "clip", "offload"):
             report.case(f"host syncs per step, {option}", lambda o=option: _audit(o, device))

@@ -1,7 +1,7 @@
 """Ranks that issue different collectives in a step get an error, not a silent wrong result.
 
 Collectives pair by issue order (see [Note: collectives pair by issue order] in
-``comm/_ledger.py``). Each case here issues equally many, equally sized collectives on every
+``comm/_agreement.py``). Each case here issues equally many, equally sized collectives on every
 rank, for different units: every collective completes, so without the end-of-step check
 training went on with mixed-up weights or gradients.
 """

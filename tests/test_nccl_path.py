@@ -24,8 +24,8 @@ from torch import nn
 
 import flatshard
 from flatshard.testing.internals import RateLimiter, context_of, units_of
+from flatshard.testing.internals import comm_agreement as ledger
 from flatshard.testing.internals import comm_collectives as collectives
-from flatshard.testing.internals import comm_ledger as ledger
 from flatshard.testing.models import ReluLinear, build
 from flatshard.testing.parity import batches, slice_batch
 from flatshard.testing.workers import WorkerContext, WorkerPool

@@ -23,7 +23,7 @@ from torch.optim import optimizer as torch_optimizer
 import flatshard
 from flatshard.measure import ALL_GATHER, CollectiveTracker
 from flatshard.testing.internals import Storage, TorchReach, storage_move
-from flatshard.testing.internals import comm_ledger as ledger
+from flatshard.testing.internals import comm_agreement as ledger
 from flatshard.testing.isolated import Died, run_isolated
 from flatshard.testing.models import ReluLinear, build
 from flatshard.testing.parity import ParityConfig, batches, shard_with_flatshard, slice_batch

@@ -2,11 +2,11 @@
 on, and what happens when ranks stop agreeing.
 
 Collectives as free functions taking a ``Tag`` (``_collectives``), shard/replicate groups and
-strategies (``_mesh``), the watchdog with its timed waits, store agreement and hang
-diagnosis (``_watchdog``, ``_diagnosis``, ``_record``), the per-step collective digest
-(``_ledger``), the lines-agree protocol (``_agreement``), rank helpers and the rank-0
-check-then-broadcast protocol (``_ranks``), the errors (``_errors``), and local processes
-that start fast (``_processes``).
+strategies (``_mesh``), the watchdog with its settings (``Checks``), timed waits, store
+agreement and hang diagnosis (``_watchdog``, ``_diagnosis``), how ranks agree: rank
+helpers, the lines-agree protocol, rank 0 checks then broadcasts, and the per-step
+collective digest (``_agreement``), the errors (``_errors``), and local processes that
+start fast (``_processes``).
 
 Layer 1: imports only ``flatshard.measure``-level code and torch. The names below are the
 documented API; the CLI's plumbing comes through ``flatshard.cli.internals``.

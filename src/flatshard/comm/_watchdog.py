@@ -50,12 +50,12 @@ each one first.
 [Note: what the checks cost]
 Always on: every flatshard collective is recorded (a few hundred nanoseconds), waited for
 in slices of ``SLICE_S`` on backends whose wait blocks the host (gloo), and compared across
-ranks by one 8-byte digest per step (``_ledger.py``). Calls that a program may make on some
-ranks only (``summon_full_params``, state dicts, ``clip_grad_norm_``, checkpoints) first
-agree through the c10d store, so a rank that calls one alone waits there instead of
-sending mismatched buffers to the backend (gloo aborts the process on a size mismatch).
-Debug mode agrees through the store before every collective: a few store round trips
-each, which a training step notices (``benchmarks/watchdog_overhead.py``).
+ranks by one 8-byte digest per step (the ledger of ``_agreement.py``). Calls that a program
+may make on some ranks only (``summon_full_params``, state dicts, ``clip_grad_norm_``,
+checkpoints) first agree through the c10d store, so a rank that calls one alone waits there
+instead of sending mismatched buffers to the backend (gloo aborts the process on a size
+mismatch). Debug mode agrees through the store before every collective: a few store round
+trips each, which a training step notices (``benchmarks/watchdog_overhead.py``).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ shard), so nothing is renamed. A unit has one group per (requires_grad, dtype, c
 dtype) set of its parameters, so frozen parameters never get gradient memory or a
 reduce-scatter. This file owns the storage and the views; the gradient path is
 ``_reduction.py``; gathering for state dicts and ``summon_full_params`` is
-``_full_params.py``.
+``runtime/_by_hand.py``.
 
 [Note: flat tensors and their lifetimes]
 - ``shard`` (C,): this rank's chunk; persistent. Every original parameter's ``.data`` is a
@@ -257,7 +257,7 @@ class FlatParamGroup:
         self._gathered_generation = -1
         self._refreshed_generation = 0
         # Told of every collective issued for the group: (kind, elements sent); gives the
-        # tag to issue it with. The unit records it in its root's ledger (see comm/_ledger.py).
+        # tag to issue it with. The unit records it in its root's ledger (see comm/_agreement.py).
         self.on_collective: Callable[[str, int], Tag | None] = _ignore
         self.transport: Transport = IDENTITY  # how gathers and reductions travel
         # set_reshard_after_forward(model, N): forward keeps this rank's part for its group

@@ -22,7 +22,7 @@ ALL_REDUCE = "all_reduce"
 ALL_TO_ALL = "all_to_all"
 SEND = "send"  # point to point (pipeline stages: activations forward, gradients back)
 RECV = "recv"
-# The end-of-step check (flatshard/comm/_ledger.py): one all-gather of an 8-byte digest per
+# The end-of-step check (flatshard/comm/_agreement.py): one all-gather of an 8-byte digest per
 # rank at the end of every backward pass and of every forward without backward.
 STEP_CHECK = 1  # all-gathers per check
 STEP_CHECK_BYTES = 8  # bytes each rank contributes

@@ -293,7 +293,7 @@ def _install_dispatch(
 ) -> None:
     """Route the calls of ``module`` (holding the expert weight ``weight``) to the EP ranks
     holding each expert; not while it holds every expert (inside ``summon_full_params``,
-    ``flat/_full_params.py``): it then computes them all, as the unsharded model does."""
+    ``runtime/_by_hand.py``): it then computes them all, as the unsharded model does."""
     if getattr(module, _DISPATCH_ATTR, None) is not None:
         return
     pending: list[_Routed | None] = []  # one per call in flight (a recomputing forward nests)

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
+from flatshard.comm._agreement import StepLedger
 from flatshard.comm._collectives import on_device
-from flatshard.comm._ledger import StepLedger
 from flatshard.comm._mesh import ShardGroups
 from flatshard.comm._watchdog import Tag, tagged, watchdog
 from flatshard.flat._flat_param import FlatParamGroup
@@ -337,7 +337,7 @@ class StepContext:
 
     def check_ledger(self, what: str, phase: str) -> None:
         """Compare the collectives issued since the last check across the ranks
-        (``comm/_ledger.py``): ``what`` was issuing them."""
+        (``comm/_agreement.py``): ``what`` was issuing them."""
         self.ledger.check(self.process_group, self._device, what, self.tag(phase=phase))
 
     def gradients_delivered(self) -> None:

@@ -66,8 +66,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils import _pytree as pytree
 
-from flatshard.comm._agreement import global_rank, join_name
-from flatshard.comm._ledger import StepLedger
+from flatshard.comm._agreement import StepLedger, global_rank, join_name
 from flatshard.comm._watchdog import Tag
 from flatshard.flat._awaiting_load import check_loaded
 from flatshard.flat._flat_param import FlatParamGroup

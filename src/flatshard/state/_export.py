@@ -17,7 +17,7 @@ from torch import nn
 
 from flatshard.comm._agreement import global_rank, rank_in
 from flatshard.comm._collectives import all_gather_object
-from flatshard.flat._full_params import gather_copies
+from flatshard.runtime._by_hand import gather_copies
 from flatshard.runtime._step import PipelineSeat, context_of, every_rank_calls
 from flatshard.state._checkpoint import (
     MODEL,

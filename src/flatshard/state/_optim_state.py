@@ -27,7 +27,7 @@ from torch import nn
 
 from flatshard.comm._agreement import checked_on_rank0, global_rank, rank_in
 from flatshard.comm._collectives import all_gather_object, broadcast
-from flatshard.flat._full_params import copy_out, gather_copies, pack_rows
+from flatshard.runtime._by_hand import copy_out, gather_copies, pack_rows
 from flatshard.runtime._step import context_of, every_rank_calls
 from flatshard.state._state_dict import HeldRows, RowShard, flat_params, model_group, param_places
 

@@ -23,9 +23,9 @@ from torch import nn
 from flatshard.comm._agreement import checked_on_rank0, global_rank, rank_in
 from flatshard.comm._collectives import broadcast
 from flatshard.flat._flat_param import FlatParamGroup
-from flatshard.flat._full_params import copy_out, gather_copies
 from flatshard.flat._layout import rows_shape
 from flatshard.flat._tensor_parallel import SplitParam, spanning_group
+from flatshard.runtime._by_hand import copy_out, gather_copies
 from flatshard.runtime._pipeline import stages_spanning
 from flatshard.runtime._step import context_of, every_rank_calls
 from flatshard.runtime._unit import unit_of

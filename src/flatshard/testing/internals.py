@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flatshard.comm import _agreement as comm_agreement
 from flatshard.comm import _collectives, _mesh
 from flatshard.comm import _collectives as comm_collectives
-from flatshard.comm import _ledger as comm_ledger
 from flatshard.comm._collectives import ReduceScatter
 from flatshard.comm._mesh import ranks_per_host
 from flatshard.comm._processes import fast_context
@@ -73,8 +73,8 @@ __all__ = [
     "checkpoint_saves_pause",
     "checkpoint_writes_start_after",
     "collective_tag",
+    "comm_agreement",
     "comm_collectives",
-    "comm_ledger",
     "config_lines",
     "context_of",
     "contexts_under",
