@@ -357,7 +357,7 @@ class StepContext:
         """[Note: offload without a stall per unit]
         With CPUOffload on an accelerator, shards go to the device and reduced gradients
         come back with asynchronous copies on the compute stream: the host issues them and
-        runs on (it used to wait for each gradient's copy, at every unit). Before the host
+        runs on (waiting for each gradient's copy would stall it at every unit). Before the host
         touches that memory itself (the optimizer reads the gradients and writes the shards
         a copy to the device may still be reading; so may the user's code), it waits once,
         here, at the end of a backward pass or of a forward without backward: one host sync

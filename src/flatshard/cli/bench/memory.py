@@ -2,8 +2,8 @@
 
 [Note: honest memory]
 Process peak RSS includes building the full model before sharding and whatever the C
-allocator keeps after a free, so it hides what sharding saves (issue 17: flatshard, FSDP2
-and DDP all read 910-1000 MB). Here every system builds its model afresh inside a
+allocator keeps after a free, so it hides what sharding saves (flatshard, FSDP2 and DDP
+all read 910-1000 MB on the bench's model). Here every system builds its model afresh inside a
 ``PeakStorage`` dispatch mode, which tracks every tensor storage the process creates from
 then on (parameters, gradients, optimizer state, gathered buffers, DDP's buckets,
 activations, collective outputs) and the bytes alive after every operation. After one
