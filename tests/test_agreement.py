@@ -441,8 +441,8 @@ def test_an_optimizer_step_on_one_rank_is_named_on_every_rank(case: str, world: 
             assert "optimizer.step() differs between the ranks" in message
             assert "rank 0 (" in message and "optimizer.step() of model '<root>'" in message
         if case == "lr":
-            assert "(SGD: dampening=0 lr=0.2 momentum=0" in message
-            assert "(SGD: dampening=0 lr=0.1 momentum=0" in message
+            assert "(SGD: params=10 dampening=0 lr=0.2 maximize=False momentum=0" in message
+            assert "(SGD: params=10 dampening=0 lr=0.1 maximize=False momentum=0" in message
         return
     stepped = range(world) if case == "all" else [0]
     for rank, (name, message) in enumerate(outcomes):
@@ -489,6 +489,105 @@ def test_a_write_back_of_a_change_on_one_rank_is_named_on_every_rank(world: int)
         assert "nothing was written back" in message and f"(seen on rank {rank})" in message
         assert unchanged, f"rank {rank}: the refused write-back changed the shards"
         assert written, f"rank {rank}: the same change on every rank was not written back"
+
+
+# ---------------------------------------------------------------- an argument on one rank
+def argument_alone_job(rank: int, case: str, folder: str) -> tuple[str, str, float]:
+    """One argument or setting that differs on one rank (in ``folder``, shared by the
+    ranks): a call's argument, a dict, an optimizer's or a scaler's setting, the checks."""
+    flatshard.set_checks(flatshard.Checks(timeout=2.0, debug=case == "debug" and rank == 1))
+    other = rank == 1
+    start = time.monotonic()
+    try:
+        init = flatshard.InitOptions()
+        if case == "check_consistency":
+            init = flatshard.InitOptions(check_consistency=not other)
+        elif case == "check_weights":
+            init = flatshard.InitOptions(check_weights=other)
+        torch.manual_seed(0)
+        model = flatshard.fully_shard(ReluNet(), auto_wrap_policy={ReluLinear}, init=init)
+        params = list(model.parameters())
+        optim = torch.optim.SGD(
+            params[:-1] if case == "subset" and other else params,
+            lr=0.1,
+            maximize=case == "maximize" and other,
+        )
+        if case == "scaler":
+            scaler = flatshard.ShardedGradScaler(init_scale=2.0**10 if other else 2.0**16)
+            torch.manual_seed(1)
+            scaler.scale(model(torch.randn(3, 4)).sum()).backward()
+            scaler.step(optim)
+        for _ in range(2):
+            _step(model, optim)
+        ckpt = os.path.join(folder, "ckpt")
+        if case == "save_path":
+            flatshard.save_checkpoint(os.path.join(folder, f"r{rank}"), model, optim)
+        elif case == "save_optimizer":
+            flatshard.save_checkpoint(ckpt, model, None if other else optim)
+        elif case in ("load_path", "load_optimizer"):
+            flatshard.save_checkpoint(ckpt, model, optim)
+            flatshard.load_checkpoint(ckpt, model)  # the same call on every rank: loads
+            where = os.path.join(folder, "elsewhere") if case == "load_path" and other else ckpt
+            given = None if case == "load_optimizer" and other else optim
+            flatshard.load_checkpoint(where, model, given)
+        elif case == "export_dtype":
+            export = os.path.join(folder, "export")
+            flatshard.export_safetensors(model, export, dtype=torch.bfloat16 if other else None)
+        elif case in ("from_rank0", "full_dict"):
+            full = flatshard.full_state_dict(model, rank0_only=False)
+            if case == "full_dict" and other:
+                full["blocks.1.lin.weight"] = full["blocks.1.lin.weight"] + 1.0
+            flatshard.load_state_dict(model, full, from_rank0=case == "from_rank0" and not other)
+    except Exception as error:
+        named = str(error).startswith("flatshard") or isinstance(error, flatshard.CollectiveError)
+        return (
+            type(error).__name__ if named else f"unnamed {type(error).__name__}",
+            str(error),
+            time.monotonic() - start,
+        )
+    return "", "", time.monotonic() - start
+
+
+MISMATCH = "CollectiveMismatchError"
+ARGUMENTS = {  # case: (the error every rank raises, words every rank's message holds)
+    "save_path": (MISMATCH, "/r1', optimizer=SGD"),
+    "save_optimizer": (MISMATCH, "optimizer=None"),
+    "load_path": (MISMATCH, "/elsewhere', optimizer=SGD"),
+    "load_optimizer": (MISMATCH, "optimizer=None, strict=True"),
+    "export_dtype": (MISMATCH, "dtype=bfloat16"),
+    "from_rank0": (MISMATCH, "from_rank0=True"),
+    "full_dict": ("ValueError", "'blocks.1.lin.weight': digest"),
+    "maximize": (MISMATCH, "maximize=True"),
+    "subset": (MISMATCH, "params=9"),
+    "scaler": ("RuntimeError", "scaled their losses by different scales"),
+    "debug": (f"{MISMATCH}|CollectiveTimeoutError", "ranks 1 agree on every collective"),
+    "check_consistency": (MISMATCH, "check_consistency=False"),
+    "check_weights": (MISMATCH, "check_weights=True"),
+}
+
+
+@pytest.mark.parametrize(
+    ("case", "world"),
+    [(case, 2) for case in sorted(ARGUMENTS)]
+    + [(case, 4) for case in ("save_path", "full_dict", "scaler", "debug", "check_consistency")],
+)
+def test_an_argument_or_setting_on_one_rank_is_named_on_every_rank(case: str, world: int) -> None:
+    """Before: a checkpoint saved or loaded at another path, or without the optimizer, on
+    one rank, an export in another dtype, a full dict changed on one rank, an optimizer
+    with maximize=True or without one parameter, a scaler with another init_scale: silent
+    (a checkpoint committed incomplete, a model or optimizer state mixed from two, shards
+    updated by different factors); load_state_dict's from_rank0 or debug mode on one rank:
+    a wait to the timeout; check_consistency=False on one rank: gloo's SIGABRT;
+    check_weights on one rank: "different values" that were not."""
+    error, words = ARGUMENTS[case]
+    with tempfile.TemporaryDirectory() as folder:
+        outcomes = run_isolated(argument_alone_job, case, folder, world_size=world)
+    for rank, outcome in enumerate(outcomes):
+        assert isinstance(outcome, tuple), f"rank {rank}: {outcome}"
+        name, message, seconds = outcome
+        assert name in error.split("|"), f"rank {rank} ended with {name or 'no error'}: {message}"
+        assert words in message, f"rank {rank}: {message}"
+        assert seconds < LIMIT_S, f"rank {rank} took {seconds:.1f} s"
 
 
 def two_optimizers_job(ctx: WorkerContext) -> dict[str, torch.Tensor] | None:

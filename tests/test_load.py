@@ -9,6 +9,7 @@ loading a rank holds no more than the largest tensor's rows beyond its shard.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -129,31 +130,44 @@ def test_every_entry_that_does_not_fit_is_one_error(pool: WorkerPool, tmp_path: 
         assert "'extra.weight': in the checkpoint, not in the model" in message
 
 
-def two_checkpoints_job(ctx: WorkerContext, first: str, second: str) -> str | None:
+def two_checkpoints_job(ctx: WorkerContext, first: str, second: str, relative: bool) -> str | None:
+    """Rank 0 reads ``first``, rank 1 ``second``; ``relative``: each by its name from the
+    folder above it (the same path on both ranks, other files on each)."""
     model = _meta_sharded(ctx, 2)
     if model is None:
         return None
+    mine = Path(first if ctx.rank == 0 else second)
+    here = os.getcwd()
     try:
-        flatshard.load_safetensors(model, first if ctx.rank == 0 else second)
-    except ValueError as error:
+        os.chdir(mine.parent)
+        flatshard.load_safetensors(model, mine.name if relative else mine)
+    except (ValueError, flatshard.CollectiveError) as error:
         return str(error)
+    finally:
+        os.chdir(here)
     return "no error"
 
 
 def test_ranks_given_different_checkpoints_is_an_error(pool: WorkerPool, tmp_path: Path) -> None:
-    """Each rank reads only its rows: two checkpoints would make one model of both."""
-    (tmp_path / "a").mkdir()
-    write_checkpoint(tmp_path / "a")
+    """Each rank reads only its rows: two checkpoints would make one model of both. Two
+    paths are told apart before anything is read; the same path naming other files on one
+    rank (here: relative, from another folder; on a cluster: a stale copy on one host), by
+    the files' sizes and samples."""
+    for side in ("a", "b"):
+        (tmp_path / side / "ckpt").mkdir(parents=True)
+    write_checkpoint(tmp_path / "a" / "ckpt")
     torch.manual_seed(SEED + 1)
     other = TinyGPT(vocab=41, dim=16, heads=2, layers=3).state_dict()
     save_file(
-        {k: v for k, v in other.items() if k != "head.weight"}, str(tmp_path / "b.safetensors")
+        {k: v for k, v in other.items() if k != "head.weight"},
+        str(tmp_path / "b" / "ckpt" / "model.safetensors"),
     )
-    for message in pool.run(
-        two_checkpoints_job, str(tmp_path / "a"), str(tmp_path / "b.safetensors")
-    )[:2]:
+    paths = str(tmp_path / "a" / "ckpt"), str(tmp_path / "b" / "ckpt")
+    for message in pool.run(two_checkpoints_job, *paths, True)[:2]:
         assert "flatshard.load_safetensors: ranks read different checkpoints" in message, message
         assert "Pass the same checkpoint" in message
+    for message in pool.run(two_checkpoints_job, *paths, False)[:2]:
+        assert "load_safetensors(path=" in message and "/b/ckpt'" in message, message
 
 
 def test_names_map_model_entries_to_the_files_names(tmp_path: Path) -> None:

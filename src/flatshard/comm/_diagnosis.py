@@ -45,6 +45,7 @@ class Status:
     recent: list[tuple[str, int, str, str]]
     waiting_on: Waited | None = None  # what it waits for, to compare with the others'
     ended: str | None = None  # how the process ended (its exit record), if it has
+    debug: bool = False  # whether it agrees on every collective first (Checks(debug=True))
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -55,6 +56,7 @@ class Status:
             "recent": [list(r) for r in self.recent],
             "waiting_on": None if self.waiting_on is None else list(self.waiting_on),
             "ended": self.ended,
+            "debug": self.debug,
         }
 
     @staticmethod
@@ -71,6 +73,7 @@ class Status:
             recent=[(str(g), int(s), str(t), str(a)) for g, s, t, a in recent],
             waiting_on=None if not isinstance(on, list) else Waited(*on),
             ended=None if ended is None else str(ended),
+            debug=data.get("debug") is True,
         )
 
 
@@ -146,6 +149,17 @@ def proven(group: str, ranks: list[int], statuses: dict[int, Status]) -> Proof |
     mismatch = _mismatched(group, ranks, statuses)
     if mismatch:
         return Proof("CollectiveMismatchError", f"Proven: {mismatch}, which can never pair.")
+    debug = {r: s.debug for r, s in statuses.items() if r in ranks}
+    if len(set(debug.values())) > 1:  # one side waits in the store, the other in the backend
+        on = ", ".join(str(r) for r, d in debug.items() if d)
+        off = ", ".join(str(r) for r, d in debug.items() if not d)
+        why = (
+            f"Proven: ranks {on} agree on every collective through the store first "
+            f"(flatshard.Checks(debug=True)) and ranks {off} do not, so each waits for "
+            "the other. Turn debug mode on (FLATSHARD_DEBUG=1 or flatshard.set_checks) on "
+            "every rank alike, before the first collective."
+        )
+        return Proof("CollectiveMismatchError", why)
     for a, call in calls.items():
         for b, other in waits.items():
             if not other.call and other.seq > call.issued:

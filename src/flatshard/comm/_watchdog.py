@@ -537,6 +537,7 @@ class Watchdog:
             recent=[(r.group, r.seq, r.describe(), r.agreed()) for r in list(self.recent)],
             waiting_on=None if waiting is None else waiting[2],
             ended=ended,
+            debug=debug_enabled(),
         )
 
     def _publish(self, generation: int, kind: str = "diagnosis") -> None:

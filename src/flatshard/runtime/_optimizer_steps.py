@@ -106,12 +106,15 @@ _SETTINGS_SHOWN = 160  # characters of an optimizer's settings quoted in an erro
 
 
 def _settings(optimizer: torch.optim.Optimizer) -> str:
-    """The optimizer's class and each parameter group's numeric hyper-parameters (``lr``,
-    ``betas``, ``weight_decay``, ...), as the ranks compare them ([Note: steps in the
+    """The optimizer's class and, per parameter group, how many parameters it holds and
+    the hyper-parameters that change the update (``lr``, ``betas``, ``weight_decay``,
+    ``maximize``, ``nesterov``, ...), as the ranks compare them ([Note: steps in the
     ledger]); a long list is cut, with a digest of the whole so that a difference past the
-    cut still shows."""
+    cut still shows. Not compared: how torch computes the same update (``foreach``,
+    ``fused``, ...), which may differ between hosts."""
     groups = [
-        " ".join(f"{key}={group[key]!r}" for key in sorted(group) if _number(group[key]))
+        f"params={len(group['params'])} "
+        + " ".join(f"{key}={group[key]!r}" for key in sorted(group) if _setting(key, group[key]))
         for group in optimizer.param_groups
     ]
     text = f"{type(optimizer).__name__}: " + "; ".join(groups)
@@ -172,11 +175,18 @@ def _name(optimizer: torch.optim.Optimizer) -> str:
     return f"{where}.{kind.__name__}"
 
 
-def _number(value: object) -> bool:
-    """A float or int (not a bool, not a tensor), or a tuple of them (``betas``)."""
+# How torch computes a step, not what it computes: free to differ between ranks.
+_HOW = frozenset({"foreach", "fused", "capturable", "differentiable"})
+
+
+def _setting(key: str, value: object) -> bool:
+    """Whether a parameter group's entry is a setting the ranks must share: a number, a
+    flag or a name (or a tuple of them, ``betas``), not how torch computes the update."""
+    if key in _HOW:
+        return False
     if isinstance(value, tuple):
-        return all(_number(v) for v in value)
-    return type(value) in (float, int)
+        return all(_setting(key, v) for v in value)
+    return type(value) in (float, int, bool, str)
 
 
 # ---------------------------------------------------------------- matrix optimizers

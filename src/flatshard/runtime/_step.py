@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import atexit
 import functools
+import inspect
 import itertools
+import os
 import weakref
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
@@ -31,7 +33,7 @@ from flatshard.flat._mixed_precision import MixedPrecision
 from flatshard.flat._partition import OriginalParam
 from flatshard.flat._reduction import GradientReduction
 from flatshard.runtime._changes import ChangeWatch, check_parameters
-from flatshard.runtime._configuration import Switches, model_lines
+from flatshard.runtime._configuration import Switches, describe, model_lines
 from flatshard.runtime._prefetch import ExecutionOrder, RateLimiter
 from flatshard.runtime._profiling import traced
 from flatshard.runtime._unit import Hold, Unit, unit_of, units_of
@@ -470,20 +472,45 @@ def agree(model: nn.Module, caller: str) -> None:
         pass
 
 
-def every_rank_calls(caller: str, model_arg: int = 0) -> Callable[[F], F]:
+def every_rank_calls(
+    caller: str, model_arg: int = 0, agreed: tuple[str, ...] = ()
+) -> Callable[[F], F]:
     """Decorate ``fn`` as a ``collective_call`` named ``caller`` on its argument
-    ``model_arg`` (the model)."""
+    ``model_arg`` (the model). The arguments named in ``agreed`` join the call's name, so
+    the ranks agree on them too: a checkpoint's path, whether an optimizer is saved with
+    it, a load's ``from_rank0``, an export's dtype (a rank that differs would write or
+    read something else, silently, or wait in a collective its peers never issue)."""
 
     def decorate(fn: F) -> F:
+        signature = inspect.signature(fn)
+
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             model = args[model_arg] if len(args) > model_arg else kwargs["model"]
-            with collective_call(model, caller):
+            name = caller
+            if agreed:
+                bound = signature.bind(*args, **kwargs)
+                bound.apply_defaults()
+                values = ", ".join(f"{k}={_argument(bound.arguments[k])}" for k in agreed)
+                name = f"{caller}({values})"
+            with collective_call(model, name):
                 return fn(*args, **kwargs)
 
         return cast(F, wrapper)
 
     return decorate
+
+
+def _argument(value: object) -> str:
+    """An agreed argument as text: a path as the string it names, an optimizer by class
+    (its settings are compared at its steps), anything else as the configuration is."""
+    if isinstance(value, os.PathLike):
+        return repr(os.fspath(value))
+    if isinstance(value, torch.optim.Optimizer):
+        return type(value).__name__
+    if isinstance(value, list | tuple) and all(isinstance(v, torch.optim.Optimizer) for v in value):
+        return "[" + ", ".join(type(v).__name__ for v in value) + "]"
+    return describe(value)
 
 
 # The models sharded in this process, held weakly, for what torch's own utilities do to them:

@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from flatshard.comm._agreement import check_same_on_all_ranks, join_name
 from flatshard.comm._collectives import has_cpu_backend
 from flatshard.comm._mesh import ShardGroups, ShardingStrategy, model_group, resolve_groups
-from flatshard.comm._watchdog import Tag, tagged
+from flatshard.comm._watchdog import Tag, tagged, watchdog
 from flatshard.flat._awaiting_load import awaits_load, mark_awaiting
 from flatshard.flat._flat_param import FlatParamGroup, GroupSpec
 from flatshard.flat._lookup_options import LOOKUPS
@@ -156,6 +156,7 @@ def fully_shard(
         placements = _placements(units, placement, strategy, rank)
         placements = _tables_exact(units, placements, mixed_precision)
         config = UnitConfig(strategy, mixed_precision, prefetch)
+        _agree_on_checks(group, init)
         if init.check_consistency:
             check_same_on_all_ranks(
                 structure_lines(
@@ -204,6 +205,21 @@ def fully_shard(
         # running forwards, and the units' all-gathers stay paired.
         module.__dict__["_is_fsdp_managed_module"] = True
         return module
+
+
+def _agree_on_checks(group: dist.ProcessGroup, init: InitOptions) -> None:
+    """The startup check's own switches, agreed through the store before it runs: a rank
+    that skips the check (``check_consistency=False``) would send its first collective
+    where the others send the check's digest (gloo aborts on the sizes), and a rank that
+    alone compares weights would report "different values" that are not."""
+    dog = watchdog()
+    if dog is None or group.size() == 1:
+        return
+    switches = ", ".join(
+        f"{name}={getattr(init, name)!r}"
+        for name in ("check_consistency", "check_weights", "sync_module_states")
+    )
+    dog.entry(group, Tag(f"fully_shard(InitOptions: {switches})"))
 
 
 def _check_split_options(strategy: ShardingStrategy, offload: CPUOffload | None, rank: int) -> None:

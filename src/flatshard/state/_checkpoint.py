@@ -127,7 +127,7 @@ def save_checkpoint(
 ) -> CheckpointSave | None: ...
 
 
-@every_rank_calls("save_checkpoint", model_arg=1)
+@every_rank_calls("save_checkpoint", 1, ("path", "optimizer", "async_op", "keep"))
 def save_checkpoint(
     path: str | os.PathLike[str],
     model: nn.Module,
@@ -351,7 +351,7 @@ def _file_facts(path: Path) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------- loading
-@every_rank_calls("load_checkpoint", model_arg=1)
+@every_rank_calls("load_checkpoint", 1, ("path", "optimizer", "strict"))
 def load_checkpoint(
     path: str | os.PathLike[str],
     model: nn.Module,

@@ -43,7 +43,7 @@ from flatshard.state._state_dict import (
 DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size
 
 
-@every_rank_calls("export_safetensors")
+@every_rank_calls("export_safetensors", agreed=("out_dir", "max_shard_bytes", "dtype"))
 def export_safetensors(
     model: nn.Module,
     out_dir: str | os.PathLike[str],

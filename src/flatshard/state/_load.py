@@ -44,7 +44,7 @@ _SAMPLE = 1 << 16  # bytes checksummed at each end of a file
 SINGLE = "model.safetensors"
 
 
-@every_rank_calls("load_safetensors")
+@every_rank_calls("load_safetensors", agreed=("path", "strict", "dtype"))
 def load_safetensors(
     model: nn.Module,
     path: str | os.PathLike[str],

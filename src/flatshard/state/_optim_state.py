@@ -199,7 +199,7 @@ def _named_groups(
 
 
 # ---------------------------------------------------------------- loading
-@every_rank_calls("load_optim_state_dict")
+@every_rank_calls("load_optim_state_dict", agreed=("from_rank0",))
 def load_optim_state_dict(
     model: nn.Module,
     optim: torch.optim.Optimizer,

@@ -20,12 +20,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatshard.comm._agreement import checked_on_rank0, global_rank, rank_in
+from flatshard.comm._agreement import (
+    check_same_on_all_ranks,
+    checked_on_rank0,
+    global_rank,
+    rank_in,
+)
 from flatshard.comm._collectives import broadcast
 from flatshard.flat._flat_param import FlatParamGroup
 from flatshard.flat._layout import rows_shape
 from flatshard.flat._tensor_parallel import SplitParam, spanning_group
-from flatshard.runtime._by_hand import copy_out, gather_copies
+from flatshard.runtime._by_hand import copy_out, gather_copies, value_digest
 from flatshard.runtime._pipeline import stages_spanning
 from flatshard.runtime._step import context_of, every_rank_calls
 from flatshard.runtime._unit import unit_of
@@ -265,7 +270,7 @@ def sharded_state_dict(model: nn.Module) -> dict[str, RowShard | torch.Tensor]:
 
 
 # ---------------------------------------------------------------- loading
-@every_rank_calls("load_state_dict")
+@every_rank_calls("load_state_dict", agreed=("strict", "from_rank0"))
 def load_state_dict(
     model: nn.Module,
     state_dict: dict[str, RowShard | torch.Tensor],
@@ -290,6 +295,7 @@ def load_state_dict(
     targets = plain_state_dict(model)
     places = param_places(model)
     check_keys("load_state_dict", targets.keys(), state_dict.keys(), strict)
+    _check_same_dict(model, state_dict, targets, places)
     problems: list[str] = []
     for key, target in targets.items():
         if key not in state_dict:
@@ -300,6 +306,41 @@ def load_state_dict(
             problems.append(problem)
     if problems:
         raise entries_do_not_fit("load_state_dict", problems)
+
+
+def _check_same_dict(
+    model: nn.Module,
+    state_dict: dict[str, RowShard | torch.Tensor],
+    targets: dict[str, torch.Tensor],
+    places: dict[int, HeldRows],
+) -> None:
+    """[Note: one full dict on every rank]
+    From a full dict every rank takes only its own rows of each sharded parameter, so
+    ranks given different dicts (another file on one host, a dict changed on one rank)
+    would make one model of several, silently. So the ranks compare a digest of every full
+    tensor they take rows from (``value_digest``: one pass over the dict's sharded
+    entries, one digest all-gather), and raise on every rank, naming the entries, before
+    anything is copied. Replicated entries (buffers, parameters left whole) are each
+    rank's own, as in torch's ``load_state_dict`` under DDP, and ``RowShard`` entries hold
+    each rank's own rows: neither is compared."""
+    group = model_group(model)
+    if group is None or group.size() == 1:
+        return
+    lines = []
+    for key, value in sorted(state_dict.items()):
+        target = targets.get(key)
+        place = None if target is None else places.get(id(target))
+        if isinstance(value, torch.Tensor) and place is not None and place.flat is not None:
+            lines.append(f"'{key}': digest {value_digest(value) & (1 << 64) - 1:016x}")
+    flat = next(flat_params(model), None)  # where the group communicates (NCCL: the GPU)
+    device = flat.compute_device if flat is not None else torch.device("cpu")
+    fix = (
+        "Pass the same full state dict on every rank (each rank takes its own rows of it), "
+        "or load rank 0's with from_rank0=True."
+    )
+    check_same_on_all_ranks(
+        lines, group, device, "hold different full state dicts", fix, "load_state_dict"
+    )
 
 
 def _load_one(
