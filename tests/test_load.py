@@ -20,6 +20,7 @@ from torch import nn
 
 import flatshard
 from flatshard.measure import PeakStorage
+from flatshard.testing import internals
 from flatshard.testing.models import TinyGPT
 from flatshard.testing.workers import WorkerContext, WorkerPool
 
@@ -168,6 +169,24 @@ def test_ranks_given_different_checkpoints_is_an_error(pool: WorkerPool, tmp_pat
         assert "Pass the same checkpoint" in message
     for message in pool.run(two_checkpoints_job, *paths, False)[:2]:
         assert "load_safetensors(path=" in message and "/b/ckpt'" in message, message
+
+
+def test_files_alike_but_for_one_tensor_in_the_middle_are_told_apart(tmp_path: Path) -> None:
+    """The files' sizes and their first and last 64 KiB are the same; one tensor between
+    differs (a stale copy with one layer fine-tuned): the line the ranks compare differs.
+    Before: only the ends were sampled, and the ranks loaded a mix of the two."""
+    pad = torch.zeros(1 << 16)  # 256 KiB at each end
+    tensors = {"a.pad": pad, "b.layer": torch.ones(1000, 16), "c.pad": pad.clone()}
+    save_file(tensors, str(tmp_path / "one.safetensors"))
+    tensors["b.layer"] = tensors["b.layer"] * 2.0
+    save_file(tensors, str(tmp_path / "two.safetensors"))
+    save_file({**tensors}, str(tmp_path / "three.safetensors"))
+    one, two, three = (
+        internals.checkpoint_file_line(tmp_path / f"{n}.safetensors").split(": ", 1)[1]
+        for n in ("one", "two", "three")
+    )
+    assert one != two
+    assert two == three
 
 
 def test_names_map_model_entries_to_the_files_names(tmp_path: Path) -> None:

@@ -41,6 +41,7 @@ from flatshard.state._state_dict import (
 
 INDEX = "model.safetensors.index.json"
 _SAMPLE = 1 << 16  # bytes checksummed at each end of a file
+_IN_TENSOR = 64  # bytes checksummed at the start, the middle and the end of each tensor
 SINGLE = "model.safetensors"
 
 
@@ -115,13 +116,13 @@ def _check_same_checkpoint(model: nn.Module, files: dict[str, Path]) -> None:
 
     Each rank reads only its rows, so ranks given different checkpoints (another path on
     one host, a stale copy) would make one model of several, silently. Compared: every
-    file's size and a CRC of its first and last 64 KiB (the header and some values), in
-    one digest all-gather (``check_same_on_all_ranks``).
+    file's size and a CRC of samples (``file_line``), in one digest all-gather
+    (``check_same_on_all_ranks``).
     """
     group = model_group(model)
     if group is None:
         return
-    lines = [_file_line(file) for file in sorted(set(files.values()))]
+    lines = [file_line(file) for file in sorted(set(files.values()))]
     flat = next(flat_params(model), None)  # where the group communicates (NCCL: the GPU)
     device = flat.compute_device if flat is not None else torch.device("cpu")
     fix = "Pass the same checkpoint (the same files) to load_safetensors on every rank."
@@ -130,12 +131,27 @@ def _check_same_checkpoint(model: nn.Module, files: dict[str, Path]) -> None:
     )
 
 
-def _file_line(file: Path) -> str:
+def file_line(file: Path) -> str:
+    """The file's size and a CRC of samples: its first and last 64 KiB (the header and
+    some values) and, in every tensor, ``_IN_TENSOR`` bytes at the start, the middle and
+    the end of its data, so that files alike but for one tensor differ (a stale copy with
+    one layer fine-tuned). A few hundred small reads, not the whole file."""
     size = file.stat().st_size
     with file.open("rb") as handle:
         crc = zlib.crc32(handle.read(_SAMPLE))
         handle.seek(max(0, size - _SAMPLE))
         crc = zlib.crc32(handle.read(_SAMPLE), crc)
+        handle.seek(0)
+        header_size = int.from_bytes(handle.read(8), "little")
+        try:
+            header = json.loads(handle.read(header_size)) if header_size < size else {}
+        except ValueError:  # not a safetensors header: the loader will say so
+            header = {}
+        for name in sorted(k for k in header if k != "__metadata__"):
+            begin, end = header[name].get("data_offsets", (0, 0))
+            for at in (begin, (begin + end) // 2, end - _IN_TENSOR):
+                handle.seek(8 + header_size + max(begin, at))
+                crc = zlib.crc32(handle.read(min(_IN_TENSOR, end - begin)), crc)
     return f"{file.name}: {size} bytes, sampled crc32 {crc}"
 
 

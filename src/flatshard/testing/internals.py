@@ -43,6 +43,7 @@ from flatshard.runtime._torch_utilities import TorchReach
 from flatshard.runtime._unit import Unit, units_of
 from flatshard.sharding._init import with_index as device_with_index
 from flatshard.state import _async_save, _checkpoint, _dcp
+from flatshard.state._load import file_line as checkpoint_file_line
 
 
 def owners_of_state() -> dict[str, type]:
@@ -68,6 +69,7 @@ __all__ = [
     "UnitMembers",
     "ViewSplits",
     "calibrated_seconds",
+    "checkpoint_file_line",
     "checkpoint_file_reads_fail",
     "checkpoint_save_fails",
     "checkpoint_saves_pause",
