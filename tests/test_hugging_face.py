@@ -309,7 +309,8 @@ def test_lora_with_peft_then_fully_shard_matches_unsharded(
 def gathered_generate_job(
     ctx: WorkerContext, directory: str, sparse: bool
 ) -> dict[str, Any] | None:
-    """generate inside summon_full_params: every unit stays gathered, no all-gather."""
+    """generate inside summon_full_params on rank 0 only (the guide's decode-in-summon
+    pattern, transformers' defaults): every unit stays gathered, no collective."""
     from transformers import LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
@@ -328,7 +329,8 @@ def gathered_generate_job(
     prompt = torch.arange(4).reshape(1, 4)
     summoned = flatshard.summon_full_params(model, writeback=False)
     with summoned, torch.no_grad(), CollectiveTracker() as tracker:
-        out = model.generate(prompt, max_new_tokens=5, do_sample=False, synced_gpus=False)
+        out = model.generate(prompt, max_new_tokens=5, do_sample=False) if ctx.rank == 0 else None
+    lockstep = bool(getattr(model, "_is_fsdp_managed_module", False))  # again, outside
     try:
         with flatshard.summon_full_params(model, writeback=False):
             model(prompt)
@@ -337,9 +339,10 @@ def gathered_generate_job(
         refused = str(error)
     assert not any(t.lookups for t in flatshard.embedding_traffic(model).values())
     return {
-        "tokens": [int(t) for t in out[0]],
+        "tokens": None if out is None else [int(t) for t in out[0]],
         "bytes": sum(tracker.bytes.values()),
         "refused": refused,
+        "lockstep": lockstep,
     }
 
 
@@ -351,9 +354,12 @@ def test_generate_inside_summon_gathers_nothing(
     reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
     reference.save_pretrained(tmp_path)
     expected = reference.generate(torch.arange(4).reshape(1, 4), max_new_tokens=5, do_sample=False)
-    for result in pool.run(gathered_generate_job, str(tmp_path), sparse)[:2]:
-        assert result["tokens"] == [int(t) for t in expected[0]]
-        assert result["bytes"] == 0  # no collective at all while decoding
+    results = pool.run(gathered_generate_job, str(tmp_path), sparse)[:2]
+    assert results[0]["tokens"] == [int(t) for t in expected[0]]
+    for result in results:
+        assert result["bytes"] == 0  # no collective at all while decoding (before: one
+        # all-reduce per token, transformers' synced_gpus, which rank 1 never joined)
+        assert result["lockstep"]
         assert "ran forward with gradients inside summon_full_params" in result["refused"]
 
 

@@ -69,6 +69,15 @@ def reshard(module: nn.Module) -> None:
             unit.context.rate_limiter.resharded()
 
 
+# transformers keeps ranks decoding in step (generate's synced_gpus: one all-reduce per
+# token, a finished rank running forwards until the last is done) for modules marked so, as
+# FSDP2's integration marks them; ``fully_shard`` marks a model's root, since each of its
+# forwards gathers. Inside ``summon_full_params`` a forward gathers nothing, so the mark is
+# off there: a generation on one rank only (the decode-in-summon pattern) must not wait in
+# an all-reduce its peers never join.
+LOCKSTEP_MARK = "_is_fsdp_managed_module"
+
+
 @contextmanager
 def summon_full_params(model: nn.Module, writeback: bool = True) -> Iterator[None]:
     """Give every original parameter its full shape and value on every rank.
@@ -97,11 +106,16 @@ def summon_full_params(model: nn.Module, writeback: bool = True) -> Iterator[Non
         holds = [unit.hold for unit in units]
         for unit in units:
             unit.hold = Hold.SUMMONED
+        marked = [m for m in model.modules() if m.__dict__.get(LOCKSTEP_MARK)]
+        for module in marked:  # see LOCKSTEP_MARK
+            module.__dict__[LOCKSTEP_MARK] = False
         try:
             yield
             if writeback:
                 _written_alike(model, units, summoned)
         finally:
+            for module in marked:
+                module.__dict__[LOCKSTEP_MARK] = True
             for unit, hold in zip(units, holds, strict=True):
                 unit.hold = hold
 

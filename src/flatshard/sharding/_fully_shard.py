@@ -40,6 +40,7 @@ from flatshard.flat._placement import (
 from flatshard.flat._tensor_parallel import global_shapes, localize
 from flatshard.flat._transport import SCALED
 from flatshard.placements._row_sparse import RowSparse
+from flatshard.runtime._by_hand import LOCKSTEP_MARK
 from flatshard.runtime._configuration import (
     UnitConfig,
     config_lines,
@@ -200,10 +201,7 @@ def fully_shard(
         if mixed_precision is not None and mixed_precision.output_dtype is not None:
             install_output_cast(module, mixed_precision.output_dtype)
         module.__dict__[CONTEXT_ATTR] = context
-        # transformers keeps ranks decoding in step (generate's synced_gpus) for modules
-        # marked so, as FSDP2's integration marks them: a rank that stops early keeps
-        # running forwards, and the units' all-gathers stay paired.
-        module.__dict__["_is_fsdp_managed_module"] = True
+        module.__dict__[LOCKSTEP_MARK] = True  # generate keeps the ranks in step
         return module
 
 
