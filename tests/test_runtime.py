@@ -233,3 +233,64 @@ def test_prefetch_changes_order_not_counts(pool: WorkerPool) -> None:
     # Prefetching holds the next block while the current one runs: one block more.
     assert forward["peak"] == pre["peak"] == both["peak"] > none["peak"]
     assert forward["gathers_before_first_reduce"] == 4
+
+
+def gradient_penalty_job(ctx: WorkerContext, strategy: str, keep: bool) -> dict[str, Any] | None:
+    """A gradient penalty (``autograd.grad(..., create_graph=True)`` on the input, then a
+    backward through that graph) on 2 ranks, each its own batch; ranks 2 and 3 the
+    unsharded reference, stepped on both batches as DDP would."""
+    from flatshard.testing.models import ReluLinear, ReluNet
+
+    group = ctx.group(2)
+    torch.manual_seed(0)
+    net = ReluNet()
+    if group is not None:
+        net = flatshard.fully_shard(
+            net, auto_wrap_policy={ReluLinear}, strategy=strategy, process_group=group
+        )
+        if keep:
+            flatshard.set_reshard_after_backward(net, False)
+    optim = torch.optim.SGD(net.parameters(), lr=0.1)
+    shares = [torch.randn(3, 4, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    mine = shares[ctx.rank] if group is not None else torch.cat(shares)
+
+    def penalized(x: torch.Tensor) -> torch.Tensor:
+        x = x.clone().requires_grad_()
+        y = net(x).sum()
+        (gx,) = torch.autograd.grad(y, x, create_graph=True)
+        return gx.pow(2).sum() + y
+
+    try:
+        # the reference as DDP: the mean of each rank's loss
+        loss = sum(penalized(s) for s in shares) / 2 if group is None else penalized(mine)
+        assert isinstance(loss, torch.Tensor)
+        loss.backward()
+        optim.step()
+    except RuntimeError as error:
+        return {"error": str(error)}
+    if group is None:
+        return {"weights": dict(net.state_dict())} if ctx.rank == 3 else None
+    return {"weights": flatshard.full_state_dict(net, rank0_only=False)}
+
+
+@pytest.mark.parametrize(
+    ("strategy", "keep"),
+    [("FULL_SHARD", False), ("SHARD_GRAD_OP", False), ("FULL_SHARD", True), ("NO_SHARD", False)],
+)
+def test_a_gradient_penalty_is_exact_or_refused_by_name(
+    pool: WorkerPool, strategy: str, keep: bool
+) -> None:
+    """A backward with create_graph=True saves the gathered parameters in the graph it
+    builds. Before: the units freed them at the end of that backward and the second
+    backward failed inside torch ("out of bounds for storage of size 0"). Now: refused on
+    every rank, naming the fix; kept gathered (or NO_SHARD), exact."""
+    first, second, _, reference = pool.run(gradient_penalty_job, strategy, keep)
+    if strategy != "NO_SHARD" and not keep:
+        for outcome in (first, second):
+            assert "flatshard: a backward with create_graph=True" in outcome["error"]
+            assert "set_reshard_after_backward(model, False)" in outcome["error"]
+        return
+    for outcome in (first, second):
+        assert "error" not in outcome, outcome["error"]
+        for name, value in reference["weights"].items():
+            torch.testing.assert_close(outcome["weights"][name], value, msg=name)

@@ -452,6 +452,7 @@ class Unit:
     def pre_backward(self, *unused: Any) -> None:
         with traced(f"pre_backward {self.label}"):
             self._refuse_step_since_forward()
+            self._refuse_graph_over_freed()
             self.context.queue_finish_backward()
             self.state = TrainingState.BACKWARD
             # Autograd runs hooks with grad disabled; views made so would not require grad,
@@ -513,6 +514,29 @@ class Unit:
             f"optimizer.step() wrote its shards since its forward ({steps} step(s) between "
             "them): the gradient would mix the old activations with the new weights. Call "
             "optimizer.step() after loss.backward() (forward, backward, step), on every rank."
+        )
+
+    def _refuse_graph_over_freed(self) -> None:
+        """A backward that builds a graph (``create_graph=True``: a gradient penalty, a
+        Hessian-vector product) saves the unit's gathered parameters in that graph, and the
+        unit frees them when its backward ends: the second backward would read freed
+        storage (torch's "out of bounds for storage of size 0"). Refused here, on every
+        rank alike (the same backward runs everywhere), before this backward issues
+        anything. Kept gathered after backward (``set_reshard_after_backward(model,
+        False)``, agreed on every rank), or NO_SHARD, the graph stays valid."""
+        if not torch.is_grad_enabled():  # autograd runs hooks with grad off, but for this
+            return
+        kept = not self.context.reshard_after_backward or self.hold is not Hold.NONE
+        if kept or all(flat.aliases_shard for flat in self.flat_params):
+            return
+        raise RuntimeError(
+            f"flatshard: a backward with create_graph=True (e.g. torch.autograd.grad(..., "
+            f"create_graph=True) for a gradient penalty) reached unit '{self.label}' on "
+            f"rank {global_rank()}: the graph it builds reads the unit's gathered "
+            "parameters, which are freed when the unit's backward ends. Call "
+            "flatshard.set_reshard_after_backward(model, False) before such steps (the "
+            "units stay gathered until the next forward, at the cost of their memory), or "
+            "shard with strategy NO_SHARD."
         )
 
     def _check_inference_only(self) -> None:
