@@ -318,6 +318,8 @@ def alone_job(rank: int, case: str) -> tuple[str, str, float]:
                 net = ReluNet()
         else:
             net = ReluNet()
+        if case == "inner_unit" and rank == 0:  # a block sharded on its own, on rank 0 only
+            flatshard.fully_shard(net.blocks[0])
         model = flatshard.fully_shard(net, auto_wrap_policy={ReluLinear}, **kwargs)
         if rank == 0:
             if case == "comm_hook":
@@ -358,6 +360,7 @@ def alone_job(rank: int, case: str) -> tuple[str, str, float]:
 CASES = {
     "prefetch": ("ValueError", "prefetch=Prefetch(backward=BACKWARD_POST"),
     "meta_seed": ("ValueError", "meta parameters initialized from seed 1"),
+    "inner_unit": ("ValueError", "rank 0 only: fully_shard of a ReluLinear with 1 unit(s)"),
     "comm_hook": ("CollectiveTimeoutError", "register_comm_hook(LowPrecisionHook(dtype=bfloat16"),
     "divide_factor": ("CollectiveTimeoutError", "set_gradient_divide_factor(1.0)"),
     "divide_factor_both": ("CollectiveMismatchError", "set_gradient_divide_factor(2.0)"),

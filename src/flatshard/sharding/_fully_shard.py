@@ -439,7 +439,9 @@ def _option_lines(
     ([Note: the agreed configuration]) and what else decides collectives or values. Dtypes
     matter beyond the numbers: ranks gathering in different dtypes send payloads of
     different sizes, which the backend aborts on rather than naming."""
-    lines = [f"world of {dist.get_world_size(group)} ranks, sharding_factor={sharding_factor}"]
+    root = next((m.module for m in units if not m.fqn), None)  # the call's module
+    lines = [f"fully_shard of a {type(root).__qualname__} with {len(units)} unit(s)"]
+    lines += [f"world of {dist.get_world_size(group)} ranks, sharding_factor={sharding_factor}"]
     lines += [f"cpu_offload={describe(offload)}", *config_lines(config)]
     on_meta = any(o.param.is_meta and not awaits_load(o.param) for m in units for o in m.originals)
     initialized = not init.sync_module_states and param_init_fn is not skip_init
