@@ -663,14 +663,21 @@ def _how_it_ended() -> str:
 
 
 def _program_line() -> str:
-    """The line of the program (outside flatshard and torch) that called flatshard."""
+    """The line of the program that called flatshard: the first frame outside flatshard,
+    torch and installed packages (transformers' ``generate`` calling a forward is not the
+    program's line; the line that called ``generate`` is), else outside flatshard and
+    torch."""
     frame: FrameType | None = sys._getframe(1)
+    fallback = ""
     while frame is not None:
         path = frame.f_code.co_filename
         if not path.startswith(_PACKAGE) and "/torch/" not in path and "contextlib" not in path:
-            return f"{os.path.basename(path)}:{frame.f_lineno}"
+            line = f"{os.path.basename(path)}:{frame.f_lineno}"
+            if "-packages/" not in path:
+                return line
+            fallback = fallback or line
         frame = frame.f_back
-    return ""
+    return fallback
 
 
 def _mismatch(seen: dict[int, str], rank: int) -> str:
