@@ -68,6 +68,8 @@ def changed_model_job(ctx: WorkerContext, change: str) -> str | None:
         # What the Hugging Face Trainer did: "cpu:0" compares unequal to "cpu", so torch
         # copies every parameter, and the optimizer would step copies forward never reads
         model.to("cpu:0") if change == "moved" else model.double()
+    elif change == "meta":  # torch replaces each parameter without registration hooks
+        model.to("meta")
     return _error_of(lambda: _forward(model))
 
 
@@ -92,7 +94,8 @@ def test_parameters_replaced_after_sharding_are_named(pool: WorkerPool) -> None:
 
 
 def test_a_model_moved_or_cast_after_sharding_is_named(pool: WorkerPool) -> None:
-    for change in ("moved", "cast"):
+    for change in ("moved", "cast", "meta"):  # meta before: torch's "not on the expected
+        # device meta" from inside the model's forward
         for message in pool.run(changed_model_job, change)[:2]:
             assert "parameters were moved or cast after fully_shard" in message, message
             assert "'tok.weight'" in message and "before flatshard.fully_shard" in message

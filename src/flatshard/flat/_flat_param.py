@@ -552,13 +552,25 @@ class FlatParamGroup:
 
     def moved_originals(self) -> list[str]:
         """Names of the original parameters whose data is no longer in the shard (the
-        model was moved or cast after sharding: ``param.data`` became a copy)."""
+        model was moved or cast after sharding: ``param.data`` became a copy), or that
+        their module holds another parameter for, on another device or in another dtype
+        (``model.to("meta")``: ``nn.Module._apply`` replaces a parameter it cannot give
+        new data in place, without the registration hooks that would report it)."""
         home = self.shard.untyped_storage().data_ptr()
-        return [
-            orig.fqn
-            for orig in self.originals
-            if orig.param.numel() and orig.param.untyped_storage().data_ptr() != home
-        ]
+        moved = []
+        for orig in self.originals:
+            if orig.param.numel() and orig.param.untyped_storage().data_ptr() != home:
+                moved.append(orig.fqn)
+            elif not self.views_registered:
+                module, name = orig.usages[0]
+                held = module._parameters.get(name)
+                if (
+                    held is not None
+                    and held is not orig.param
+                    and (held.device != orig.param.device or held.dtype != orig.param.dtype)
+                ):
+                    moved.append(orig.fqn)
+        return moved
 
     def register_views(self, views: list[torch.Tensor] | None) -> None:
         """Put ``views`` (or, with None, the original parameters) in their modules.
