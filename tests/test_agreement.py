@@ -300,6 +300,14 @@ def test_hooks_are_compared_by_what_they_call_and_with_what() -> None:
         assert not any("0x" in line for line in lines(make(1.0)))
 
 
+def _ended_by(error: Exception, start: float) -> tuple[str, str, float]:
+    """(the error's class, or "unnamed ..." where flatshard did not name it; its message;
+    seconds since ``start``): how a rank's job ended."""
+    named = str(error).startswith("flatshard") or isinstance(error, flatshard.CollectiveError)
+    kind = type(error).__name__
+    return kind if named else f"unnamed {kind}", str(error), time.monotonic() - start
+
+
 # ---------------------------------------------------------------- a rank alone, named
 CHECKS = flatshard.Checks(timeout=2.0)
 LIMIT_S = 2.0 + 15.0
@@ -348,12 +356,7 @@ def alone_job(rank: int, case: str) -> tuple[str, str, float]:
             elif case == "torch_clip":
                 torch.nn.utils.clip_grad_norm_(model.parameters(), limit)
     except Exception as error:
-        named = str(error).startswith("flatshard") or isinstance(error, flatshard.CollectiveError)
-        return (
-            type(error).__name__ if named else f"unnamed {type(error).__name__}",
-            str(error),
-            time.monotonic() - start,
-        )
+        return _ended_by(error, start)
     return "", "", time.monotonic() - start
 
 
@@ -542,12 +545,7 @@ def argument_alone_job(rank: int, case: str, folder: str) -> tuple[str, str, flo
                 full["blocks.1.lin.weight"] = full["blocks.1.lin.weight"] + 1.0
             flatshard.load_state_dict(model, full, from_rank0=case == "from_rank0" and not other)
     except Exception as error:
-        named = str(error).startswith("flatshard") or isinstance(error, flatshard.CollectiveError)
-        return (
-            type(error).__name__ if named else f"unnamed {type(error).__name__}",
-            str(error),
-            time.monotonic() - start,
-        )
+        return _ended_by(error, start)
     return "", "", time.monotonic() - start
 
 
