@@ -589,6 +589,8 @@ def test_an_argument_or_setting_on_one_rank_is_named_on_every_rank(case: str, wo
         assert name in error.split("|"), f"rank {rank} ended with {name or 'no error'}: {message}"
         assert words in message, f"rank {rank}: {message}"
         assert seconds < LIMIT_S, f"rank {rank} took {seconds:.1f} s"
+        if case.startswith(("save_", "load_", "export_", "from_")):  # one call, other values
+            assert "with other arguments (above): pass the same values to" in message, message
 
 
 def two_optimizers_job(ctx: WorkerContext) -> dict[str, torch.Tensor] | None:

@@ -685,10 +685,18 @@ def _mismatch(seen: dict[int, str], rank: int) -> str:
         f"flatshard: ranks are about to issue different collectives (seen on rank {rank}); "
         "nothing was sent:"
     ]
-    lines += [
-        f"  rank {r}: {Record.from_descriptor(d).describe()}" for r, d in sorted(seen.items())
-    ]
-    lines.append(SAME_CALLS)
+    records = {r: Record.from_descriptor(d) for r, d in sorted(seen.items())}
+    lines += [f"  rank {r}: {record.describe()}" for r, record in records.items()]
+    calls = {record.phase.split("(")[0] for record in records.values()}
+    if len(calls) == 1 and len({record.phase for record in records.values()}) > 1:
+        (call,) = calls  # one call, other arguments: say so rather than "the same calls"
+        lines.append(
+            f"Every rank called {call} at the same point, with other arguments (above): "
+            f"pass the same values to {call} on every rank (a path built from the rank, or "
+            "a setting read on one rank only, differs)."
+        )
+    else:
+        lines.append(SAME_CALLS)
     return "\n".join(lines)
 
 
