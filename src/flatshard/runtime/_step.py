@@ -504,8 +504,8 @@ def every_rank_calls(
 def _argument(value: object) -> str:
     """An agreed argument as text: a path as the string it names, an optimizer by class
     (its settings are compared at its steps), anything else as the configuration is."""
-    if isinstance(value, os.PathLike):
-        return repr(os.fspath(value))
+    if isinstance(value, os.PathLike | bytes):
+        return repr(os.fsdecode(value))
     if isinstance(value, torch.optim.Optimizer):
         return type(value).__name__
     if isinstance(value, list | tuple) and all(isinstance(v, torch.optim.Optimizer) for v in value):

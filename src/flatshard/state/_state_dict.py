@@ -330,7 +330,9 @@ def _check_same_dict(
     for key, value in sorted(state_dict.items()):
         target = targets.get(key)
         place = None if target is None else places.get(id(target))
-        if isinstance(value, torch.Tensor) and place is not None and place.flat is not None:
+        if not isinstance(value, torch.Tensor) or place is None or place.flat is None:
+            continue
+        if type(value) in (torch.Tensor, nn.Parameter) and value.device.type != "meta":
             lines.append(f"'{key}': digest {value_digest(value) & (1 << 64) - 1:016x}")
     flat = next(flat_params(model), None)  # where the group communicates (NCCL: the GPU)
     device = flat.compute_device if flat is not None else torch.device("cpu")
