@@ -29,6 +29,7 @@ from flatshard.comm._agreement import global_rank
 from flatshard.comm._collectives import all_gather_into, all_gather_object
 from flatshard.flat._flat_param import FlatParamGroup
 from flatshard.flat._tensor_parallel import SplitParam
+from flatshard.runtime._configuration import checksum
 from flatshard.runtime._step import agree, collective_call, distinct_contexts
 from flatshard.runtime._unit import Hold, Unit, unit_or_error, units_of
 
@@ -245,28 +246,12 @@ class Summoned:
             if orig.tp is None or tensor is not view
         ]
 
-    def digests(self) -> list[tuple[str, int]]:
-        """(name, digest) of each parameter every rank must hold alike, as it is now."""
-        return [(orig.fqn, value_digest(orig.param.data)) for orig in self._alike]
+    def digests(self) -> list[tuple[str, str]]:
+        """(name, checksum) of each parameter every rank must hold alike, as it is now."""
+        return [(orig.fqn, checksum(orig.param.data)) for orig in self._alike]
 
     def discard(self) -> None:
         self.writeback = False
-
-
-_INTEGER_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_DIGEST_CHUNK = 1 << 20  # elements per step (an int64 temporary of this size)
-
-
-def value_digest(tensor: torch.Tensor) -> int:
-    """A digest of ``tensor``'s bits: equal on every rank for equal values (NaNs included),
-    whatever the reduction order (a position-weighted sum in wrapping 64-bit integers)."""
-    bits = tensor.detach().contiguous().reshape(-1).view(_INTEGER_OF_SIZE[tensor.element_size()])
-    weights = torch.arange(1, _DIGEST_CHUNK + 1, dtype=torch.int64, device=bits.device)
-    total = torch.zeros((), dtype=torch.int64, device=bits.device)
-    for start in range(0, bits.numel(), _DIGEST_CHUNK):
-        chunk = bits[start : start + _DIGEST_CHUNK].to(torch.int64)
-        total += (chunk * weights[: chunk.numel()]).sum() + start
-    return int(total)
 
 
 @contextmanager

@@ -203,32 +203,36 @@ def value_lines(members: UnitMembers, with_params: bool) -> list[str]:
         for bname, buf in module._buffers.items():
             if buf is not None:
                 named.append((f"buffer '{join_name(mname, bname)}'", buf))
-    return [f"{name} checksum {_checksum(t)}" for name, t in named if not t.is_meta]
+    return [f"{name} checksum {checksum(t)}" for name, t in named if not t.is_meta]
 
 
-def _checksum(tensor: torch.Tensor, chunk: int = _CHUNK_BYTES) -> str:
-    """An exact, order-sensitive checksum of the tensor's bytes (integer arithmetic).
+def checksum(tensor: torch.Tensor, chunk: int = _CHUNK_BYTES) -> str:
+    """An exact, order-sensitive checksum of the tensor's bytes (integer arithmetic): equal
+    on every rank for equal bits (NaNs included), whatever the device. What the startup
+    check, a write-back summon and a full state dict's load compare across ranks.
 
     The bytes are read as 8-byte words where their count allows (else 4-byte, else single
     bytes): a parameter costs one widening per 8 bytes, not per byte (it runs by default
     on every replicated parameter at ``fully_shard``: docs/performance.md). The words are
-    summed plain and weighted by their position (from 1) in int64, products wrapping the
-    same on every rank. Taken ``chunk`` bytes at a time, the position weights made once
-    (a chunk's are the first chunk's plus its start), so the extra memory is about twice
-    ``chunk`` (plus the copy a non-contiguous tensor needs), not a multiple of the tensor,
-    which would not fit beside a large unit on a GPU.
+    summed plain and weighted by their position (from 1) in int64, products and sums
+    wrapping the same on every rank. Taken ``chunk`` bytes at a time, the position weights
+    made once (a chunk's are the first chunk's plus its start), so the extra memory is
+    about twice ``chunk`` (plus the copy a non-contiguous tensor needs), not a multiple of
+    the tensor, which would not fit beside a large unit on a GPU. The sums stay on the
+    tensor's device: the host reads them once, at the end.
     """
     words = _words(tensor.detach().contiguous().reshape(-1))
     step = max(1, chunk // words.element_size())
     positions = torch.arange(1, min(step, words.numel()) + 1, device=words.device)
-    plain = weighted = 0
+    plain = torch.zeros((), dtype=torch.int64, device=words.device)
+    weighted = torch.zeros((), dtype=torch.int64, device=words.device)
     for start in range(0, words.numel(), step):
         part = words[start : start + step].to(torch.int64, copy=True)
-        total = int(part.sum())
+        total = part.sum()
         plain += total
-        weighted += int(part.mul_(positions[: part.numel()]).sum()) + start * total
+        weighted += part.mul_(positions[: part.numel()]).sum() + total * start
         del part  # before the next chunk's: loop variables outlive their turn
-    return f"{plain % _WRAP}:{weighted % _WRAP}"  # int64's wrap: the same for any ``chunk``
+    return f"{int(plain) % _WRAP}:{int(weighted) % _WRAP}"  # int64's wrap, for any ``chunk``
 
 
 def _words(flat: torch.Tensor) -> torch.Tensor:

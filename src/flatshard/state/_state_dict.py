@@ -30,7 +30,8 @@ from flatshard.comm._collectives import broadcast
 from flatshard.flat._flat_param import FlatParamGroup
 from flatshard.flat._layout import rows_shape
 from flatshard.flat._tensor_parallel import SplitParam, spanning_group
-from flatshard.runtime._by_hand import copy_out, gather_copies, value_digest
+from flatshard.runtime._by_hand import copy_out, gather_copies
+from flatshard.runtime._configuration import checksum
 from flatshard.runtime._pipeline import stages_spanning
 from flatshard.runtime._step import context_of, every_rank_calls
 from flatshard.runtime._unit import unit_of
@@ -318,7 +319,7 @@ def _check_same_dict(
     From a full dict every rank takes only its own rows of each sharded parameter, so
     ranks given different dicts (another file on one host, a dict changed on one rank)
     would make one model of several, silently. So the ranks compare a digest of every full
-    tensor they take rows from (``value_digest``: one pass over the dict's sharded
+    tensor they take rows from (``checksum``: one pass over the dict's sharded
     entries, one digest all-gather), and raise on every rank, naming the entries, before
     anything is copied. Replicated entries (buffers, parameters left whole) are each
     rank's own, as in torch's ``load_state_dict`` under DDP, and ``RowShard`` entries hold
@@ -333,7 +334,7 @@ def _check_same_dict(
         if not isinstance(value, torch.Tensor) or place is None or place.flat is None:
             continue
         if type(value) in (torch.Tensor, nn.Parameter) and value.device.type != "meta":
-            lines.append(f"'{key}': digest {value_digest(value) & (1 << 64) - 1:016x}")
+            lines.append(f"'{key}': digest {checksum(value)}")
     flat = next(flat_params(model), None)  # where the group communicates (NCCL: the GPU)
     device = flat.compute_device if flat is not None else torch.device("cpu")
     fix = (
