@@ -516,6 +516,7 @@ def argument_alone_job(rank: int, case: str, folder: str) -> tuple[str, str, flo
         optim = torch.optim.SGD(
             params[:-1] if case == "subset" and other else params,
             lr=0.1,
+            momentum=0.9 if case == "full_optim_dict" else 0.0,
             maximize=case == "maximize" and other,
         )
         if case == "scaler":
@@ -544,6 +545,11 @@ def argument_alone_job(rank: int, case: str, folder: str) -> tuple[str, str, flo
             if case == "full_dict" and other:
                 full["blocks.1.lin.weight"] = full["blocks.1.lin.weight"] + 1.0
             flatshard.load_state_dict(model, full, from_rank0=case == "from_rank0" and not other)
+        elif case == "full_optim_dict":
+            full = flatshard.full_optim_state_dict(model, optim, rank0_only=False)
+            if other:
+                full["state"]["blocks.1.lin.weight"]["momentum_buffer"] *= 2.0
+            flatshard.load_optim_state_dict(model, optim, full)
     except Exception as error:
         return _ended_by(error, start)
     return "", "", time.monotonic() - start
@@ -558,6 +564,7 @@ ARGUMENTS = {  # case: (the error every rank raises, words every rank's message 
     "export_dtype": (MISMATCH, "dtype=bfloat16"),
     "from_rank0": (MISMATCH, "from_rank0=True"),
     "full_dict": ("ValueError", "'blocks.1.lin.weight': digest"),
+    "full_optim_dict": ("ValueError", "'blocks.1.lin.weight' momentum_buffer: digest"),
     "maximize": (MISMATCH, "maximize=True"),
     "subset": (MISMATCH, "params=9"),
     "scaler": ("RuntimeError", "scaled their losses by different scales"),
@@ -570,12 +577,23 @@ ARGUMENTS = {  # case: (the error every rank raises, words every rank's message 
 @pytest.mark.parametrize(
     ("case", "world"),
     [(case, 2) for case in sorted(ARGUMENTS)]
-    + [(case, 4) for case in ("save_path", "full_dict", "scaler", "debug", "check_consistency")],
+    + [
+        (case, 4)
+        for case in (
+            "save_path",
+            "full_dict",
+            "full_optim_dict",
+            "scaler",
+            "debug",
+            "check_consistency",
+        )
+    ],
 )
 def test_an_argument_or_setting_on_one_rank_is_named_on_every_rank(case: str, world: int) -> None:
     """Before: a checkpoint saved or loaded at another path, or without the optimizer, on
-    one rank, an export in another dtype, a full dict changed on one rank, an optimizer
-    with maximize=True or without one parameter, a scaler with another init_scale: silent
+    one rank, an export in another dtype, a full (optimizer) dict changed on one rank, an
+    optimizer with maximize=True or without one parameter, a scaler with another init_scale:
+    silent
     (a checkpoint committed incomplete, a model or optimizer state mixed from two, shards
     updated by different factors); load_state_dict's from_rank0 or debug mode on one rank:
     a wait to the timeout; check_consistency=False on one rank: gloo's SIGABRT;

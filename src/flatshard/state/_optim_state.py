@@ -25,9 +25,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatshard.comm._agreement import checked_on_rank0, global_rank, rank_in
+from flatshard.comm._agreement import (
+    check_same_on_all_ranks,
+    checked_on_rank0,
+    global_rank,
+    rank_in,
+)
 from flatshard.comm._collectives import all_gather_object, broadcast
 from flatshard.runtime._by_hand import copy_out, gather_copies, pack_rows
+from flatshard.runtime._configuration import checksum
 from flatshard.runtime._step import context_of, every_rank_calls
 from flatshard.state._state_dict import HeldRows, RowShard, flat_params, model_group, param_places
 
@@ -215,7 +221,8 @@ def load_optim_state_dict(
     model's group holds the (full) dict, e.g. the default ``full_optim_state_dict``
     output, and the others pass ``{}``; it is broadcast one tensor at a time.
     """
-    if from_rank0 and model_group(model) is not None:
+    received = from_rank0 and model_group(model) is not None
+    if received:
         state_dict = _receive_from_rank0(model, optim, state_dict)
     places = param_places(model)
     groups = named_param_groups(model, optim, "load_optim_state_dict")
@@ -229,6 +236,8 @@ def load_optim_state_dict(
         )
     saved_groups = _this_stages_part(model, groups, saved_groups)
     _check_groups(groups, saved_groups)
+    if not received:
+        _check_same_state(model, groups, saved_state, places)
     torch_state: dict[int, dict[str, Any]] = {}
     torch_groups: list[dict[str, Any]] = []
     index = 0
@@ -310,6 +319,53 @@ def _check_groups(
     raise ValueError(
         f"flatshard.load_optim_state_dict (rank {global_rank()}): {detail}. Build the "
         "optimizer with the same parameter groups as the run that saved it."
+    )
+
+
+def _check_same_state(
+    model: nn.Module,
+    groups: list[list[tuple[str, nn.Parameter]]],
+    saved_state: dict[str, Any],
+    places: dict[int, HeldRows],
+) -> None:
+    """[Note: one full optimizer dict on every rank] as [Note: one full dict on every
+    rank] for a model: every rank takes its own rows of each full moment, so ranks given
+    different full optimizer dicts (another file on one host, one rank's own optimizer's
+    dict) would step one model with moments mixed from several, silently. The ranks
+    compare a digest of each sharded parameter's full values, and its scalars (``step``,
+    whose bias correction Adam applies to every row), before anything is loaded.
+    ``RowShard`` values are each rank's own rows and a whole parameter's state its owner's
+    alone ([Note: whole-parameter layout]): neither is compared; hyperparameters
+    are compared at the next step, with the optimizer's (the step's ledger entry)."""
+    group = model_group(model)
+    if group is None or group.size() == 1:
+        return
+    lines = []
+    for name, param in (pair for named in groups for pair in named):
+        place = places[id(param)]
+        values = saved_state.get(name)
+        if place.flat is None or place.flat.layout.whole or not isinstance(values, dict):
+            continue  # each rank's own; a whole parameter's state is its owner's alone
+        for key, value in sorted(values.items()):
+            if isinstance(value, RowShard):
+                continue
+            if type(value) in (torch.Tensor, nn.Parameter) and value.device.type != "meta":
+                lines.append(f"'{name}' {key}: digest {checksum(value)}")
+            elif not isinstance(value, torch.Tensor):
+                lines.append(f"'{name}' {key}: {value!r:.80}")
+    flat = next(flat_params(model), None)  # where the group communicates (NCCL: the GPU)
+    device = flat.compute_device if flat is not None else torch.device("cpu")
+    fix = (
+        "Pass the same full optimizer state dict on every rank (each rank takes its own "
+        "rows of it), or load rank 0's with from_rank0=True."
+    )
+    check_same_on_all_ranks(
+        lines,
+        group,
+        device,
+        "hold different full optimizer state dicts",
+        fix,
+        "load_optim_state_dict",
     )
 
 
