@@ -5,9 +5,8 @@ The same GPT, data and AdamW as every other system, run as DeepSpeed's users run
 engine over the model and a torch optimizer (nothing compiled), ZeRO stage 3 with
 DeepSpeed's default bucket, prefetch and persistence settings, the engine's own
 ``backward`` and ``step``. On CPUs DeepSpeed's accelerator is its CPU one, which
-communicates over gloo where oneCCL is absent (its shared-memory all-reduce is built on
-first use and cached). ZeRO-3 keeps no unsharded gradient: every micro-batch's gradients
-are reduce-scattered, as flatshard's ``--accum reduce`` does.
+communicates over gloo where oneCCL is absent. ZeRO-3 keeps no unsharded gradient: every
+micro-batch's gradients are reduce-scattered, as flatshard's ``--accum reduce`` does.
 """
 
 from __future__ import annotations
@@ -51,7 +50,13 @@ def zero3_engine(
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if device.type == "cpu" else device.type)
     os.environ.setdefault("LOCAL_RANK", str(device.index or 0))
     import deepspeed
+    import deepspeed.ops
 
+    # Its CPU backend compiles a shared-memory all-reduce at startup (40-80 s of a 2-core
+    # machine, again for every new environment path) that only inference_all_reduce
+    # (tensor-parallel inference) calls; ZeRO-3 training never does. Marked unbuildable,
+    # as DeepSpeed does itself where a compiler is missing: nothing else changes.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     config = {
         "train_micro_batch_size_per_gpu": micro_batch,
