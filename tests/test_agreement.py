@@ -545,6 +545,9 @@ def argument_alone_job(rank: int, case: str, folder: str) -> tuple[str, str, flo
             if case == "full_dict" and other:
                 full["blocks.1.lin.weight"] = full["blocks.1.lin.weight"] + 1.0
             flatshard.load_state_dict(model, full, from_rank0=case == "from_rank0" and not other)
+        elif case == "summon_writeback":
+            with flatshard.summon_full_params(model, writeback=not other):
+                pass
         elif case == "full_optim_dict":
             full = flatshard.full_optim_state_dict(model, optim, rank0_only=False)
             if other:
@@ -565,6 +568,7 @@ ARGUMENTS = {  # case: (the error every rank raises, words every rank's message 
     "from_rank0": (MISMATCH, "from_rank0=True"),
     "full_dict": ("ValueError", "'blocks.1.lin.weight': digest"),
     "full_optim_dict": ("ValueError", "'blocks.1.lin.weight' momentum_buffer: digest"),
+    "summon_writeback": (MISMATCH, "summon_full_params(writeback=False)"),
     "maximize": (MISMATCH, "maximize=True"),
     "subset": (MISMATCH, "params=9"),
     "scaler": ("RuntimeError", "scaled their losses by different scales"),
@@ -607,7 +611,9 @@ def test_an_argument_or_setting_on_one_rank_is_named_on_every_rank(case: str, wo
         assert name in error.split("|"), f"rank {rank} ended with {name or 'no error'}: {message}"
         assert words in message, f"rank {rank}: {message}"
         assert seconds < LIMIT_S, f"rank {rank} took {seconds:.1f} s"
-        if case.startswith(("save_", "load_", "export_", "from_")):  # one call, other values
+        if case.startswith(
+            ("save_", "load_", "export_", "from_", "summon_")
+        ):  # one call, other values
             assert "with other arguments (above): pass the same values to" in message, message
 
 

@@ -92,7 +92,8 @@ def summon_full_params(model: nn.Module, writeback: bool = True) -> Iterator[Non
     """
     units = units_of(model, "summon_full_params")
     with ExitStack() as stack:
-        with collective_call(model, "summon_full_params"):  # its gathers, not the body's
+        # Its gathers, not the body's; ``writeback`` is agreed, as it decides the exit's check.
+        with collective_call(model, f"summon_full_params(writeback={writeback})"):
             for unit in units:
                 unit.require_idle(
                     "summon_full_params",
