@@ -320,6 +320,25 @@ def test_pp2_at_two_ranks_matches(pool: WorkerPool, schedule: str) -> None:
     _check(pool.run(pipeline_job, schedule, 2, 1, "FULL_SHARD", False, "torch"))
 
 
+def debug_pipeline_job(ctx: WorkerContext, schedule: str) -> dict[str, Any] | None:
+    """``pipeline_job`` at PP2 with flatshard's clip, every collective agreed first."""
+    flatshard.set_checks(flatshard.Checks(debug=True))
+    try:
+        return pipeline_job(ctx, schedule, 2, 1, "FULL_SHARD", False, "flatshard")
+    finally:
+        flatshard.set_checks(flatshard.Checks())
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+def test_debug_mode_agrees_a_pipelines_collectives_without_false_mismatches(
+    pool: WorkerPool, schedule: str
+) -> None:
+    """Before: ``Checks(debug=True)`` (``FLATSHARD_DEBUG=1``, which diagnoses advise)
+    raised a CollectiveMismatchError at the norm over every stage: the stages' records of
+    one all-gather differed in their step, which each stage counts for itself."""
+    _check(pool.run(debug_pipeline_job, schedule))
+
+
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_kept_units_are_gathered_once_per_step(pool: WorkerPool, schedule: str) -> None:
     """With ``set_reshard_after_forward(False)`` each group is gathered once per optimizer
@@ -1185,5 +1204,6 @@ def test_stages_that_part_ways_are_named_within_seconds(pool: WorkerPool, case: 
         if case == "clip":
             assert "clip_grad_norm_ over every stage" in message, message
             assert "pipeline schedule step" in message, message
+            assert "pipeline schedule step at step" not in message, message  # no one model's
         else:
             assert "build pipeline stages with different numbers of stages" in message, message

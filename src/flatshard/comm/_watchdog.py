@@ -164,7 +164,10 @@ class Tag:
 
     phase: str  # "forward", "backward", "clip_grad_norm_", "summon_full_params", ...
     unit: str = ""  # the unit's name, "" when the collective is not for one unit
-    step: int = 0  # backward passes completed by the model's root
+    step: int = 0  # backward passes completed by the model's root (NO_STEP: none)
+
+
+NO_STEP = -1  # a call that belongs to no one model's steps (a pipeline's schedule step)
 
 
 _SETTINGS = [Checks()]  # this process's, set by set_checks
@@ -433,7 +436,7 @@ class Watchdog:
         seen = {r: v.decode() for r, v in zip(ranks, values, strict=True)}
         if count > 2:  # every rank has read agreement count - 2 before writing this one
             self.store.delete_key(f"flatshard/agree/{name}/{count - 2}/{self.rank}")
-        if len(set(seen.values())) > 1:
+        if len({Record.from_descriptor(text).agreed() for text in seen.values()}) > 1:
             raise CollectiveMismatchError(_mismatch(seen, self.rank))
 
     def _warn(self, group: dist.ProcessGroup, what: str, waited: float, timeout: float) -> None:
@@ -734,22 +737,34 @@ class Record:
     dtype: str
     phase: str  # "forward", "backward", "clip_grad_norm_", ...
     unit: str  # the unit's name, "" if none
-    step: int  # backward passes the model's root completed
+    step: int  # backward passes the model's root completed (NO_STEP: none to tell)
 
-    def describe(self, sizes: bool = True) -> str:
+    def describe(self, sizes: bool = True, step: bool = True) -> str:
         """In user terms, e.g. collective #7 (step 1, forward): all_gather of unit 'b' ...
-        (``sizes=False``: without the elements this rank sends)."""
+        (``sizes=False``: without the elements this rank sends; ``step=False``: without
+        the step)."""
+        step = step and self.step != NO_STEP
         if self.op == "call":
-            return f"{self.phase} at step {self.step} (after collective #{self.seq})"
+            at = f" at step {self.step}" if step else ""
+            return f"{self.phase}{at} (after collective #{self.seq})"
         unit = f" of unit '{self.unit}'" if self.unit else ""
         data = f"{self.numel:,} {self.dtype}" if sizes else self.dtype
-        return f"collective #{self.seq} (step {self.step}, {self.phase}): {self.op}{unit} ({data})"
+        when = f"step {self.step}, " if step else ""
+        return f"collective #{self.seq} ({when}{self.phase}): {self.op}{unit} ({data})"
 
     def agreed(self) -> str:
-        """What every rank's record of this collective must say alike: ``describe()``, but
-        for an all-to-all without the elements this rank sent (uneven by design: each rank
-        sends what the others asked of it)."""
-        return self.describe(sizes=self.op != "all_to_all")
+        """What every rank's record of this collective must say alike: ``describe()``
+        without the step, and for an all-to-all without the elements this rank sent
+        (uneven by design: each rank sends what the others asked of it).
+
+        [Note: the step is not agreed] The step says where in training a collective
+        fell, each model counting its own root's backward passes; the ranks of a
+        pipeline's group hold different stages (different models), whose counts differ
+        by design (a last stage's root completes a backward per micro-batch). The
+        collective itself, its sequence number, kind, call, unit and size, is what every
+        rank must issue alike; a rank at another step issues another collective sooner or
+        later, and that is compared."""
+        return self.describe(sizes=self.op != "all_to_all", step=False)
 
     def descriptor(self) -> str:
         """What every rank must agree on, as text that travels through the store."""

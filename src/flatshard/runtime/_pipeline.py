@@ -42,7 +42,7 @@ from torch import nn
 
 from flatshard.comm._agreement import check_same_on_all_ranks, global_rank
 from flatshard.comm._collectives import all_gather_into
-from flatshard.comm._watchdog import Tag, watchdog
+from flatshard.comm._watchdog import NO_STEP, Tag, watchdog
 from flatshard.flat._flat_param import FlatParamGroup
 from flatshard.flat._reduction import Owed
 from flatshard.runtime._step import (
@@ -175,7 +175,7 @@ def step_starts(group: dist.ProcessGroup) -> None:
     stage and step."""
     dog = watchdog()
     if dog is not None and group.size() > 1:  # (the phase says what; no count to drift)
-        dog.entry(group, Tag("pipeline schedule step"))
+        dog.entry(group, Tag("pipeline schedule step", step=NO_STEP))
 
 
 def begin_step(model: nn.Module, owner: str) -> None:
