@@ -9,6 +9,7 @@ in tests/test_restarts.py (the torchrun recipe); the CLI's resume in tests/test_
 from __future__ import annotations
 
 import errno
+import os
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from flatshard.testing.internals import (
     checkpoint_writes_start_after,
     staging_buffers,
 )
+from flatshard.testing.isolated import Died, run_isolated
 from flatshard.testing.models import build
 from flatshard.testing.parity import make_optimizer
 from flatshard.testing.workers import WorkerContext, WorkerPool
@@ -259,3 +261,39 @@ def test_a_failure_nobody_waited_for_is_said_at_exit(tmp_path: Path) -> None:
     assert "the asynchronous save of" in done.stderr, done.stderr
     assert "Input/output error" in done.stderr, done.stderr
     assert not (tmp_path / "ckpt").exists() and not (tmp_path / "ckpt.partial").exists()
+
+
+def parting_save_job(rank: int, how: str, directory: str) -> str:
+    """An asynchronous save whose write starts late; meanwhile ``how``: "killed", rank 1
+    dies as by SIGKILL (no exit record); "destroyed", every rank destroys the process
+    group before waiting for the save. Rank 0's error at ``wait()``."""
+    import torch.distributed as dist
+
+    model = flatshard.fully_shard(build("mlp"))
+    with checkpoint_writes_start_after(1.0):
+        save = flatshard.save_checkpoint(f"{directory}/ckpt", model, async_op=True)
+        if how == "killed" and rank == 1:
+            os._exit(3)
+        if how == "destroyed":
+            dist.destroy_process_group()
+        try:
+            save.wait()
+        except flatshard.CheckpointError as error:
+            return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize("how", ["killed", "destroyed"])
+def test_a_save_that_fails_with_its_group_says_why(tmp_path: Path, how: str) -> None:
+    """Before: gloo's "Connection closed by peer" with no rank named, or "Default process
+    group has not been initialized" where the guide says to look for a destroyed group."""
+    outcomes = run_isolated(parting_save_job, how, str(tmp_path))
+    message = outcomes[0]
+    assert isinstance(message, str) and "the asynchronous save of" in message, outcomes
+    if how == "killed":
+        assert outcomes[1] == Died(3), outcomes
+        assert "Rank 1 of its group ended (no answer and no exit record: killed" in message
+    else:
+        assert "The process group was destroyed while it was being written" in message
+        assert "call wait() on the save before dist.destroy_process_group()" in message
+    assert not (tmp_path / "ckpt").exists()

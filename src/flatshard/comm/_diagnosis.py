@@ -117,12 +117,19 @@ def report(
     return "\n".join(lines)
 
 
-def _doing(status: Status | None) -> str:
-    if status is None:
+def ended_as(status: Status | None) -> str:
+    """How a rank ended, in the diagnosis's words (None: it gave no answer)."""
+    if status is None or status.ended is None:
         return (
             "no answer and no exit record: killed by a signal (SIGKILL, the out-of-memory "
             "killer), its host or connection lost, or stuck without releasing the GIL"
         )
+    return status.ended
+
+
+def _doing(status: Status | None) -> str:
+    if status is None:
+        return ended_as(status)
     last = status.recent[-1][2] if status.recent else "none yet"
     if status.ended is not None:
         return f"{status.ended}; its last flatshard collective: {last}"

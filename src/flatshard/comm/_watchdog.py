@@ -81,7 +81,7 @@ from typing import NamedTuple, NoReturn
 import torch
 import torch.distributed as dist
 
-from flatshard.comm._diagnosis import SAME_CALLS, Status, Waited, proven, report
+from flatshard.comm._diagnosis import SAME_CALLS, Status, Waited, ended_as, proven, report
 from flatshard.comm._errors import (
     CollectiveError,
     CollectiveMismatchError,
@@ -418,6 +418,19 @@ class Watchdog:
         cause = f"flatshard: rank {self.rank} waited for {what}, which can never complete"
         self._diagnose(group, cause, _ERRORS[proof.error])
 
+    def ended_peers(self, ranks: list[int]) -> dict[int, str]:
+        """See the module function ``ended_peers``."""
+        try:
+            generation = int(self.store.add(_PROBES, 1))
+            self._publish(generation, "probe")
+            statuses = self._collect(generation, ranks, "probe")
+        except Exception:  # the store went with its host: nothing more to say
+            return {}
+        found = {r: statuses.get(r) for r in ranks if r != self.rank}
+        return {
+            r: ended_as(status) for r, status in found.items() if status is None or status.ended
+        }
+
     # ------------------------------------------------------------------ agreement
     def agree(self, group: dist.ProcessGroup, record: Record, waited: Waited | None = None) -> None:
         """Every rank of ``group`` shows the same ``record`` through the store, or raises."""
@@ -704,6 +717,16 @@ def _mismatch(seen: dict[int, str], rank: int) -> str:
 
 
 _WATCHDOG: Watchdog | None = None
+
+
+def ended_peers(ranks: list[int]) -> dict[int, str]:
+    """How each rank of ``ranks`` that has ended did (its exit record), or that it gives no
+    answer (killed); nothing for the ranks that answer. For an error that a peer's end
+    would explain, met outside a watched collective (an asynchronous save's writer):
+    one probe, within the grace."""
+    if _WATCHDOG is None or _WATCHDOG.world is None:
+        return {}
+    return _WATCHDOG.ended_peers(ranks)
 
 
 def leave_exit_record(how: str) -> None:

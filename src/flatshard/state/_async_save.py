@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 
 from flatshard.comm._collectives import all_gather_object
-from flatshard.comm._watchdog import leave_exit_record
+from flatshard.comm._watchdog import ended_peers, leave_exit_record
 from flatshard.state._errors import CheckpointError
 from flatshard.state._state_dict import RowShard
 
@@ -90,6 +90,7 @@ class CheckpointSave:
         self.staged_bytes = staged_bytes
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._why = ""  # what explains the error, where something does (said once found)
 
     def done(self) -> bool:
         return self._thread is None or not self._thread.is_alive()
@@ -106,9 +107,10 @@ class CheckpointSave:
 
     def failure(self, caller: str) -> CheckpointError:
         return CheckpointError(
-            f"flatshard.{caller}: the asynchronous save of {self.path} failed: {self._error}. "
-            f"{self.path.name} was not written; the checkpoint there before it (if any) is "
-            "untouched. Fix the cause and save again."
+            f"flatshard.{caller}: the asynchronous save of {self.path} failed: "
+            f"{str(self._error).rstrip('.')}. "
+            f"{self._why}{self.path.name} was not written; the checkpoint there before it (if "
+            "any) is untouched. Fix the cause and save again."
         )
 
     def _join(self) -> None:
@@ -122,6 +124,23 @@ class CheckpointSave:
             write(self.path, partial, state, group, _plain_exchange(group))
         except BaseException as error:  # kept for wait() and the next call
             self._error = error
+            self._why = _why_failed(group)
+
+
+def _why_failed(group: dist.ProcessGroup | None) -> str:
+    """What explains a write's failure, in the user's terms, where a cause other than the
+    error's own text is found: the process group destroyed under the writer, or a rank of
+    its group that has ended (the error is then gloo's "connection closed")."""
+    if group is None:
+        return ""
+    if not dist.is_initialized() or not _alive(group):
+        return (
+            "The process group was destroyed while it was being written: call wait() on "
+            "the save before dist.destroy_process_group() (a SIGTERM handler of the "
+            "program's own that exits skips flatshard's wait: call it there too). "
+        )
+    ended = ended_peers(dist.get_process_group_ranks(group))
+    return "".join(f"Rank {rank} of its group ended ({how}). " for rank, how in ended.items())
 
 
 class _Staging:

@@ -94,7 +94,8 @@ def _main(
     out.close()
     out.join_thread()
     dog = _watchdog._WATCHDOG
-    if dog is None or not dog.failed:  # else collectives are left in flight: see _at_exit
+    left_in_flight = dog is not None and dog.failed  # then leave it: see _at_exit
+    if dist.is_initialized() and not left_in_flight:  # (unless ``fn`` destroyed it)
         dist.destroy_process_group()
 
 
