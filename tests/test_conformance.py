@@ -408,6 +408,29 @@ def path_sharded_state_dict(run: Run) -> None:
     _same(ref.state(), _full(fresh), "a sharded state dict loaded")
 
 
+def path_full_state_dicts(run: Run) -> None:
+    """Full model and optimizer state dicts, and a sharded optimizer state dict, loaded
+    into fresh models: the same parameters, and the next step the reference's."""
+    model, optim, ref = _trained(run)
+    full = _full(model)
+    full_optim = flatshard.full_optim_state_dict(model, optim, rank0_only=False)
+    sharded_optim = flatshard.sharded_optim_state_dict(model, optim)
+    fresh, fresh_optim = _sharded(run)
+    flatshard.load_state_dict(fresh, full)
+    _same(ref.state(), _full(fresh), "a full state dict loaded")
+    flatshard.load_optim_state_dict(fresh, fresh_optim, full_optim)
+    again, again_optim = _sharded(run)
+    flatshard.load_state_dict(again, flatshard.sharded_state_dict(model))
+    flatshard.load_optim_state_dict(again, again_optim, sharded_optim)
+    for trained, its_optim in ((fresh, fresh_optim), (again, again_optim)):
+        _loss(trained, _batch(STEPS, run.rank)).backward()
+        its_optim.step()
+        its_optim.zero_grad()
+    ref.step(STEPS)
+    _same(ref.state(), _full(fresh), "a step after full state dicts loaded")
+    _same(ref.state(), _full(again), "a step after a sharded optimizer state dict loaded")
+
+
 def _checkpoint(run: Run, async_op: bool) -> None:
     model, optim, ref = _trained(run)
     path = os.path.join(run.tmp, f"ckpt-{async_op}")
