@@ -25,17 +25,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatshard.comm._agreement import (
-    check_same_on_all_ranks,
-    checked_on_rank0,
-    global_rank,
-    rank_in,
-)
+from flatshard.comm._agreement import checked_on_rank0, global_rank, rank_in
 from flatshard.comm._collectives import all_gather_object, broadcast
 from flatshard.runtime._by_hand import copy_out, gather_copies, pack_rows
 from flatshard.runtime._configuration import checksum
 from flatshard.runtime._step import context_of, every_rank_calls
-from flatshard.state._state_dict import HeldRows, RowShard, flat_params, model_group, param_places
+from flatshard.state._state_dict import (
+    HeldRows,
+    RowShard,
+    flat_params,
+    is_plain_value,
+    model_group,
+    param_places,
+    same_full_dict_on_all_ranks,
+)
 
 OptimStateDict = dict[str, Any]
 
@@ -337,36 +340,22 @@ def _check_same_state(
     ``RowShard`` values are each rank's own rows and a whole parameter's state its owner's
     alone ([Note: whole-parameter layout]): neither is compared; hyperparameters
     are compared at the next step, with the optimizer's (the step's ledger entry)."""
-    group = model_group(model)
-    if group is None or group.size() == 1:
-        return
-    lines = []
-    for name, param in (pair for named in groups for pair in named):
-        place = places[id(param)]
-        values = saved_state.get(name)
-        if place.flat is None or place.flat.layout.whole or not isinstance(values, dict):
-            continue  # each rank's own; a whole parameter's state is its owner's alone
-        for key, value in sorted(values.items()):
-            if isinstance(value, RowShard):
-                continue
-            if type(value) in (torch.Tensor, nn.Parameter) and value.device.type != "meta":
-                lines.append(f"'{name}' {key}: digest {checksum(value)}")
-            elif not isinstance(value, torch.Tensor):
-                lines.append(f"'{name}' {key}: {value!r:.80}")
-    flat = next(flat_params(model), None)  # where the group communicates (NCCL: the GPU)
-    device = flat.compute_device if flat is not None else torch.device("cpu")
-    fix = (
-        "Pass the same full optimizer state dict on every rank (each rank takes its own "
-        "rows of it), or load rank 0's with from_rank0=True."
-    )
-    check_same_on_all_ranks(
-        lines,
-        group,
-        device,
-        "hold different full optimizer state dicts",
-        fix,
-        "load_optim_state_dict",
-    )
+
+    def lines() -> list[str]:
+        found = []
+        for name, param in (pair for named in groups for pair in named):
+            place = places[id(param)]
+            values = saved_state.get(name)
+            if place.flat is None or place.flat.layout.whole or not isinstance(values, dict):
+                continue  # each rank's own; a whole parameter's state is its owner's alone
+            for key, value in sorted(values.items()):
+                if is_plain_value(value):
+                    found.append(f"'{name}' {key}: digest {checksum(value)}")
+                elif not isinstance(value, torch.Tensor | RowShard):
+                    found.append(f"'{name}' {key}: {value!r:.80}")
+        return found
+
+    same_full_dict_on_all_ranks(model, lines, "load_optim_state_dict", "full optimizer state dict")
 
 
 def _local_value(name: str, key: str, value: Any, place: HeldRows) -> Any:

@@ -324,26 +324,41 @@ def _check_same_dict(
     anything is copied. Replicated entries (buffers, parameters left whole) are each
     rank's own, as in torch's ``load_state_dict`` under DDP, and ``RowShard`` entries hold
     each rank's own rows: neither is compared."""
+
+    def lines() -> list[str]:
+        found = []
+        for key, value in sorted(state_dict.items()):
+            target = targets.get(key)
+            place = None if target is None else places.get(id(target))
+            if place is not None and place.flat is not None and is_plain_value(value):
+                found.append(f"'{key}': digest {checksum(cast(torch.Tensor, value))}")
+        return found
+
+    same_full_dict_on_all_ranks(model, lines, "load_state_dict", "full state dict")
+
+
+def is_plain_value(value: object) -> bool:
+    """A tensor whose bytes the ranks can compare: not a subclass (a DTensor holds a
+    part), not on meta (no bytes)."""
+    return type(value) in (torch.Tensor, nn.Parameter) and not cast(torch.Tensor, value).is_meta
+
+
+def same_full_dict_on_all_ranks(
+    model: nn.Module, lines: Callable[[], list[str]], caller: str, what: str
+) -> None:
+    """Raise on every rank of ``model``'s group, naming the ``lines()`` (one per entry,
+    with its digest; made only where the group spans ranks) that differ, unless every rank
+    holds the same: see [Note: one full dict on every rank]."""
     group = model_group(model)
     if group is None or group.size() == 1:
         return
-    lines = []
-    for key, value in sorted(state_dict.items()):
-        target = targets.get(key)
-        place = None if target is None else places.get(id(target))
-        if not isinstance(value, torch.Tensor) or place is None or place.flat is None:
-            continue
-        if type(value) in (torch.Tensor, nn.Parameter) and value.device.type != "meta":
-            lines.append(f"'{key}': digest {checksum(value)}")
     flat = next(flat_params(model), None)  # where the group communicates (NCCL: the GPU)
     device = flat.compute_device if flat is not None else torch.device("cpu")
     fix = (
-        "Pass the same full state dict on every rank (each rank takes its own rows of it), "
-        "or load rank 0's with from_rank0=True."
+        f"Pass the same {what} on every rank (each rank takes its own rows of it), or load "
+        "rank 0's with from_rank0=True."
     )
-    check_same_on_all_ranks(
-        lines, group, device, "hold different full state dicts", fix, "load_state_dict"
-    )
+    check_same_on_all_ranks(lines(), group, device, f"hold different {what}s", fix, caller)
 
 
 def _load_one(
