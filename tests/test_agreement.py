@@ -548,6 +548,12 @@ def argument_alone_job(rank: int, case: str, folder: str) -> tuple[str, str, flo
         elif case == "summon_writeback":
             with flatshard.summon_full_params(model, writeback=not other):
                 pass
+        elif case == "clip_with_norm":  # accelerate's clipping: the norm, then this
+            from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+            model(torch.randn(3, 4)).sum().backward()
+            norm = get_total_norm([p.grad for p in params if p.grad is not None])
+            clip_grads_with_norm_(params, 0.05 if other else 0.1, norm)
         elif case == "full_optim_dict":
             full = flatshard.full_optim_state_dict(model, optim, rank0_only=False)
             if other:
@@ -569,6 +575,7 @@ ARGUMENTS = {  # case: (the error every rank raises, words every rank's message 
     "full_dict": ("ValueError", "'blocks.1.lin.weight': digest"),
     "full_optim_dict": ("ValueError", "'blocks.1.lin.weight' momentum_buffer: digest"),
     "summon_writeback": (MISMATCH, "summon_full_params(writeback=False)"),
+    "clip_with_norm": (MISMATCH, "clip_grads_with_norm_(max_norm=0.05)"),
     "maximize": (MISMATCH, "maximize=True"),
     "subset": (MISMATCH, "params=9"),
     "scaler": ("RuntimeError", "scaled their losses by different scales"),

@@ -560,6 +560,16 @@ def test_torch_clip_grad_norm_takes_the_norm_of_the_whole_gradient(
     pool.run(parity_job, _clipped(case, norm_type, "torch"), False)
 
 
+@pytest.mark.parametrize("case", [("FULL_SHARD", 2, None), ("mixed", 4, None)], ids=_id)
+def test_clipping_by_a_given_norm_as_accelerate_does_is_global(
+    pool: WorkerPool, case: tuple[str, int, int | None]
+) -> None:
+    """torch's get_total_norm, then clip_grads_with_norm_ with it: how accelerate (and so
+    the Hugging Face Trainer) clips. The norm is the unsharded model's, and every rank
+    scales its rows by the same factor."""
+    pool.run(parity_job, _clipped(case, 2.0, "torch-split"), False)
+
+
 def test_torch_clip_grad_value_is_exact_on_shards(pool: WorkerPool) -> None:
     """clip_grad_value_ clamps each element alone: this rank's rows are clipped right."""
     config = ParityConfig(model="gpt", world_size=2, clip=1e-3, clip_with="value", optimizer="sgd")

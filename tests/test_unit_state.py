@@ -120,6 +120,7 @@ def test_what_flatshard_installs_in_torch_is_removed_by_its_handle() -> None:
     process-wide owner does so once no sharded model is alive)."""
     torch_norm = torch.nn.utils.get_total_norm
     private_norm = torch.nn.utils.clip_grad._get_total_norm
+    with_norm = torch.nn.utils.clip_grads_with_norm_
     hooks = dict(torch_optimizer._global_optimizer_pre_hooks)
     zero_grads = (torch.optim.Optimizer.zero_grad, nn.Module.zero_grad)
     reach = TorchReach()
@@ -128,6 +129,7 @@ def test_what_flatshard_installs_in_torch_is_removed_by_its_handle() -> None:
     assert len(torch_optimizer._global_optimizer_pre_hooks) == len(hooks) + 1
     # (the process-wide owner may have installed it already: then it is the same function)
     assert torch.nn.utils.get_total_norm.__module__.startswith("flatshard.")
+    assert torch.nn.utils.clip_grads_with_norm_.__module__.startswith("flatshard.")
     assert torch.optim.Optimizer.zero_grad is not zero_grads[0]
     assert nn.Module.zero_grad is not zero_grads[1]
     assert len(torch.nn.modules.module._global_module_registration_hooks) >= 1
@@ -136,6 +138,7 @@ def test_what_flatshard_installs_in_torch_is_removed_by_its_handle() -> None:
     assert dict(torch_optimizer._global_optimizer_pre_hooks) == hooks
     assert torch.nn.utils.get_total_norm is torch_norm
     assert torch.nn.utils.clip_grad._get_total_norm is private_norm
+    assert torch.nn.utils.clip_grads_with_norm_ is with_norm
 
 
 def _torch_state() -> tuple[Any, ...]:
@@ -144,6 +147,7 @@ def _torch_state() -> tuple[Any, ...]:
     return (
         torch.nn.utils.get_total_norm,
         torch.nn.utils.clip_grad._get_total_norm,
+        torch.nn.utils.clip_grads_with_norm_,
         torch.optim.Optimizer.zero_grad,
         nn.Module.zero_grad,
         tuple(torch_optimizer._global_optimizer_pre_hooks),

@@ -31,11 +31,13 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         return _clip(model, max_norm, norm_type)
 
 
-def clip_call(name: str, max_norm: object, norm_type: float) -> str:
+def clip_call(name: str, max_norm: object, norm_type: float | None = None) -> str:
     """The call the ranks agree on, with its values: each rank scales its own rows by
-    ``max_norm / norm``, so a rank with another ``max_norm`` would scale its rows alone."""
+    ``max_norm / norm``, so a rank with another ``max_norm`` would scale its rows alone
+    (``norm_type`` None: a call given the norm, which has none)."""
     limit = float(max_norm) if isinstance(max_norm, float | int) else max_norm
-    return f"{name}(max_norm={limit!r}, norm_type={norm_type!r})"
+    order = "" if norm_type is None else f", norm_type={norm_type!r}"
+    return f"{name}(max_norm={limit!r}{order})"
 
 
 def _clip(model: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """What flatshard installs in torch while a sharded model lives, with its handles.
 
-torch's gradient norm is made global for flatshard's gradients ([Note: torch's
-clip_grad_norm_ on sharded gradients] below), a step pre-hook of every optimizer sees the
-model's optimizer steps (``_optimizer_steps.py``) and torch's ``zero_grad`` functions also
+torch's gradient norm is made global for flatshard's gradients, and its clipping by a given
+norm agreed across the ranks ([Note: torch's clip_grad_norm_ on sharded gradients] below),
+a step pre-hook of every optimizer sees the model's optimizer steps (``_optimizer_steps.py``) and torch's ``zero_grad`` functions also
 drop the gradients kept unreduced ([Note: zero_grad drops kept gradients] below), and
 torch's module registration hooks mark each sharded model to be checked for changes
 (``_changes.py``). All are installed once, by the first ``fully_shard``, and removed when
@@ -44,8 +44,13 @@ replaced by one that recognizes the gradients of flatshard's original parameters
 takes their norm over the shard and tensor-parallel groups, as ``flatshard.clip_grad_norm_``
 does; tensors flatshard does not manage count locally, so on anything else the result is
 torch's. Given flatshard's gradients it is a collective, agreed on through the store first
-like every flatshard call a program may make on some ranks only. ``clip_grad_value_``
-clamps each element on its own and is right as it is.
+like every flatshard call a program may make on some ranks only. Where the norm is taken
+first and the gradients clipped by it after (accelerate, and so the Hugging Face Trainer:
+``get_total_norm``, then ``clip_grads_with_norm_``), each rank scales its own rows by its
+own ``max_norm``: torch's public ``clip_grads_with_norm_`` is replaced too, to agree on
+``max_norm`` first where it is given flatshard's parameters (torch's ``clip_grad_norm_``
+calls its private one, agreed with the norm). ``clip_grad_value_`` clamps each element on
+its own and is right as it is.
 
 The replacement is process-wide, installed by the first ``fully_shard`` and undone when
 the last sharded model is gone (``TorchReach``); the models it looks in are held weakly
@@ -77,6 +82,7 @@ from flatshard.runtime._join import note_unreplayable
 from flatshard.runtime._optimizer_steps import before_step
 from flatshard.runtime._step import (
     StepContext,
+    agree,
     collective_call,
     sharded_contexts,
     watch,
@@ -154,23 +160,55 @@ _TotalNorm = Callable[..., torch.Tensor]
 
 
 class TorchNorms:
-    """torch's norm functions, replaced while installed and put back by ``remove``."""
+    """torch's norm functions, and its clipping by a given norm, replaced while installed
+    and put back by ``remove``."""
 
     def __init__(self) -> None:
-        self._torch: tuple[_TotalNorm, _TotalNorm] | None = None  # (private, public)
+        self._torch: tuple[_TotalNorm, _TotalNorm, _ClipWithNorm] | None = None
 
     def install(self) -> None:
         if self._torch is None:
-            self._torch = (torch.nn.utils.clip_grad._get_total_norm, torch.nn.utils.get_total_norm)
-            torch.nn.utils.clip_grad._get_total_norm = _total_norm
-            torch.nn.utils.get_total_norm = _total_norm
+            utils, clip = torch.nn.utils, torch.nn.utils.clip_grad
+            with_norm = getattr(utils, _WITH_NORM)
+            self._torch = (clip._get_total_norm, utils.get_total_norm, with_norm)
+            clip._get_total_norm = _total_norm
+            utils.get_total_norm = _total_norm
+            setattr(utils, _WITH_NORM, _clip_grads_with_norm)  # (clip_grad_norm_ keeps its own)
 
     def remove(self) -> None:
         if self._torch is not None:
-            private, public = self._torch
-            torch.nn.utils.clip_grad._get_total_norm = private
-            torch.nn.utils.get_total_norm = public
+            utils, clip = torch.nn.utils, torch.nn.utils.clip_grad
+            private, public, with_norm = self._torch
+            clip._get_total_norm = private
+            utils.get_total_norm = public
+            setattr(utils, _WITH_NORM, with_norm)
             self._torch = None
+
+
+_ClipWithNorm = Callable[..., None]
+# torch's public clipping by a given norm (its private function under a public name, which
+# torch's own clip_grad_norm_ does not look up): replaced, called once the ranks agreed.
+_WITH_NORM = "clip_grads_with_norm_"
+_TORCH_CLIP_WITH_NORM: _ClipWithNorm = getattr(torch.nn.utils, _WITH_NORM)
+
+
+def _clip_grads_with_norm(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    total_norm: torch.Tensor,
+    foreach: bool | None = None,
+) -> None:
+    """``torch.nn.utils.clip_grads_with_norm_``, with ``max_norm`` agreed across the ranks
+    first where it scales flatshard's gradients (see the note): accelerate (and so the
+    Hugging Face Trainer) clips by ``get_total_norm`` and then this, never through
+    ``clip_grad_norm_``, and each rank scales its own rows by its own ``max_norm``."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    given = {id(p) for p in params}
+    for context in sharded_contexts():
+        if any(id(o.param) in given for o in context.originals()):
+            agree(context.root, clip_call("torch.nn.utils.clip_grads_with_norm_", max_norm))
+            break
+    _TORCH_CLIP_WITH_NORM(params, max_norm, total_norm, foreach)
 
 
 # The code of torch's clip_grad_norm_ (under its decorators): see _clipped_parameters.

@@ -74,7 +74,9 @@ class ParityConfig:
     clip: float | None = None  # clip_grad_norm_ to this each step
     norm_type: float = 2.0
     # How flatshard's runs clip: flatshard.clip_grad_norm_, torch.nn.utils.clip_grad_norm_
-    # ("torch"), or torch.nn.utils.clip_grad_value_ ("value", every run alike).
+    # ("torch"), torch's get_total_norm then clip_grads_with_norm_ ("torch-split", as
+    # accelerate and the Hugging Face Trainer clip), or torch.nn.utils.clip_grad_value_
+    # ("value", every run alike).
     clip_with: str = "flatshard"
     comm_hook: str | None = None  # None | "bf16" | "fp16"
     param_dtype: str | None = None  # mixed precision: "bfloat16" | "float16"
@@ -96,9 +98,10 @@ class ParityConfig:
             raise ValueError(
                 f"accumulate_with must be 'no_sync' or 'switch', got {self.accumulate_with!r}"
             )
-        if self.clip_with not in ("flatshard", "torch", "value"):
+        if self.clip_with not in ("flatshard", "torch", "torch-split", "value"):
             raise ValueError(
-                f"clip_with must be 'flatshard', 'torch' or 'value', got {self.clip_with!r}"
+                "clip_with must be 'flatshard', 'torch', 'torch-split' or 'value', got "
+                f"{self.clip_with!r}"
             )
         if self.checkpoint not in ("", "inside", "around"):
             raise ValueError(
@@ -407,6 +410,13 @@ def _clip(model: nn.Module, kind: str, config: ParityConfig) -> float:
         return 0.0
     if kind == "flatshard" and config.clip_with == "flatshard":
         return flatshard.clip_grad_norm_(model, max_norm, norm_type).item()
+    if kind == "flatshard" and config.clip_with == "torch-split":
+        from torch.nn.utils import clip_grads_with_norm_, get_total_norm  # at the call: ours
+
+        params = [p for p in model.parameters() if p.grad is not None]
+        total = get_total_norm([p.grad for p in params if p.grad is not None], norm_type)
+        clip_grads_with_norm_(params, max_norm, total)
+        return float(total)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
