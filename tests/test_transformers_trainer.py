@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("transformers")
 from safetensors.torch import load_file
 
-from flatshard.testing.scripts import against_reference, run_results
+from flatshard.testing.scripts import against_reference, run_ranks, run_results
 
 SCRIPT = Path(__file__).with_name("transformers_script.py")
 TOLERANCE = 1e-5
@@ -104,3 +104,30 @@ def test_an_unsharded_model_is_a_named_error() -> None:
         FlatshardTrainer(model=model)
     with pytest.raises(ValueError, match=r"got a model name \('Qwen/Qwen3-0.6B'\); build"):
         FlatshardTrainer(model="Qwen/Qwen3-0.6B")  # type: ignore[arg-type]
+
+
+def test_an_evaluation_on_one_rank_is_named_on_every_rank(tmp_path: Path) -> None:
+    """Before: Accelerate's gather of the losses, evaluate()'s first collective, met rank
+    1's all-gather: gloo's "Received data size doesn't match" and SIGABRT on rank 0."""
+    for status, output in run_ranks(SCRIPT, "evaluation_alone", str(tmp_path), cwd=tmp_path):
+        assert status != 0, output[-3000:]
+        assert "CollectiveMismatchError" in output, output[-3000:]
+        assert "FlatshardTrainer evaluation (evaluate, predict)" in output, output[-3000:]
+
+
+def test_every_trainer_method_overridden_is_the_installed_trainers() -> None:
+    """The hooks FlatshardTrainer overrides are the Trainer's own: a rename in transformers
+    would leave an override that is never called."""
+    import inspect
+
+    from transformers import Trainer
+
+    from flatshard.integrations.transformers import FlatshardTrainer
+
+    overridden = [
+        name
+        for name, value in vars(FlatshardTrainer).items()
+        if inspect.isfunction(value) and name != "__init__"
+    ]
+    assert "evaluation_loop" in overridden and "_save" in overridden, overridden
+    assert not [name for name in overridden if not hasattr(Trainer, name)], overridden

@@ -5,7 +5,8 @@ global batch. ``torchrun --nproc-per-node 2 transformers_script.py sharded OUT``
 training with ``FlatshardTrainer`` (half the batch on each rank), its ``save_model``, a
 second run resumed from the first's step-2 checkpoint, and a third that accumulates the
 same global batch over 2 micro-batches, then evaluates; and both train peft's LoRA.
-Results go to OUT as JSON and safetensors.
+Results go to OUT as JSON and safetensors. ``evaluation_alone OUT`` (each rank started
+alone): rank 0 evaluates while rank 1 trains.
 """
 
 from __future__ import annotations
@@ -122,5 +123,20 @@ def sharded(out: Path) -> None:
         (out / "sharded.json").write_text(json.dumps(results))
 
 
+def evaluation_alone(out: Path) -> None:
+    """Rank 0 evaluates while rank 1 trains: each rank prints the error that ends it."""
+    flatshard.set_checks(flatshard.Checks(timeout=30.0))
+    trainer = sharded_trainer(out)
+    try:
+        if torch.distributed.get_rank() == 0:
+            trainer.evaluate(Tokens())
+        else:
+            trainer.model(torch.arange(12).reshape(2, 6)).logits.sum().backward()
+    except flatshard.CollectiveError as error:
+        print(f"{type(error).__name__}: {error}", flush=True)
+        sys.exit(3)
+
+
 if __name__ == "__main__":
-    {"reference": reference, "sharded": sharded}[sys.argv[1]](Path(sys.argv[2]))
+    runs = {"reference": reference, "sharded": sharded, "evaluation_alone": evaluation_alone}
+    runs[sys.argv[1]](Path(sys.argv[2]))

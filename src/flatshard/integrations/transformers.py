@@ -22,12 +22,13 @@ whose checkpoints save one rank's optimizer state as if it were everyone's. So:
 - a checkpoint's optimizer (and the exact sharded weights) go to a flatshard checkpoint
   directory ``flatshard/`` inside the Trainer's ``checkpoint-N``; resuming loads it, at
   any world size. The scheduler, RNG and trainer state are the Trainer's own files.
-Gradient clipping (``max_grad_norm``) goes through ``torch.nn.utils.clip_grad_norm_``,
-which flatshard makes global over the shards ([Note: torch's clip_grad_norm_ on sharded
-gradients]). The hooks overridden are the ``Trainer``'s own (``_save``,
-``_save_optimizer_and_scheduler``, ``_load_from_checkpoint``,
-``_load_optimizer_and_scheduler``, ``_load_best_model``, ``_move_model_to_device``); the
-tests pin them to the installed transformers.
+Gradient clipping (``max_grad_norm``) goes through torch's ``get_total_norm`` and
+``clip_grads_with_norm_`` (Accelerate's way), which flatshard makes global over the shards
+and agreed ([Note: torch's clip_grad_norm_ on sharded gradients]). The hooks overridden
+are the ``Trainer``'s own (``_save``, ``_save_optimizer_and_scheduler``,
+``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``, ``_load_best_model``,
+``_move_model_to_device``, ``evaluation_loop``); the tests pin them to the installed
+transformers.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from torch import nn
 from transformers import Trainer
 
 import flatshard
+from flatshard.runtime import agree
 
 CHECKPOINT_DIR = "flatshard"  # inside each checkpoint-N: model and optimizer, sharded
 SCHEDULER_NAME = "scheduler.pt"  # the Trainer's name for it
@@ -65,6 +67,14 @@ class FlatshardTrainer(Trainer):
     def _sharded(self) -> nn.Module:
         assert self.model is not None  # checked in __init__
         return self.model
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        # [Note: an evaluation some ranks run] evaluate() and predict() issue Accelerate's
+        # collectives (a gather of the losses) before any forward: on one rank alone they
+        # would pair with another rank's flatshard all-gather, which gloo ends by aborting.
+        # Agreed first, a rank that evaluates alone is named on every rank within seconds.
+        agree(self._sharded, "FlatshardTrainer evaluation (evaluate, predict)")
+        return super().evaluation_loop(*args, **kwargs)
 
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
         # fully_shard placed the shards; the Trainer's model.to(args.device) would copy

@@ -21,6 +21,11 @@ from flatshard.runtime._hooks import register_entry_point
 from flatshard.runtime._join import join
 from flatshard.runtime._optimizer_steps import register_matrix_optimizer
 from flatshard.runtime._prefetch import BackwardPrefetch, Prefetch
+
+# A call every rank of a model's group makes, agreed through the store before it issues
+# anything: for the integrations' own entry points (the Trainer's evaluation), whose
+# libraries issue collectives flatshard does not see.
+from flatshard.runtime._step import agree as agree
 from flatshard.runtime._step_loop import StepObserver, train_step
 from flatshard.runtime._summary import (
     FlatParamSummary,

@@ -2,12 +2,13 @@
 
 torch's gradient norm is made global for flatshard's gradients, and its clipping by a given
 norm agreed across the ranks ([Note: torch's clip_grad_norm_ on sharded gradients] below),
-a step pre-hook of every optimizer sees the model's optimizer steps (``_optimizer_steps.py``) and torch's ``zero_grad`` functions also
-drop the gradients kept unreduced ([Note: zero_grad drops kept gradients] below), and
-torch's module registration hooks mark each sharded model to be checked for changes
-(``_changes.py``). All are installed once, by the first ``fully_shard``, and removed when
-the last sharded model is gone (garbage-collected): then the process runs plain torch
-again (torch's own functions, no hook).
+a step pre-hook of every optimizer sees the model's optimizer steps
+(``_optimizer_steps.py``), torch's ``zero_grad`` functions also drop the gradients kept
+unreduced ([Note: zero_grad drops kept gradients] below), and torch's module registration
+hooks mark each sharded model to be checked for changes (``_changes.py``). All are
+installed once, by the first ``fully_shard``, and removed when the last sharded model is
+gone (garbage-collected): then the process runs plain torch again (torch's own functions,
+no hook).
 
 [Note: zero_grad drops kept gradients]
 ``zero_grad`` on a sharded model: the gradients kept unreduced go with ``.grad``.
