@@ -296,4 +296,4 @@ def test_a_save_that_fails_with_its_group_says_why(tmp_path: Path, how: str) -> 
     else:
         assert "The process group was destroyed while it was being written" in message
         assert "call wait() on the save before dist.destroy_process_group()" in message
-    assert not (tmp_path / "ckpt").exists()
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "ckpt.partial").exists()

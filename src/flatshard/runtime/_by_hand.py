@@ -93,7 +93,7 @@ def summon_full_params(model: nn.Module, writeback: bool = True) -> Iterator[Non
     units = units_of(model, "summon_full_params")
     with ExitStack() as stack:
         # Its gathers, not the body's; ``writeback`` is agreed, as it decides the exit's check.
-        with collective_call(model, f"summon_full_params(writeback={writeback})"):
+        with collective_call(model, f"summon_full_params(writeback={bool(writeback)})"):
             for unit in units:
                 unit.require_idle(
                     "summon_full_params",

@@ -193,10 +193,11 @@ def write_or_clean_up(
 ) -> None:
     """Write ``state`` to ``partial`` and swap it in as ``target``; on failure remove
     ``partial`` and say a full disk in words. ``keep``: then prune the series."""
+    first = rank_in(group) == 0  # asked now: a write can fail because the group is gone
     try:
         _write_and_commit(target, partial, state, group, exchange)
     except Exception as error:
-        if rank_in(group) == 0:
+        if first:
             shutil.rmtree(partial, ignore_errors=True)  # or it keeps the disk full
         if _out_of_space(error):
             raise CheckpointError(
