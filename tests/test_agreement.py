@@ -603,10 +603,10 @@ ARGUMENTS = {  # case: (the error every rank raises, words every rank's message 
 def test_an_argument_or_setting_on_one_rank_is_named_on_every_rank(case: str, world: int) -> None:
     """Before: a checkpoint saved or loaded at another path, or without the optimizer, on
     one rank, an export in another dtype, a full (optimizer) dict changed on one rank, an
-    optimizer with maximize=True or without one parameter, a scaler with another init_scale:
-    silent
-    (a checkpoint committed incomplete, a model or optimizer state mixed from two, shards
-    updated by different factors); load_state_dict's from_rank0 or debug mode on one rank:
+    optimizer with maximize=True or without one parameter, a scaler with another
+    init_scale, a clip by a given norm with another max_norm: silent (a checkpoint
+    committed incomplete, a model or optimizer state mixed from two, shards updated by
+    different factors); load_state_dict's from_rank0 or debug mode on one rank:
     a wait to the timeout; check_consistency=False on one rank: gloo's SIGABRT;
     check_weights on one rank: "different values" that were not."""
     error, words = ARGUMENTS[case]
@@ -618,9 +618,8 @@ def test_an_argument_or_setting_on_one_rank_is_named_on_every_rank(case: str, wo
         assert name in error.split("|"), f"rank {rank} ended with {name or 'no error'}: {message}"
         assert words in message, f"rank {rank}: {message}"
         assert seconds < LIMIT_S, f"rank {rank} took {seconds:.1f} s"
-        if case.startswith(
-            ("save_", "load_", "export_", "from_", "summon_")
-        ):  # one call, other values
+        one_call = ("save_", "load_", "export_", "from_", "summon_", "clip_")  # other values
+        if case.startswith(one_call):
             assert "with other arguments (above): pass the same values to" in message, message
 
 
