@@ -175,6 +175,40 @@ def test_a_call_on_rank_0_only_never_reaches_gloo(call: str, tmp_path: Path) -> 
         assert "rank 1: waiting" in message
 
 
+def foreign_collective_job(rank: int) -> tuple[str, str, float]:
+    """Rank 0 enters summon_full_params while rank 1 all-reduces a metric of its own; a
+    timeout of 30 s, which the proof comes well before."""
+    model = _net()
+    flatshard.set_checks(flatshard.Checks(timeout=30.0))
+
+    def run() -> None:
+        _step(model)
+        if rank == 0:
+            with flatshard.summon_full_params(model):
+                pass
+        else:
+            dist.all_reduce(torch.ones(1))  # the program's own collective
+
+    try:
+        return _outcome(run)
+    except RuntimeError as error:  # rank 1: gloo's, once rank 0 has ended
+        return type(error).__name__, str(error), 0.0
+
+
+def test_a_collective_of_the_programs_own_against_a_flatshard_call_is_proven() -> None:
+    """Before: rank 0 waited in the store for the other ranks to reach the summon, and rank
+    1 in its all-reduce, each until the timeout (30 minutes by default), with nothing
+    proven. Now rank 1's status names the collective its program is blocked in, and rank
+    0 raises within the probe; rank 1's all-reduce then ends as rank 0 leaves."""
+    first, second = run_isolated(foreign_collective_job)
+    assert isinstance(first, tuple) and isinstance(second, tuple), (first, second)
+    name, message, seconds = first
+    assert name == "CollectiveMismatchError", message
+    assert "rank 1 waits in torch.distributed.all_reduce (called at test_hangs.py:" in message
+    assert "a collective flatshard did not issue" in message and seconds < LIMIT_S, message
+    assert second[0] == "RuntimeError", second  # gloo's: its peer is gone
+
+
 def rank0_only_job(rank: int, call: str, directory: str) -> tuple[str, str, float]:
     model = _net()
 

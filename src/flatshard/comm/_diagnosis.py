@@ -46,6 +46,10 @@ class Status:
     waiting_on: Waited | None = None  # what it waits for, to compare with the others'
     ended: str | None = None  # how the process ended (its exit record), if it has
     debug: bool = False  # whether it agrees on every collective first (Checks(debug=True))
+    # A torch.distributed collective flatshard did not issue that the program's thread is
+    # blocked in (what, at which line; the global ranks of its group): see [Note: a
+    # collective flatshard does not see]
+    foreign: tuple[str, list[int]] | None = None
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -57,6 +61,7 @@ class Status:
             "waiting_on": None if self.waiting_on is None else list(self.waiting_on),
             "ended": self.ended,
             "debug": self.debug,
+            "foreign": None if self.foreign is None else list(self.foreign),
         }
 
     @staticmethod
@@ -65,6 +70,7 @@ class Status:
         assert isinstance(recent, list)
         on = data.get("waiting_on")
         ended = data.get("ended")
+        foreign = data.get("foreign")
         return Status(
             rank=int(str(data["rank"])),
             host=str(data["host"]),
@@ -74,6 +80,9 @@ class Status:
             waiting_on=None if not isinstance(on, list) else Waited(*on),
             ended=None if ended is None else str(ended),
             debug=data.get("debug") is True,
+            foreign=(str(foreign[0]), [int(r) for r in foreign[1]])
+            if isinstance(foreign, list)
+            else None,
         )
 
 
@@ -135,6 +144,8 @@ def _doing(status: Status | None) -> str:
         return f"{status.ended}; its last flatshard collective: {last}"
     if status.waiting is not None:
         return f"waiting {status.waiting_s:.1f} s for {status.waiting}"
+    if status.foreign is not None:
+        return f"in {status.foreign[0]}, a collective flatshard did not issue"
     return f"not in a flatshard collective; its last: {last}"
 
 
@@ -168,6 +179,14 @@ def proven(group: str, ranks: list[int], statuses: dict[int, Status]) -> Proof |
         )
         return Proof("CollectiveMismatchError", why)
     for a, call in calls.items():
+        for b, status in statuses.items():
+            if b in ranks and status.foreign is not None and a in status.foreign[1]:
+                why = (
+                    f"Proven: rank {a} waits for the other ranks to call {call.call} while "
+                    f"rank {b} waits in {status.foreign[0]}, a collective flatshard did not "
+                    f"issue, which rank {a} will not join: each waits for the other."
+                )
+                return Proof("CollectiveMismatchError", why + callers, settled=False)
         for b, other in waits.items():
             if not other.call and other.seq > call.issued:
                 why = (

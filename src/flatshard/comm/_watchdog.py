@@ -554,6 +554,7 @@ class Watchdog:
             waiting_on=None if waiting is None else waiting[2],
             ended=ended,
             debug=debug_enabled(),
+            foreign=None if waiting is not None else _foreign_collective(),
         )
 
     def _publish(self, generation: int, kind: str = "diagnosis") -> None:
@@ -676,6 +677,74 @@ def _how_it_ended() -> str:
         text = str(error).splitlines()[0][:200] if str(error) else ""
         return f"ended by an exception, {type(error).__name__}: {text}"
     return "ended normally (its program returned or called sys.exit)"
+
+
+# torch.distributed's functions that wait for the group's other ranks when called
+_BLOCKING = frozenset(
+    [
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_object",
+        "all_reduce",
+        "all_to_all",
+        "all_to_all_single",
+        "barrier",
+        "broadcast",
+        "broadcast_object_list",
+        "gather",
+        "gather_object",
+        "monitored_barrier",
+        "recv",
+        "reduce",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "scatter",
+        "scatter_object_list",
+        "send",
+    ]
+)
+_C10D = os.path.join("torch", "distributed", "distributed_c10d.py")
+# flatshard's parts that are programs calling it (the CLI's loop, the integrations' trainers,
+# the test harness), not calls of it
+_PROGRAMS = tuple(
+    os.path.join(_PACKAGE, part) + os.sep for part in ("cli", "integrations", "testing")
+)
+
+
+def _foreign_collective() -> tuple[str, list[int]] | None:
+    """[Note: a collective flatshard does not see]
+    A program may issue torch.distributed collectives of its own (a metric's all-reduce,
+    Accelerate's gather of the losses) between flatshard's calls. One made on some ranks
+    while another waits in a flatshard call agreed through the store can never complete:
+    the waiting rank joins no collective until the others reach the call. So a rank's
+    status says which of torch's blocking collectives its program's (main) thread is in,
+    where no call of flatshard is above it (flatshard waits for its own in slices, outside
+    torch's functions; a collective inside a flatshard call is flatshard's; its CLI,
+    integrations and test harness are programs), with the ranks of its group; ``proven``
+    in ``_diagnosis.py`` then names both sides."""
+    main = threading.main_thread().ident
+    frame = sys._current_frames().get(main) if main is not None else None
+    stack: list[FrameType] = []
+    while frame is not None:
+        stack.append(frame)
+        frame = frame.f_back
+    stack.reverse()  # outermost first
+    for index, frame in enumerate(stack):
+        path = frame.f_code.co_filename
+        if path.startswith(_PACKAGE) and not path.startswith(_PROGRAMS):
+            return None  # inside a flatshard call: its collectives are flatshard's
+        if path.endswith(_C10D) and frame.f_code.co_name in _BLOCKING:
+            callers = [f for f in stack[:index] if "/torch/" not in f.f_code.co_filename]
+            at = callers[-1] if callers else frame
+            where = f"{os.path.basename(at.f_code.co_filename)}:{at.f_lineno}"
+            try:
+                ranks = dist.get_process_group_ranks(
+                    frame.f_locals.get("group") or dist.group.WORLD
+                )
+            except (ValueError, RuntimeError):
+                return None
+            return f"torch.distributed.{frame.f_code.co_name} (called at {where})", ranks
+    return None
 
 
 def _program_line() -> str:
