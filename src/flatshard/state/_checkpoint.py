@@ -193,12 +193,13 @@ def write_or_clean_up(
 ) -> None:
     """Write ``state`` to ``partial`` and swap it in as ``target``; on failure remove
     ``partial`` and say a full disk in words. ``keep``: then prune the series."""
-    first = rank_in(group) == 0  # asked now: a write can fail because the group is gone
     try:
         _write_and_commit(target, partial, state, group, exchange)
     except Exception as error:
-        if first:
-            shutil.rmtree(partial, ignore_errors=True)  # or it keeps the disk full
+        # Or it keeps the disk full. Every rank, each after its own failure: where the
+        # group was destroyed under the writers they fail apart, and a rank's directory
+        # made after another's removal is removed by its own.
+        shutil.rmtree(partial, ignore_errors=True)
         if _out_of_space(error):
             raise CheckpointError(
                 f"flatshard.save_checkpoint: no space left on the device of {target.parent} "
