@@ -33,27 +33,8 @@ from flatshard.testing.isolated import run_isolated
 from flatshard.testing.models import ReluLinear, ReluNet
 from flatshard.testing.workers import WorkerContext, WorkerPool
 
-COLLECTIVES = (
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_object",
-    "all_reduce",
-    "all_to_all",
-    "all_to_all_single",
-    "barrier",
-    "broadcast",
-    "broadcast_object_list",
-    "gather",
-    "gather_object",
-    "reduce",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "scatter",
-    "scatter_object_list",
-    "send",
-    "recv",
-    "batch_isend_irecv",
-)
+# torch.distributed's blocking collectives (the watchdog's list) and its batched P2P
+COLLECTIVES = (*sorted(internals.TORCH_COLLECTIVES), "batch_isend_irecv")
 
 
 def _net(group: dist.ProcessGroup | None = None) -> ReluNet:

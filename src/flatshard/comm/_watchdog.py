@@ -680,7 +680,7 @@ def _how_it_ended() -> str:
 
 
 # torch.distributed's functions that wait for the group's other ranks when called
-_BLOCKING = frozenset(
+TORCH_COLLECTIVES = frozenset(
     [
         "all_gather",
         "all_gather_into_tensor",
@@ -733,7 +733,7 @@ def _foreign_collective() -> tuple[str, list[int]] | None:
         path = frame.f_code.co_filename
         if path.startswith(_PACKAGE) and not path.startswith(_PROGRAMS):
             return None  # inside a flatshard call: its collectives are flatshard's
-        if path.endswith(_C10D) and frame.f_code.co_name in _BLOCKING:
+        if path.endswith(_C10D) and frame.f_code.co_name in TORCH_COLLECTIVES:
             callers = [f for f in stack[:index] if "/torch/" not in f.f_code.co_filename]
             at = callers[-1] if callers else frame
             where = f"{os.path.basename(at.f_code.co_filename)}:{at.f_lineno}"

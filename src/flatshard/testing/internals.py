@@ -23,7 +23,7 @@ from flatshard.comm import _collectives as comm_collectives
 from flatshard.comm._collectives import ReduceScatter
 from flatshard.comm._mesh import ranks_per_host
 from flatshard.comm._processes import fast_context
-from flatshard.comm._watchdog import Tag, watchdog
+from flatshard.comm._watchdog import TORCH_COLLECTIVES, Tag, watchdog
 from flatshard.flat._flat_param import FlatParamGroup, Storage, storage_move
 from flatshard.flat._layout import ViewSplits, row_layout
 from flatshard.flat._partition import UnitMembers, partition, select_unit_roots
@@ -57,6 +57,7 @@ def owners_of_state() -> dict[str, type]:
 
 
 __all__ = [
+    "TORCH_COLLECTIVES",
     "CalibratedSpeeds",
     "GatherCodec",
     "RateLimiter",
