@@ -13,13 +13,17 @@ import pytest
 
 import flatshard
 from flatshard.cli.main import main
+from in_process import train
 
 TINY = ["--dim", "32", "--layers", "2", "--heads", "2", "--seq-len", "32", "--batch", "4"]
 
 
 def _train(*argv: str, launcher: list[str] | None = None) -> str:
-    command = launcher or [sys.executable, "-m", "flatshard.cli.main"]
-    result = subprocess.run([*command, "train", *argv], capture_output=True, text=True, timeout=300)
+    if launcher is None:
+        return train(*argv)  # in this process: see tests/in_process.py
+    result = subprocess.run(
+        [*launcher, "train", *argv], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 

@@ -12,7 +12,12 @@ module to the public surfaces (as ``flatshard.testing.internals`` is for tests).
 
 from flatshard.comm._collectives import ReduceScatter, WaitClock, reduce_scatter_impl
 from flatshard.comm._mesh import not_a_strategy, strategy_names
-from flatshard.comm._processes import adopt_environment, exit_without_teardown, fast_context
+from flatshard.comm._processes import (
+    CallerOutput,
+    adopt_environment,
+    exit_without_teardown,
+    fast_context,
+)
 from flatshard.flat._partition import AutoWrapPolicy
 from flatshard.flat._placement import PlacementRule, WholeChoice, placement_rule
 from flatshard.placements._experts import TokenBytes
@@ -41,6 +46,7 @@ __all__ = [
     "MODEL",
     "OPTIM",
     "AutoWrapPolicy",
+    "CallerOutput",
     "PlacementRule",
     "ReduceScatter",
     "TokenBytes",

@@ -27,6 +27,7 @@ def build_parser() -> OneLineParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what a restart runs again
     try:
         return int(args.run(args))
     except ConfigError as error:

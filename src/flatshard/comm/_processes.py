@@ -9,7 +9,9 @@ with the same isolation as a spawned one. Two differences matter here:
   environment may have changed since passes ``os.environ`` along and the child adopts
   it (``adopt_environment``);
 - a child's parent is the server, not the caller: ``flatshard train``'s ranks, which die
-  with their launcher, watch the launcher itself (``cli/train/launch.py``).
+  with their launcher, watch the launcher itself (``cli/train/launch.py``);
+- a child's output goes where the server's went when it started, so a caller whose output
+  may have been redirected since passes its own along (``CallerOutput``).
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import atexit
 import multiprocessing as mp
 import os
 import sys
+from multiprocessing import reduction
 from multiprocessing.context import ForkServerContext, SpawnContext
-from typing import NoReturn
+from typing import Any, NoReturn
 
 PRELOAD = ["torch", "torch._dynamo", "flatshard"]
 
@@ -38,6 +41,35 @@ def adopt_environment(env: dict[str, str]) -> None:
     """Make this (forked) process's environment the caller's."""
     os.environ.clear()
     os.environ.update(env)
+
+
+class CallerOutput:
+    """The caller's stdout and stderr (descriptors 1 and 2), for a child to write to.
+
+    The server lives as long as the process that started it, and its children inherit its
+    descriptors: where that process's output went when the server started. A process that
+    redirects its output later (a test capturing it, a program running a command in
+    process and keeping its output apart) would lose its children's lines. Given as an
+    argument of the process being started, this pickles the caller's descriptors as they
+    are at that moment, passed to the child with it (``multiprocessing.reduction.DupFd``);
+    the child calls ``adopt`` before it writes anything.
+    """
+
+    def __init__(self, out: Any = None, err: Any = None) -> None:
+        self._out, self._err = out, err
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (CallerOutput, (reduction.DupFd(1), reduction.DupFd(2)))
+
+    def adopt(self) -> None:
+        """Make the caller's descriptors this (started) process's stdout and stderr."""
+        for stream, passed, fd in ((sys.stdout, self._out, 1), (sys.stderr, self._err, 2)):
+            if passed is None:  # not pickled: this is the caller itself
+                continue
+            stream.flush()
+            received = passed.detach()
+            os.dup2(received, fd)
+            os.close(received)
 
 
 def exit_without_teardown(code: int) -> NoReturn:

@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     config.check_world(config.nproc)
     if config.max_restarts:
         resume = [] if config.resume else ["--resume", "auto"]
-        return run_elastic(config.nproc, config.max_restarts, [*sys.argv[1:], *resume])
+        return run_elastic(config.nproc, config.max_restarts, [*args.argv, *resume])
     config = replace(config, device=resolve_device(config.device, config.nproc, config.share_gpus))
     config = _fitted(config, config.nproc, lead=True)
     prediction = _predicted(config, config.nproc, config.nproc)

@@ -8,7 +8,8 @@ SIGKILL takes its ranks with it.
 The ranks are forked from a server that imported torch and flatshard once ([Note: fast
 ranks] in ``comm/_processes.py``), not spawned (each importing them again: seconds of CPU
 per rank). Their parent is then that server, so each rank watches the launcher itself
-(``stop_with_launcher``).
+(``stop_with_launcher``), and writes where the launcher writes when it starts them
+(``CallerOutput``: the server's own output may be elsewhere by then).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import Any
 
-from flatshard.cli.internals import adopt_environment, fast_context
+from flatshard.cli.internals import CallerOutput, adopt_environment, fast_context
 
 STOP_GRACE_S = 5.0  # how long stopped ranks may take before SIGKILL
 PREEMPT_GRACE_S = 300.0  # ... when they finish a step and save first (--ckpt-on-preempt)
@@ -44,7 +45,8 @@ def run_local_ranks(
     ctx = fast_context()
     launcher, env = os.getpid(), dict(os.environ)
     procs = [
-        ctx.Process(target=_rank_main, args=(worker, r, args, launcher, env)) for r in range(nproc)
+        ctx.Process(target=_rank_main, args=(worker, r, args, (launcher, env, CallerOutput())))
+        for r in range(nproc)
     ]
     for proc in procs:
         proc.start()
@@ -118,10 +120,11 @@ def _rank_main(
     worker: Callable[..., None],
     rank: int,
     args: tuple[Any, ...],
-    launcher: int,
-    env: dict[str, str],
+    caller: tuple[int, dict[str, str], CallerOutput],
 ) -> None:
+    launcher, env, output = caller
     adopt_environment(env)  # the server's is the one it started with
+    output.adopt()  # ... and so is its output
     stop_with_launcher(launcher)  # never outlive the launcher
     worker(rank, *args)
 
