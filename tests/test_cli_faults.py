@@ -16,13 +16,16 @@ from pathlib import Path
 import pytest
 
 from flatshard.testing.isolated import alive
+from in_process import run_command
 
 TINY = ["--dim", "32", "--layers", "2", "--heads", "2", "--seq-len", "32", "--batch", "4"]
 TRAIN = [sys.executable, "-m", "flatshard.cli.main", "train"]
 
 
 def _run(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*TRAIN, *argv], capture_output=True, text=True, timeout=300)
+    """``flatshard train <argv>`` in this process (tests/in_process.py)."""
+    code, out, err = run_command(["train", *argv])
+    return subprocess.CompletedProcess([*TRAIN, *argv], code, out, err)
 
 
 def _steps(out_dir: Path) -> list[tuple[int, float]]:

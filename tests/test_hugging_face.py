@@ -18,6 +18,7 @@ import flatshard
 from flatshard.cli.main import main
 from flatshard.testing.models import TINY_LLAMA
 from flatshard.testing.workers import WorkerContext, WorkerPool
+from in_process import train
 
 transformers = pytest.importorskip("transformers")
 
@@ -129,9 +130,6 @@ def test_train_with_lora_exports_the_merged_model(
     base with the adapters merged: the same tensors as the final checkpoint merged by peft
     on one process, the untargeted weights bit-identical to the pretrained ones (the load
     is exact), and so are the targeted ones of layer 0, whose adapters ``--freeze`` keeps."""
-    import subprocess
-    import sys
-
     pytest.importorskip("peft")
     from peft import LoraConfig, get_peft_model
 
@@ -143,13 +141,7 @@ def test_train_with_lora_exports_the_merged_model(
     argv += ["--lora", "r=4,alpha=8,targets=q_proj,v_proj", "--lr", "1e-2", "--ckpt-every", "3"]
     argv += ["--freeze", "*.layers.0.*lora_*", "--checkpoint-activations"]
     argv += ["--seq-len", "16", "--batch", "2", "--sample-bytes", "0", "--out-dir", str(out)]
-    done = subprocess.run(
-        [sys.executable, "-m", "flatshard.cli.main", "train", *argv],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    stdout = train(*argv)  # (in this process: tests/in_process.py)
     pretrained = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "pre").state_dict()
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     reference = get_peft_model(
@@ -168,7 +160,7 @@ def test_train_with_lora_exports_the_merged_model(
     # reads it.
     assert json.loads((out / "hf_model" / "config.json").read_text())["use_cache"] is True
     # The checkpoint as saved holds peft's names: its export is refused, with the recipe.
-    assert "pretrained weights" in done.stdout
+    assert "pretrained weights" in stdout
     assert main(["ckpt", "export", str(out / "checkpoints" / "step_000003"), str(tmp_path)]) == 2
     assert "holds LoRA adapters" in capsys.readouterr().err
 
