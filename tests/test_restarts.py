@@ -20,6 +20,7 @@ import pytest
 
 from flatshard.testing.isolated import alive, rank_pid, wait_until
 from flatshard.testing.scripts import last_logged_step
+from in_process import train
 
 TINY = ["--dim", "32", "--layers", "2", "--heads", "2", "--seq-len", "128", "--batch", "16"]
 RUN = [*TINY, "--steps", "24", "--ckpt-every", "8", "--keep-ckpts", "3", "--sample-bytes", "0"]
@@ -50,10 +51,7 @@ def _losses(out_dir: Path) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     out = tmp_path_factory.mktemp("uninterrupted")
-    done = subprocess.run(
-        [*MAIN, "train", *RUN, "--out-dir", str(out)], capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr
+    train(*RUN, "--out-dir", str(out))  # in this process (tests/in_process.py)
     return _losses(out)
 
 
