@@ -4,12 +4,11 @@ FlatParameter) and its gradient reduction, and what decides its contents.
 Pure layout math (``_layout``), storage with unshard/reshard and views (``_flat_param``),
 the gradient path (``_reduction``), dtypes and offload (``_mixed_precision``),
 tensor-parallel (DTensor) parameters (``_tensor_parallel``), which unit owns each parameter
-and which modules become units (``_partition``), the marks of tensors awaiting a load
-(``_awaiting_load``). How each parameter lies across the shard group is its placement
-(``_placement``: the protocol, ``Rows``, ``Whole``, ``Unmanaged``; the placements that
-install hooks and issue collectives of their own, ``RowSparse`` and ``Experts``, sit above
-the runtime in ``flatshard.placements``), and how gathers and reductions travel its group's
-transport and its codec (``_transport``).
+and which modules become units (``_partition``). How each parameter lies across the shard
+group is its placement (``_placement``: the protocol, ``Rows``, ``Whole``, ``Unmanaged``;
+the placements that install hooks and issue collectives of their own, ``RowSparse`` and
+``Experts``, sit above the runtime in ``flatshard.placements``), and how gathers and
+reductions travel its group's transport and its codec (``_transport``).
 
 Layer 2: imports ``flatshard.comm`` and below.
 """

@@ -1,4 +1,5 @@
-"""A model changed after ``fully_shard`` is an error at its next forward, not a silent drift.
+"""What a unit's forward refuses to run on: a model changed after ``fully_shard``, or tensors
+still awaiting a load. Either would train silently wrong; both are errors at the next forward.
 
 ``fully_shard`` flattens the parameters it finds into flat groups split by
 ``requires_grad``. A parameter added afterwards (peft's ``get_peft_model`` applied after
@@ -18,10 +19,23 @@ go through ``nn.Module`` registration, which torch reports to process-wide hooks
 ``ChangeWatch`` as "to check", and the root's next pre-forward
 then compares the parameters the model holds with the ones it sharded (one traversal, only
 after something was registered somewhere in the process).
+
+[Note: tensors awaiting a load]
+Fine-tuning starts from pretrained weights, so initializing them first is wasted work, and
+some modules cannot initialize themselves on the meta device at all (transformers'
+RMSNorm has no ``reset_parameters``). As ``param_init_fn``, ``skip_init`` zero-fills the
+module's own parameters and persistent buffers (zeros, not garbage, so nothing reads
+uninitialized memory) and marks each as awaiting a load. ``flatshard.load_safetensors``
+clears the mark of every tensor it writes; a unit's forward raises while any tensor of it
+is still marked, so a forgotten or partial load cannot train silently on zeros. A
+non-persistent buffer (e.g. rotary frequencies) is in no checkpoint, so it cannot be left
+for a load: ``skip_init`` computes it by building its module again from the ``config`` the
+module keeps, and refuses a module that keeps none.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from flatshard.comm._agreement import global_rank, join_name
@@ -113,3 +127,32 @@ def check_parameters(
 def _listed(names: list[str]) -> str:
     shown = ", ".join(names[:_SHOWN])
     return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
+
+
+_MARK = "_flatshard_awaits_load"  # [Note: tensors awaiting a load]
+
+
+def mark_awaiting(tensor: torch.Tensor) -> None:
+    setattr(tensor, _MARK, True)
+
+
+def awaits_load(tensor: torch.Tensor) -> bool:
+    return bool(getattr(tensor, _MARK, False))
+
+
+def mark_loaded(tensor: torch.Tensor) -> None:
+    if awaits_load(tensor):
+        delattr(tensor, _MARK)
+
+
+def check_loaded(unit_label: str, awaiting: list[tuple[str, torch.Tensor]]) -> None:
+    """Drop loaded tensors from ``awaiting`` (in place); raise if any is left."""
+    awaiting[:] = [(name, t) for name, t in awaiting if awaits_load(t)]
+    if awaiting:
+        names = ", ".join(repr(name) for name, _ in awaiting[:6])
+        more = f" and {len(awaiting) - 6} more" if len(awaiting) > 6 else ""
+        raise RuntimeError(
+            f"flatshard: unit '{unit_label}' was sharded with param_init_fn=flatshard.skip_init "
+            f"and {len(awaiting)} of its tensors were never loaded ({names}{more}): they hold "
+            "zeros. Call flatshard.load_safetensors(model, path) before the first forward."
+        )

@@ -68,10 +68,9 @@ from torch.utils import _pytree as pytree
 
 from flatshard.comm._agreement import StepLedger, global_rank, join_name
 from flatshard.comm._watchdog import Tag
-from flatshard.flat._awaiting_load import check_loaded
 from flatshard.flat._flat_param import FlatParamGroup
 from flatshard.flat._mixed_precision import MixedPrecision
-from flatshard.runtime._changes import check_in_shards, check_requires_grad
+from flatshard.runtime._changes import check_in_shards, check_loaded, check_requires_grad
 from flatshard.runtime._configuration import UnitConfig
 from flatshard.runtime._prefetch import (
     BackwardPrefetch,
@@ -179,7 +178,7 @@ class Unit:
         # forward with grad ran: a step between a forward and its backward is refused
         self.optimizer_steps_taken = 0
         self.forward_at_step = 0
-        # (name, tensor) left to flatshard.load_safetensors by skip_init (flat/_awaiting_load.py)
+        # (name, tensor) left to flatshard.load_safetensors by skip_init (runtime/_changes.py)
         self.awaiting_load: list[tuple[str, torch.Tensor]] = []
 
     # ------------------------------------------------------------------ identity

@@ -15,7 +15,6 @@ from flatshard.comm._agreement import check_same_on_all_ranks, join_name
 from flatshard.comm._collectives import has_cpu_backend
 from flatshard.comm._mesh import ShardGroups, ShardingStrategy, model_group, resolve_groups
 from flatshard.comm._watchdog import Tag, tagged, watchdog
-from flatshard.flat._awaiting_load import awaits_load, mark_awaiting
 from flatshard.flat._flat_param import FlatParamGroup, GroupSpec
 from flatshard.flat._lookup_options import LOOKUPS
 from flatshard.flat._mixed_precision import CPUOffload, MixedPrecision, host_of
@@ -41,6 +40,7 @@ from flatshard.flat._tensor_parallel import global_shapes, localize
 from flatshard.flat._transport import SCALED
 from flatshard.placements._row_sparse import RowSparse
 from flatshard.runtime._by_hand import LOCKSTEP_MARK
+from flatshard.runtime._changes import awaits_load, mark_awaiting
 from flatshard.runtime._configuration import (
     UnitConfig,
     config_lines,
@@ -331,7 +331,7 @@ def _take_parts(
 
 
 def _awaiting_load(members: UnitMembers) -> list[tuple[str, torch.Tensor]]:
-    """The unit's tensors ``skip_init`` left for ``load_safetensors`` (flat/_awaiting_load.py)."""
+    """The unit's tensors ``skip_init`` left for ``load_safetensors`` (runtime/_changes.py)."""
     named: list[tuple[str, torch.Tensor | None]] = [(o.fqn, o.param) for o in members.originals]
     named += [
         (join_name(m, b), t) for m, module in members.modules for b, t in module._buffers.items()

@@ -1,6 +1,6 @@
 """``flatshard.skip_init``: allocate a unit's tensors now, fill them from a checkpoint later.
 
-See [Note: tensors awaiting a load] in ``flat/_awaiting_load.py``.
+See [Note: tensors awaiting a load] in ``runtime/_changes.py``.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from flatshard.flat._awaiting_load import mark_awaiting
+from flatshard.runtime._changes import mark_awaiting
 
 
 def skip_init(module: nn.Module) -> None:

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from flatshard.comm._agreement import check_same_on_all_ranks
-from flatshard.flat._awaiting_load import mark_loaded
+from flatshard.runtime._changes import mark_loaded
 from flatshard.runtime._step import every_rank_calls
 from flatshard.state._state_dict import (
     HeldRows,
