@@ -1,6 +1,7 @@
 """Exact accounting on CPU, below flatshard: collectives counted and storage tracked at the
 dispatcher. ``flatshard bench``, ``flatshard train --predict``, the planner and the tests
-measure memory and communication with these.
+measure memory and communication with these. (The profiler ranges the runtime's work runs
+in, ``flatshard::<phase> <unit>``, are entered from here too.)
 
 Layer 0: imports nothing of flatshard.
 """

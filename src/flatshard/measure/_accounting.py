@@ -1,7 +1,8 @@
-"""Exact accounting on CPU: which collectives ran, and what storage they left alive.
+"""What measuring tools see of flatshard's work: which collectives ran and what storage
+they left alive, counted exactly on CPU, and the profiler ranges the runtime's work runs in.
 
-Both work at the dispatcher, below flatshard, so they count what really happened rather
-than what flatshard believes it did.
+The counts work at the dispatcher, below flatshard, so they count what really happened
+rather than what flatshard believes it did.
 """
 
 from __future__ import annotations
@@ -10,10 +11,12 @@ import contextlib
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 from torch.utils._python_dispatch import TorchDispatchMode
 
 ALL_GATHER = "all_gather"
@@ -222,3 +225,25 @@ def _sent(kind: str, args: tuple[Any, ...]) -> int:
         return row * (sum(splits) - splits[int(group.rank())])
     share = total * (world - 1) // world
     return 2 * share if kind == ALL_REDUCE else share
+
+
+# Whether a profiler is recording (torch exposes no public query; without this private
+# one, ranges are always entered).
+_profiling: Callable[[], bool] = getattr(torch._C._autograd, "_profiler_enabled", lambda: True)
+
+
+class Ranges:
+    """Where profiler ranges are opened; ``flatshard.testing.internals`` swaps ``open`` to
+    count them."""
+
+    open: Callable[[str], AbstractContextManager[object]] = record_function
+
+
+def traced(what: str) -> AbstractContextManager[object]:
+    """A profiler range ``flatshard::<what>`` (``<phase> <unit>``) while a profiler records,
+    else nothing.
+
+    Entering a range costs CPU time even when nothing records, and a step enters several
+    per unit: on a GPU, launch time the device may wait for.
+    """
+    return Ranges.open(f"flatshard::{what}") if _profiling() else nullcontext()

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol, TypeVar, runtime_checkable
 
-from flatshard.runtime._profiling import traced
+from flatshard.measure._accounting import traced
 
 T = TypeVar("T")
 

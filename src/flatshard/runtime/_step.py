@@ -32,10 +32,10 @@ from flatshard.flat._flat_param import FlatParamGroup
 from flatshard.flat._mixed_precision import MixedPrecision
 from flatshard.flat._partition import OriginalParam
 from flatshard.flat._reduction import GradientReduction
+from flatshard.measure._accounting import traced
 from flatshard.runtime._changes import ChangeWatch, check_parameters
 from flatshard.runtime._configuration import Switches, describe, model_lines
 from flatshard.runtime._prefetch import ExecutionOrder, RateLimiter
-from flatshard.runtime._profiling import traced
 from flatshard.runtime._unit import Hold, Unit, unit_of, units_of
 
 CONTEXT_ATTR = "_flatshard_context"  # attribute of a module fully_shard was called on

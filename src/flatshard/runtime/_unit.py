@@ -70,6 +70,7 @@ from flatshard.comm._agreement import StepLedger, global_rank, join_name
 from flatshard.comm._watchdog import Tag
 from flatshard.flat._flat_param import FlatParamGroup
 from flatshard.flat._mixed_precision import MixedPrecision
+from flatshard.measure._accounting import traced
 from flatshard.runtime._changes import check_in_shards, check_loaded, check_requires_grad
 from flatshard.runtime._configuration import UnitConfig
 from flatshard.runtime._prefetch import (
@@ -82,7 +83,6 @@ from flatshard.runtime._prefetch import (
     forward_targets,
     issue,
 )
-from flatshard.runtime._profiling import traced
 
 UNIT_ATTR = "_flatshard_unit"  # attribute of a unit's module holding its Unit
 OWNER_ATTR = "_flatshard_owner"  # attribute of the other modules a unit owns: (Unit, name)

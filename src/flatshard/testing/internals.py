@@ -29,6 +29,7 @@ from flatshard.flat._layout import ViewSplits, row_layout
 from flatshard.flat._partition import UnitMembers, partition, select_unit_roots
 from flatshard.flat._reduction import GradientReduction
 from flatshard.flat._transport import GatherCodec, quantize_rows
+from flatshard.measure._accounting import Ranges
 from flatshard.planner._calibrate import _achieved as fitted_achieved
 from flatshard.planner._calibrate import _predicted as calibrated_seconds
 from flatshard.planner._calibrate import _Speeds as CalibratedSpeeds
@@ -37,7 +38,6 @@ from flatshard.planner._simulate import measure as measured_step_peak
 from flatshard.planner._simulate import measure_step_seconds as measured_step_seconds
 from flatshard.runtime._configuration import Switches, UnitConfig, config_lines
 from flatshard.runtime._prefetch import ExecutionOrder, RateLimiter
-from flatshard.runtime._profiling import Ranges
 from flatshard.runtime._step import StepContext, context_of, contexts_under
 from flatshard.runtime._torch_utilities import TorchReach
 from flatshard.runtime._unit import Unit, units_of
