@@ -13,7 +13,7 @@ import pytest
 
 import flatshard
 from flatshard.cli.main import main
-from in_process import train
+from in_process import run_command, train
 
 TINY = ["--dim", "32", "--layers", "2", "--heads", "2", "--seq-len", "32", "--batch", "4"]
 
@@ -731,3 +731,14 @@ def test_train_refuses_what_pipeline_stages_do_not_take(
     ]:
         assert main(["train", *argv]) == 2
         assert message in capsys.readouterr().err, argv
+
+
+def test_ranks_write_where_the_launcher_writes_when_it_starts_them(tmp_path: Path) -> None:
+    """``main(["train", ...])`` run twice in one process, its output redirected elsewhere
+    each time (as tests/in_process.py does): the second run's ranks, forked from the server
+    the first started, print into the second run's output, not the first's."""
+    argv = ["train", *TINY, "--steps", "1", "--sample-bytes", "0"]
+    for run in ("first", "second"):
+        code, out, err = run_command([*argv, "--out-dir", str(tmp_path / run)])
+        assert code == 0, out + err
+        assert "step 1/1" in out and "held-out loss" in out, (run, out, err)

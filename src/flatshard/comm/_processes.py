@@ -59,17 +59,28 @@ class CallerOutput:
         self._out, self._err = out, err
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (CallerOutput, (reduction.DupFd(1), reduction.DupFd(2)))
+        return (CallerOutput, tuple(_passed(fd) for fd in (1, 2)))
 
     def adopt(self) -> None:
         """Make the caller's descriptors this (started) process's stdout and stderr."""
         for stream, passed, fd in ((sys.stdout, self._out, 1), (sys.stderr, self._err, 2)):
-            if passed is None:  # not pickled: this is the caller itself
+            if passed is None:  # not pickled (the caller itself), or nothing to pass
                 continue
-            stream.flush()
+            if stream is not None:
+                stream.flush()
             received = passed.detach()
             os.dup2(received, fd)
             os.close(received)
+
+
+def _passed(fd: int) -> Any:
+    """``fd`` passed to the child being started, or None where it is closed (a caller
+    started with its output closed: the child keeps the server's)."""
+    try:
+        os.fstat(fd)
+    except OSError:
+        return None
+    return reduction.DupFd(fd)
 
 
 def exit_without_teardown(code: int) -> NoReturn:
@@ -85,5 +96,6 @@ def exit_without_teardown(code: int) -> NoReturn:
     """
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
-        stream.flush()
+        if stream is not None:  # (None: the process was started with it closed)
+            stream.flush()
     os._exit(code)
