@@ -175,19 +175,22 @@ def test_a_call_on_rank_0_only_never_reaches_gloo(call: str, tmp_path: Path) -> 
         assert "rank 1: waiting" in message
 
 
-def foreign_collective_job(rank: int) -> tuple[str, str, float]:
-    """Rank 0 enters summon_full_params while rank 1 all-reduces a metric of its own; a
-    timeout of 30 s, which the proof comes well before."""
+def foreign_collective_job(rank: int, flatshard_side: str) -> tuple[str, str, float]:
+    """Rank 0 enters summon_full_params (a store agreement) or a forward (flatshard's
+    all-gathers) while rank 1 all-reduces a metric of its own; a timeout of 30 s, which
+    the proof comes well before."""
     model = _net()
     flatshard.set_checks(flatshard.Checks(timeout=30.0))
 
     def run() -> None:
         _step(model)
-        if rank == 0:
+        if rank == 1:
+            dist.all_reduce(torch.ones(1))  # the program's own collective
+        elif flatshard_side == "summon":
             with flatshard.summon_full_params(model):
                 pass
         else:
-            dist.all_reduce(torch.ones(1))  # the program's own collective
+            _step(model)
 
     try:
         return _outcome(run)
@@ -195,12 +198,16 @@ def foreign_collective_job(rank: int) -> tuple[str, str, float]:
         return type(error).__name__, str(error), 0.0
 
 
-def test_a_collective_of_the_programs_own_against_a_flatshard_call_is_proven() -> None:
-    """Before: rank 0 waited in the store for the other ranks to reach the summon, and rank
-    1 in its all-reduce, each until the timeout (30 minutes by default), with nothing
-    proven. Now rank 1's status names the collective its program is blocked in, and rank
-    0 raises within the probe; rank 1's all-reduce then ends as rank 0 leaves."""
-    first, second = run_isolated(foreign_collective_job)
+@pytest.mark.parametrize("flatshard_side", ["summon", "forward"])
+def test_a_collective_of_the_programs_own_against_a_flatshard_call_is_proven(
+    flatshard_side: str,
+) -> None:
+    """Before: rank 0 waited in the store for the other ranks to reach the summon (or in
+    its forward's all-gather), and rank 1 in its all-reduce, each until the timeout (30
+    minutes by default), with nothing proven. Now rank 1's status names the collective its
+    program is blocked in, and rank 0 raises within the probe; rank 1's all-reduce then
+    ends as rank 0 leaves."""
+    first, second = run_isolated(foreign_collective_job, flatshard_side)
     assert isinstance(first, tuple) and isinstance(second, tuple), (first, second)
     name, message, seconds = first
     assert name == "CollectiveMismatchError", message

@@ -195,6 +195,23 @@ def proven(group: str, ranks: list[int], statuses: dict[int, Status]) -> Proof |
                     "issued: each waits for the other."
                 )
                 return Proof("CollectiveMismatchError", why + callers, settled=False)
+    for a, wait in waits.items():
+        if wait.call:
+            continue
+        for b, status in statuses.items():
+            if (
+                b in ranks
+                and status.foreign is not None
+                and a in status.foreign[1]
+                and max(_by_seq(group, status), default=0) < wait.seq
+            ):
+                why = (
+                    f"Proven: rank {a} waits in collective #{wait.seq}, which rank {b} has "
+                    f"not issued, while rank {b} waits in {status.foreign[0]}, a collective "
+                    f"flatshard did not issue, which rank {a} will not join: each waits for "
+                    "the other."
+                )
+                return Proof("CollectiveMismatchError", why, settled=False)
     return None
 
 
@@ -281,7 +298,11 @@ def _hints(group: str, ranks: list[int], statuses: dict[int, Status]) -> list[st
     """The likely causes the table points to, in words."""
     last = {r: max(_by_seq(group, s), default=0) for r, s in statuses.items() if r in ranks}
     hints = []
-    idle = [r for r, seq in last.items() if seq < max(last.values()) and not statuses[r].waiting]
+    idle = [
+        r
+        for r, seq in last.items()
+        if seq < max(last.values()) and not statuses[r].waiting and not statuses[r].foreign
+    ]
     if idle:
         who = ", ".join(str(r) for r in idle)
         hints.append(

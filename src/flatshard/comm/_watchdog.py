@@ -717,8 +717,9 @@ def _foreign_collective() -> tuple[str, list[int]] | None:
     """[Note: a collective flatshard does not see]
     A program may issue torch.distributed collectives of its own (a metric's all-reduce,
     Accelerate's gather of the losses) between flatshard's calls. One made on some ranks
-    while another waits in a flatshard call agreed through the store can never complete:
-    the waiting rank joins no collective until the others reach the call. So a rank's
+    while another waits in a flatshard call agreed through the store, or in a collective
+    of flatshard's that the first has not issued, can never complete: the waiting rank
+    joins no collective until the others reach the call or issue the collective. So a rank's
     status says which of torch's blocking collectives its program's (main) thread is in,
     where no call of flatshard is above it (flatshard waits for its own in slices, outside
     torch's functions; a collective inside a flatshard call is flatshard's; its CLI,
