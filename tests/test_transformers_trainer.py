@@ -106,12 +106,21 @@ def test_an_unsharded_model_is_a_named_error() -> None:
         FlatshardTrainer(model="Qwen/Qwen3-0.6B")  # type: ignore[arg-type]
 
 
-def test_an_evaluation_on_one_rank_is_named_on_every_rank(tmp_path: Path) -> None:
-    """Before: Accelerate's gather of the losses, evaluate()'s first collective, met rank
-    1's all-gather: gloo's "Received data size doesn't match" and SIGABRT on rank 0."""
-    for status, output in run_ranks(SCRIPT, "evaluation_alone", str(tmp_path), cwd=tmp_path):
+def test_a_rank_that_differs_is_named_on_every_rank(tmp_path: Path) -> None:
+    """Before: with logging_steps differing, Accelerate's gather of the loss met the other
+    rank's all-gather (gloo's "Received data size doesn't match", SIGABRT); with another
+    eval batch size, the loss printed was wrong, then SIGABRT; evaluate() on rank 0 alone:
+    its gather of the losses, before any forward, met rank 1's all-gather (SIGABRT)."""
+    for status, output in run_ranks(SCRIPT, "one_rank_differs", str(tmp_path), cwd=tmp_path):
         assert status != 0, output[-3000:]
-        assert "CollectiveMismatchError" in output, output[-3000:]
+        assert "logging_steps: ValueError" in output, output[-3000:]
+        assert "rank 0 only: TrainingArguments.logging_steps=1" in output, output[-3000:]
+        assert "rank 1 only: TrainingArguments.logging_steps=2" in output, output[-3000:]
+        said = "per_device_eval_batch_size: CollectiveMismatchError"
+        assert said in output and "evaluation (evaluate, predict) of 8 batches" in output
+        assert "evaluation (evaluate, predict) of 4 batches" in output, output[-3000:]
+        assert "Every rank called FlatshardTrainer evaluation at the same point" in output
+        assert "evaluation alone: CollectiveMismatchError" in output, output[-3000:]
         assert "FlatshardTrainer evaluation (evaluate, predict)" in output, output[-3000:]
 
 
@@ -129,5 +138,5 @@ def test_every_trainer_method_overridden_is_the_installed_trainers() -> None:
         for name, value in vars(FlatshardTrainer).items()
         if inspect.isfunction(value) and name != "__init__"
     ]
-    assert "evaluation_loop" in overridden and "_save" in overridden, overridden
+    assert {"evaluation_loop", "train", "_save"} <= set(overridden), overridden
     assert not [name for name in overridden if not hasattr(Trainer, name)], overridden

@@ -5,13 +5,15 @@ global batch. ``torchrun --nproc-per-node 2 transformers_script.py sharded OUT``
 training with ``FlatshardTrainer`` (half the batch on each rank), its ``save_model``, a
 second run resumed from the first's step-2 checkpoint, and a third that accumulates the
 same global batch over 2 micro-batches, then evaluates; and both train peft's LoRA.
-Results go to OUT as JSON and safetensors. ``evaluation_alone OUT`` (each rank started
-alone): rank 0 evaluates while rank 1 trains.
+Results go to OUT as JSON and safetensors. ``one_rank_differs OUT`` (each rank started
+alone): a training argument, then an evaluation's batches differ on one rank, then rank 0
+evaluates while rank 1 trains.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -91,8 +93,12 @@ def reference(out: Path) -> None:
     )
 
 
-def sharded_trainer(out: Path, accumulate: int = 1, lora: bool = False) -> FlatshardTrainer:
+def sharded_trainer(
+    out: Path, accumulate: int = 1, lora: bool = False, **differing: int
+) -> FlatshardTrainer:
     args = arguments(out, 2, accumulate)  # first: under torchrun it starts the group
+    for name, value in differing.items():
+        setattr(args, name, value)
     plain = lora_model() if lora else model()
     sharded = flatshard.fully_shard(plain, auto_wrap_policy={LlamaDecoderLayer})
     return FlatshardTrainer(model=sharded, args=args, train_dataset=Tokens())
@@ -123,20 +129,30 @@ def sharded(out: Path) -> None:
         (out / "sharded.json").write_text(json.dumps(results))
 
 
-def evaluation_alone(out: Path) -> None:
-    """Rank 0 evaluates while rank 1 trains: each rank prints the error that ends it."""
+def one_rank_differs(out: Path) -> None:
+    """Each rank started alone; one rank differs three times in turn, and each rank prints
+    the error each time ends with: ``logging_steps`` (train), ``per_device_eval_batch_size``
+    (evaluate alone: another number of batches), then rank 0 evaluates while rank 1 trains.
+    """
     flatshard.set_checks(flatshard.Checks(timeout=30.0))
+    rank = int(os.environ["RANK"])
+    for name in ("logging_steps", "per_device_eval_batch_size"):
+        differing = sharded_trainer(out, **{name: 1 + rank})
+        try:
+            differing.train() if name == "logging_steps" else differing.evaluate(Tokens())
+        except (ValueError, flatshard.CollectiveError) as error:
+            print(f"{name}: {type(error).__name__}: {error}", flush=True)
     trainer = sharded_trainer(out)
     try:
-        if torch.distributed.get_rank() == 0:
+        if rank == 0:
             trainer.evaluate(Tokens())
         else:
             trainer.model(torch.arange(12).reshape(2, 6)).logits.sum().backward()
     except flatshard.CollectiveError as error:
-        print(f"{type(error).__name__}: {error}", flush=True)
+        print(f"evaluation alone: {type(error).__name__}: {error}", flush=True)
         sys.exit(3)
 
 
 if __name__ == "__main__":
-    runs = {"reference": reference, "sharded": sharded, "evaluation_alone": evaluation_alone}
+    runs = {"reference": reference, "sharded": sharded, "one_rank_differs": one_rank_differs}
     runs[sys.argv[1]](Path(sys.argv[2]))

@@ -775,7 +775,7 @@ def _mismatch(seen: dict[int, str], rank: int) -> str:
     ]
     records = {r: Record.from_descriptor(d) for r, d in sorted(seen.items())}
     lines += [f"  rank {r}: {record.describe()}" for r, record in records.items()]
-    calls = {record.phase.split("(")[0] for record in records.values()}
+    calls = {record.phase.split("(")[0].strip() for record in records.values()}
     if len(calls) == 1 and len({record.phase for record in records.values()}) > 1:
         (call,) = calls  # one call, other arguments: say so rather than "the same calls"
         lines.append(

@@ -27,8 +27,8 @@ Gradient clipping (``max_grad_norm``) goes through torch's ``get_total_norm`` an
 and agreed ([Note: torch's clip_grad_norm_ on sharded gradients]). The hooks overridden
 are the ``Trainer``'s own (``_save``, ``_save_optimizer_and_scheduler``,
 ``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``, ``_load_best_model``,
-``_move_model_to_device``, ``evaluation_loop``); the tests pin them to the installed
-transformers.
+``_move_model_to_device``, ``evaluation_loop``, ``train``); the tests pin them to the
+installed transformers.
 """
 
 from __future__ import annotations
@@ -68,13 +68,26 @@ class FlatshardTrainer(Trainer):
         assert self.model is not None  # checked in __init__
         return self.model
 
-    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        # [Note: the Trainer's arguments every rank must share] Some of them decide which of
+        # Accelerate's collectives a step issues (a gather of the loss every logging_steps,
+        # of the token count with average_tokens_across_devices) or how the data is split;
+        # one rank with another value pairs its gather with a peer's flatshard all-gather
+        # (gloo: "Received data size doesn't match", SIGABRT) or trains on other batches.
+        # They are agreed before the first step, by name.
+        agree(self._sharded, "FlatshardTrainer.train", _shared_arguments(self.args), _SAME_ARGS)
+        return super().train(*args, **kwargs)
+
+    def evaluation_loop(self, dataloader: Any, *args: Any, **kwargs: Any) -> Any:
         # [Note: an evaluation some ranks run] evaluate() and predict() issue Accelerate's
         # collectives (a gather of the losses) before any forward: on one rank alone they
         # would pair with another rank's flatshard all-gather, which gloo ends by aborting.
-        # Agreed first, a rank that evaluates alone is named on every rank within seconds.
-        agree(self._sharded, "FlatshardTrainer evaluation (evaluate, predict)")
-        return super().evaluation_loop(*args, **kwargs)
+        # Agreed first, a rank that evaluates alone is named on every rank within seconds;
+        # so is a rank with another number of batches (each batch's gather of the losses
+        # would pair with another rank's forward, and the loss printed would be wrong).
+        batches = f" of {len(dataloader)} batches" if hasattr(dataloader, "__len__") else ""
+        agree(self._sharded, f"FlatshardTrainer evaluation (evaluate, predict){batches}")
+        return super().evaluation_loop(dataloader, *args, **kwargs)
 
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
         # fully_shard placed the shards; the Trainer's model.to(args.device) would copy
@@ -205,6 +218,53 @@ def _check_arguments(args: Any) -> None:
             "flatshard.integrations.transformers: save_model writes safetensors only; "
             "drop save_safetensors=False."
         )
+
+
+# The TrainingArguments every rank must share ([Note: the Trainer's arguments every rank
+# must share]); one that this transformers lacks is left out.
+SHARED_ARGUMENTS = (
+    "per_device_train_batch_size",
+    "per_device_eval_batch_size",
+    "gradient_accumulation_steps",
+    "max_steps",
+    "num_train_epochs",
+    "max_grad_norm",
+    "logging_strategy",
+    "logging_steps",
+    "logging_first_step",
+    "eval_strategy",
+    "eval_steps",
+    "eval_on_start",
+    "eval_accumulation_steps",
+    "save_strategy",
+    "save_steps",
+    "save_only_model",
+    "load_best_model_at_end",
+    "average_tokens_across_devices",
+    "include_num_input_tokens_seen",
+    "dataloader_drop_last",
+    "seed",
+    "data_seed",
+    "bf16",
+    "fp16",
+)
+
+
+_SAME_ARGS = (
+    "Build the TrainingArguments alike on every rank: these decide which of Accelerate's "
+    "collectives each step issues and which batches each rank trains on."
+)
+
+
+def _shared_arguments(args: Any) -> list[str]:
+    """``TrainingArguments.name=value`` of each argument in ``SHARED_ARGUMENTS`` ``args`` has."""
+    missing = object()
+    found = ((name, getattr(args, name, missing)) for name in SHARED_ARGUMENTS)
+    return [
+        f"TrainingArguments.{name}={getattr(v, 'value', v)!r}"
+        for name, v in found
+        if v is not missing
+    ]
 
 
 def _checkpoint_dir(checkpoint: str) -> Path:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from flatshard.comm._agreement import StepLedger
+from flatshard.comm._agreement import StepLedger, check_same_on_all_ranks
 from flatshard.comm._collectives import on_device
 from flatshard.comm._mesh import ShardGroups
 from flatshard.comm._watchdog import Tag, tagged, watchdog
@@ -465,11 +465,21 @@ def collective_call(model: nn.Module, caller: str) -> Iterator[None]:
         _IN_CALL.reset(token)
 
 
-def agree(model: nn.Module, caller: str) -> None:
-    """Every rank of the model's group made the call ``caller`` (its values in the name):
-    agreed through the store before what follows changes which collectives are issued."""
+def agree(model: nn.Module, caller: str, values: list[str] | None = None, fix: str = "") -> None:
+    """Every rank of the model's group made the call ``caller`` (short values in the name):
+    agreed through the store before what follows changes which collectives are issued.
+    Then, where given, the ``values`` (one line each, e.g. ``name=value``) are compared: a
+    ValueError on every rank names the lines that differ, and ``fix``."""
     with collective_call(model, caller):
-        pass
+        if values is None:
+            return
+        units = [u for m in model.modules() if (u := unit_of(m)) is not None]
+        for context in distinct_contexts(units):
+            group = context.process_group
+            if group is not None and group.size() > 1:
+                what = f"called {caller} with other values"
+                # (on the units' device: where the group communicates, NCCL's the GPU)
+                check_same_on_all_ranks(values, group, units[0].compute_device, what, fix, caller)
 
 
 def every_rank_calls(
