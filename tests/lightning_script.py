@@ -271,7 +271,22 @@ def main(out: Path) -> None:
         results["async_every_step"] = fit("FULL_SHARD", every_step_to=every, **background)
     results["async_kept"] = sorted(p.name for p in every.iterdir())
     results["removed_with_a_whole_one_left"] = removals
+    results["disagreements"] = disagreements(cast(Any, _last_trainer).strategy)
     write(out, results)
+
+
+def disagreements(strategy: Any) -> list[str]:
+    """The errors of a barrier and a broadcast that differ by rank (each agreed through the
+    store first, so nothing is sent and the ranks go on)."""
+    rank = strategy.global_rank
+    said = []
+    calls = [lambda: strategy.barrier(f"rank {rank}"), lambda: strategy.broadcast("x", rank)]
+    for call in calls:
+        try:
+            call()
+        except flatshard.CollectiveMismatchError as error:
+            said.append(str(error))
+    return said
 
 
 class JoinLate(L.Callback):

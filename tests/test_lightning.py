@@ -71,6 +71,17 @@ def test_training_matches_ddp_with_clipping(runs: list[dict[str, Any]], kind: st
     assert runs[0]["ddp"]["losses"] != runs[1]["ddp"]["losses"]
 
 
+def test_a_barrier_or_broadcast_that_differs_by_rank_is_named(runs: list[dict[str, Any]]) -> None:
+    """Before: Lightning's barrier and broadcast went straight to torch.distributed (a save
+    on rank 0 only met rank 1's exit as gloo's "Connection closed by peer"; validation on
+    one rank hung to the timeout). Now the ranks agree on each through the store first."""
+    for rank, run in enumerate(runs):
+        barrier, broadcast = run["disagreements"]
+        assert "rank 0: Lightning's strategy.barrier(rank 0)" in barrier, barrier
+        assert "rank 1: Lightning's strategy.barrier(rank 1)" in barrier, barrier
+        assert f"rank {rank}: Lightning's strategy.broadcast(src={rank})" in broadcast
+
+
 def test_clipping_acted(runs: list[dict[str, Any]]) -> None:
     # Without it the losses part from the second step on: the parity above covers clipping.
     for run in runs:

@@ -179,10 +179,10 @@ class FlatshardFabricStrategy(ParallelStrategy):
         )
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        process_group.barrier()
+        process_group.barrier(self._module)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return process_group.broadcast(obj, src)
+        return process_group.broadcast(obj, src, self._module)
 
     def all_reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         return process_group.reduce(tensor, group, reduce_op)

@@ -10,8 +10,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from flatshard.integrations.torchft import ReplicaGroups
+from flatshard.runtime import agree
 
 from ._packages import lightning_for
 
@@ -76,15 +78,28 @@ def connect(environment: ClusterEnvironment, backend: str | None, device: torch.
     return backend
 
 
-def barrier() -> None:
+# [Note: Lightning's barriers and broadcasts, agreed]
+# Lightning calls its strategy's barrier and broadcast around checkpoints, validation and
+# setup (a checkpoint's path is broadcast from rank 0). Made on one rank alone (a
+# save_checkpoint on rank 0 only, validation batches on one rank) they would meet another
+# rank's flatshard collective or its exit: gloo's "Connection closed by peer", or a wait
+# to the timeout. Once the model is sharded, the ranks agree on each through the store
+# first, so such a rank is named on every rank within seconds.
+
+
+def barrier(model: nn.Module | None, name: str | None = None) -> None:
     if dist.is_available() and dist.is_initialized():
+        if model is not None:
+            agree(model, f"Lightning's strategy.barrier({name or ''})")
         dist.barrier()
 
 
-def broadcast(obj: Any, src: int) -> Any:
+def broadcast(obj: Any, src: int, model: nn.Module | None) -> Any:
     """``obj`` as rank ``src`` has it (pickled), or as it is without a process group."""
     if not (dist.is_available() and dist.is_initialized()):
         return obj
+    if model is not None:
+        agree(model, f"Lightning's strategy.broadcast(src={src})")
     box = [obj]
     dist.broadcast_object_list(box, src)
     return box[0]

@@ -211,10 +211,10 @@ class FlatshardStrategy(ParallelStrategy):
             decorator.rank = self.global_rank  # type: ignore[attr-defined]
 
     def barrier(self, name: str | None = None) -> None:
-        process_group.barrier()
+        process_group.barrier(self.model, name)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return process_group.broadcast(obj, src)
+        return process_group.broadcast(obj, src, self.model)
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         return process_group.reduce(tensor, group, reduce_op)
