@@ -48,6 +48,10 @@ def main(case: str, out: Path) -> None:
             if rank == 0:
                 flatshard.save_checkpoint(out / "ckpt", model, optimizer)
             step()
+        elif case == "save-on-rank-1-after-rank-0-ended":
+            if rank == 1:  # rank 0, the c10d store's host, ends meanwhile: the store with it
+                time.sleep(1.0)
+                flatshard.save_checkpoint(out / "ckpt", model, optimizer)
         elif case == "accumulation":
             step(micro_batches=2 + rank)
             step()

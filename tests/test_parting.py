@@ -52,6 +52,17 @@ def test_a_save_on_rank_0_only_is_named_when_the_others_have_ended(tmp_path: Pat
     assert rank1["error"] == ""
 
 
+def test_a_call_after_the_store_host_ended_is_named(tmp_path: Path) -> None:
+    """Rank 0 (the c10d store's host, as under torchrun's default) has ended when rank 1
+    calls save_checkpoint. Before: torch's bare DistNetworkError ("Connection reset by
+    peer") from the store, raised through the agreement's first look."""
+    rank0, rank1 = _run("save-on-rank-1-after-rank-0-ended", tmp_path)
+    assert rank0["error"] == "", rank0
+    message = _raised_fast(rank1, "PeerLostError")
+    assert "rank 1 waited for the other ranks to reach save_checkpoint" in message, message
+    assert "the c10d store did not answer either" in message, message
+
+
 def test_a_save_on_rank_0_only_is_named_on_every_rank(tmp_path: Path) -> None:
     """Rank 1 trains on, into its next forward: each rank waits for the other."""
     for result in _run("save-on-rank-0-then-train", tmp_path):

@@ -437,11 +437,17 @@ class Watchdog:
         name = group.group_name
         count = self._agreements[name] = self._agreements.get(name, 0) + 1
         prefix = f"flatshard/agree/{name}/{count}/"
-        self.store.set(prefix + str(self.rank), record.descriptor())
         ranks = dist.get_process_group_ranks(group)
         keys = [prefix + str(r) for r in ranks]
-        if not _try_keys(self.store, keys, SLICE_S):  # the common case, kept cheap
-            what = f"the other ranks to reach {record.describe()}"
+        what = f"the other ranks to reach {record.describe()}"
+        try:
+            self.store.set(prefix + str(self.rank), record.descriptor())
+            done = _try_keys(self.store, keys, SLICE_S)  # the common case, kept cheap
+        except RuntimeError as error:  # the store went with its host (rank 0 has ended)
+            self.waiting = (what, time.monotonic(), waited)  # (this rank's line of the table)
+            cause = f"flatshard: the c10d store stopped answering; rank {self.rank}"
+            self._diagnose(group, f"{cause} waited for {what}", PeerLostError, error)
+        if not done:
             timeout = current_checks().timeout_s(group)
             attempt = lambda s: _try_keys(self.store, keys, s)  # noqa: E731
             self._waiting_for(what, group, timeout, attempt, None, waited)
@@ -504,7 +510,7 @@ class Watchdog:
         try:
             statuses = self._ask_everyone(ranks, error)
         except Exception as unreachable:  # its host (rank 0, or the launcher) is gone
-            statuses = {}
+            statuses = {self.rank: self._status()}  # (what this rank knows of itself)
             cause += f" (the c10d store did not answer either: {unreachable})"
         timeout = current_checks().timeout_s(group)
         settings = (
