@@ -216,6 +216,39 @@ def test_a_collective_of_the_programs_own_against_a_flatshard_call_is_proven(
     assert second[0] == "RuntimeError", second  # gloo's: its peer is gone
 
 
+class SlowToUnpickle:
+    """An object whose unpickling takes seconds (as a vocabulary rebuilding its index)."""
+
+    def __init__(self) -> None:
+        self.index = {"rebuilt": "on unpickling"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        time.sleep(5.0)
+        self.__dict__.update(state)
+
+
+def slow_object_job(rank: int) -> tuple[str, str, float]:
+    """Every rank broadcasts an object from rank 0, then trains on; rank 1 unpickles it for
+    5 s inside broadcast_object_list while rank 0 is already in its next forward."""
+    model = _net()
+    flatshard.set_checks(flatshard.Checks(timeout=30.0))
+
+    def run() -> None:
+        _step(model)
+        dist.broadcast_object_list([SlowToUnpickle() if rank == 0 else None], src=0)
+        _step(model)
+
+    return _outcome(run)
+
+
+def test_a_rank_unpickling_what_it_received_is_not_blocked() -> None:
+    """A correct program, alike on every rank: before, rank 0 raised CollectiveMismatchError
+    ("rank 1 waits in torch.distributed.broadcast_object_list") about 3 s into its forward,
+    while rank 1 had done its part of the broadcast and was unpickling."""
+    for name, message, _ in run_isolated(slow_object_job):
+        assert name == "", message
+
+
 def rank0_only_job(rank: int, call: str, directory: str) -> tuple[str, str, float]:
     model = _net()
 

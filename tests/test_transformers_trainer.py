@@ -53,6 +53,10 @@ def test_accumulation_and_evaluation_match_the_unsharded_run(out: Path) -> None:
     assert results["sharded"]["eval_loss"] == pytest.approx(
         results["reference"]["eval_loss"], abs=TOLERANCE
     )
+    # The same data as an IterableDataset (no number of batches to agree on): the same loss
+    assert results["sharded"]["iterable_eval_loss"] == pytest.approx(
+        results["reference"]["eval_loss"], abs=TOLERANCE
+    )
 
 
 def test_save_model_loads_with_from_pretrained(out: Path) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -41,6 +42,14 @@ class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class IterTokens(torch.utils.data.IterableDataset[dict[str, torch.Tensor]]):
+    """``Tokens`` as an iterable dataset: no length."""
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        tokens = Tokens()
+        return (tokens[i] for i in range(len(tokens)))
 
 
 def arguments(out: Path, ranks: int, accumulate: int = 1) -> TrainingArguments:
@@ -119,6 +128,7 @@ def sharded(out: Path) -> None:
     accumulating.train()
     accumulating.save_model(str(out / "accumulated"))
     evaluated = accumulating.evaluate(Tokens())["eval_loss"]
+    iterable = accumulating.evaluate(IterTokens())["eval_loss"]  # (no number of batches)
     lora = sharded_trainer(out / "lora", lora=True)  # peft's LoRA, sharded after get_peft_model
     lora.train()
     lora.save_model(str(out / "lora-adapter"))
@@ -126,6 +136,7 @@ def sharded(out: Path) -> None:
         torch.save(live, out / "live_logits.pt")
         results = {"losses": losses(trainer), "resumed_losses": losses(resumed)}
         results |= {"accumulated_losses": losses(accumulating), "eval_loss": evaluated}
+        results["iterable_eval_loss"] = iterable
         (out / "sharded.json").write_text(json.dumps(results))
 
 

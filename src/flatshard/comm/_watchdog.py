@@ -711,6 +711,12 @@ TORCH_COLLECTIVES = frozenset(
         "send",
     ]
 )
+# Those that return objects (un)pickle them after their communication, in frames of their
+# own or of the objects' classes (a __setstate__ that rebuilds an index): a rank there
+# has done its part. Only a rank whose innermost frame is one of the others waits.
+_OBJECT_COLLECTIVES = frozenset(
+    ["all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list"]
+)
 _C10D = os.path.join("torch", "distributed", "distributed_c10d.py")
 # flatshard's parts that are programs calling it (the CLI's loop, the integrations' trainers,
 # the test harness), not calls of it
@@ -730,7 +736,9 @@ def _foreign_collective() -> tuple[str, list[int]] | None:
     where no call of flatshard is above it (flatshard waits for its own in slices, outside
     torch's functions; a collective inside a flatshard call is flatshard's; its CLI,
     integrations and test harness are programs), with the ranks of its group; ``proven``
-    in ``_diagnosis.py`` then names both sides."""
+    in ``_diagnosis.py`` then names both sides. Only a thread whose innermost frame is the
+    collective waits in it: one inside ``broadcast_object_list`` unpickling what it
+    received (seconds, for an object that rebuilds an index) has done its part."""
     main = threading.main_thread().ident
     frame = sys._current_frames().get(main) if main is not None else None
     stack: list[FrameType] = []
@@ -738,6 +746,13 @@ def _foreign_collective() -> tuple[str, list[int]] | None:
         stack.append(frame)
         frame = frame.f_back
     stack.reverse()  # outermost first
+    innermost = stack[-1].f_code if stack else None
+    if (
+        innermost is None
+        or not innermost.co_filename.endswith(_C10D)
+        or innermost.co_name not in TORCH_COLLECTIVES - _OBJECT_COLLECTIVES
+    ):
+        return None  # not waiting in a collective now (e.g. unpickling what one received)
     for index, frame in enumerate(stack):
         path = frame.f_code.co_filename
         if path.startswith(_PACKAGE) and not path.startswith(_PROGRAMS):

@@ -85,7 +85,10 @@ class FlatshardTrainer(Trainer):
         # Agreed first, a rank that evaluates alone is named on every rank within seconds;
         # so is a rank with another number of batches (each batch's gather of the losses
         # would pair with another rank's forward, and the loss printed would be wrong).
-        batches = f" of {len(dataloader)} batches" if hasattr(dataloader, "__len__") else ""
+        try:
+            batches = f" of {len(dataloader)} batches"
+        except TypeError:  # over an IterableDataset: no length to compare
+            batches = ""
         agree(self._sharded, f"FlatshardTrainer evaluation (evaluate, predict){batches}")
         return super().evaluation_loop(dataloader, *args, **kwargs)
 
