@@ -250,6 +250,12 @@ SHARED_ARGUMENTS = (
     "data_seed",
     "bf16",
     "fp16",
+    # TRL's SFTConfig: how each rank's batches are built
+    "packing",
+    "packing_strategy",
+    "padding_free",
+    "max_length",
+    "completion_only_loss",
 )
 
 
@@ -260,14 +266,12 @@ _SAME_ARGS = (
 
 
 def _shared_arguments(args: Any) -> list[str]:
-    """``TrainingArguments.name=value`` of each argument in ``SHARED_ARGUMENTS`` ``args`` has."""
+    """``TrainingArguments.name=value`` (the class's name) of each argument in
+    ``SHARED_ARGUMENTS`` that ``args`` has."""
     missing = object()
     found = ((name, getattr(args, name, missing)) for name in SHARED_ARGUMENTS)
-    return [
-        f"TrainingArguments.{name}={getattr(v, 'value', v)!r}"
-        for name, v in found
-        if v is not missing
-    ]
+    kind = type(args).__name__
+    return [f"{kind}.{name}={getattr(v, 'value', v)!r}" for name, v in found if v is not missing]
 
 
 def _checkpoint_dir(checkpoint: str) -> Path:
