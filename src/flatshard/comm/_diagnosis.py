@@ -179,14 +179,15 @@ def proven(group: str, ranks: list[int], statuses: dict[int, Status]) -> Proof |
         )
         return Proof("CollectiveMismatchError", why)
     for a, call in calls.items():
-        for b, status in statuses.items():
-            if b in ranks and status.foreign is not None and a in status.foreign[1]:
-                why = (
-                    f"Proven: rank {a} waits for the other ranks to call {call.call} while "
-                    f"rank {b} waits in {status.foreign[0]}, a collective flatshard did not "
-                    f"issue, which rank {a} will not join: each waits for the other."
-                )
-                return Proof("CollectiveMismatchError", why + callers, settled=False)
+        blocked = _blocked_apart(group, ranks, statuses, a, call)
+        if blocked is not None:
+            b, foreign = blocked
+            why = (
+                f"Proven: rank {a} waits for the other ranks to call {call.call} while "
+                f"rank {b} waits in {foreign}, a collective flatshard did not "
+                f"issue, which rank {a} will not join: each waits for the other."
+            )
+            return Proof("CollectiveMismatchError", why + callers, settled=False)
         for b, other in waits.items():
             if not other.call and other.seq > call.issued:
                 why = (
@@ -196,22 +197,31 @@ def proven(group: str, ranks: list[int], statuses: dict[int, Status]) -> Proof |
                 )
                 return Proof("CollectiveMismatchError", why + callers, settled=False)
     for a, wait in waits.items():
-        if wait.call:
+        blocked = None if wait.call else _blocked_apart(group, ranks, statuses, a, wait)
+        if blocked is not None:
+            b, foreign = blocked
+            why = (
+                f"Proven: rank {a} waits in collective #{wait.seq}, which rank {b} has "
+                f"not issued, while rank {b} waits in {foreign}, a collective "
+                f"flatshard did not issue, which rank {a} will not join: each waits for "
+                "the other."
+            )
+            return Proof("CollectiveMismatchError", why, settled=False)
+    return None
+
+
+def _blocked_apart(
+    group: str, ranks: list[int], statuses: dict[int, Status], a: int, wait: Waited
+) -> tuple[int, str] | None:
+    """A rank blocked in a collective of the program's own, over ranks that include ``a``,
+    that ``a`` (waiting for ``wait``) will not join: where ``a`` waits for a call, any such
+    rank; where it waits in collective #N, one that has not issued #N (it cannot until its
+    own collective ends). That rank and its collective, in words."""
+    for b, status in statuses.items():
+        if b not in ranks or status.foreign is None or a not in status.foreign[1]:
             continue
-        for b, status in statuses.items():
-            if (
-                b in ranks
-                and status.foreign is not None
-                and a in status.foreign[1]
-                and max(_by_seq(group, status), default=0) < wait.seq
-            ):
-                why = (
-                    f"Proven: rank {a} waits in collective #{wait.seq}, which rank {b} has "
-                    f"not issued, while rank {b} waits in {status.foreign[0]}, a collective "
-                    f"flatshard did not issue, which rank {a} will not join: each waits for "
-                    "the other."
-                )
-                return Proof("CollectiveMismatchError", why, settled=False)
+        if wait.call or max(_by_seq(group, status), default=0) < wait.seq:
+            return b, status.foreign[0]
     return None
 
 

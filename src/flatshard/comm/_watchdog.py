@@ -711,10 +711,11 @@ TORCH_COLLECTIVES = frozenset(
         "send",
     ]
 )
-# Those that return objects (un)pickle them after their communication, in frames of their
-# own or of the objects' classes (a __setstate__ that rebuilds an index): a rank there
-# has done its part. Only a rank whose innermost frame is one of the others waits.
-_OBJECT_COLLECTIVES = frozenset(
+# The collectives a thread can be waiting in: not those that return objects, which
+# (un)pickle them after their communication, in frames of their own or of the objects'
+# classes (a __setstate__ that rebuilds an index): a rank there has done its part. Only a
+# thread whose innermost frame is one of these waits.
+_WAITING_COLLECTIVES = TORCH_COLLECTIVES - frozenset(
     ["all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list"]
 )
 _C10D = os.path.join("torch", "distributed", "distributed_c10d.py")
@@ -750,7 +751,7 @@ def _foreign_collective() -> tuple[str, list[int]] | None:
     if (
         innermost is None
         or not innermost.co_filename.endswith(_C10D)
-        or innermost.co_name not in TORCH_COLLECTIVES - _OBJECT_COLLECTIVES
+        or innermost.co_name not in _WAITING_COLLECTIVES
     ):
         return None  # not waiting in a collective now (e.g. unpickling what one received)
     for index, frame in enumerate(stack):

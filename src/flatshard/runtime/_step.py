@@ -474,8 +474,9 @@ def agree(model: nn.Module, caller: str, values: list[str] | None = None, fix: s
         if values is None:
             return
         units = [u for m in model.modules() if (u := unit_of(m)) is not None]
-        for context in distinct_contexts(units):
-            group = context.process_group
+        contexts = distinct_contexts(units)
+        groups = {id(c.process_group): c.process_group for c in contexts}  # each once
+        for group in groups.values():
             if group is not None and group.size() > 1:
                 what = f"called {caller} with other values"
                 # (on the units' device: where the group communicates, NCCL's the GPU)
