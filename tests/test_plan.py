@@ -30,7 +30,7 @@ from flatshard.cli.lm.model import checkpoint_hf_blocks
 from flatshard.cli.lm.planned import language_model_loss
 from flatshard.cli.main import main
 from flatshard.models import GPT, GPTBlock
-from flatshard.testing.internals import measured_step_peak
+from flatshard.testing.internals import measured_step_peak, meta_ops_not_remembered
 from flatshard.testing.workers import WorkerContext, WorkerPool
 
 # This machine as the planner sees a gloo run: only the backend and device matter to memory.
@@ -254,6 +254,55 @@ def test_predicted_peak_is_the_measured_peak(
         tp = [op for op in predicted.ops if op.collective == "all_reduce" and op.group_size == 2]
         assert sum(op.io_bytes == activations for op in tp) == 2 * 3
     assert predicted.at_rest_bytes < predicted.peak_memory_bytes
+
+
+def planned_twice(case_index: int, cluster: str) -> list[tuple[Any, ...]]:
+    """Case ``case_index`` planned on ``cluster`` with meta ops remembered (twice: the
+    second answered from the first) and with every op run: what each plan recorded."""
+    from flatshard.planner import PRESETS
+
+    case = CASES[case_index]
+    options = dict(case.options)
+    units: Any = _llama_units() if case.build is llama else {GPTBlock}
+    if options.pop("units", "blocks") == "sublayers":
+        units = flatshard.SublayerPolicy(units)
+    found = []
+    for remembered in (True, True, False):
+        with contextlib.nullcontext() if remembered else meta_ops_not_remembered():
+            torch.manual_seed(0)
+            plan = flatshard.plan(
+                case.build,
+                case.inputs,
+                loss=language_model_loss,
+                auto_wrap_policy=units,
+                cluster=CPU if cluster == "cpu" else PRESETS[cluster],
+                hosts=case.hosts,
+                ranks_per_host=case.ranks_per_host,
+                **options,
+            )
+        found.append((plan.ops, plan.timeline, plan.memory, plan.step, plan.host_memory_bytes))
+    return found
+
+
+@pytest.mark.parametrize(
+    ("name", "cluster"),
+    [
+        ("llama-sublayers-kept", "h100-80gb"),  # foreach AdamW, a Hugging Face model
+        ("tensor-parallel-2x2", "cpu"),  # DTensor's ops
+        ("row-sparse-tables", "cpu"),
+        ("bf16-accumulation", "h100-80gb"),  # two dtypes of the same shapes
+    ],
+)
+def test_remembered_meta_ops_plan_what_every_op_run_plans(
+    planner: ProcessPoolExecutor, name: str, cluster: str
+) -> None:
+    """[Note: meta ops remembered]: the same ops, bytes, FLOPs, timeline and memory."""
+    if name.startswith("llama"):
+        pytest.importorskip("transformers")
+    index = next(i for i, case in enumerate(CASES) if case.name == name)
+    first, again, every_op = planner.submit(planned_twice, index, cluster).result()
+    assert first == every_op
+    assert again == every_op
 
 
 def test_sharding_divides_the_state_and_checkpointing_cuts_activations(

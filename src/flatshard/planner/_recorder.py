@@ -30,6 +30,7 @@ from torch.utils.flop_counter import flop_registry
 
 from flatshard.comm._mesh import is_reduction_group
 from flatshard.measure._accounting import watching_resizes
+from flatshard.planner._meta_ops import REMEMBERED, tensors
 
 # What a storage holds, by when and by which op it was made (see ``Recorder.tag_of``).
 PARAMETERS = "sharded parameters and buffers"
@@ -91,16 +92,6 @@ class MemoryView:
     peak_op: int = 0  # ops recorded before the peak
     at_peak: dict[int, int] = field(default_factory=dict)  # serial -> bytes at the peak
     timeline: list[int] = field(default_factory=list)  # bytes after each op (and at start)
-
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, list | tuple):
-        return [t for item in tree for t in _tensors(item)]
-    if isinstance(tree, dict):
-        return [t for item in tree.values() for t in _tensors(item)]
-    return []
 
 
 def _guessed_scalar(t: torch.Tensor) -> bool | int | float:
@@ -297,12 +288,12 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs = kwargs or {}
         if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
             return _guessed_scalar(args[0])
-        inputs = _tensors([args, kwargs])
+        inputs = tensors([args, kwargs])
         before = {id(t.untyped_storage()) for t in inputs}
-        out = func(*args, **kwargs)
+        out = REMEMBERED(func, args, kwargs)  # [Note: meta ops remembered]
         name = str(func.overloadpacket)
         kind = COLLECTIVES.get(name)
-        outputs = _tensors(out)
+        outputs = tensors(out)
         new = [t for t in outputs if id(t.untyped_storage()) not in before]
         for t in new:
             self._track(t, self.phase)
@@ -323,7 +314,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def _collective(self, kind: str, args: tuple[Any, ...], inputs: list[torch.Tensor]) -> None:
         if kind == "all_gather" and self.phase == ACTIVATIONS:
-            self.retag(_tensors(args[0]), UNSHARDED)
+            self.retag(tensors(args[0]), UNSHARDED)
         # (output, input, group, output splits, ...): split sizes are a row-sparse table's
         # ids or rows (gloo's reduce-scatter form splits evenly: none given)
         rows = kind == "all_to_all" and bool(args[3])
@@ -331,16 +322,16 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             # (output, input): the input is the unit's unsharded gradient; what the
             # all-to-all receives is a buffer (gloo's form, ``_collectives``). A row-sparse
             # table's ids and rows keep the tags of the phase that made them.
-            self.retag(_tensors(args[1]), UNSHARDED_GRADIENTS)
+            self.retag(tensors(args[1]), UNSHARDED_GRADIENTS)
             if kind == "all_to_all":
-                self.retag(_tensors(args[0]), BUFFERS)
+                self.retag(tensors(args[0]), BUFFERS)
         if not self.recording:
             return
         boxed = next(a for a in args if isinstance(a, torch.ScriptObject))
         group = dist.ProcessGroup.unbox(boxed)
-        written = _tensors(args[0])
+        written = tensors(args[0])
         # The size a ring moves: the full buffer (gathered output, reduced input).
-        full = _tensors(args[1]) if kind in ("reduce_scatter", "all_to_all") else written
+        full = tensors(args[1]) if kind in ("reduce_scatter", "all_to_all") else written
         self._add_collective(kind, group, full, inputs, written)
 
     def _functional(
@@ -388,7 +379,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     ) -> None:
         formula = flop_registry.get(func.overloadpacket)
         flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
-        outputs = _tensors(out)
+        outputs = tensors(out)
         if not new and not flops and not func._schema.is_mutable:
             return  # a view or a no-op: no kernel runs
         read = [

@@ -33,6 +33,7 @@ from flatshard.measure._accounting import Ranges
 from flatshard.planner._calibrate import _achieved as fitted_achieved
 from flatshard.planner._calibrate import _predicted as calibrated_seconds
 from flatshard.planner._calibrate import _Speeds as CalibratedSpeeds
+from flatshard.planner._meta_ops import not_remembered as meta_ops_not_remembered
 from flatshard.planner._recorder import Op as RecordedOp
 from flatshard.planner._simulate import measure as measured_step_peak
 from flatshard.planner._simulate import measure_step_seconds as measured_step_seconds
@@ -90,6 +91,7 @@ __all__ = [
     "gathered_units",
     "measured_step_peak",
     "measured_step_seconds",
+    "meta_ops_not_remembered",
     "no_keep_last_unit",
     "owners_of_state",
     "partition",
