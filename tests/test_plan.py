@@ -30,7 +30,7 @@ from flatshard.cli.lm.model import checkpoint_hf_blocks
 from flatshard.cli.lm.planned import language_model_loss
 from flatshard.cli.main import main
 from flatshard.models import GPT, GPTBlock
-from flatshard.testing.internals import measured_step_peak, meta_ops_not_remembered
+from flatshard.testing.internals import MetaOps, measured_step_peak, meta_ops_not_remembered
 from flatshard.testing.workers import WorkerContext, WorkerPool
 
 # This machine as the planner sees a gloo run: only the backend and device matter to memory.
@@ -282,6 +282,30 @@ def planned_twice(case_index: int, cluster: str) -> list[tuple[Any, ...]]:
             )
         found.append((plan.ops, plan.timeline, plan.memory, plan.step, plan.host_memory_bytes))
     return found
+
+
+def test_a_remembered_answer_is_for_the_same_arguments_only() -> None:
+    """What decides a meta op's outputs is in the key: each argument's type with its value
+    (an integer tensor plus 2 stays integer, plus 2.0 is a float tensor), sizes and
+    strides. An in-place op answers its own argument, a view always runs, and a call that
+    failed fails again."""
+    ops = MetaOps()
+    aten = torch.ops.aten
+    ints = torch.empty(3, 4, dtype=torch.int64, device="meta")
+    floats = torch.empty(4, 3, device="meta")
+    for _ in range(2):  # the second time, answered from the first
+        assert ops(aten.add.Tensor, (ints, 2), {}).dtype == torch.int64
+        assert ops(aten.add.Tensor, (ints, 2.0), {}).dtype == torch.float32
+        assert ops(aten.add.Tensor, (ints, True), {}).dtype == torch.int64
+        product = ops(aten.mm.default, (floats, floats.t()), {})
+        assert (product.shape, product.stride()) == ((4, 4), (4, 1))
+        transposed = ops(aten.mm.default, (floats.t(), floats), {})
+        assert (transposed.shape, transposed.stride()) == ((3, 3), (3, 1))
+        assert ops(aten.mul_.Tensor, (floats, 2.0), {}) is floats
+        view = ops(aten.view.default, (floats, [12]), {})
+        assert view.untyped_storage() is not None and view._base is floats
+        with pytest.raises(RuntimeError):
+            ops(aten.mm.default, (floats, floats), {})
 
 
 @pytest.mark.parametrize(

@@ -56,6 +56,8 @@ _PLAIN = (
     torch.layout,
     torch.memory_format,
 )
+# Tensors with no dispatch of their own (a subclass such as DTensor has: its ops run).
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _FIRST = "its first argument"  # what an in-place op returns, or None
 _MOST_KEPT = 100_000  # answers; the dictionary starts over past this (a NaN argument ...)
 _RESIZING = ("resize", "set_", "as_strided")
@@ -123,12 +125,13 @@ def _kind_of(func: Any) -> _Kind:
 
 
 def _key(value: Any) -> Any:
-    if type(value) is torch.Tensor:
+    if type(value) in _PLAIN_TENSORS:
         if not value.is_meta or value.layout != torch.strided:
             raise _Unkeyable
         return (value.shape, value.stride(), value.dtype, value.storage_offset())
     if isinstance(value, _PLAIN):
-        return value
+        # With its type: 2 == 2.0 == True, but an integer tensor plus 2.0 is a float one.
+        return (type(value), value)
     if isinstance(value, list | tuple):
         return (type(value).__name__, *map(_key, value))
     if isinstance(value, dict):

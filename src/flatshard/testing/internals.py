@@ -33,6 +33,7 @@ from flatshard.measure._accounting import Ranges
 from flatshard.planner._calibrate import _achieved as fitted_achieved
 from flatshard.planner._calibrate import _predicted as calibrated_seconds
 from flatshard.planner._calibrate import _Speeds as CalibratedSpeeds
+from flatshard.planner._meta_ops import MetaOps
 from flatshard.planner._meta_ops import not_remembered as meta_ops_not_remembered
 from flatshard.planner._recorder import Op as RecordedOp
 from flatshard.planner._simulate import measure as measured_step_peak
@@ -61,6 +62,7 @@ __all__ = [
     "TORCH_COLLECTIVES",
     "CalibratedSpeeds",
     "GatherCodec",
+    "MetaOps",
     "RateLimiter",
     "RecordedOp",
     "ReduceScatter",
