@@ -46,11 +46,12 @@ typecheck: $(DEV_STAMP)
 	$(BIN)/mypy
 
 # The suite in TEST_WORKERS processes (pytest-xdist), each test file in one of them (its
-# module fixtures built once). Many tests wait on peers, timeouts and process starts; two
-# workers keep both of a 2-core machine's cores busy. TEST_WORKERS=0: one process.
+# module fixtures built once), the longest files first (tests/conftest.py). Many tests
+# wait on peers, timeouts and process starts; two workers keep both of a 2-core machine's
+# cores busy. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= auto
 unit: $(DEV_STAMP)
-	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: lint typecheck unit
 
