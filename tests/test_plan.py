@@ -284,6 +284,20 @@ def planned_twice(case_index: int, cluster: str) -> list[tuple[Any, ...]]:
     return found
 
 
+def measured_three_times() -> list[flatshard.Cluster]:
+    from flatshard.planner import cpu_cluster
+
+    return [cpu_cluster(1), cpu_cluster(1), cpu_cluster(1, again=True)]
+
+
+def test_this_machine_is_measured_once_per_process(planner: ProcessPoolExecutor) -> None:
+    """The plans of one process are priced on one measurement (each takes seconds);
+    ``again`` measures anew (figures of a second measurement are never all the same)."""
+    first, second, again = planner.submit(measured_three_times).result()
+    assert first == second
+    assert again.notes != first.notes, again.notes
+
+
 def test_a_remembered_answer_is_for_the_same_arguments_only() -> None:
     """What decides a meta op's outputs is in the key: each argument's type with its value
     (an integer tensor plus 2 stays integer, plus 2.0 is a float tensor), sizes and

@@ -268,10 +268,19 @@ def _first_result(out: Any, procs: list[Any]) -> _Speeds:
     raise TimeoutError("measuring this machine (cluster='cpu') took over 300 s")
 
 
-def cpu_cluster(ranks: int) -> Cluster:
-    """This machine, measured, as ``ranks`` local processes running at once share it."""
-    speeds = _measured_together(ranks) if ranks > 1 else _compute_speeds(1)
-    return _cluster(speeds, ranks)
+_MEASURED: dict[int, _Speeds] = {}  # ranks -> this process's measurement
+
+
+def cpu_cluster(ranks: int, again: bool = False) -> Cluster:
+    """This machine, measured, as ``ranks`` local processes running at once share it.
+
+    Measured once per process and number of ranks: the plans of one process (a budget
+    search, ``flatshard bench``'s prediction, a notebook's plans one after another) are
+    priced on the same figures, and the seconds of measuring are paid once. ``again``:
+    measure anew (the machine's load changed)."""
+    if again or ranks not in _MEASURED:
+        _MEASURED[ranks] = _measured_together(ranks) if ranks > 1 else _compute_speeds(1)
+    return _cluster(_MEASURED[ranks], ranks)
 
 
 def _cluster(speeds: _Speeds, ranks: int) -> Cluster:

@@ -190,7 +190,7 @@ def plan(
 
     Args:
         cluster: a preset name ("a100-80gb", "h100-80gb", "h200", "cpu-dev"; "cpu": this
-            machine, measured) or a ``Cluster``.
+            machine, measured once per process: ``cpu_cluster``) or a ``Cluster``.
         sharding_factor: F for the hybrid strategies (default: ``ranks_per_host``, as
             ``fully_shard`` defaults to under torchrun).
         mixed_precision: the compute and all-gather dtype (gradients reduced in fp32).
