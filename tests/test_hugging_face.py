@@ -16,6 +16,7 @@ from torch import nn
 
 import flatshard
 from flatshard.cli.main import main
+from flatshard.testing.isolated import run_isolated
 from flatshard.testing.models import TINY_LLAMA
 from flatshard.testing.workers import WorkerContext, WorkerPool
 from in_process import train
@@ -296,6 +297,41 @@ def test_lora_with_peft_then_fully_shard_matches_unsharded(
         torch.testing.assert_close(results[0]["full"][key], value, rtol=1e-5, atol=1e-6)
     # Fine-tuned, exported, reloaded with from_pretrained: the live model's logits.
     torch.testing.assert_close(results[0]["exported"], results[0]["live"], rtol=1e-5, atol=1e-5)
+
+
+def peft_generate_job(rank: int) -> dict[str, Any]:
+    """A sharded peft model's own ``generate``, called as on a plain model (no entry point
+    registered), where rank 0 meets its end-of-sequence token first: the tokens the same
+    peft model generates unsharded, and the ranks still in step for a training step. In
+    a world of its own: transformers keeps the ranks in step on the default group."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    reference, model = _lora_llama(), _lora_llama()
+    flatshard.fully_shard(model, auto_wrap_policy={LlamaDecoderLayer})
+    prompts = [torch.tensor([[0, 5, 7, 9]]), torch.tensor([[0, 3, 2, 8]])]
+    options = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 1}
+    with torch.no_grad():
+        free = [reference.generate(p, eos_token_id=None, **options)[0, 4:] for p in prompts]
+        # a token rank 0 generates early and rank 1 never: rank 0 stops first
+        eos = next(int(t) for t in free[0][:3] if t not in free[1])
+        expected = reference.generate(prompts[rank], eos_token_id=eos, **options)
+        sharded = model.generate(prompts[rank], eos_token_id=eos, **options)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank))
+    _lm_loss(model, ids).backward()  # the next collectives still pair up
+    return {"expected": expected[0].tolist(), "sharded": sharded[0].tolist()}
+
+
+def test_a_peft_models_generate_runs_sharded_when_ranks_stop_apart() -> None:
+    """Before: refused ("ran while its unit '<root>' is sharded": peft's generate calls the
+    model it wraps, not the root's forward), and once registered as an entry point, gloo's
+    abort when rank 0 stopped first (transformers looked for the lockstep mark on the
+    inner model)."""
+    pytest.importorskip("peft")
+    results = run_isolated(peft_generate_job)
+    assert all(isinstance(r, dict) for r in results), results
+    assert len(results[0]["expected"]) < len(results[1]["expected"])  # ragged, as meant
+    for result in results:
+        assert result["sharded"] == result["expected"]
 
 
 def gathered_generate_job(

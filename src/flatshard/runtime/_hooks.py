@@ -125,6 +125,8 @@ def register_entry_point(module: nn.Module, method_name: str) -> None:
     """
     unit = unit_or_error(module, "register_entry_point")
     method = getattr(module, method_name, None)
+    if getattr(method, _ENTRY_POINT, None) is unit:
+        return  # registered already (fully_shard registers a wrapper's generate)
     if not callable(method):
         raise AttributeError(
             f"flatshard.register_entry_point: {type(module).__name__} has no method '{method_name}'"
@@ -142,7 +144,11 @@ def register_entry_point(module: nn.Module, method_name: str) -> None:
                 unit.passed_through = 0  # a call that raised left its count
         return unit.post_forward(module, args, output)
 
+    setattr(entry_point, _ENTRY_POINT, unit)
     module.__dict__[method_name] = entry_point
+
+
+_ENTRY_POINT = "_flatshard_entry_point_of"  # on a wrapper: the unit it gathers
 
 
 def _guard_direct_forward(unit: Unit) -> None:

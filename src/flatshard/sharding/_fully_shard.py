@@ -48,7 +48,7 @@ from flatshard.runtime._configuration import (
     structure_lines,
     value_lines,
 )
-from flatshard.runtime._hooks import install, install_output_cast
+from flatshard.runtime._hooks import install, install_output_cast, register_entry_point
 from flatshard.runtime._prefetch import DEFAULT_LIMIT, Prefetch, RateLimiter
 from flatshard.runtime._step import CONTEXT_ATTR, StepContext, context_of
 from flatshard.runtime._torch_utilities import watch_torch_utilities
@@ -201,8 +201,27 @@ def fully_shard(
         if mixed_precision is not None and mixed_precision.output_dtype is not None:
             install_output_cast(module, mixed_precision.output_dtype)
         module.__dict__[CONTEXT_ATTR] = context
-        module.__dict__[LOCKSTEP_MARK] = True  # generate keeps the ranks in step
+        for inside in module.modules():  # generate keeps the ranks in step: LOCKSTEP_MARK
+            inside.__dict__[LOCKSTEP_MARK] = True
+        _generate_gathers_the_root(module)
         return module
+
+
+def _generate_gathers_the_root(module: nn.Module) -> None:
+    """[Note: a wrapper's generate]
+    A transformers model's ``generate`` calls the model itself for each token, so the
+    root unit's hooks gather it. A wrapper's ``generate`` need not: peft's ``PeftModel``
+    hands the call to the model it wraps, whose forward the root's hooks never see, and
+    the root's own parameters (the embeddings, the head) would be read sharded. Such a
+    ``generate`` is made an entry point of the root (``register_entry_point``), as a user
+    would; the ranks stay in step per token because every module of the tree carries
+    ``LOCKSTEP_MARK`` (transformers looks at the inner model, not the wrapper)."""
+    generate = getattr(type(module), "generate", None)
+    if not callable(generate) or unit_of(module) is None:
+        return
+    if any(cls.__name__ == "GenerationMixin" for cls in type(module).__mro__):
+        return  # transformers' own: each token calls the model
+    register_entry_point(module, "generate")
 
 
 def _agree_on_checks(group: dist.ProcessGroup, init: InitOptions) -> None:
@@ -280,7 +299,7 @@ def _build_unit(members: UnitMembers, build: _UnitBuild, rank: int) -> Unit | No
     _cast_buffers(members, policy.buffer_dtype)
     if build.init.check_consistency:
         check_same_on_all_ranks(
-            value_lines(members, with_params=build.init.compares_weights(build.groups)),
+            value_lines(members, with_params=build.init.compares_weights()),
             build.process_group,
             build.compute_device,
             "hold different values",

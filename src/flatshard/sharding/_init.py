@@ -23,7 +23,6 @@ from torch import nn
 
 from flatshard.comm._agreement import join_name
 from flatshard.comm._collectives import broadcast
-from flatshard.comm._mesh import ShardGroups
 from flatshard.flat._partition import UnitMembers
 from flatshard.flat._tensor_parallel import carry
 
@@ -44,9 +43,11 @@ class InitOptions:
             ranks at startup and raise, on every rank, if they differ (one small all-gather
             per unit).
         check_weights: also compare parameter values across ranks before sharding. None
-            (the default): where ranks hold replicas of the same rows (NO_SHARD, the hybrid
-            strategies), which would otherwise differ forever, as DDP's broadcast prevents;
-            not under FULL_SHARD over all ranks, where each rank keeps only its own rows.
+            (the default): wherever ``sync_module_states`` does not make them equal. Under
+            every strategy ranks that start from different weights train a model nobody
+            built: replicas (NO_SHARD, the hybrid strategies) would differ forever, and
+            under FULL_SHARD each rank would keep its own rows of its own weights (a DDP
+            habit: only rank 0 loads, or no common seed, where DDP broadcasts rank 0's).
             False skips it (it reads every parameter once: docs/performance.md).
     """
 
@@ -55,15 +56,10 @@ class InitOptions:
     check_consistency: bool = True
     check_weights: bool | None = None
 
-    def compares_weights(self, groups: ShardGroups) -> bool:
-        """Whether the consistency check compares parameter values for units sharded
-        across ``groups``."""
+    def compares_weights(self) -> bool:
+        """Whether the consistency check compares parameter values."""
         if self.check_weights is None:  # broadcast from rank 0: equal by construction
-            return (
-                self.check_consistency
-                and not self.sync_module_states
-                and (groups.replicate_size > 1)
-            )
+            return self.check_consistency and not self.sync_module_states
         return self.check_weights
 
     def __post_init__(self) -> None:
