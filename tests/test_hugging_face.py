@@ -253,16 +253,24 @@ def lora_job(ctx: WorkerContext, out_dir: str) -> dict[str, Any]:
     full = flatshard.full_state_dict(model)
     with torch.no_grad():
         live = model(input_ids=ids).logits
-    exported = None
+    exported = direct = None
     if ctx.rank == 0:  # the export recipe: full state dict, merged into the base, saved
         merged = _lora_llama()
         merged.load_state_dict(full)
         merged.merge_and_unload().save_pretrained(out_dir)
         with torch.no_grad():
             exported = transformers.LlamaForCausalLM.from_pretrained(out_dir)(ids).logits
+    # export_safetensors of the peft model itself: the base model it computes
+    flatshard.export_safetensors(model, f"{out_dir}/direct")
+    with torch.no_grad():
+        after = model(input_ids=ids).logits  # the live model unchanged by the export
+        if ctx.rank == 0:
+            direct = transformers.LlamaForCausalLM.from_pretrained(f"{out_dir}/direct")(ids).logits
     return {
         "live": live,
+        "after": after,
         "exported": exported,
+        "direct": direct,
         "full": full,
         "expected": reference.state_dict(),
         "frozen_without_grad": all(g is None for g in base_grads),
@@ -297,6 +305,11 @@ def test_lora_with_peft_then_fully_shard_matches_unsharded(
         torch.testing.assert_close(results[0]["full"][key], value, rtol=1e-5, atol=1e-6)
     # Fine-tuned, exported, reloaded with from_pretrained: the live model's logits.
     torch.testing.assert_close(results[0]["exported"], results[0]["live"], rtol=1e-5, atol=1e-5)
+    # The same from export_safetensors of the peft model (before: peft's names, which
+    # from_pretrained matched to nothing: a random model, and no error).
+    torch.testing.assert_close(results[0]["direct"], results[0]["live"], rtol=1e-5, atol=1e-5)
+    for result in results:
+        assert torch.equal(result["after"], result["live"])
 
 
 def peft_generate_job(rank: int) -> dict[str, Any]:

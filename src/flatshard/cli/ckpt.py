@@ -76,7 +76,6 @@ def run_export(args: argparse.Namespace) -> int:
             f"--dtype must be as-saved or one of {', '.join(DTYPES)}, got {args.dtype!r}"
         )
     try:
-        _refuse_adapters(args.path)
         files = export_checkpoint(
             args.path, args.out, max_shard_bytes=max_bytes, dtype=DTYPES.get(args.dtype)
         )
@@ -84,20 +83,6 @@ def run_export(args: argparse.Namespace) -> int:
         raise ConfigError(str(error).removeprefix("flatshard: ")) from None
     print(f"wrote {len(files)} safetensors file(s) to {args.out}: {', '.join(files)}")
     return 0
-
-
-def _refuse_adapters(path: Path) -> None:
-    """A peft LoRA checkpoint exported as saved would not load with ``from_pretrained``."""
-    saved = checkpoint_metadata(path).state_dict_metadata
-    adapter = next((k[len(MODEL) :] for k in saved if k.startswith(MODEL) and ".lora_" in k), None)
-    if adapter is not None:
-        raise ConfigError(
-            f"{path} holds LoRA adapters (peft names such as {adapter!r}): written as saved they "
-            "would not load with from_pretrained, and merging them needs peft's model. "
-            "flatshard train --lora writes the merged model to <out-dir>/hf_model; from a "
-            "checkpoint: flatshard.load_checkpoint(path, peft_model), then "
-            "peft_model.merge_and_unload().save_pretrained(dir)"
-        )
 
 
 def run_inspect(args: argparse.Namespace) -> int:

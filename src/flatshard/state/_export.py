@@ -27,6 +27,8 @@ from flatshard.state._checkpoint import (
     verify_files,
 )
 from flatshard.state._directory import read_manifest
+from flatshard.state._errors import CheckpointError
+from flatshard.state._lora import LoraMerge, base_name
 from flatshard.state._safetensors import INDEX, Entry, StreamWriter, weight_map, write_index
 from flatshard.state._state_dict import (
     HeldRows,
@@ -59,7 +61,9 @@ def export_safetensors(
     A Hugging Face model also gets its ``config.json`` (and ``generation_config.json``), so
     ``from_pretrained(out_dir)`` loads the result: this is ``save_pretrained`` for a sharded
     model. ``names``: each entry's name in the files (a ``state_dict()`` key -> the name to
-    write, or None to leave it out), e.g. a peft model's merged base under its own names.
+    write, or None to leave it out). A peft LoRA model without ``names`` is written as the
+    base model it computes: each base weight with its active adapters merged, under the
+    base model's names ([Note: exporting a LoRA model]); the live model is not changed.
     Returns the files written (on rank 0; ``[]`` elsewhere), on every rank only once they
     are all written; if rank 0 cannot write them, every rank raises.
     """
@@ -69,7 +73,8 @@ def export_safetensors(
     write = keep and all(tp.holds_first for tp in tensor_parallel_of(model))
     checkpoint_group(model)  # refuses a pipeline whose ranks hold several stages, first
     seat = _stage_seat(model)
-    state = renamed(plain_state_dict(model), names, "export_safetensors")
+    lora = LoraMerge.of(model, "export_safetensors") if names is None else None
+    state = renamed(plain_state_dict(model), base_name if lora else names, "export_safetensors")
     keys_of: dict[int, list[str]] = {}
     for key, value in state.items():
         keys_of.setdefault(id(value), []).append(key)
@@ -82,11 +87,21 @@ def export_safetensors(
     prefix = "model" if seat is None else f"model-stage{seat.stage + 1:03d}"
     writer = _Writer(Path(out_dir), entries, max_shard_bytes, dtype, write, prefix)
     written: set[str] = set()
-    for flat in flat_params(model):
+    flats = list(flat_params(model))
+    if lora is not None:  # [Note: exporting a LoRA model]: the adapters first, whole
+        for flat in flats:
+            if any(lora.is_adapter(o.param) for o in flat.originals):
+                copies = gather_copies(flat, flat.param_region, keep, cpu_offload=True)
+                for orig, copy in zip(flat.originals, copies, strict=keep):
+                    lora.keep(orig.param, copy)
+    for flat in flats:
+        if not any(keys_of.get(id(o.param)) for o in flat.originals):
+            continue  # nothing of it is written (a LoRA model's adapters): alike on every rank
         copies = gather_copies(flat, flat.param_region, keep, cpu_offload=True)
         for orig, copy in zip(flat.originals, copies, strict=keep):
+            full = copy if lora is None else lora.merged(orig.param, copy)
             for key in keys_of.get(id(orig.param), []):
-                writer.write(key, copy)
+                writer.write(key, full)
                 written.add(key)
     for key in order:
         if key not in written:
@@ -242,6 +257,16 @@ def export_checkpoint(
     source = Path(checkpoint_dir)
     verify_files(source, read_manifest(source), None)
     saved = checkpoint_metadata(source).state_dict_metadata
+    adapter = next((k[len(MODEL) :] for k in saved if k.startswith(MODEL) and ".lora_" in k), None)
+    if adapter is not None:  # [Note: exporting a LoRA model]: merging needs the model
+        raise CheckpointError(
+            f"flatshard: {source} holds LoRA adapters (peft names such as {adapter!r}): "
+            "written as saved they would not load with from_pretrained, and merging them "
+            "needs peft's model. Load the checkpoint into the sharded peft model "
+            "(flatshard.load_checkpoint(path, peft_model)) and export that: "
+            "flatshard.export_safetensors(peft_model, dir) writes the base model with the "
+            "adapters merged (flatshard train --lora writes it to <out-dir>/hf_model)."
+        )
     tensors = {
         key[len(MODEL) :]: md
         for key, md in saved.items()
