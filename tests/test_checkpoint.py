@@ -128,6 +128,28 @@ def test_resume_matches_uninterrupted_run(
         assert [r["extra"]["rank"] for r in after if r] == list(range(saved[0]))
 
 
+def other_optimizer_job(ctx: WorkerContext, path: str) -> str | None:
+    built = _model_in(ctx, "gpt", (2, "FULL_SHARD"))
+    if built is None:
+        return None
+    model, _ = built
+    try:
+        flatshard.load_checkpoint(path, model, make_optimizer(model, 1e-2, "sgd"))
+    except flatshard.CheckpointError as error:
+        return str(error)
+    return "loaded"
+
+
+def test_a_checkpoint_of_another_optimizer_is_named(pool: WorkerPool, tmp_path: Path) -> None:
+    """Before: AdamW's state loaded into SGD without a word, and SGD's next step failed
+    with a bare ``KeyError: 'momentum'``."""
+    path = str(tmp_path / "ckpt")
+    pool.run(save_job, "gpt", "adamw", (2, "FULL_SHARD"), path)
+    for message in pool.run(other_optimizer_job, path)[:2]:
+        assert "holds the state of AdamW (" in message, message
+        assert "given is SGD (dampening, momentum, nesterov)" in message, message
+
+
 # ---------------------------------------------------------------- in-memory state dicts
 def state_dict_job(ctx: WorkerContext, name: str, kind: str) -> None:
     """Full or sharded model + optimizer state dicts: equal the reference, reload exactly."""

@@ -65,6 +65,7 @@ if TYPE_CHECKING:  # torch.distributed.checkpoint takes ~1 s to import: only whe
     from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 MODEL, OPTIM, GROUPS, EXTRA = "model/", "optim/", "optim/param_groups", "extra/"
+CLASSES = "optimizer_classes"  # the saved optimizers' class names, in order
 
 
 Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
@@ -237,6 +238,8 @@ def _collect_state(
         entries = _optim_entries(osd, index)
         _check_disjoint(state, entries, index)
         state.update(entries)
+    if optimizers:
+        state[CLASSES] = [type(optimizer).__name__ for optimizer in optimizers]
     state[f"{EXTRA}{rank_in(group)}"] = extra if extra is not None else {}
     return state
 
@@ -384,9 +387,13 @@ def load_checkpoint(
     state: dict[str, Any] = _model_targets(model, saved, strict)
     if optimizers:
         state.update(_optim_targets(model, saved, target, len(optimizers)))
+        if CLASSES in saved:
+            state[CLASSES] = None
     extra_key = f"{EXTRA}{rank}" if f"{EXTRA}{rank}" in saved else f"{EXTRA}0"
     state[extra_key] = None
     _read(target, state, group)
+    if state.get(CLASSES) is not None:
+        _check_same_optimizers(target, state, optimizers)
     for index, optimizer in enumerate(optimizers):
         load_optim_state_dict(model, optimizer, _optim_state(state, index))
     extra = state[extra_key]
@@ -474,6 +481,29 @@ def _optim_targets(
         else:
             targets[key] = torch.empty(md.size, dtype=md.properties.dtype, device=param.device)
     return targets
+
+
+def _check_same_optimizers(
+    target: Path, state: dict[str, Any], optimizers: list[torch.optim.Optimizer]
+) -> None:
+    """A checkpoint of another optimizer class whose hyperparameters differ (AdamW's into
+    SGD) would load without a word, the first step then failing on a missing
+    hyperparameter (a bare ``KeyError: 'momentum'``). Where only the class name differs
+    (a wrapper around the same optimizer, AdamW saved and Adam loaded) it loads."""
+    for index, (saved_class, optimizer) in enumerate(zip(state[CLASSES], optimizers, strict=True)):
+        mine = type(optimizer).__name__
+        saved_keys = {k for g in state[_groups_key(index)] for k in g if k != "params"}
+        my_keys = {k for g in optimizer.param_groups for k in g if k != "params"}
+        if saved_class != mine and saved_keys != my_keys:
+            which = f"optimizer {index}" if len(optimizers) > 1 else "the optimizer"
+            raise CheckpointError(
+                f"flatshard.load_checkpoint: {target} holds the state of {saved_class} "
+                f"({', '.join(sorted(saved_keys - my_keys)) or 'its hyperparameters'}), and "
+                f"{which} given is {mine} ({', '.join(sorted(my_keys - saved_keys)) or 'others'})"
+                f": a checkpoint of another optimizer. Build the {saved_class} it was saved "
+                "with, or load the model alone (load_checkpoint(path, model)) and start "
+                f"the {mine}'s state fresh."
+            )
 
 
 def _optim_state(state: dict[str, Any], index: int) -> OptimStateDict:
