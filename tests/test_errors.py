@@ -27,6 +27,13 @@ def test_twice_on_one_module(local_group: dist.ProcessGroup) -> None:
         flatshard.fully_shard(model)
 
 
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="needs a machine without one")
+def test_a_device_this_process_lacks_is_named(local_group: dist.ProcessGroup) -> None:
+    """Before: torch's "Torch not compiled with CUDA enabled" from deep inside."""
+    with pytest.raises(ValueError, match=r"device='cuda' \(rank 0\), but this process has no"):
+        flatshard.fully_shard(nn.Linear(2, 2), device="cuda")
+
+
 def test_placement_must_be_a_placement_or_a_rule(local_group: dist.ProcessGroup) -> None:
     with pytest.raises(TypeError, match=r"placement must be a placement .* got 'yes'"):
         flatshard.fully_shard(nn.Linear(2, 2), placement="yes")  # type: ignore[arg-type]

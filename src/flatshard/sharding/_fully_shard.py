@@ -411,7 +411,21 @@ def _target_device(
 ) -> torch.device | None:
     """Where the units' tensors must end: ``device``, else where the real ones are."""
     if device is not None:
-        return with_index(torch.device(device))
+        wanted = torch.device(device)
+        if wanted.type not in ("cpu", "meta") and not _device_exists(wanted):
+            here = (
+                torch.accelerator.current_accelerator()
+                if torch.accelerator.is_available()
+                else None
+            )
+            raise ValueError(
+                f"flatshard.fully_shard: device={device!r} (rank {rank}), but this process has "
+                f"no such device (its accelerator: {here.type if here else 'none'}, "
+                f"{torch.accelerator.device_count()} device(s)). Pass a device it has "
+                f"(device='{here.type if here else 'cpu'}'), or leave device out: the "
+                "model's own device, else the current accelerator, else the CPU."
+            )
+        return with_index(wanted)
     tensors = [*module.parameters(), *module.buffers()]
     real = {t.device for t in tensors if not t.is_meta}
     if len(real) > 1:
@@ -427,6 +441,16 @@ def _target_device(
     if real:
         return next(iter(real))
     return default_device() if tensors else None
+
+
+def _device_exists(device: torch.device) -> bool:
+    """Whether this process can allocate on ``device`` (its type, and its index if given)."""
+    accelerator = (
+        torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    )
+    if accelerator is None or accelerator.type != device.type:
+        return False
+    return device.index is None or device.index < torch.accelerator.device_count()
 
 
 def _check_backend_reaches(
