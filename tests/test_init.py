@@ -228,6 +228,42 @@ def test_same_models_pass_the_weights_check(pool: WorkerPool) -> None:
     assert def_case == ["no error", "no error"]
 
 
+def rank_zero_load_job(ctx: WorkerContext, then: str) -> dict[str, Any] | None:
+    """DDP's habit under FULL_SHARD: weights loaded on rank 0 only (rank 1 keeps its own
+    random ones), no sync_module_states. ``then``: what follows the sharding."""
+    group = ctx.group(2)
+    if group is None:
+        return None
+    pretrained = build("mlp", seed=7)  # stands for from_pretrained(...)
+    model = build("mlp", seed=100 + ctx.rank)  # each rank's own random initialization
+    if ctx.rank == 0:
+        model.load_state_dict(pretrained.state_dict())
+    flatshard.fully_shard(model, auto_wrap_policy={MLPBlock}, process_group=group)
+    x = torch.randn(2, 7, generator=torch.Generator().manual_seed(0))
+    if then == "load":  # a correct program: the load makes it one model
+        flatshard.load_state_dict(model, pretrained.state_dict())
+    try:
+        with torch.no_grad():
+            out = model(x)
+    except RuntimeError as error:
+        return {"error": str(error)}
+    with torch.no_grad():
+        return {"error": "", "matches": torch.equal(out, pretrained(x))}
+
+
+def test_weights_that_differ_under_full_shard_await_a_load(pool: WorkerPool) -> None:
+    """Before: no check under FULL_SHARD, and a silent patchwork (rank 0's rows of the
+    pretrained model beside rank 1's random rows). Refused at fully_shard, a correct
+    program (build anyhow, then load) would fail: so the first forward before a load
+    raises on every rank, and a load clears it."""
+    for result in pool.run(rank_zero_load_job, "forward")[:2]:
+        assert "sharded from weights that differed across ranks" in result["error"], result
+        assert "'head.weight'" in result["error"], result  # the root's forward is first
+        assert "sync_module_states=True" in result["error"], result
+    for result in pool.run(rank_zero_load_job, "load")[:2]:
+        assert result == {"error": "", "matches": True}
+
+
 # ---------------------------------------------------------------- hook bypass
 class Generator(nn.Module):
     def __init__(self) -> None:

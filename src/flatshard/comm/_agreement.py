@@ -160,8 +160,12 @@ def check_same_on_all_ranks(
 ) -> None:
     """Raise on every rank, naming ranks and differing lines, unless all ranks agree."""
     every = lines_if_different(lines, group, device)
-    if every is None:
-        return
+    if every is not None:
+        raise_differences(every, what, fix, caller)
+
+
+def raise_differences(every: list[list[str]], what: str, fix: str, caller: str) -> None:
+    """The error of ``check_same_on_all_ranks`` for every rank's ``lines``."""
     reference = set(every[0])
     reports = []
     for rank, theirs in enumerate(every):

@@ -72,11 +72,12 @@ def reshard(module: nn.Module) -> None:
 
 # transformers keeps ranks decoding in step (generate's synced_gpus: one all-reduce per
 # token, a finished rank running forwards until the last is done) for modules marked so, as
-# FSDP2 marks them; ``fully_shard`` marks every module of the model it shards, since each
-# forward gathers (a wrapper such as peft's hands ``generate`` to the model inside, and
-# transformers looks at that one). Inside ``summon_full_params`` a forward gathers
-# nothing, so the mark is off there: a generation on one rank only (the decode-in-summon
-# pattern) must not wait in an all-reduce its peers never join.
+# FSDP2 marks them; ``fully_shard`` marks the model it shards, since each forward gathers,
+# and the transformers models inside it (a wrapper such as peft's hands ``generate`` to the
+# model inside, and transformers looks at that one: [Note: a wrapper's generate]).
+# Inside ``summon_full_params`` a forward gathers nothing, so the mark is off there: a
+# generation on one rank only (the decode-in-summon pattern) must not wait in an
+# all-reduce its peers never join.
 LOCKSTEP_MARK = "_is_fsdp_managed_module"
 
 

@@ -31,6 +31,16 @@ is still marked, so a forgotten or partial load cannot train silently on zeros. 
 non-persistent buffer (e.g. rotary frequencies) is in no checkpoint, so it cannot be left
 for a load: ``skip_init`` computes it by building its module again from the ``config`` the
 module keeps, and refuses a module that keeps none.
+
+[Note: weights that differ across ranks]
+Under FULL_SHARD each rank keeps only its own rows, so ranks that built different weights
+(a per-rank seed; a DDP habit, weights loaded on rank 0 only, where DDP broadcasts rank
+0's) would shard a model nobody built, silently. But building anyhow and then loading a
+checkpoint into the sharded model is a correct program. So ``fully_shard`` compares the
+parameters' checksums (one digest all-gather per unit) and marks those that differ as
+awaiting a load, on every rank alike; any load clears the marks, and a forward before one
+raises on every rank. Where ranks hold replicas the difference raises at once, as it
+always did.
 """
 
 from __future__ import annotations
@@ -129,11 +139,13 @@ def _listed(names: list[str]) -> str:
     return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
 
 
-_MARK = "_flatshard_awaits_load"  # [Note: tensors awaiting a load]
+_MARK = "_flatshard_awaits_load"  # [Note: tensors awaiting a load]: why, as below
+SKIPPED = "skip_init"
+DIFFERED = "differed across ranks"  # [Note: weights that differ across ranks]
 
 
-def mark_awaiting(tensor: torch.Tensor) -> None:
-    setattr(tensor, _MARK, True)
+def mark_awaiting(tensor: torch.Tensor, why: str = SKIPPED) -> None:
+    setattr(tensor, _MARK, why)
 
 
 def awaits_load(tensor: torch.Tensor) -> bool:
@@ -148,11 +160,24 @@ def mark_loaded(tensor: torch.Tensor) -> None:
 def check_loaded(unit_label: str, awaiting: list[tuple[str, torch.Tensor]]) -> None:
     """Drop loaded tensors from ``awaiting`` (in place); raise if any is left."""
     awaiting[:] = [(name, t) for name, t in awaiting if awaits_load(t)]
-    if awaiting:
-        names = ", ".join(repr(name) for name, _ in awaiting[:6])
-        more = f" and {len(awaiting) - 6} more" if len(awaiting) > 6 else ""
+    if not awaiting:
+        return
+    names = ", ".join(repr(name) for name, _ in awaiting[:6])
+    more = f" and {len(awaiting) - 6} more" if len(awaiting) > 6 else ""
+    if all(getattr(t, _MARK) == DIFFERED for _, t in awaiting):
         raise RuntimeError(
-            f"flatshard: unit '{unit_label}' was sharded with param_init_fn=flatshard.skip_init "
-            f"and {len(awaiting)} of its tensors were never loaded ({names}{more}): they hold "
-            "zeros. Call flatshard.load_safetensors(model, path) before the first forward."
+            f"flatshard: unit '{unit_label}' was sharded from weights that differed across "
+            f"ranks ({names}{more}; rank {global_rank()}), and nothing was loaded since: "
+            "each rank kept its own rows of its own weights, a model nobody built. Build "
+            "every rank's model alike (seed every rank identically before building it, load "
+            "the same weights on every rank, or pass "
+            "init=flatshard.InitOptions(sync_module_states=True) to broadcast rank 0's, as "
+            "DDP does), or load weights into the sharded model before the first forward "
+            "(flatshard.load_checkpoint, load_state_dict, load_safetensors)."
         )
+    raise RuntimeError(
+        f"flatshard: unit '{unit_label}' was sharded with param_init_fn=flatshard.skip_init "
+        f"and {len(awaiting)} of its tensors were never loaded ({names}{more}): they hold "
+        "zeros. Call flatshard.load_safetensors(model, path) (or load_checkpoint, "
+        "load_state_dict) before the first forward."
+    )

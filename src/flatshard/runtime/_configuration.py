@@ -191,11 +191,16 @@ def _lookup_line(e: nn.Embedding | nn.EmbeddingBag) -> str:
     )
 
 
-def value_lines(members: UnitMembers, with_params: bool) -> list[str]:
-    """Exact checksums of the unit's buffers (and parameters, before sharding)."""
+def value_lines(
+    members: UnitMembers, with_params: bool, skip: frozenset[str] = frozenset()
+) -> list[str]:
+    """Exact checksums of the unit's buffers (and parameters, before sharding; but those
+    named in ``skip``), each line starting with ``parameter '<name>'`` or ``buffer``."""
     named: list[tuple[str, torch.Tensor]] = []
     if with_params:
         for o in members.originals:
+            if o.fqn in skip:
+                continue
             value = o.param.detach() if o.tp is None else o.tp.startup_value(o.param.detach())
             if value is not None:
                 named.append((f"parameter '{o.fqn}'", value))

@@ -11,7 +11,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from flatshard.comm._agreement import check_same_on_all_ranks, join_name
+from flatshard.comm._agreement import (
+    check_same_on_all_ranks,
+    join_name,
+    lines_if_different,
+    raise_differences,
+)
 from flatshard.comm._collectives import has_cpu_backend
 from flatshard.comm._mesh import ShardGroups, ShardingStrategy, model_group, resolve_groups
 from flatshard.comm._watchdog import Tag, tagged, watchdog
@@ -40,7 +45,7 @@ from flatshard.flat._tensor_parallel import global_shapes, localize
 from flatshard.flat._transport import SCALED
 from flatshard.placements._row_sparse import RowSparse
 from flatshard.runtime._by_hand import LOCKSTEP_MARK
-from flatshard.runtime._changes import awaits_load, mark_awaiting
+from flatshard.runtime._changes import DIFFERED, awaits_load, mark_awaiting
 from flatshard.runtime._configuration import (
     UnitConfig,
     config_lines,
@@ -201,27 +206,38 @@ def fully_shard(
         if mixed_precision is not None and mixed_precision.output_dtype is not None:
             install_output_cast(module, mixed_precision.output_dtype)
         module.__dict__[CONTEXT_ATTR] = context
-        for inside in module.modules():  # generate keeps the ranks in step: LOCKSTEP_MARK
-            inside.__dict__[LOCKSTEP_MARK] = True
+        for generating in [module, *_generation_models(module)]:  # see LOCKSTEP_MARK
+            generating.__dict__[LOCKSTEP_MARK] = True
         _generate_gathers_the_root(module)
         return module
+
+
+def _generation_models(module: nn.Module) -> list[nn.Module]:
+    """The transformers models (``GenerationMixin``) inside ``module``, itself included."""
+    return [
+        m
+        for m in module.modules()
+        if any(cls.__name__ == "GenerationMixin" for cls in type(m).__mro__)
+    ]
 
 
 def _generate_gathers_the_root(module: nn.Module) -> None:
     """[Note: a wrapper's generate]
     A transformers model's ``generate`` calls the model itself for each token, so the
-    root unit's hooks gather it. A wrapper's ``generate`` need not: peft's ``PeftModel``
-    hands the call to the model it wraps, whose forward the root's hooks never see, and
-    the root's own parameters (the embeddings, the head) would be read sharded. Such a
-    ``generate`` is made an entry point of the root (``register_entry_point``), as a user
-    would; the ranks stay in step per token because every module of the tree carries
-    ``LOCKSTEP_MARK`` (transformers looks at the inner model, not the wrapper)."""
+    root unit's hooks gather it. A wrapper's need not: peft's ``PeftModel`` hands
+    ``generate`` to the transformers model it wraps, whose forward the root's hooks never
+    see, and the root's own parameters (the embeddings, the head) would be read sharded.
+    So the ``generate`` of a root that wraps a transformers model without being one is
+    made an entry point of the root (``register_entry_point``), as a user would; the
+    ranks stay in step per token because the wrapped model carries ``LOCKSTEP_MARK`` too
+    (transformers looks at it, not at the wrapper). Only those modules: torch.compile
+    takes a module so marked for one of FSDP1's and breaks its graph there."""
     generate = getattr(type(module), "generate", None)
     if not callable(generate) or unit_of(module) is None:
         return
-    if any(cls.__name__ == "GenerationMixin" for cls in type(module).__mro__):
-        return  # transformers' own: each token calls the model
-    register_entry_point(module, "generate")
+    inner = _generation_models(module)
+    if inner and inner[0] is not module:
+        register_entry_point(module, "generate")
 
 
 def _agree_on_checks(group: dist.ProcessGroup, init: InitOptions) -> None:
@@ -295,18 +311,11 @@ def _build_unit(members: UnitMembers, build: _UnitBuild, rank: int) -> Unit | No
         for params, dtype, gather in _split_by_compute_dtype(members.groups, policy)
         for placement, group in split_by_placement(params, build.placements)
     ]
+    built_here = frozenset(o.fqn for o in members.originals if o.param.is_meta)
     _prepare(members, build, rank)
     _cast_buffers(members, policy.buffer_dtype)
     if build.init.check_consistency:
-        check_same_on_all_ranks(
-            value_lines(members, with_params=build.init.compares_weights()),
-            build.process_group,
-            build.compute_device,
-            "hold different values",
-            "Start every rank from the same weights: seed identically before building "
-            "the model, load the same checkpoint, or pass "
-            "init=flatshard.InitOptions(sync_module_states=True).",
-        )
+        _check_values(members, build, built_here)
     for flat in flat_params:
         flat.load_shard()
     if not flat_params:
@@ -314,6 +323,33 @@ def _build_unit(members: UnitMembers, build: _UnitBuild, rank: int) -> Unit | No
     unit = Unit(members.module, members.fqn, flat_params, members.modules, build.config)
     unit.awaiting_load = _awaiting_load(members)
     return unit
+
+
+def _check_values(members: UnitMembers, build: _UnitBuild, built_here: frozenset[str]) -> None:
+    """The unit's buffers, and its parameters that were real before ``fully_shard`` (those
+    it built on meta are equal by construction), compared across ranks: a difference
+    raises on every rank, but parameters that only need a load to be one model again are
+    marked as awaiting one ([Note: weights that differ across ranks])."""
+    lines = value_lines(members, build.init.compares_weights(), skip=built_here)
+    fix = (
+        "Start every rank from the same weights: seed identically before building the "
+        "model, load the same checkpoint, or pass "
+        "init=flatshard.InitOptions(sync_module_states=True)."
+    )
+    group, device = build.process_group, build.compute_device
+    every = lines_if_different(lines, group, device)
+    if every is None:
+        return
+    shared = set(every[0]).intersection(*every[1:])
+    differing = {line for theirs in every for line in theirs} - shared
+    names = {line.split("'")[1] for line in differing if line.startswith("parameter '")}
+    only_params = all(line.startswith("parameter '") for line in differing)
+    if only_params and not build.init.refuses_weights_now(build.groups):
+        for o in members.originals:
+            if o.fqn in names:
+                mark_awaiting(o.param, DIFFERED)
+        return
+    raise_differences(every, "hold different values", fix, "fully_shard")
 
 
 def _take_parts(

@@ -23,6 +23,7 @@ from torch import nn
 
 from flatshard.comm._agreement import join_name
 from flatshard.comm._collectives import broadcast
+from flatshard.comm._mesh import ShardGroups
 from flatshard.flat._partition import UnitMembers
 from flatshard.flat._tensor_parallel import carry
 
@@ -42,13 +43,16 @@ class InitOptions:
         check_consistency: compare model structure, strategy and buffer values across
             ranks at startup and raise, on every rank, if they differ (one small all-gather
             per unit).
-        check_weights: also compare parameter values across ranks before sharding. None
-            (the default): wherever ``sync_module_states`` does not make them equal. Under
-            every strategy ranks that start from different weights train a model nobody
-            built: replicas (NO_SHARD, the hybrid strategies) would differ forever, and
-            under FULL_SHARD each rank would keep its own rows of its own weights (a DDP
-            habit: only rank 0 loads, or no common seed, where DDP broadcasts rank 0's).
-            False skips it (it reads every parameter once: docs/performance.md).
+        check_weights: also compare parameter values across ranks before sharding (those
+            the model held on a device; a meta-built unit's are equal by construction).
+            None (the default): unless ``sync_module_states`` makes them equal. Where ranks
+            hold replicas (NO_SHARD, the hybrid strategies), which would differ forever, a
+            difference raises at once; where each rank keeps only its own rows
+            (FULL_SHARD), it marks the parameters as awaiting a load: a load
+            (``load_checkpoint``, ``load_state_dict``, ``load_safetensors``) makes them
+            one model again, and the first forward before one raises ([Note: weights that
+            differ across ranks]). True: raise at once under every strategy. False skips
+            it (it reads every parameter once: docs/performance.md).
     """
 
     seed: int | None = None
@@ -61,6 +65,10 @@ class InitOptions:
         if self.check_weights is None:  # broadcast from rank 0: equal by construction
             return self.check_consistency and not self.sync_module_states
         return self.check_weights
+
+    def refuses_weights_now(self, groups: ShardGroups) -> bool:
+        """Whether weights that differ raise at ``fully_shard`` rather than await a load."""
+        return self.check_weights is True or groups.replicate_size > 1
 
     def __post_init__(self) -> None:
         if self.check_weights and not self.check_consistency:

@@ -32,6 +32,7 @@ from torch import nn
 
 from flatshard.comm._agreement import rank_in
 from flatshard.comm._collectives import all_gather_object, barrier
+from flatshard.runtime._changes import mark_loaded
 from flatshard.runtime._step import context_of, every_rank_calls
 from flatshard.state._async_save import CheckpointSave, Exchange, settle_pending, start_save
 from flatshard.state._directory import (
@@ -57,6 +58,7 @@ from flatshard.state._state_dict import (
     check_keys,
     checkpoint_group,
     param_places,
+    plain_state_dict,
     reshard_for_load,
     sharded_state_dict,
 )
@@ -392,6 +394,9 @@ def load_checkpoint(
     extra_key = f"{EXTRA}{rank}" if f"{EXTRA}{rank}" in saved else f"{EXTRA}0"
     state[extra_key] = None
     _read(target, state, group)
+    for key, tensor in plain_state_dict(model).items():
+        if MODEL + key in saved:
+            mark_loaded(tensor)  # [Note: tensors awaiting a load]
     if state.get(CLASSES) is not None:
         _check_same_optimizers(target, state, optimizers)
     for index, optimizer in enumerate(optimizers):

@@ -31,6 +31,7 @@ from flatshard.flat._flat_param import FlatParamGroup
 from flatshard.flat._layout import rows_shape
 from flatshard.flat._tensor_parallel import SplitParam, spanning_group
 from flatshard.runtime._by_hand import copy_out, gather_copies
+from flatshard.runtime._changes import mark_loaded
 from flatshard.runtime._configuration import checksum
 from flatshard.runtime._pipeline import stages_spanning
 from flatshard.runtime._step import context_of, every_rank_calls
@@ -305,6 +306,8 @@ def load_state_dict(
         problem = _load_one(key, target, state_dict[key], place)
         if problem:
             problems.append(problem)
+        else:
+            mark_loaded(target)
     if problems:
         raise entries_do_not_fit("load_state_dict", problems)
 
@@ -420,6 +423,7 @@ def _load_from_rank0(
         broadcast(full, group_src=0, group=group)
         with torch.no_grad():
             target.detach().copy_(place.take_global(full) if place is not None else full)
+        mark_loaded(target)
 
 
 def _check_full(
