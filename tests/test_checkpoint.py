@@ -128,13 +128,21 @@ def test_resume_matches_uninterrupted_run(
         assert [r["extra"]["rank"] for r in after if r] == list(range(saved[0]))
 
 
-def other_optimizer_job(ctx: WorkerContext, path: str) -> str | None:
+class ScheduledAdamW(torch.optim.AdamW):
+    """Another class name over the same hyperparameters (a wrapper, a subclass)."""
+
+
+def other_optimizer_job(ctx: WorkerContext, path: str, kind: str) -> str | None:
     built = _model_in(ctx, "gpt", (2, "FULL_SHARD"))
     if built is None:
         return None
     model, _ = built
+    optimizer = make_optimizer(model, 1e-2, "sgd" if kind == "sgd" else "adamw")
+    if kind == "scheduled":  # the same AdamW's groups, and a scheduler's 'initial_lr'
+        optimizer = ScheduledAdamW(optimizer.param_groups)
+        torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     try:
-        flatshard.load_checkpoint(path, model, make_optimizer(model, 1e-2, "sgd"))
+        flatshard.load_checkpoint(path, model, optimizer)
     except flatshard.CheckpointError as error:
         return str(error)
     return "loaded"
@@ -145,9 +153,10 @@ def test_a_checkpoint_of_another_optimizer_is_named(pool: WorkerPool, tmp_path: 
     with a bare ``KeyError: 'momentum'``."""
     path = str(tmp_path / "ckpt")
     pool.run(save_job, "gpt", "adamw", (2, "FULL_SHARD"), path)
-    for message in pool.run(other_optimizer_job, path)[:2]:
+    for message in pool.run(other_optimizer_job, path, "sgd")[:2]:
         assert "holds the state of AdamW (" in message, message
         assert "given is SGD (dampening, momentum, nesterov)" in message, message
+    assert pool.run(other_optimizer_job, path, "scheduled")[:2] == ["loaded"] * 2
 
 
 # ---------------------------------------------------------------- in-memory state dicts

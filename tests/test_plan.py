@@ -320,6 +320,14 @@ def test_a_remembered_answer_is_for_the_same_arguments_only() -> None:
         assert view.untyped_storage() is not None and view._base is floats
         with pytest.raises(RuntimeError):
             ops(aten.mm.default, (floats, floats), {})
+        made = ops(aten.empty.memory_format, ([2, 3],), {"device": torch.device("meta")})
+        assert made.dtype == torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)  # a factory op without a dtype takes it
+        try:
+            made = ops(aten.empty.memory_format, ([2, 3],), {"device": torch.device("meta")})
+            assert made.dtype == torch.float64
+        finally:
+            torch.set_default_dtype(torch.float32)
 
 
 @pytest.mark.parametrize(

@@ -81,7 +81,9 @@ class MetaOps:
         if not kind or not self.enabled:
             return func(*args, **kwargs)
         try:
-            key = (func, _key(args), _key(kwargs))
+            # a factory op without a dtype or device takes the process's defaults
+            defaults = (torch.get_default_dtype(), torch.get_default_device())
+            key = (func, defaults, _key(args), _key(kwargs))
         except _Unkeyable:
             return func(*args, **kwargs)
         if key in self._answers:

@@ -494,11 +494,13 @@ def _check_same_optimizers(
     """A checkpoint of another optimizer class whose hyperparameters differ (AdamW's into
     SGD) would load without a word, the first step then failing on a missing
     hyperparameter (a bare ``KeyError: 'momentum'``). Where only the class name differs
-    (a wrapper around the same optimizer, AdamW saved and Adam loaded) it loads."""
+    (a wrapper around the same optimizer, AdamW saved and Adam loaded) it loads, and so
+    do keys an LR scheduler adds to the groups (saved with one, loaded before it)."""
+    ignored = {"params", "initial_lr"}
     for index, (saved_class, optimizer) in enumerate(zip(state[CLASSES], optimizers, strict=True)):
         mine = type(optimizer).__name__
-        saved_keys = {k for g in state[_groups_key(index)] for k in g if k != "params"}
-        my_keys = {k for g in optimizer.param_groups for k in g if k != "params"}
+        saved_keys = {k for g in state[_groups_key(index)] for k in g} - ignored
+        my_keys = {k for g in optimizer.param_groups for k in g} - ignored
         if saved_class != mine and saved_keys != my_keys:
             which = f"optimizer {index}" if len(optimizers) > 1 else "the optimizer"
             raise CheckpointError(
