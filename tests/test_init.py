@@ -242,6 +242,18 @@ def rank_zero_load_job(ctx: WorkerContext, then: str) -> dict[str, Any] | None:
     x = torch.randn(2, 7, generator=torch.Generator().manual_seed(0))
     if then == "load":  # a correct program: the load makes it one model
         flatshard.load_state_dict(model, pretrained.state_dict())
+    if then == "read":  # what would be read is the model nobody built
+        errors = []
+        for read in (
+            lambda: flatshard.full_state_dict(model),
+            lambda: flatshard.summon_full_params(model).__enter__(),
+        ):
+            try:
+                read()
+                errors.append("no error")
+            except RuntimeError as error:
+                errors.append(str(error))
+        return {"error": errors}
     try:
         with torch.no_grad():
             out = model(x)
@@ -262,6 +274,10 @@ def test_weights_that_differ_under_full_shard_await_a_load(pool: WorkerPool) -> 
         assert "sync_module_states=True" in result["error"], result
     for result in pool.run(rank_zero_load_job, "load")[:2]:
         assert result == {"error": "", "matches": True}
+    for result in pool.run(rank_zero_load_job, "read")[:2]:  # saves and exports read too
+        full, summoned = result["error"]
+        assert "full_state_dict: the model was sharded from weights that differed" in full
+        assert "summon_full_params: the model was sharded from weights that differed" in summoned
 
 
 # ---------------------------------------------------------------- hook bypass

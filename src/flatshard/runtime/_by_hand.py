@@ -29,6 +29,7 @@ from flatshard.comm._agreement import global_rank
 from flatshard.comm._collectives import all_gather_into, all_gather_object
 from flatshard.flat._flat_param import FlatParamGroup
 from flatshard.flat._tensor_parallel import SplitParam
+from flatshard.runtime._changes import refuse_differed
 from flatshard.runtime._configuration import checksum
 from flatshard.runtime._step import agree, collective_call, distinct_contexts
 from flatshard.runtime._unit import Hold, Unit, unit_or_error, units_of
@@ -93,6 +94,7 @@ def summon_full_params(model: nn.Module, writeback: bool = True) -> Iterator[Non
     token); a forward with gradients inside it is an error.
     """
     units = units_of(model, "summon_full_params")
+    refuse_differed(model, "summon_full_params")
     with ExitStack() as stack:
         # Its gathers, not the body's; ``writeback`` is agreed, as it decides the exit's check.
         with collective_call(model, f"summon_full_params(writeback={bool(writeback)})"):

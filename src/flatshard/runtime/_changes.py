@@ -157,6 +157,27 @@ def mark_loaded(tensor: torch.Tensor) -> None:
         delattr(tensor, _MARK)
 
 
+def refuse_differed(model: nn.Module, caller: str) -> None:
+    """An error where the model's values are read (saved, exported, gathered) while some
+    still differ across ranks ([Note: weights that differ across ranks]): what would be
+    read is the model nobody built. Alike on every rank (the marks are)."""
+    names = [n for n, p in model.named_parameters() if getattr(p, _MARK, None) == DIFFERED]
+    if names:
+        raise RuntimeError(
+            f"flatshard.{caller}: the model was sharded from weights that differed across "
+            f"ranks ({_listed([repr(n) for n in names])}; rank {global_rank()}), and nothing "
+            f"was loaded since: each rank kept its own rows of its own weights. {_DIFFERED_FIX}"
+        )
+
+
+_DIFFERED_FIX = (
+    "Build every rank's model alike (seed every rank identically before building it, load "
+    "the same weights on every rank, or pass init=flatshard.InitOptions("
+    "sync_module_states=True) to broadcast rank 0's, as DDP does), or load weights into "
+    "the sharded model first (flatshard.load_checkpoint, load_state_dict, load_safetensors)."
+)
+
+
 def check_loaded(unit_label: str, awaiting: list[tuple[str, torch.Tensor]]) -> None:
     """Drop loaded tensors from ``awaiting`` (in place); raise if any is left."""
     awaiting[:] = [(name, t) for name, t in awaiting if awaits_load(t)]
@@ -168,12 +189,8 @@ def check_loaded(unit_label: str, awaiting: list[tuple[str, torch.Tensor]]) -> N
         raise RuntimeError(
             f"flatshard: unit '{unit_label}' was sharded from weights that differed across "
             f"ranks ({names}{more}; rank {global_rank()}), and nothing was loaded since: "
-            "each rank kept its own rows of its own weights, a model nobody built. Build "
-            "every rank's model alike (seed every rank identically before building it, load "
-            "the same weights on every rank, or pass "
-            "init=flatshard.InitOptions(sync_module_states=True) to broadcast rank 0's, as "
-            "DDP does), or load weights into the sharded model before the first forward "
-            "(flatshard.load_checkpoint, load_state_dict, load_safetensors)."
+            f"each rank kept its own rows of its own weights, a model nobody built. "
+            f"{_DIFFERED_FIX}"
         )
     raise RuntimeError(
         f"flatshard: unit '{unit_label}' was sharded with param_init_fn=flatshard.skip_init "

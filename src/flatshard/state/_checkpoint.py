@@ -60,6 +60,7 @@ from flatshard.state._state_dict import (
     param_places,
     plain_state_dict,
     reshard_for_load,
+    rows_of,
     sharded_state_dict,
 )
 
@@ -423,7 +424,7 @@ def _read(target: Path, state: dict[str, Any], group: dist.ProcessGroup | None) 
 
 def _model_targets(model: nn.Module, saved: dict[str, Any], strict: bool) -> dict[str, Any]:
     """The model's shards as DCP load targets (read in place), after checking names/shapes."""
-    mine = sharded_state_dict(model)
+    mine = rows_of(model)  # a model awaiting a load may be loaded into
     saved_names = [k[len(MODEL) :] for k in saved if k.startswith(MODEL)]
     context = context_of(model)
     if context is not None and context.pipeline is not None:  # the other stages' entries

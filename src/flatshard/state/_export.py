@@ -18,6 +18,7 @@ from torch import nn
 from flatshard.comm._agreement import global_rank, rank_in
 from flatshard.comm._collectives import all_gather_object
 from flatshard.runtime._by_hand import gather_copies
+from flatshard.runtime._changes import refuse_differed
 from flatshard.runtime._step import PipelineSeat, context_of, every_rank_calls
 from flatshard.state._checkpoint import (
     MODEL,
@@ -67,6 +68,7 @@ def export_safetensors(
     Returns the files written (on rank 0; ``[]`` elsewhere), on every rank only once they
     are all written; if rank 0 cannot write them, every rank raises.
     """
+    refuse_differed(model, "export_safetensors")
     keep = rank_in(model_group(model)) == 0
     # With tensor parallelism each TP peer of rank 0 gathers too (the TP collectives need
     # them); only TP rank 0 writes.

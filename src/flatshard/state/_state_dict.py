@@ -31,7 +31,7 @@ from flatshard.flat._flat_param import FlatParamGroup
 from flatshard.flat._layout import rows_shape
 from flatshard.flat._tensor_parallel import SplitParam, spanning_group
 from flatshard.runtime._by_hand import copy_out, gather_copies
-from flatshard.runtime._changes import mark_loaded
+from flatshard.runtime._changes import mark_loaded, refuse_differed
 from flatshard.runtime._configuration import checksum
 from flatshard.runtime._pipeline import stages_spanning
 from flatshard.runtime._step import context_of, every_rank_calls
@@ -240,6 +240,7 @@ def full_state_dict(
     ``rank0_only``: only rank 0 of the model's group keeps the result (others get ``{}``).
     ``cpu_offload``: results are copied to CPU (otherwise they stay on the shard's device).
     """
+    refuse_differed(model, "full_state_dict")
     keep = not rank0_only or rank_in(model_group(model)) == 0
     gathered: dict[int, torch.Tensor] = {}
     for flat in flat_params(model):
@@ -260,6 +261,12 @@ def sharded_state_dict(model: nn.Module) -> dict[str, RowShard | torch.Tensor]:
 
     The tensors are views of the live shards: save or copy them before training on.
     """
+    refuse_differed(model, "sharded_state_dict")
+    return rows_of(model)
+
+
+def rows_of(model: nn.Module) -> dict[str, RowShard | torch.Tensor]:
+    """``sharded_state_dict`` without its checks: the targets a load writes into."""
     places = param_places(model)
     result: dict[str, RowShard | torch.Tensor] = {}
     for key, value in plain_state_dict(model).items():
