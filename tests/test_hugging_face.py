@@ -293,6 +293,58 @@ def _peft_after_fully_shard(group: Any, ids: torch.Tensor) -> str:
     return "no error"
 
 
+def peft_copies_job(ctx: WorkerContext, out_dir: str) -> dict[str, Any] | None:
+    """A peft classifier (SEQ_CLS: peft trains a copy of the head, ``modules_to_save``)
+    exported and reloaded; a LoRA adapter on a head tied to the embedding, refused."""
+    from peft import LoraConfig, get_peft_model
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    group = ctx.group(2)
+    if group is None:
+        return None
+    torch.manual_seed(SEED)
+    base = transformers.LlamaForSequenceClassification(
+        transformers.LlamaConfig(**LLAMA, num_labels=3, pad_token_id=0)
+    )
+    lora = LoraConfig(task_type="SEQ_CLS", r=4, target_modules=["q_proj"], init_lora_weights=False)
+    model = get_peft_model(base, lora)
+    with torch.no_grad():  # the trained copy of the head, not the original
+        model.base_model.model.score.modules_to_save["default"].weight.add_(1.0)
+    flatshard.fully_shard(model, auto_wrap_policy={LlamaDecoderLayer}, process_group=group)
+    ids = torch.randint(1, 64, (1, 8), generator=torch.Generator().manual_seed(0))
+    flatshard.export_safetensors(model, out_dir)
+    with torch.no_grad():
+        live = model(input_ids=ids).logits
+        exported = None
+        if ctx.rank == 0:
+            reloaded = transformers.LlamaForSequenceClassification.from_pretrained(out_dir)
+            exported = reloaded(input_ids=ids).logits
+    torch.manual_seed(SEED)
+    tied = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**LLAMA, tie_word_embeddings=True)
+    )
+    tied = get_peft_model(tied, LoraConfig(r=4, target_modules=["lm_head"]))
+    flatshard.fully_shard(tied, auto_wrap_policy={LlamaDecoderLayer}, process_group=group)
+    try:
+        flatshard.export_safetensors(tied, f"{out_dir}/tied")
+        refused = "no error"
+    except ValueError as error:
+        refused = str(error)
+    return {"live": live, "exported": exported, "refused": refused}
+
+
+def test_a_peft_models_trained_copies_are_exported_and_tied_adapters_refused(
+    pool: WorkerPool, tmp_path: Path
+) -> None:
+    """Before: the head's copy written as 'score.modules_to_save.default.weight' (a random
+    head after from_pretrained), and a tied head's delta written into the embedding too."""
+    pytest.importorskip("peft")
+    results = pool.run(peft_copies_job, str(tmp_path))[:2]
+    torch.testing.assert_close(results[0]["exported"], results[0]["live"], rtol=1e-5, atol=1e-5)
+    for result in results:
+        assert "holds a LoRA adapter on a weight tied to another" in result["refused"]
+
+
 def test_lora_with_peft_then_fully_shard_matches_unsharded(
     pool: WorkerPool, tmp_path: Path
 ) -> None:

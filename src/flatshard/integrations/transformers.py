@@ -150,12 +150,16 @@ class FlatshardTrainer(Trainer):
 
 def _export_adapter(model: Any, out: str) -> None:
     """Every rank: a peft model's LoRA adapters as peft's ``save_pretrained`` writes them
-    (``adapter_model.safetensors`` under peft's names, ``adapter_config.json``), so
-    ``PeftModel.from_pretrained(base, out)`` loads them; the frozen base is not written."""
+    (``adapter_model.safetensors`` under peft's names, ``adapter_config.json``), with the
+    trained copies of ``modules_to_save`` (a classifier head) under their module's name,
+    so ``PeftModel.from_pretrained(base, out)`` loads them; the frozen base is not
+    written."""
     adapter = model.active_adapter
-    marker = f".{adapter}."
+    marker, copy = f".{adapter}.", f".modules_to_save.{adapter}."
 
     def saved_name(key: str) -> str | None:
+        if copy in key:
+            return key.replace(copy, ".")
         return key.replace(marker, ".") if "lora_" in key and marker in key else None
 
     if not any(saved_name(name) for name, _ in model.named_parameters()):

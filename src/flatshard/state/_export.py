@@ -29,7 +29,7 @@ from flatshard.state._checkpoint import (
 )
 from flatshard.state._directory import read_manifest
 from flatshard.state._errors import CheckpointError
-from flatshard.state._lora import LoraMerge, base_name
+from flatshard.state._lora import LoraMerge
 from flatshard.state._safetensors import INDEX, Entry, StreamWriter, weight_map, write_index
 from flatshard.state._state_dict import (
     HeldRows,
@@ -76,7 +76,9 @@ def export_safetensors(
     checkpoint_group(model)  # refuses a pipeline whose ranks hold several stages, first
     seat = _stage_seat(model)
     lora = LoraMerge.of(model, "export_safetensors") if names is None else None
-    state = renamed(plain_state_dict(model), base_name if lora else names, "export_safetensors")
+    state = renamed(
+        plain_state_dict(model), lora.base_name if lora else names, "export_safetensors"
+    )
     keys_of: dict[int, list[str]] = {}
     for key, value in state.items():
         keys_of.setdefault(id(value), []).append(key)

@@ -8,12 +8,15 @@ entry and start from random weights, with only transformers' table of missing ke
 say so. So ``export_safetensors`` of a peft model writes what the model computes: each
 base weight plus its active adapters' products (peft's ``get_delta_weight`` for a linear
 layer: ``B @ A`` times the adapter's scaling, transposed for a layer stored input-major
-such as GPT-2's ``Conv1D``), under the base model's names, the adapters left out. The
-live model is not changed (peft's own ``merge`` would change the trained weights, and its
-``unmerge`` restores them only to rounding). The adapters are small: they are gathered
-first, whole, on the writing rank; each base weight gets its sum as it is written.
-Adapters that are not a product of two linear maps (DoRA, embedding and convolution
-adapters, an adapter with a bias) are refused by name.
+such as GPT-2's ``Conv1D``), under the base model's names, the adapters left out. Of a
+module peft trains a copy of (``modules_to_save``: a classifier head), the copy its
+forward uses is written under the module's name. The live model is not changed (peft's
+own ``merge`` would change the trained weights, and its ``unmerge`` restores them only
+to rounding). The adapters are small: they are gathered first, whole, on the writing
+rank; each base weight gets its sum as it is written. Adapters that are not a product of
+two linear maps (DoRA, embedding and convolution adapters, an adapter with a bias) are
+refused by name, and so is an adapter on a weight tied to another (a head tied to the
+token embedding): merged, both would change.
 """
 
 from __future__ import annotations
@@ -27,11 +30,13 @@ _PREFIX = "base_model.model."
 
 
 class LoraMerge:
-    """The LoRA layers of a peft model, and the sums that turn its entries into the base
-    model's."""
+    """The LoRA layers of a peft model, and the sums and names that turn its entries into
+    the base model's."""
 
-    def __init__(self, layers: list[tuple[str, Any]]) -> None:
+    def __init__(self, layers: list[tuple[str, Any]], copies: dict[str, str | None]) -> None:
         self.layers = layers  # (name in the model, peft's LoRA layer)
+        # peft's trained copies (modules_to_save): wrapper name -> the copy forward uses
+        self.copies = copies
         self._adapters = {
             id(param)
             for _, layer in layers
@@ -43,13 +48,45 @@ class LoraMerge:
 
     @staticmethod
     def of(model: nn.Module, caller: str) -> LoraMerge | None:
-        """The model's LoRA layers (None without any); unsupported adapters refused."""
+        """The model's LoRA layers and trained copies (None without either); unsupported
+        adapters refused."""
         layers = [(n, m) for n, m in model.named_modules() if _is_lora_layer(m)]
-        if not layers:
+        copies = {n: _copy_in_use(m) for n, m in model.named_modules() if _is_copy(m)}
+        if not layers and not copies:
             return None
+        names: dict[int, list[str]] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), []).append(name)
         for name, layer in layers:
             _check_mergeable(name, layer, caller)
-        return LoraMerge(layers)
+            tied = names.get(id(layer.base_layer.weight), [])
+            if len(tied) > 1:
+                raise ValueError(
+                    f"flatshard.{caller}: '{name}' holds a LoRA adapter on a weight tied to "
+                    f"another ({', '.join(repr(n) for n in tied)}): merged, the tied weight "
+                    "would change too, and the model reads it unmerged there (e.g. the "
+                    "token embedding). Untie them before adding adapters "
+                    "(tie_word_embeddings=False), or save the adapters with peft."
+                )
+        return LoraMerge(layers, copies)
+
+    def base_name(self, key: str) -> str | None:
+        """A peft model entry's name in the base model (None for what is not written: an
+        adapter, a copy forward does not use)."""
+        if ".lora_" in key:
+            return None
+        for wrapper, in_use in self.copies.items():
+            original, trained = f"{wrapper}.original_module.", f"{wrapper}.modules_to_save."
+            if key.startswith(original):
+                if in_use is not None:
+                    return None
+                key = f"{wrapper}.{key[len(original) :]}"
+            elif key.startswith(trained):
+                adapter, _, rest = key[len(trained) :].partition(".")
+                if adapter != in_use:
+                    return None
+                key = f"{wrapper}.{rest}"
+        return key.removeprefix(_PREFIX).replace(".base_layer.", ".")
 
     def is_adapter(self, param: torch.Tensor) -> bool:
         return id(param) in self._adapters
@@ -74,11 +111,18 @@ class LoraMerge:
         return merged
 
 
-def base_name(key: str) -> str | None:
-    """A peft model entry's name in the base model (None for an adapter's)."""
-    if ".lora_" in key:
+def _is_copy(module: nn.Module) -> bool:
+    """peft's ``ModulesToSaveWrapper``: the original module and trained copies of it."""
+    return hasattr(module, "original_module") and hasattr(module, "modules_to_save")
+
+
+def _copy_in_use(wrapper: Any) -> str | None:
+    """The trained copy the wrapper's forward uses (None: the original)."""
+    if getattr(wrapper, "disable_adapters", False):
         return None
-    return key.removeprefix(_PREFIX).replace(".base_layer.", ".")
+    active = wrapper.active_adapter
+    name = active if isinstance(active, str) else (active[0] if active else None)
+    return name if name in wrapper.modules_to_save else None
 
 
 def _is_lora_layer(module: nn.Module) -> bool:
