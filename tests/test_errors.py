@@ -32,6 +32,8 @@ def test_a_device_this_process_lacks_is_named(local_group: dist.ProcessGroup) ->
     """Before: torch's "Torch not compiled with CUDA enabled" from deep inside."""
     with pytest.raises(ValueError, match=r"device='cuda' \(rank 0\), but this process has no"):
         flatshard.fully_shard(nn.Linear(2, 2), device="cuda")
+    with pytest.raises(ValueError, match=r"device='CPU' is not a device name torch knows"):
+        flatshard.fully_shard(nn.Linear(2, 2), device="CPU")
 
 
 def test_placement_must_be_a_placement_or_a_rule(local_group: dist.ProcessGroup) -> None:

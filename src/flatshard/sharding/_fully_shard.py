@@ -447,7 +447,13 @@ def _target_device(
 ) -> torch.device | None:
     """Where the units' tensors must end: ``device``, else where the real ones are."""
     if device is not None:
-        wanted = torch.device(device)
+        try:
+            wanted = torch.device(device)
+        except RuntimeError as error:
+            raise ValueError(
+                f"flatshard.fully_shard: device={device!r} is not a device name torch knows "
+                f"(rank {rank}): {str(error).splitlines()[0]} (e.g. 'cpu', 'cuda', 'cuda:1')"
+            ) from None
         if wanted.type not in ("cpu", "meta") and not _device_exists(wanted):
             here = (
                 torch.accelerator.current_accelerator()
