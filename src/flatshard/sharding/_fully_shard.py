@@ -326,11 +326,16 @@ def _build_unit(members: UnitMembers, build: _UnitBuild, rank: int) -> Unit | No
 
 
 def _check_values(members: UnitMembers, build: _UnitBuild, built_here: frozenset[str]) -> None:
-    """The unit's buffers, and its parameters that were real before ``fully_shard`` (those
-    it built on meta are equal by construction), compared across ranks: a difference
-    raises on every rank, but parameters that only need a load to be one model again are
-    marked as awaiting one ([Note: weights that differ across ranks])."""
-    lines = value_lines(members, build.init.compares_weights(), skip=built_here)
+    """The unit's buffers and parameters compared across ranks: a difference raises on
+    every rank, but parameters that only need a load to be one model again are marked as
+    awaiting one ([Note: weights that differ across ranks]). There, the parameters
+    ``fully_shard`` built on meta are not read (equal by construction: an agreed seed);
+    where a difference raises at once (replicas, ``check_weights=True``) they are, as a
+    ``param_init_fn`` may still load on one rank only."""
+    now = build.init.refuses_weights_now(build.groups)
+    lines = value_lines(
+        members, build.init.compares_weights(), skip=frozenset() if now else built_here
+    )
     fix = (
         "Start every rank from the same weights: seed identically before building the "
         "model, load the same checkpoint, or pass "
@@ -344,7 +349,7 @@ def _check_values(members: UnitMembers, build: _UnitBuild, built_here: frozenset
     differing = {line for theirs in every for line in theirs} - shared
     names = {line.split("'")[1] for line in differing if line.startswith("parameter '")}
     only_params = all(line.startswith("parameter '") for line in differing)
-    if only_params and not build.init.refuses_weights_now(build.groups):
+    if only_params and not now:
         for o in members.originals:
             if o.fqn in names:
                 mark_awaiting(o.param, DIFFERED)
