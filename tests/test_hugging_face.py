@@ -306,6 +306,8 @@ def peft_copies_job(ctx: WorkerContext, out_dir: str) -> dict[str, Any] | None:
     base = transformers.LlamaForSequenceClassification(
         transformers.LlamaConfig(**LLAMA, num_labels=3, pad_token_id=0)
     )
+    plain = transformers.LlamaForSequenceClassification(base.config)
+    plain.load_state_dict(base.state_dict())  # the base model, before peft wraps it
     lora = LoraConfig(task_type="SEQ_CLS", r=4, target_modules=["q_proj"], init_lora_weights=False)
     model = get_peft_model(base, lora)
     with torch.no_grad():  # the trained copy of the head, not the original
@@ -313,12 +315,18 @@ def peft_copies_job(ctx: WorkerContext, out_dir: str) -> dict[str, Any] | None:
     flatshard.fully_shard(model, auto_wrap_policy={LlamaDecoderLayer}, process_group=group)
     ids = torch.randint(1, 64, (1, 8), generator=torch.Generator().manual_seed(0))
     flatshard.export_safetensors(model, out_dir)
+    with model.disable_adapter():  # what the model computes there: the base model
+        flatshard.export_safetensors(model, f"{out_dir}/disabled")
     with torch.no_grad():
         live = model(input_ids=ids).logits
-        exported = None
+        with model.disable_adapter():  # peft flips requires_grad: no gradient, no refusal
+            live_off = model(input_ids=ids).logits
+        exported = disabled = base_logits = None
         if ctx.rank == 0:
             reloaded = transformers.LlamaForSequenceClassification.from_pretrained(out_dir)
             exported = reloaded(input_ids=ids).logits
+            off = transformers.LlamaForSequenceClassification.from_pretrained(f"{out_dir}/disabled")
+            disabled, base_logits = off(input_ids=ids).logits, plain(input_ids=ids).logits
     torch.manual_seed(SEED)
     tied = transformers.LlamaForCausalLM(
         transformers.LlamaConfig(**LLAMA, tie_word_embeddings=True)
@@ -330,7 +338,14 @@ def peft_copies_job(ctx: WorkerContext, out_dir: str) -> dict[str, Any] | None:
         refused = "no error"
     except ValueError as error:
         refused = str(error)
-    return {"live": live, "exported": exported, "refused": refused}
+    return {
+        "live": live,
+        "live_off": live_off,
+        "exported": exported,
+        "disabled": disabled,
+        "base": base_logits,
+        "refused": refused,
+    }
 
 
 def test_a_peft_models_trained_copies_are_exported_and_tied_adapters_refused(
@@ -341,6 +356,9 @@ def test_a_peft_models_trained_copies_are_exported_and_tied_adapters_refused(
     pytest.importorskip("peft")
     results = pool.run(peft_copies_job, str(tmp_path))[:2]
     torch.testing.assert_close(results[0]["exported"], results[0]["live"], rtol=1e-5, atol=1e-5)
+    # inside peft's disable_adapter(): the base model (before, the adapters merged anyway)
+    torch.testing.assert_close(results[0]["disabled"], results[0]["base"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(results[0]["live_off"], results[0]["base"], rtol=1e-5, atol=1e-5)
     for result in results:
         assert "holds a LoRA adapter on a weight tied to another" in result["refused"]
 

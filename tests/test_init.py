@@ -242,6 +242,14 @@ def rank_zero_load_job(ctx: WorkerContext, then: str) -> dict[str, Any] | None:
     x = torch.randn(2, 7, generator=torch.Generator().manual_seed(0))
     if then == "load":  # a correct program: the load makes it one model
         flatshard.load_state_dict(model, pretrained.state_dict())
+    if then == "partial":  # each rank its own rows of other entries (strict=False)
+        rows = flatshard.sharded_state_dict(
+            flatshard.fully_shard(
+                build("mlp", seed=7), auto_wrap_policy={MLPBlock}, process_group=group
+            )
+        )
+        mine = {k: v for k, v in rows.items() if ctx.rank == 1 or k.startswith("head.")}
+        flatshard.load_state_dict(model, mine, strict=False)
     if then == "read":  # what would be read is the model nobody built
         errors = []
         for read in (
@@ -274,10 +282,39 @@ def test_weights_that_differ_under_full_shard_await_a_load(pool: WorkerPool) -> 
         assert "sync_module_states=True" in result["error"], result
     for result in pool.run(rank_zero_load_job, "load")[:2]:
         assert result == {"error": "", "matches": True}
+    # Rank 0 loaded fewer entries: still differing there, so awaiting a load on both (before:
+    # rank 0 refused while rank 1 went on into the unit's all-gather)
+    for result in pool.run(rank_zero_load_job, "partial")[:2]:
+        assert "sharded from weights that differed across ranks ('blocks." in result["error"]
     for result in pool.run(rank_zero_load_job, "read")[:2]:  # saves and exports read too
         full, summoned = result["error"]
         assert "full_state_dict: the model was sharded from weights that differed" in full
         assert "summon_full_params: the model was sharded from weights that differed" in summoned
+
+
+def unmanaged_own_job(ctx: WorkerContext) -> str | None:
+    """A parameter placed ``Unmanaged`` (never sharded, each rank's own) with a value of
+    each rank's own."""
+    group = ctx.group(2)
+    if group is None:
+        return None
+    model = build("mlp", seed=0)
+    own = nn.Parameter(torch.full((2,), float(ctx.rank)), requires_grad=False)
+    model.register_parameter("own", own)
+    flatshard.fully_shard(
+        model,
+        auto_wrap_policy={MLPBlock},
+        process_group=group,
+        placement=lambda name, p: flatshard.Unmanaged() if name == "own" else None,
+    )
+    with torch.no_grad():
+        model(torch.randn(2, 7))
+    return str(float(model.own[0]))
+
+
+def test_an_unmanaged_parameter_is_each_ranks_own(pool: WorkerPool) -> None:
+    """Not compared: before, refused as "sharded from weights that differed"."""
+    assert pool.run(unmanaged_own_job)[:2] == ["0.0", "1.0"]
 
 
 # ---------------------------------------------------------------- hook bypass

@@ -45,10 +45,14 @@ always did.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from flatshard.comm._agreement import global_rank, join_name
+from flatshard.comm._collectives import all_gather_object
 from flatshard.flat._flat_param import FlatParamGroup
 
 _SHOWN = 8  # names quoted per kind of change
@@ -161,13 +165,34 @@ def refuse_differed(model: nn.Module, caller: str) -> None:
     """An error where the model's values are read (saved, exported, gathered) while some
     still differ across ranks ([Note: weights that differ across ranks]): what would be
     read is the model nobody built. Alike on every rank (the marks are)."""
-    names = [n for n, p in model.named_parameters() if getattr(p, _MARK, None) == DIFFERED]
+    names = differed(model)
     if names:
         raise RuntimeError(
             f"flatshard.{caller}: the model was sharded from weights that differed across "
-            f"ranks ({_listed([repr(n) for n in names])}; rank {global_rank()}), and nothing "
-            f"was loaded since: each rank kept its own rows of its own weights. {_DIFFERED_FIX}"
+            f"ranks ({_listed([repr(n) for n in names])}; rank {global_rank()}), and these "
+            "were not loaded since: each rank kept its own rows of its own weights. "
+            f"{_DIFFERED_FIX}"
         )
+
+
+def differed(model: nn.Module) -> list[str]:
+    """The model's parameters that differed across ranks and await a load."""
+    return [n for n, p in model.named_parameters() if getattr(p, _MARK, None) == DIFFERED]
+
+
+def agree_on_differed(model: nn.Module, group: dist.ProcessGroup | None, before: bool) -> None:
+    """After a load into a model whose weights differed across ranks (``before``: alike on
+    every rank): a parameter still awaiting a load on any rank awaits it on every rank, so
+    that they all refuse alike (a load of each rank's own rows, ``strict=False``, may have
+    left different ones). A collective over ``group``, only where ``before``."""
+    if not before or group is None or dist.get_world_size(group) == 1:
+        return
+    every: set[str] = set()
+    for names in all_gather_object(differed(model), group):
+        every.update(cast(list[str], names))
+    for name, param in model.named_parameters():
+        if name in every:
+            mark_awaiting(param, DIFFERED)
 
 
 _DIFFERED_FIX = (
@@ -188,7 +213,7 @@ def check_loaded(unit_label: str, awaiting: list[tuple[str, torch.Tensor]]) -> N
     if all(getattr(t, _MARK) == DIFFERED for _, t in awaiting):
         raise RuntimeError(
             f"flatshard: unit '{unit_label}' was sharded from weights that differed across "
-            f"ranks ({names}{more}; rank {global_rank()}), and nothing was loaded since: "
+            f"ranks ({names}{more}; rank {global_rank()}), and these were not loaded since: "
             f"each rank kept its own rows of its own weights, a model nobody built. "
             f"{_DIFFERED_FIX}"
         )

@@ -382,7 +382,8 @@ class Unit:
             if self.state is not TrainingState.BACKWARD:
                 if self.awaiting_load:
                     check_loaded(self.label, self.awaiting_load)
-                check_requires_grad(self.flat_params)
+                if torch.is_grad_enabled():  # without, no gradient goes anywhere: peft's
+                    check_requires_grad(self.flat_params)  # disable_adapter() flips them
                 check_in_shards(self.flat_params)
                 if self.is_root:
                     self.context.check_unchanged()

@@ -333,8 +333,10 @@ def _check_values(members: UnitMembers, build: _UnitBuild, built_here: frozenset
     where a difference raises at once (replicas, ``check_weights=True``) they are, as a
     ``param_init_fn`` may still load on one rank only."""
     now = build.init.refuses_weights_now(build.groups)
+    # an Unmanaged parameter's value is each rank's own (it is never sharded)
+    own = frozenset(o.fqn for o in left_alone(members.originals, build.placements))
     lines = value_lines(
-        members, build.init.compares_weights(), skip=frozenset() if now else built_here
+        members, build.init.compares_weights(), skip=own if now else own | built_here
     )
     fix = (
         "Start every rank from the same weights: seed identically before building the "

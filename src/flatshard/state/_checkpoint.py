@@ -32,7 +32,12 @@ from torch import nn
 
 from flatshard.comm._agreement import rank_in
 from flatshard.comm._collectives import all_gather_object, barrier
-from flatshard.runtime._changes import mark_loaded
+from flatshard.runtime._changes import (
+    agree_on_differed,
+    differed,
+    mark_loaded,
+    refuse_differed,
+)
 from flatshard.runtime._step import context_of, every_rank_calls
 from flatshard.state._async_save import CheckpointSave, Exchange, settle_pending, start_save
 from flatshard.state._directory import (
@@ -57,11 +62,11 @@ from flatshard.state._state_dict import (
     RowShard,
     check_keys,
     checkpoint_group,
+    model_group,
     param_places,
     plain_state_dict,
     reshard_for_load,
     rows_of,
-    sharded_state_dict,
 )
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint takes ~1 s to import: only when used
@@ -234,7 +239,8 @@ def _collect_state(
     group: dist.ProcessGroup | None,
 ) -> dict[str, Any]:
     """This rank's entries of the checkpoint (its rows; the live tensors, not copies)."""
-    state: dict[str, Any] = {MODEL + k: v for k, v in sharded_state_dict(model).items()}
+    refuse_differed(model, "save_checkpoint")
+    state: dict[str, Any] = {MODEL + k: v for k, v in rows_of(model).items()}
     for index, optimizer in enumerate(optimizers):
         osd = sharded_optim_state_dict(model, optimizer)
         osd["param_groups"] = every_stages_groups(model, osd["param_groups"])
@@ -387,6 +393,7 @@ def load_checkpoint(
     verify_files(target, manifest, group)
     saved = checkpoint_metadata(target).state_dict_metadata
     reshard_for_load(model, "load_checkpoint")
+    before = bool(differed(model))
     state: dict[str, Any] = _model_targets(model, saved, strict)
     if optimizers:
         state.update(_optim_targets(model, saved, target, len(optimizers)))
@@ -398,6 +405,7 @@ def load_checkpoint(
     for key, tensor in plain_state_dict(model).items():
         if MODEL + key in saved:
             mark_loaded(tensor)  # [Note: tensors awaiting a load]
+    agree_on_differed(model, model_group(model), before)
     if state.get(CLASSES) is not None:
         _check_same_optimizers(target, state, optimizers)
     for index, optimizer in enumerate(optimizers):
@@ -492,23 +500,21 @@ def _optim_targets(
 def _check_same_optimizers(
     target: Path, state: dict[str, Any], optimizers: list[torch.optim.Optimizer]
 ) -> None:
-    """A checkpoint of another optimizer class whose hyperparameters differ (AdamW's into
-    SGD) would load without a word, the first step then failing on a missing
-    hyperparameter (a bare ``KeyError: 'momentum'``). Where only the class name differs
-    (a wrapper around the same optimizer, AdamW saved and Adam loaded) it loads, and so
-    do keys an LR scheduler adds to the groups (saved with one, loaded before it)."""
-    ignored = {"params", "initial_lr"}
+    """A checkpoint of another optimizer class that lacks this optimizer's own
+    hyperparameters (AdamW's into SGD: no momentum) would load without a word, the first
+    step then failing on the missing one (a bare ``KeyError: 'momentum'``). Where only the
+    class name differs (a wrapper around the same optimizer, AdamW saved and Adam loaded),
+    or the groups carry more (an LR scheduler's ``initial_lr``, ``max_lr``...), it loads."""
     for index, (saved_class, optimizer) in enumerate(zip(state[CLASSES], optimizers, strict=True)):
         mine = type(optimizer).__name__
-        saved_keys = {k for g in state[_groups_key(index)] for k in g} - ignored
-        my_keys = {k for g in optimizer.param_groups for k in g} - ignored
-        if saved_class != mine and saved_keys != my_keys:
+        saved_keys = {k for g in state[_groups_key(index)] for k in g}
+        missing = set(getattr(optimizer, "defaults", {})) - saved_keys
+        if saved_class != mine and missing:
             which = f"optimizer {index}" if len(optimizers) > 1 else "the optimizer"
             raise CheckpointError(
-                f"flatshard.load_checkpoint: {target} holds the state of {saved_class} "
-                f"({', '.join(sorted(saved_keys - my_keys)) or 'its hyperparameters'}), and "
-                f"{which} given is {mine} ({', '.join(sorted(my_keys - saved_keys)) or 'others'})"
-                f": a checkpoint of another optimizer. Build the {saved_class} it was saved "
+                f"flatshard.load_checkpoint: {target} holds the state of {saved_class}, and "
+                f"{which} given is {mine}, whose {', '.join(sorted(missing))} it lacks: a "
+                f"checkpoint of another optimizer. Build the {saved_class} it was saved "
                 "with, or load the model alone (load_checkpoint(path, model)) and start "
                 f"the {mine}'s state fresh."
             )

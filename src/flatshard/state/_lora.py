@@ -130,8 +130,9 @@ def _is_lora_layer(module: nn.Module) -> bool:
 
 
 def _active(layer: Any) -> list[str]:
-    """The adapters the layer's forward adds (none where peft merged them already)."""
-    if getattr(layer, "merged_adapters", None):
+    """The adapters the layer's forward adds (none where peft merged them already, or
+    inside ``disable_adapter()``)."""
+    if getattr(layer, "merged_adapters", None) or getattr(layer, "disable_adapters", False):
         return []
     active = layer.active_adapters
     names = [active] if isinstance(active, str) else list(active)

@@ -31,7 +31,12 @@ from flatshard.flat._flat_param import FlatParamGroup
 from flatshard.flat._layout import rows_shape
 from flatshard.flat._tensor_parallel import SplitParam, spanning_group
 from flatshard.runtime._by_hand import copy_out, gather_copies
-from flatshard.runtime._changes import mark_loaded, refuse_differed
+from flatshard.runtime._changes import (
+    agree_on_differed,
+    differed,
+    mark_loaded,
+    refuse_differed,
+)
 from flatshard.runtime._configuration import checksum
 from flatshard.runtime._pipeline import stages_spanning
 from flatshard.runtime._step import context_of, every_rank_calls
@@ -297,8 +302,10 @@ def load_state_dict(
     ``flatshard.load_checkpoint``. ``strict``: missing, unexpected and mis-shaped entries
     are an error listing them all.
     """
+    before = bool(differed(model))  # [Note: weights that differ across ranks]
     if from_rank0:
         _load_from_rank0(model, state_dict, strict)
+        agree_on_differed(model, model_group(model), before)
         return
     reshard_for_load(model, "load_state_dict")
     targets = plain_state_dict(model)
@@ -317,6 +324,7 @@ def load_state_dict(
             mark_loaded(target)
     if problems:
         raise entries_do_not_fit("load_state_dict", problems)
+    agree_on_differed(model, model_group(model), before)
 
 
 def _check_same_dict(
