@@ -6,6 +6,7 @@ table."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -327,6 +328,13 @@ def peft_copies_job(ctx: WorkerContext, out_dir: str) -> dict[str, Any] | None:
             exported = reloaded(input_ids=ids).logits
             off = transformers.LlamaForSequenceClassification.from_pretrained(f"{out_dir}/disabled")
             disabled, base_logits = off(input_ids=ids).logits, plain(input_ids=ids).logits
+    apart = model.disable_adapter() if ctx.rank == 0 else contextlib.nullcontext()
+    try:
+        with apart:  # on one rank only: the file would be rank 0's choice alone
+            flatshard.export_safetensors(model, f"{out_dir}/apart")
+        one_rank = "no error"
+    except ValueError as error:
+        one_rank = str(error)
     torch.manual_seed(SEED)
     tied = transformers.LlamaForCausalLM(
         transformers.LlamaConfig(**LLAMA, tie_word_embeddings=True)
@@ -345,6 +353,7 @@ def peft_copies_job(ctx: WorkerContext, out_dir: str) -> dict[str, Any] | None:
         "disabled": disabled,
         "base": base_logits,
         "refused": refused,
+        "one_rank": one_rank,
     }
 
 
@@ -361,6 +370,7 @@ def test_a_peft_models_trained_copies_are_exported_and_tied_adapters_refused(
     torch.testing.assert_close(results[0]["live_off"], results[0]["base"], rtol=1e-5, atol=1e-5)
     for result in results:
         assert "holds a LoRA adapter on a weight tied to another" in result["refused"]
+        assert "would merge other adapters" in result["one_rank"], result["one_rank"]
 
 
 def test_lora_with_peft_then_fully_shard_matches_unsharded(

@@ -15,7 +15,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from flatshard.comm._agreement import global_rank, rank_in
+from flatshard.comm._agreement import check_same_on_all_ranks, global_rank, rank_in
 from flatshard.comm._collectives import all_gather_object
 from flatshard.runtime._by_hand import gather_copies
 from flatshard.runtime._changes import refuse_differed
@@ -75,7 +75,10 @@ def export_safetensors(
     write = keep and all(tp.holds_first for tp in tensor_parallel_of(model))
     checkpoint_group(model)  # refuses a pipeline whose ranks hold several stages, first
     seat = _stage_seat(model)
-    lora = LoraMerge.of(model, "export_safetensors") if names is None else None
+    lora = LoraMerge.of(model) if names is None else None
+    if lora is not None:
+        _agree_merge(model, lora)
+        lora.check(model, "export_safetensors")
     state = renamed(
         plain_state_dict(model), lora.base_name if lora else names, "export_safetensors"
     )
@@ -118,6 +121,23 @@ def export_safetensors(
             files += writer.joint_index(seat)
     _agree_written(model, Path(out_dir), writer.failure)
     return files
+
+
+def _agree_merge(model: nn.Module, lora: LoraMerge) -> None:
+    """The ranks write one model: they compare what each would merge and write."""
+    group = model_group(model)
+    flats = list(flat_params(model))
+    if group is None or group.size() == 1 or not flats:
+        return
+    check_same_on_all_ranks(
+        lora.lines(),
+        group,
+        flats[0].compute_device,
+        "would merge other adapters",
+        "Export with the same adapters active on every rank (set_adapter, "
+        "disable_adapter() alike).",
+        "export_safetensors",
+    )
 
 
 def _stage_seat(model: nn.Module) -> PipelineSeat | None:

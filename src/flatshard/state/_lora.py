@@ -47,17 +47,25 @@ class LoraMerge:
         self.full: dict[int, torch.Tensor] = {}  # adapter parameter -> its full value (kept)
 
     @staticmethod
-    def of(model: nn.Module, caller: str) -> LoraMerge | None:
-        """The model's LoRA layers and trained copies (None without either); unsupported
-        adapters refused."""
+    def of(model: nn.Module) -> LoraMerge | None:
+        """The model's LoRA layers and trained copies (None without either)."""
         layers = [(n, m) for n, m in model.named_modules() if _is_lora_layer(m)]
         copies = {n: _copy_in_use(m) for n, m in model.named_modules() if _is_copy(m)}
-        if not layers and not copies:
-            return None
+        return LoraMerge(layers, copies) if layers or copies else None
+
+    def lines(self) -> list[str]:
+        """What the export writes, one line per layer (the adapters merged, the copy in
+        use): for the ranks to compare (``disable_adapter()`` or ``set_adapter`` on one
+        rank would otherwise decide the file by rank 0's alone)."""
+        merged = [f"'{name}' merges {sorted(_active(layer))}" for name, layer in self.layers]
+        return merged + [f"'{name}' writes copy {use}" for name, use in self.copies.items()]
+
+    def check(self, model: nn.Module, caller: str) -> None:
+        """Adapters this export cannot merge, refused by name."""
         names: dict[int, list[str]] = {}
         for name, param in model.named_parameters(remove_duplicate=False):
             names.setdefault(id(param), []).append(name)
-        for name, layer in layers:
+        for name, layer in self.layers:
             _check_mergeable(name, layer, caller)
             tied = names.get(id(layer.base_layer.weight), [])
             if len(tied) > 1:
@@ -68,7 +76,6 @@ class LoraMerge:
                     "token embedding). Untie them before adding adapters "
                     "(tie_word_embeddings=False), or save the adapters with peft."
                 )
-        return LoraMerge(layers, copies)
 
     def base_name(self, key: str) -> str | None:
         """A peft model entry's name in the base model (None for what is not written: an
