@@ -750,6 +750,51 @@ def test_quantized_gathers_are_priced(planner: ProcessPoolExecutor) -> None:
     assert gathers(bf16).seconds < gathers(plain).seconds
 
 
+MOE_WIDTH, MOE_HIDDEN, MOE_LAYERS = 64, 96, 2
+
+
+def mixtral() -> nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=MOE_WIDTH,
+        intermediate_size=MOE_HIDDEN,
+        num_hidden_layers=MOE_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+    return MixtralForCausalLM(config)
+
+
+def test_a_float32_mixture_of_experts_is_planned_with_its_grouped_matmuls(
+    planner: ProcessPoolExecutor,
+) -> None:
+    """Hugging Face's Mixtral multiplies its experts with ``torch._grouped_mm`` in the
+    model's dtype. Before: a float32 plan stopped at the first expert with torch's meta
+    error "Expected inputs of BF16 type" (the CPU kernel multiplies float32); and a bf16
+    plan priced no FLOPs for the experts (torch's FLOP counter has no formula for it).
+    Each token meets 2 experts: forward 3 matmuls of tokens x width x hidden, backward
+    twice that, per layer."""
+    pytest.importorskip("transformers")
+    from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
+
+    plan: flatshard.Plan = planner.submit(
+        flatshard.plan,
+        mixtral,
+        tokens,
+        loss=language_model_loss,
+        auto_wrap_policy={MixtralDecoderLayer},
+        ranks_per_host=2,
+    ).result()
+    grouped = [op for op in plan.ops if op.name == "aten._grouped_mm"]
+    assert {op.dtype for op in grouped} == {torch.float32}
+    routed = BATCH * SEQ * 2
+    assert sum(op.flops for op in grouped) == 2 * 9 * routed * MOE_WIDTH * MOE_HIDDEN * MOE_LAYERS
+
+
 def _two_hosts(planner: ProcessPoolExecutor, ranks_per_host: int, **extra: Any) -> flatshard.Plan:
     """The GPT planned on 2 hosts of the a100-80gb cluster (NCCL), with ``extra``."""
     options = {"loss": language_model_loss, "auto_wrap_policy": {GPTBlock}, "hosts": 2}

@@ -103,6 +103,45 @@ def _guessed_scalar(t: torch.Tensor) -> bool | int | float:
     return 0.0 if t.dtype.is_floating_point else 0
 
 
+def _grouped_mm_in_any_dtype(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> torch.Tensor | None:
+    """``aten._grouped_mm`` of float inputs other than bf16 on the meta device: a new
+    meta tensor of its output, or None for any other call.
+
+    torch's meta kernel of ``_grouped_mm`` repeats a CUDA kernel's check (bf16 inputs
+    only) that its CPU kernel does not make: the CPU multiplies float32 groups. Hugging
+    Face's mixture-of-experts blocks (Mixtral, Qwen3-MoE) call it in the model's dtype,
+    so a float32 plan of them stopped at the first expert with torch's "Expected inputs
+    of BF16 type". The output's sizes and strides are the meta kernel's on bf16 inputs;
+    its dtype is the one asked for, or the inputs'.
+    """
+    if func is not torch.ops.aten._grouped_mm.default:
+        return None
+    a, b = args[0], args[1]
+    if not (a.is_meta and a.dtype.is_floating_point) or a.dtype == torch.bfloat16:
+        return None
+    shaped = func(a.to(torch.bfloat16), b.to(torch.bfloat16), *args[2:], **kwargs)
+    dtype = kwargs.get("out_dtype") or (args[4] if len(args) > 4 else None) or a.dtype
+    return torch.empty_strided(shaped.shape, shaped.stride(), dtype=dtype, device="meta")
+
+
+def _grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, *_: Any, **__: Any) -> int:
+    """Multiply-adds of ``aten._grouped_mm`` (torch's FLOP counter has no formula for
+    it), times two. The groups cut one dimension: the rows of ``a`` (``a`` 2-D, ``b``
+    3-D), the inner one (both 2-D: a weight's gradient), the columns of ``b`` (``a`` 3-D,
+    ``b`` 2-D), or none (both 3-D: a batch); summed over the groups, every case is one
+    product of the three extents."""
+    groups = a.size(0) if a.dim() == 3 else b.size(0) if b.dim() == 3 else 1
+    if a.dim() == 2 and b.dim() == 2:
+        return 2 * a.size(0) * a.size(1) * b.size(1)
+    rows = a.numel() // a.size(-1)  # every group's rows (a 2-D: the rows all groups share)
+    return 2 * rows * a.size(-1) * (b.size(-1) if b.dim() == 3 else b.size(-1) // groups)
+
+
+_EXTRA_FLOPS: dict[Any, Callable[..., int]] = {torch.ops.aten._grouped_mm: _grouped_mm_flops}
+
+
 def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -290,7 +329,9 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             return _guessed_scalar(args[0])
         inputs = tensors([args, kwargs])
         before = {id(t.untyped_storage()) for t in inputs}
-        out = REMEMBERED(func, args, kwargs)  # [Note: meta ops remembered]
+        out = _grouped_mm_in_any_dtype(func, args, kwargs)
+        if out is None:
+            out = REMEMBERED(func, args, kwargs)  # [Note: meta ops remembered]
         name = str(func.overloadpacket)
         kind = COLLECTIVES.get(name)
         outputs = tensors(out)
@@ -377,7 +418,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         inputs: list[torch.Tensor],
         new: list[torch.Tensor],
     ) -> None:
-        formula = flop_registry.get(func.overloadpacket)
+        formula = flop_registry.get(func.overloadpacket) or _EXTRA_FLOPS.get(func.overloadpacket)
         flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
         outputs = tensors(out)
         if not new and not flops and not func._schema.is_mutable:
