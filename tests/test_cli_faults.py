@@ -59,14 +59,18 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in found.split()]
 
 
-def _start_long_run(tmp_path: Path) -> tuple[subprocess.Popen[str], list[int]]:
-    """A run that would take minutes; returns once its ranks are training."""
-    argv = [*TINY, "--steps", "100000", "--log-every", "1", "--sample-bytes", "0"]
+def _start_long_run(
+    tmp_path: Path, *extra: str, own_group: bool = False
+) -> tuple[subprocess.Popen[str], list[int]]:
+    """A run that would take minutes; returns once its ranks are training. ``own_group``:
+    the launcher in a process group of its own, as a terminal or a scheduler starts it."""
+    argv = [*TINY, "--steps", "100000", "--log-every", "1", "--sample-bytes", "0", *extra]
     proc = subprocess.Popen(
         [*TRAIN, *argv, "--out-dir", str(tmp_path)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=own_group,
     )
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -96,6 +100,27 @@ def test_stopping_the_launcher_stops_its_ranks(tmp_path: Path, sig: signal.Signa
     os.kill(proc.pid, sig)
     assert proc.wait(timeout=20) == 128 + sig
     assert _gone_within(ranks, 10)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_launchers_whole_group_ends_every_rank_before_the_launcher(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    """What ``timeout``, a scheduler's cancel and a terminal's Ctrl-C do: the signal
+    reaches every process of the group, the ranks and the fork server they were forked
+    from too. Before: the server died of SIGTERM, the launcher took that for the end of
+    every rank and returned within 0.1 s, and its ranks outlived it (saving, or hung on
+    the rendezvous folder it had removed); on Ctrl-C each rank printed a traceback."""
+    proc, ranks = _start_long_run(tmp_path, "--ckpt-on-preempt", own_group=True)
+    os.killpg(proc.pid, sig)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig, stderr[-3000:]
+    assert not any(alive(rank) for rank in ranks)  # (a zombie is not alive)
+    assert f"stopped all ranks on {sig.name}" in stdout
+    assert "Traceback" not in stderr, stderr[-3000:]
+    if sig == signal.SIGTERM:  # --ckpt-on-preempt: the step they agreed to stop at, saved
+        stopped = int(stdout.split("SIGTERM at step ")[1].split(":")[0])
+        assert (tmp_path / "checkpoints" / f"step_{stopped:06d}" / "flatshard.json").exists()
 
 
 def test_ranks_do_not_outlive_a_killed_launcher(tmp_path: Path) -> None:

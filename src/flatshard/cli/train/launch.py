@@ -38,7 +38,8 @@ def run_local_ranks(
     command.
 
     SIGTERM / SIGINT to the launcher are passed to every rank, which then have ``grace_s``
-    seconds before SIGKILL; a launcher killed outright takes its ranks with it
+    seconds before SIGKILL; the launcher returns once every rank has ended ([Note: ranks
+    watched by process descriptor]); a launcher killed outright takes its ranks with it
     (``stop_with_launcher``). The rank that failed first is named, with its exit code or
     the signal that killed it.
     """
@@ -50,13 +51,16 @@ def run_local_ranks(
     ]
     for proc in procs:
         proc.start()
+    ranks = [_Rank(proc) for proc in procs]
     received: list[int] = []
     previous = {sig: signal.signal(sig, lambda s, _: received.append(s)) for sig in _STOP}
     try:
-        first = _supervise(procs, received, grace_s)
+        first = _supervise(ranks, received, grace_s)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        for each in ranks:
+            each.close()
     if received:
         print(f"flatshard train: stopped all ranks on {signal.Signals(received[0]).name}")
         return 128 + received[0]
@@ -75,39 +79,110 @@ def run_local_ranks(
 _STOP = (signal.SIGTERM, signal.SIGINT)
 
 
-def _supervise(procs: list[Any], received: list[int], grace_s: float) -> tuple[int, int] | None:
+class _Rank:
+    """A rank's process, watched and signalled through a descriptor of the process itself
+    where the kernel has them (Linux 5.3).
+
+    [Note: ranks watched by process descriptor]
+    The ranks are forked by multiprocessing's fork server, and a ``Process`` learns of its
+    end from that server, over a pipe. A signal to the launcher's whole process group
+    (what ``timeout``, a batch scheduler's cancel or a closed terminal send) reaches the
+    server too, and ends it: its pipes then read as "every rank ended, status 255" while
+    the ranks are still finishing their step and saving (``--ckpt-on-preempt``). The
+    launcher took that for their end and returned at once; the ranks outlived it, and
+    hung where they next used the rendezvous folder it had removed. A process descriptor
+    reads as ended only when the process has, and signals sent through it cannot reach
+    another process that took over the number. The exit status still comes from the
+    server, where it is alive to tell it.
+    """
+
+    def __init__(self, proc: Any) -> None:
+        self.proc = proc
+        self._fd: int | None = None
+        try:
+            self._fd = os.pidfd_open(proc.pid)
+        except ProcessLookupError:  # ended already (its status is the server's)
+            self._ended = True
+        except (AttributeError, OSError):  # no process descriptors here: the server's pipe
+            self._ended = False
+        else:
+            self._ended = False
+
+    def waitable(self) -> Any:
+        """What ``multiprocessing.connection.wait`` waits on for this rank's end."""
+        return self._fd if self._fd is not None else self.proc.sentinel
+
+    def ended(self, timeout: float | None = 0.0) -> bool:
+        """Whether the process has ended, waiting up to ``timeout`` seconds for it (None:
+        until it has)."""
+        if not self._ended:
+            if self._fd is not None:
+                self._ended = bool(select.select([self._fd], [], [], timeout)[0])
+            else:
+                self.proc.join(timeout)
+                self._ended = not self.proc.is_alive()
+        return self._ended
+
+    def exitcode(self) -> int | None:
+        """The exit status of an ended rank (255 where the server was gone before it told
+        it), or None while it runs."""
+        if not self.ended():
+            return None
+        self.proc.join(timeout=1.0)  # the server tells the status just after the end
+        code: int | None = self.proc.exitcode
+        return 255 if code is None else code
+
+    def send(self, sig: int) -> None:
+        """Send ``sig`` to the rank, if it still runs."""
+        if self.ended():
+            return
+        try:
+            if self._fd is not None:
+                signal.pidfd_send_signal(self._fd, sig)
+            else:
+                os.kill(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+            self._ended = True
+
+
+def _supervise(ranks: list[_Rank], received: list[int], grace_s: float) -> tuple[int, int] | None:
     """Wait for the ranks; at a failure or a signal, stop the rest. The first failure.
 
-    Woken by any rank's end (its sentinel), so that the rank that failed first is usually
-    the only one ended when looked at. Where several are (a peer's connection error
-    follows a rank's death within milliseconds), one killed by a signal is named before
-    one that exited with an error: the error is what the death caused.
+    Woken by any rank's end, so that the rank that failed first is usually the only one
+    ended when looked at. Where several are (a peer's connection error follows a rank's
+    death within milliseconds), one killed by a signal is named before one that exited
+    with an error: the error is what the death caused.
     """
     while True:
         # Checked once more after the last rank ended: ranks that all fail at once (a bad
         # option every rank finds) must not look like a success.
-        failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode]
+        failed = [(r, code) for r, rank in enumerate(ranks) if (code := rank.exitcode())]
         if failed or received:
-            _stop(procs, grace_s)  # a rank failed: the others would wait forever
+            _stop(ranks, grace_s)  # a rank failed: the others would wait forever
             failed.sort(key=lambda rank_code: rank_code[1] > 0)  # (stable: then by rank)
             return failed[0] if failed else None
-        alive = [p.sentinel for p in procs if p.is_alive()]
-        if not alive:
+        running = [rank.waitable() for rank in ranks if not rank.ended()]
+        if not running:
             return None
-        wait(alive, timeout=0.2)
+        wait(running, timeout=0.2)
 
 
-def _stop(procs: list[Any], grace_s: float) -> None:
-    """SIGTERM every live rank, then SIGKILL whatever is left after ``grace_s``."""
-    for proc in procs:
-        if proc.is_alive():
-            proc.terminate()
+def _stop(ranks: list[_Rank], grace_s: float) -> None:
+    """SIGTERM every rank still running, then SIGKILL whatever is left after ``grace_s``;
+    returns once every rank has ended."""
+    for rank in ranks:
+        rank.send(signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    for proc in procs:
-        proc.join(timeout=max(0.0, deadline - time.monotonic()))
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
+    for rank in ranks:
+        if not rank.ended(max(0.0, deadline - time.monotonic())):
+            rank.send(signal.SIGKILL)
+            rank.ended(timeout=None)
 
 
 def _how(exitcode: int) -> str:
@@ -126,7 +201,12 @@ def _rank_main(
     adopt_environment(env)  # the server's is the one it started with
     output.adopt()  # ... and so is its output
     stop_with_launcher(launcher)  # never outlive the launcher
-    worker(rank, *args)
+    try:
+        worker(rank, *args)
+    except KeyboardInterrupt:
+        # Ctrl-C reaches every process of the terminal's group, the ranks too: the
+        # launcher stops them and says so once, without a traceback from each rank.
+        sys.exit(128 + signal.SIGINT)
 
 
 def stop_with_launcher(launcher: int) -> None:
