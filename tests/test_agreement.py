@@ -518,6 +518,19 @@ def argument_alone_job(rank: int, case: str, folder: str) -> tuple[str, str, flo
             where = os.path.join(folder, "elsewhere") if case == "load_path" and other else ckpt
             given = None if case == "load_optimizer" and other else optim
             flatshard.load_checkpoint(where, model, given)
+        elif case == "resume_state":
+            resume = None if other else flatshard.ResumeState()
+            flatshard.save_checkpoint(ckpt, model, optim, resume_state=resume)
+        elif case == "names_on_load":  # a names function built from a per-rank setting
+            export = os.path.join(folder, "export")
+            flatshard.export_safetensors(model, export)
+            swap = {"blocks.0.": "blocks.1.", "blocks.1.": "blocks.0."} if other else {}
+
+            def names(key: str) -> str:
+                renamed = (to + key[len(of) :] for of, to in swap.items() if key.startswith(of))
+                return next(renamed, key)
+
+            flatshard.load_safetensors(model, export, names=names)
         elif case == "export_dtype":
             export = os.path.join(folder, "export")
             flatshard.export_safetensors(model, export, dtype=torch.bfloat16 if other else None)
@@ -552,6 +565,8 @@ ARGUMENTS = {  # case: (the error every rank raises, words every rank's message 
     "load_path": (MISMATCH, "/elsewhere', optimizer=SGD"),
     "load_optimizer": (MISMATCH, "optimizer=None, strict=True"),
     "export_dtype": (MISMATCH, "dtype=bfloat16"),
+    "resume_state": (MISMATCH, "resume_state=None"),
+    "names_on_load": ("ValueError", "ranks map entries to other names"),
     "from_rank0": (MISMATCH, "from_rank0=True"),
     "full_dict": ("ValueError", "'blocks.1.lin.weight': digest"),
     "full_optim_dict": ("ValueError", "'blocks.1.lin.weight' momentum_buffer: digest"),
@@ -584,7 +599,9 @@ ARGUMENTS = {  # case: (the error every rank raises, words every rank's message 
 def test_an_argument_or_setting_on_one_rank_is_named_on_every_rank(case: str, world: int) -> None:
     """Before: a checkpoint saved or loaded at another path, or without the optimizer, on
     one rank, an export in another dtype, a full (optimizer) dict changed on one rank, an
-    optimizer with maximize=True or without one parameter, a scaler with another
+    optimizer with maximize=True or without one parameter, a resume state saved by one
+    rank (its load then failed on the others), a names function that maps entries to
+    other names on one rank (each rank's rows read from another tensor), a scaler with another
     init_scale, a clip by a given norm with another max_norm: silent (a checkpoint
     committed incomplete, a model or optimizer state mixed from two, shards updated by
     different factors); load_state_dict's from_rank0 or debug mode on one rank:

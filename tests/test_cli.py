@@ -261,6 +261,20 @@ BAD_TOML = {
         (["--optimizer", "sgd"], "--optimizer must be one of adamw, muon, adafactor, got 'sgd'"),
         (["--model", "hf:no-such-model-type"], "--model hf:no-such-model-type:"),
         (["--hf-overrides", "n_layer=2"], "--hf-overrides only applies to --model hf:"),
+        (  # before: accepted, and a 12-layer GPT-2 trained (transformers keeps any key)
+            ["--model", "hf:gpt2", "--hf-overrides", "n_embd=32,n_head=2,n_layerz=2"],
+            "--model hf:gpt2: --hf-overrides: GPT2Config has no setting 'n_layerz'; did you "
+            "mean 'n_layer'?",
+        ),
+        (  # before: each rank's traceback (huggingface_hub's errors are not ValueErrors)
+            ["--model", "hf:gpt2", "--hf-overrides", "n_embd=thirty"],
+            "--model hf:gpt2: Validation error for field 'n_embd': TypeError: Field 'n_embd' "
+            "expected int, got str",
+        ),
+        (  # before: each rank's traceback, where the model was built
+            ["--model", "hf:gpt2", "--hf-overrides", "n_embd=32,n_layer=2"],
+            "--model hf:gpt2: `embed_dim` must be divisible by num_heads",
+        ),
         (["--init", "pretrained"], "--init pretrained needs --model hf:<directory with"),
         (["--lora", "r=8,targets=q_proj"], "--lora only applies to --model hf:"),
         (["--model", "hf:llama", "--lora", "r=8"], "--lora: name the modules to adapt"),

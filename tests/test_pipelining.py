@@ -906,6 +906,68 @@ def test_a_norm_over_some_of_a_ranks_stages_is_refused(pool: WorkerPool) -> None
         assert "nn.ModuleList(stage_modules)" in message
 
 
+def stages_calls_job(ctx: WorkerContext, folder: str) -> dict[str, str] | None:
+    """PP2, one rank a stage: each stage makes a call that is the whole pipeline's with a
+    value of its own, or alone while the other stage goes on training."""
+    dps, pps = _groups(2, 1)
+    if ctx.rank >= 2:
+        return None
+    torch.manual_seed(0)
+    stage = flatshard.fully_shard(
+        _cut(Stack(2), [ctx.rank]), auto_wrap_policy={Block}, process_group=dps[ctx.rank]
+    )
+    optim = torch.optim.SGD(stage.parameters(), lr=LR)
+    pipeline = PipelineStage(stage, ctx.rank, 2, torch.device("cpu"), group=pps[0])
+    runner = ScheduleGPipe(pipeline, MICRO, loss_fn=mse)
+    x, y = torch.randn(BATCH, DIM), torch.randn(BATCH, DIM)
+
+    def step() -> None:
+        runner.step(*((x,) if ctx.rank == 0 else ()), target=y if ctx.rank == 1 else None)
+
+    step()
+    other = ctx.rank == 1
+    calls = {
+        "clip": lambda: flatshard.clip_grad_norm_(stage, 0.001 if other else 0.1),
+        "torch clip": lambda: torch.nn.utils.clip_grad_norm_(
+            stage.parameters(), 0.1, norm_type=math.inf if other else 2.0
+        ),
+        "path": lambda: flatshard.save_checkpoint(f"{folder}/stage{ctx.rank}", stage, optim),
+        "dtype": lambda: flatshard.export_safetensors(
+            stage, f"{folder}/export", dtype=torch.bfloat16 if other else None
+        ),
+        "alone": step if other else lambda: flatshard.save_checkpoint(f"{folder}/alone", stage),
+    }
+    found = {}
+    for case, call in calls.items():
+        try:
+            call()
+            found[case] = "no error"
+        except flatshard.CollectiveMismatchError as error:
+            found[case] = str(error)
+    found["written"] = " ".join(sorted(p.name for p in Path(folder).iterdir()))
+    return found
+
+
+def test_a_call_of_the_whole_pipeline_made_by_one_stage_or_with_its_own_values_is_named(
+    pool: WorkerPool, tmp_path: Path
+) -> None:
+    """Before: each stage clipped by its own max_norm (or norm type) the norm of every
+    stage, silently; a checkpoint at a path of each stage's was committed without the
+    other stage, and loaded as whole; an export wrote one stage in bfloat16; a save on
+    one stage hung until the process group's timeout while the other stage trained on."""
+    expected = {
+        "clip": ("clip_grad_norm_(max_norm=0.1,", "clip_grad_norm_(max_norm=0.001,"),
+        "torch clip": ("norm_type=2.0)", "norm_type=inf)"),
+        "path": ("/stage0', optimizer=SGD", "/stage1', optimizer=SGD"),
+        "dtype": ("dtype=None", "dtype=bfloat16"),
+        "alone": ("rank 0: save_checkpoint(", "rank 1: pipeline schedule step"),
+    }
+    for found in pool.run(stages_calls_job, str(tmp_path))[:2]:
+        for case, words in expected.items():
+            assert all(w in found[case] for w in words), (case, found[case])
+        assert found["written"] == "", found["written"]  # nothing committed, nothing begun
+
+
 def held_unit_job(ctx: WorkerContext) -> int | None:
     """One stage over 2 data-parallel ranks; a block held by ``flatshard.unshard`` stays
     gathered through the schedule's step: calling it before the optimizer steps gathers
@@ -1202,7 +1264,7 @@ def test_stages_that_part_ways_are_named_within_seconds(pool: WorkerPool, case: 
     sends and receives, which flatshard does not see)."""
     for message in pool.run(stage_misuse_job, case):
         if case == "clip":
-            assert "clip_grad_norm_ over every stage" in message, message
+            assert "clip_grad_norm_(max_norm=1.0, norm_type=2.0)" in message, message
             assert "pipeline schedule step" in message, message
             assert "pipeline schedule step at step" not in message, message  # no one model's
         else:

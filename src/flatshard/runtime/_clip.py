@@ -27,7 +27,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     norm_type = float(norm_type)
     if not norm_type > 0:
         raise ValueError(f"flatshard.clip_grad_norm_: norm_type must be > 0, got {norm_type}")
-    with collective_call(model, clip_call("clip_grad_norm_", max_norm, norm_type)):
+    call = clip_call("clip_grad_norm_", max_norm, norm_type)
+    with collective_call(model, call, over_stages=True):  # a norm over every stage
         return _clip(model, max_norm, norm_type)
 
 

@@ -434,7 +434,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 @contextmanager
-def collective_call(model: nn.Module, caller: str) -> Iterator[None]:
+def collective_call(model: nn.Module, caller: str, over_stages: bool = False) -> Iterator[None]:
     """A call every rank of the model's group must make (``caller``: summon, state dicts,
     ``clip_grad_norm_``, checkpoints), which a program may well make on some ranks only.
 
@@ -442,6 +442,16 @@ def collective_call(model: nn.Module, caller: str) -> Iterator[None]:
     that calls it alone waits there, and is reported, instead of sending its collectives to
     a backend that would pair them with another rank's (gloo aborts on a size mismatch).
     Its collectives are tagged with ``caller`` and the model's step.
+
+    [Note: calls over every stage]
+    A pipeline stage is a model of its own, its group the ranks of its stage. Most calls
+    stay inside a stage (a stage's full state dict, a summon), but some act for the whole
+    pipeline: a checkpoint or an export is one directory every stage writes its part of,
+    and a gradient norm adds up over the stages. ``over_stages``: such a call; the ranks
+    of the pipeline group agree on it too, its values with it (the ``max_norm`` a stage
+    clips by, a checkpoint's path), so that a stage that calls it alone or with other
+    values is named on every rank instead of clipping by another limit or committing a
+    checkpoint without a stage.
     """
     units = [u for m in model.modules() if (u := unit_of(m)) is not None]
     contexts = distinct_contexts(units)
@@ -451,6 +461,10 @@ def collective_call(model: nn.Module, caller: str) -> Iterator[None]:
     tag = contexts[0].tag(phase=caller)
     dog = watchdog()
     groups = {id(c.process_group): c.process_group for c in contexts}
+    if over_stages:  # (after the stage's own: the same order on every rank)
+        for context in contexts:
+            if context.pipeline is not None:
+                groups.setdefault(id(context.pipeline.group), context.pipeline.group)
     for group in groups.values():
         if dog is not None and group is not None:
             dog.entry(group, tag)
@@ -465,12 +479,19 @@ def collective_call(model: nn.Module, caller: str) -> Iterator[None]:
         _IN_CALL.reset(token)
 
 
-def agree(model: nn.Module, caller: str, values: list[str] | None = None, fix: str = "") -> None:
+def agree(
+    model: nn.Module,
+    caller: str,
+    values: list[str] | None = None,
+    fix: str = "",
+    over_stages: bool = False,
+) -> None:
     """Every rank of the model's group made the call ``caller`` (short values in the name):
     agreed through the store before what follows changes which collectives are issued.
     Then, where given, the ``values`` (one line each, e.g. ``name=value``) are compared: a
-    ValueError on every rank names the lines that differ, and ``fix``."""
-    with collective_call(model, caller):
+    ValueError on every rank names the lines that differ, and ``fix``. ``over_stages``:
+    the call is the whole pipeline's ([Note: calls over every stage])."""
+    with collective_call(model, caller, over_stages):
         if values is None:
             return
         units = [u for m in model.modules() if (u := unit_of(m)) is not None]
@@ -484,13 +505,14 @@ def agree(model: nn.Module, caller: str, values: list[str] | None = None, fix: s
 
 
 def every_rank_calls(
-    caller: str, model_arg: int = 0, agreed: tuple[str, ...] = ()
+    caller: str, model_arg: int = 0, agreed: tuple[str, ...] = (), over_stages: bool = False
 ) -> Callable[[F], F]:
     """Decorate ``fn`` as a ``collective_call`` named ``caller`` on its argument
     ``model_arg`` (the model). The arguments named in ``agreed`` join the call's name, so
     the ranks agree on them too: a checkpoint's path, whether an optimizer is saved with
     it, a load's ``from_rank0``, an export's dtype (a rank that differs would write or
-    read something else, silently, or wait in a collective its peers never issue)."""
+    read something else, silently, or wait in a collective its peers never issue).
+    ``over_stages``: the call is the whole pipeline's ([Note: calls over every stage])."""
 
     def decorate(fn: F) -> F:
         signature = inspect.signature(fn)
@@ -504,7 +526,7 @@ def every_rank_calls(
                 bound.apply_defaults()
                 values = ", ".join(f"{k}={_argument(bound.arguments[k])}" for k in agreed)
                 name = f"{caller}({values})"
-            with collective_call(model, name):
+            with collective_call(model, name, over_stages):
                 return fn(*args, **kwargs)
 
         return cast(F, wrapper)
@@ -517,6 +539,9 @@ def _argument(value: object) -> str:
     (its settings are compared at its steps), anything else as the configuration is."""
     if isinstance(value, os.PathLike | bytes):
         return repr(os.fsdecode(value))
+    agreed_as = getattr(value, "agreed_as", None)
+    if callable(agreed_as):  # an object that says what about it ranks must share
+        return str(agreed_as())
     if isinstance(value, torch.optim.Optimizer):
         return type(value).__name__
     if isinstance(value, list | tuple) and all(isinstance(v, torch.optim.Optimizer) for v in value):

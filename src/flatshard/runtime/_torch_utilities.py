@@ -207,7 +207,8 @@ def _clip_grads_with_norm(
     given = {id(p) for p in params}
     for context in sharded_contexts():
         if any(id(o.param) in given for o in context.originals()):
-            agree(context.root, clip_call("torch.nn.utils.clip_grads_with_norm_", max_norm))
+            call = clip_call("torch.nn.utils.clip_grads_with_norm_", max_norm)
+            agree(context.root, call, over_stages=True)
             break
     _TORCH_CLIP_WITH_NORM(params, max_norm, total_norm, foreach)
 
@@ -246,7 +247,7 @@ def _total_norm(
     call = "torch.nn.utils.clip_grad_norm_"
     if max_norm is not None:  # the values are agreed too (see clip_call)
         call = clip_call(call, max_norm, order)
-    with collective_call(contexts[0].root, call):
+    with collective_call(contexts[0].root, call, over_stages=True):
         total = sharded_norm(
             units, given, local, order, units[0].compute_device, "torch.nn.utils.clip_grad_norm_"
         )

@@ -136,7 +136,12 @@ def save_checkpoint(
 ) -> CheckpointSave | None: ...
 
 
-@every_rank_calls("save_checkpoint", 1, ("path", "optimizer", "async_op", "keep"))
+@every_rank_calls(
+    "save_checkpoint",
+    1,
+    ("path", "optimizer", "async_op", "keep", "resume_state"),
+    over_stages=True,  # one directory of every stage ([Note: checkpoints of pipeline stages])
+)
 def save_checkpoint(
     path: str | os.PathLike[str],
     model: nn.Module,
@@ -365,7 +370,9 @@ def _file_facts(path: Path) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------- loading
-@every_rank_calls("load_checkpoint", 1, ("path", "optimizer", "strict"))
+@every_rank_calls(
+    "load_checkpoint", 1, ("path", "optimizer", "strict", "resume_state"), over_stages=True
+)
 def load_checkpoint(
     path: str | os.PathLike[str],
     model: nn.Module,

@@ -34,6 +34,7 @@ from flatshard.state._safetensors import INDEX, Entry, StreamWriter, weight_map,
 from flatshard.state._state_dict import (
     HeldRows,
     Names,
+    agree_on_names,
     checkpoint_group,
     flat_params,
     model_group,
@@ -46,7 +47,11 @@ from flatshard.state._state_dict import (
 DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size
 
 
-@every_rank_calls("export_safetensors", agreed=("out_dir", "max_shard_bytes", "dtype"))
+@every_rank_calls(
+    "export_safetensors",
+    agreed=("out_dir", "max_shard_bytes", "dtype"),
+    over_stages=True,  # one directory of every stage ([Note: an export of pipeline stages])
+)
 def export_safetensors(
     model: nn.Module,
     out_dir: str | os.PathLike[str],
@@ -75,6 +80,7 @@ def export_safetensors(
     write = keep and all(tp.holds_first for tp in tensor_parallel_of(model))
     checkpoint_group(model)  # refuses a pipeline whose ranks hold several stages, first
     seat = _stage_seat(model)
+    agree_on_names(model, names, "export_safetensors")
     lora = LoraMerge.of(model) if names is None else None
     if lora is not None:
         _agree_merge(model, lora)

@@ -30,6 +30,7 @@ from flatshard.runtime._step import every_rank_calls
 from flatshard.state._state_dict import (
     HeldRows,
     Names,
+    agree_on_names,
     entries_do_not_fit,
     flat_params,
     model_group,
@@ -73,6 +74,7 @@ def load_safetensors(
             "flatshard.load_safetensors needs safetensors: pip install safetensors"
         ) from None
     files = tensor_files(Path(path))
+    agree_on_names(model, names, "load_safetensors")
     targets = renamed(plain_state_dict(model), names, "load_safetensors")
     places = param_places(model)
     with ExitStack() as stack:

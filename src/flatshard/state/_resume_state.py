@@ -60,6 +60,14 @@ class ResumeState:
                         f"{type(item).__name__}"
                     )
 
+    def agreed_as(self) -> str:
+        """What every rank's resume state must share when saved or loaded: which parts it
+        keeps (their states are each rank's own; a sampler's rank differs by design)."""
+        schedulers = self.scheduler if isinstance(self.scheduler, list) else [self.scheduler]
+        kinds = [type(s).__name__ for s in schedulers if s is not None]
+        data = type(self.data).__name__ if self.data is not None else None
+        return f"ResumeState(scheduler={kinds}, data={data}, rng={self.rng})"
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's state, as ``torch.load(weights_only=True)`` reads it."""
         state: dict[str, Any] = {}

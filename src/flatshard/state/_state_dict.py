@@ -201,6 +201,21 @@ def renamed(
     return out
 
 
+def agree_on_names(model: nn.Module, names: Names | None, caller: str) -> None:
+    """Where ``names`` is given, the ranks compare what it makes of the model's entries:
+    each rank reads or gathers its own rows under the names it computes, so a rank whose
+    function differs (a map built from a per-rank setting) would load another tensor's
+    values into its rows, or write under names its peers do not. One digest all-gather."""
+    group = model_group(model)
+    if names is None or group is None or group.size() == 1:
+        return
+    lines = [f"{key} -> {names(key)}" for key in plain_state_dict(model)]
+    flat = next(flat_params(model), None)  # where the group communicates (NCCL: the GPU)
+    device = flat.compute_device if flat is not None else torch.device("cpu")
+    fix = "Pass every rank the same names function (the same name for every entry)."
+    check_same_on_all_ranks(lines, group, device, "map entries to other names", fix, caller)
+
+
 def model_group(model: nn.Module) -> dist.ProcessGroup | None:
     """The process group ``fully_shard`` was given for ``model`` (None: not sharded)."""
     context = context_of(model)

@@ -7,7 +7,9 @@ asked for logits the same way; the unit policy is the transformer block class.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import fnmatch
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,8 +109,36 @@ def _call_hf_model(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
 
 
 def check_hugging_face(config: TrainConfig) -> None:
-    """Fail early (one line) on a missing transformers or a config it cannot build."""
-    hf_config(transformers_module(), config)
+    """Fail early (one line) on a missing transformers, or a config it cannot build or
+    cannot build a model of (``n_embd`` not a multiple of ``n_head``: on meta, nothing
+    allocated)."""
+    transformers = transformers_module()
+    model_config = hf_config(transformers, config)
+    cannot_build: tuple[type[Exception], ...] = (ValueError, TypeError, *_config_errors())
+    try:
+        with torch.device("meta"):
+            transformers.AutoModelForCausalLM.from_config(model_config)
+    except cannot_build as error:
+        raise ConfigError(f"--model {config.model}: {_first_line(error)}") from None
+
+
+def _config_errors() -> tuple[type[Exception], ...]:
+    """huggingface_hub's validation errors of a config's fields (not ValueErrors)."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return ()
+    return (StrictDataclassError,)
+
+
+def _first_line(error: Exception) -> str:
+    """An error's first line, for a one-line message (at most 300 characters: transformers
+    lists every model type it knows)."""
+    lines = [line.strip() for line in str(error).strip().splitlines()] or [type(error).__name__]
+    first = lines[0]
+    if first.endswith(":") and len(lines) > 1:  # "Validation error for field 'n_embd':"
+        first = f"{first} {lines[1]}"
+    return first if len(first) <= 300 else first[:300] + " ..."
 
 
 def transformers_module() -> Any:
@@ -215,6 +245,7 @@ def hf_config(transformers: Any, config: TrainConfig, fit_to_bytes: bool = True)
     (the vocabulary, and positions for --seq-len) unless told not to."""
     spec = config.model[3:]
     overrides = parse_overrides(config.hf_overrides)
+    cannot_load: tuple[type[Exception], ...] = (OSError, ValueError, *_config_errors())
     local = Path(spec).expanduser()
     path_like = spec.startswith((".", "/", "~")) or spec.endswith(".json")
     if path_like and not local.exists():
@@ -222,14 +253,13 @@ def hf_config(transformers: Any, config: TrainConfig, fit_to_bytes: bool = True)
         raise ConfigError(f"--model {config.model}: no such {what}: {local.absolute()}")
     try:
         if Path(spec).exists() or spec.endswith(".json") or "/" in spec:
-            loaded = transformers.AutoConfig.from_pretrained(spec, **overrides)
+            make = transformers.AutoConfig.from_pretrained
         else:
-            loaded = transformers.AutoConfig.for_model(spec, **overrides)
-    except (OSError, ValueError) as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        if len(first) > 300:  # transformers lists every model type it knows
-            first = first[:300] + " ..."
-        raise ConfigError(f"--model {config.model}: {first}") from None
+            make = transformers.AutoConfig.for_model
+        _check_override_names(make(spec), overrides)
+        loaded = make(spec, **overrides)  # (derived settings follow: head_dim, ...)
+    except cannot_load as error:
+        raise ConfigError(f"--model {config.model}: {_first_line(error)}") from None
     if not fit_to_bytes:
         return _fit_positions(loaded, config.seq_len)
     if config.init == "pretrained":  # the checkpoint's vocabulary; byte ids are some of it
@@ -245,6 +275,21 @@ def hf_config(transformers: Any, config: TrainConfig, fit_to_bytes: bool = True)
         if isinstance(value, int) and value >= VOCAB:
             setattr(loaded, name, None)
     return _fit_positions(loaded, config.seq_len)
+
+
+def _check_override_names(loaded: Any, overrides: dict[str, Any]) -> None:
+    """A ConfigError for an --hf-overrides key the config does not have: transformers keeps
+    any key as an attribute of its own, so a misspelled one (``n_layerz``) left the real
+    setting at its default, a model of another size, without a word."""
+    known = {name for name in dir(loaded) if not name.startswith("_")}
+    known |= set(inspect.signature(type(loaded).__init__).parameters) - {"self", "kwargs"}
+    for key in overrides:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(
+                f"--hf-overrides: {type(loaded).__name__} has no setting {key!r}{hint}"
+            )
 
 
 def _fit_positions(loaded: Any, seq_len: int) -> Any:
