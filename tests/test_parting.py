@@ -15,7 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+import flatshard
+from flatshard.testing.isolated import run_isolated
+from flatshard.testing.models import ReluLinear, ReluNet
 from flatshard.testing.scripts import run_ranks
 
 SCRIPT = Path(__file__).with_name("parting_script.py")
@@ -96,3 +100,27 @@ def test_how_a_peer_ended_is_told_apart(case: str, said: str, tmp_path: Path) ->
     expected = {"return": {"error": "", "message": "", "seconds": 0.0}, "raise": {"status": 1}}
     rank1.pop("output", None)  # a rank that wrote no result: its output's tail
     assert rank1 == expected.get(case, {"status": -9})
+
+
+def _raises_into_its_launcher(rank: int) -> str:
+    """Rank 1 raises at its second step, out of its function: the launcher
+    (multiprocessing, as torch.multiprocessing.spawn) catches it. Rank 0's error."""
+    torch.manual_seed(0)
+    model = flatshard.fully_shard(ReluNet(), auto_wrap_policy={ReluLinear})
+    for step in range(3):
+        if step == 1 and rank == 1:
+            raise ValueError("bad batch on rank 1")
+        try:
+            model(torch.randn(3, 4)).sum().backward()
+        except flatshard.PeerLostError as error:
+            return str(error)
+    return "no error"
+
+
+def test_a_peer_whose_launcher_caught_its_exception_is_not_said_to_have_ended_normally() -> None:
+    """multiprocessing (and torch.multiprocessing.spawn) catch what the rank's function
+    raised: no exception reaches the interpreter, and a process forked from a server ends
+    without the interpreter's exit. Before: "rank 1: no answer and no exit record: killed
+    by a signal" here; under torch's spawn, "rank 1 ended normally"."""
+    message = run_isolated(_raises_into_its_launcher)[0]
+    assert "Proven: rank 1 ended by an exception, ValueError: bad batch on rank 1" in message

@@ -22,7 +22,11 @@ status after ``PROBE_S`` and then at doubling intervals, and where the table pro
 ended, a mismatch, or a call made on some ranks only, it starts the diagnosis at once with
 that error. To prove that a peer ended, each rank leaves an exit record in the store as its
 interpreter exits (how: returned, raised and what, or stopped by a signal it handled); a
-process killed outright leaves none, and proves nothing.
+process killed outright leaves none, and proves nothing. A process that multiprocessing
+started (``torch.multiprocessing.spawn`` among them) leaves it as its function ends
+instead: multiprocessing catches what the function raised (torch's ``spawn`` catches it
+first and exits with status 1), so the interpreter never sees it, and a process forked
+from a server ends without running the interpreter's exit at all.
 
 [Note: no thread in torch at the interpreter's teardown]
 A daemon thread that returns from a torch call once the interpreter's teardown has begun
@@ -63,6 +67,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import multiprocessing
+import multiprocessing.util
 import os
 import socket
 import sys
@@ -286,7 +292,10 @@ class Watchdog:
         self._thread = threading.Thread(target=self._respond, name="flatshard-watchdog")
         self._thread.daemon = True
         self._thread.start()
+        self._exit_recorded = False
         atexit.register(self._at_exit)
+        if multiprocessing.parent_process() is not None:  # see the module's note
+            multiprocessing.util.Finalize(None, self._at_function_end, exitpriority=10)
 
     # ------------------------------------------------------------------ recording
     def issue(self, group: dist.ProcessGroup, op: str, numel: int, dtype: str, tag: Tag) -> Record:
@@ -633,13 +642,23 @@ class Watchdog:
         deadline = time.monotonic() + _EXIT_JOIN_S if deadline is None else deadline
         writer.join(timeout=max(0.0, deadline - time.monotonic()))
 
+    def _at_function_end(self) -> None:
+        """The exit record of a process multiprocessing started, as its function ends
+        (multiprocessing's finalizers run while what it raised is still in flight). Only
+        the process's latest watchdog: an earlier one's world is gone."""
+        if _WATCHDOG is not self:
+            return
+        self.leave_exit_record(_how_the_function_ended(sys.exc_info()[1]))
+        self._exit_recorded = True
+
     def _at_exit(self) -> None:
         deadline = time.monotonic() + _EXIT_JOIN_S
         if self.failed:
             with contextlib.suppress(Exception):  # (the store may have gone with its host)
                 self._answer_pending()
         self._stop.set()
-        self.leave_exit_record(_how_it_ended(), deadline)
+        if not self._exit_recorded:
+            self.leave_exit_record(_how_it_ended(), deadline)
         self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
         if self.failed and any(not t.work.is_completed() for t in self._tracked):
             # A collective left in flight after the error would hold the process at exit
@@ -682,9 +701,29 @@ def _how_it_ended() -> str:
     """This process's end, in the words of the exit record."""
     error = getattr(sys, "last_value", None)  # an uncaught exception ends the program
     if error is not None:
-        text = str(error).splitlines()[0][:200] if str(error) else ""
-        return f"ended by an exception, {type(error).__name__}: {text}"
+        return _by_exception(error)
     return "ended normally (its program returned or called sys.exit)"
+
+
+def _how_the_function_ended(error: BaseException | None) -> str:
+    """How the function of a process multiprocessing started ended, ``error`` what it
+    raised (in flight): torch's ``spawn`` catches an exception and calls ``sys.exit(1)``,
+    so the exit carries the exception it was handling."""
+    if isinstance(error, SystemExit):
+        if error.code in (0, None):
+            return "ended normally (its function returned or called sys.exit)"
+        cause = error.__context__
+        if cause is None or isinstance(cause, SystemExit):
+            return f"exited with status {error.code}"
+        return f"{_by_exception(cause)} (caught by its launcher, which exited with status 1)"
+    if error is not None:
+        return _by_exception(error)
+    return "ended normally (its function returned)"
+
+
+def _by_exception(error: BaseException) -> str:
+    text = str(error).splitlines()[0][:200] if str(error) else ""
+    return f"ended by an exception, {type(error).__name__}: {text}"
 
 
 # torch.distributed's functions that wait for the group's other ranks when called
