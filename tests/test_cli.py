@@ -681,10 +681,14 @@ def test_a_resume_lists_the_options_that_differ_and_exact_resume_refuses() -> No
         resume_changes(saved, 2, TrainConfig(batch=4, exact_resume=True), 1)
 
 
-def test_train_in_pipeline_stages_resumes_exactly(tmp_path: Path) -> None:
+def test_train_in_pipeline_stages_resumes_exactly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """--pp 2: the GPT in two stages; zero-bubble and interleaved (four stages, two a
     rank) give 1F1B's losses (the same mathematics), and a checkpoint of the stages
-    resumes exactly."""
+    resumes exactly. Without a pipeline the head is tied: the checkpoint is refused in one
+    line (before: a rank's traceback, "optimizer state for 'head.weight', which is not a
+    parameter of this model")."""
     common = [*TINY, "--steps", "4", "--pp", "2", "--grad-accum", "2", "--sample-bytes", "0"]
     split, plain, resumed = tmp_path / "zb", tmp_path / "1f1b", tmp_path / "resumed"
     zero_bubble = [*common, "--pp-schedule", "zero-bubble"]
@@ -708,6 +712,11 @@ def test_train_in_pipeline_stages_resumes_exactly(tmp_path: Path) -> None:
     _train(*zero_bubble, "--resume", str(ckpt), "--out-dir", str(resumed))
     for step, loss in _losses(resumed).items():
         assert loss == pytest.approx(losses[step], rel=1e-5), step
+    capsys.readouterr()
+    assert main(["train", *TINY, "--resume", str(ckpt), "--out-dir", str(tmp_path / "dp")]) == 2
+    said = capsys.readouterr().err
+    assert "holds a GPT trained with --pp 2, its head apart from its embedding; --pp 1" in said
+    assert "Resume with --pp 2 or more" in said and "Traceback" not in said, said
 
 
 def test_train_refuses_what_pipeline_stages_do_not_take(

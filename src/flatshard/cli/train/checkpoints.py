@@ -1,15 +1,17 @@
-"""Where ``flatshard train`` keeps its checkpoints: which one ``--resume`` names, and a
-``--ckpt-dir`` that cannot hold them found before training."""
+"""Where ``flatshard train`` keeps its checkpoints: which one ``--resume`` names (and one
+this run's model cannot take), and a ``--ckpt-dir`` that cannot hold them found before
+training."""
 
 from __future__ import annotations
 
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import flatshard
 from flatshard.cli.config import ConfigError
-from flatshard.cli.internals import read_manifest
+from flatshard.cli.internals import EXTRA, checkpoint_metadata, load_raw, read_manifest
 from flatshard.cli.lm.config import TrainConfig
 from flatshard.state import CheckpointError
 
@@ -32,6 +34,40 @@ def resume_from(config: TrainConfig) -> Path | None:
     except CheckpointError as error:
         raise ConfigError(f"--resume: {str(error).removeprefix('flatshard: ')}") from None
     return path
+
+
+def check_resumable(config: TrainConfig, path: Path | None) -> None:
+    """A checkpoint of a model this run builds otherwise is refused before any rank
+    starts: the built-in GPT ties its head to its embedding, and pipeline stages (--pp 2
+    or more) keep the two apart, so a checkpoint saved on one side of --pp 1 names state
+    the other model has not (a rank's traceback, before)."""
+    if path is None or config.model != "gpt":
+        return
+    saved = saved_options(path)
+    was, now = int(saved.get("pp", 1)), config.pp
+    if (was > 1) == (now > 1):
+        return
+
+    def tie(pp: int) -> str:
+        return "its head apart from its embedding" if pp > 1 else "its head tied to its embedding"
+
+    keep = "--pp 2 or more (any --pp-schedule)" if was > 1 else "--pp 1"
+    raise ConfigError(
+        f"--resume: {path} holds a GPT trained with --pp {was}, {tie(was)}; --pp {now} builds "
+        f"{tie(now)}: another model, which the checkpoint cannot load. Resume with {keep}."
+    )
+
+
+def saved_options(path: Path) -> dict[str, Any]:
+    """The options of the run that saved ``path`` (rank 0's record; {} if it has none)."""
+    key = f"{EXTRA}0"
+    if key not in checkpoint_metadata(path).state_dict_metadata:
+        return {}
+    holder: dict[str, Any] = {key: None}
+    load_raw(path, holder)
+    extra = holder[key]
+    options = extra.get("config") if isinstance(extra, dict) else None
+    return options if isinstance(options, dict) else {}
 
 
 def check_checkpoint_dir(config: TrainConfig) -> None:

@@ -48,6 +48,7 @@ from flatshard.cli.sizes import parse_size
 from flatshard.cli.train.checkpoints import (
     check_checkpoint_dir,
     check_checkpoint_room,
+    check_resumable,
     resume_from,
 )
 from flatshard.cli.train.elastic import run_elastic
@@ -87,8 +88,8 @@ def add_parser(commands: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(TrainConfig, args)
     load_corpus(config.data, config.seq_len)  # a missing file fails here, once
-    if config.resume:
-        resume_from(config)  # a checkpoint to resume from must exist and be whole
+    if config.resume:  # a checkpoint to resume from must exist, be whole and fit the model
+        check_resumable(config, resume_from(config))
     check_checkpoint_dir(config)
     if config.model.startswith("hf:"):
         check_hugging_face(config)  # a bad config or missing transformers fails here too
