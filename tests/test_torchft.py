@@ -462,6 +462,28 @@ replica_steps_pause(alone=0.5, together=0.05)
 """
 
 
+def test_a_group_that_would_heal_from_a_live_group_of_its_own_index_stops_alone(
+    local_group: Any,
+) -> None:
+    """A job started twice with one --ft-replica-id: the late one heals from the live one
+    before it ever sums with it. Before: the two met in the next step's check of indices
+    and both stopped, the live group at step 79 of 600."""
+    import flatshard
+    from flatshard.integrations.torchft import LayoutMismatch, state_dict_fns
+
+    models = [flatshard.fully_shard(_model(), auto_wrap_policy={Block}) for _ in range(3)]
+    optims = [torch.optim.SGD(m.parameters(), lr=LR) for m in models]
+    with torch.no_grad():  # the group behind
+        for param in models[2].parameters():
+            param.add_(1.0)
+    live = state_dict_fns(models[0], [optims[0]], index=0)[1]()
+    with pytest.raises(LayoutMismatch, match=r"heal from has the index 0 too; this group takes"):
+        state_dict_fns(models[1], [optims[1]], index=0)[0](live)
+    state_dict_fns(models[2], [optims[2]], index=1)[0](live)  # another index: it heals
+    for mine, theirs in zip(models[2].parameters(), models[0].parameters(), strict=True):
+        assert torch.equal(mine, theirs)
+
+
 def test_train_group_killed_is_restarted_by_torchrun_and_heals(tmp_path: Any) -> None:
     """Two replica groups of 2 ranks (HYBRID_SHARD inside each: two replicas of one rank):
     group 0 under ``flatshard train``'s own launch, group 1 under ``torchrun

@@ -156,7 +156,8 @@ class ReplicaGroup:
         self._store, address, port = _group_store()  # (served as long as it lives)
         agreed = {**settings, "optimizers": optimizer_settings(optimizers)}
         layout = layout_digest(model, agreed)
-        load, save = state_dict_fns(model, optimizers, extra, (layout, groups.count, agreed))
+        agreed_state = (layout, groups.count, agreed)
+        load, save = state_dict_fns(model, optimizers, extra, agreed_state, groups.index)
         device = next(model.parameters()).device
         kind = ProcessGroupNCCL if device.type == "cuda" else ProcessGroupGloo
         try:
@@ -472,6 +473,7 @@ def state_dict_fns(
     optimizers: Sequence[torch.optim.Optimizer],
     extra: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
     agreed: tuple[torch.Tensor, int, Mapping[str, Any]] | None = None,
+    index: int | None = None,
 ) -> tuple[Callable[[dict[str, Any]], None], Callable[[], dict[str, Any]]]:
     """``(load_state_dict, state_dict)`` for ``torchft.Manager``: this rank's shards of the
     parameters and buffers and its optimizers' state, exactly as they live (every group has
@@ -479,7 +481,10 @@ def state_dict_fns(
     ``extra``: (get, set) of the caller's own state to send along (the data position).
     ``agreed``: (layout digest, number of groups, settings), sent along and compared by a
     recovering group before it takes anything: a group that differs refuses the state by
-    name, alone, before it ever sums with the live groups."""
+    name, alone, before it ever sums with the live groups. ``index``: this group's index
+    (``ReplicaGroups.index``), sent along too: a recovering group that took the index of
+    the live group it heals from (a job started twice) stops alone, and the live groups
+    train on."""
 
     def state_dict() -> dict[str, Any]:
         state: dict[str, Any] = {
@@ -491,9 +496,18 @@ def state_dict_fns(
             state["extra"] = extra[0]()
         if agreed is not None:
             state["agreed"] = (agreed[0].tolist(), agreed[1], dict(agreed[2]))
+        if index is not None:
+            state["index"] = index
         return state
 
     def load_state_dict(state: dict[str, Any]) -> None:
+        if index is not None and state.get("index") == index:
+            raise LayoutMismatch(
+                f"flatshard.integrations.torchft: the live replica group this group would "
+                f"heal from has the index {index} too; this group takes no part. Each group "
+                "needs its own index (ReplicaGroups.index, flatshard train's "
+                "--ft-replica-id): is the same job running twice?"
+            )
         if agreed is not None and "agreed" in state:
             _check_agreed(agreed, state["agreed"])
         params, buffers = list(model.parameters()), list(model.buffers())
