@@ -325,6 +325,8 @@ class ManagerAllReduce:
     agree on their layout]); with ``group`` of ``groups`` too, that check also finds
     which groups are in the step's quorum (``members``)."""
 
+    averages_replicas = True  # flatshard.set_all_reduce_hook refuses to replace it
+
     def __init__(
         self,
         manager: Any,

@@ -120,6 +120,18 @@ def set_all_reduce_hook(model: nn.Module, hook: Callable[[torch.Tensor], None] |
             f"(rank {global_rank()})"
         )
     units = units_of(model, "set_all_reduce_hook")
+    held = {id(h): h for u in units if (h := u.config.all_reduce_hook) is not None}
+    replicas = [h for h in held.values() if getattr(h, "averages_replicas", False)]
+    averaging = hook is None or getattr(hook, "averages_replicas", False)  # (None: undone)
+    if replicas and not averaging:
+        raise ValueError(
+            f"flatshard.set_all_reduce_hook (rank {global_rank()}): the units of this model "
+            f"average their gradients across replica groups through "
+            f"{type(replicas[0]).__qualname__} (set by flatshard.integrations.torchft's "
+            "replicate_with); this hook would replace it and leave the groups' "
+            "replicas apart, silently. Change the gradients after the step's reduction "
+            "instead (before optimizer.step()), or on every group alike before the sum."
+        )
     change_units(model, units, "set_all_reduce_hook", hook, all_reduce_hook=hook)
 
 
