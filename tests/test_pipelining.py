@@ -44,6 +44,7 @@ from torch.utils.checkpoint import checkpoint
 import flatshard
 from flatshard.integrations.pipelining import PipelineStage
 from flatshard.measure import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, RECV, SEND, CollectiveTracker
+from flatshard.testing.isolated import run_isolated
 from flatshard.testing.workers import WorkerContext, WorkerPool
 
 DIM, MICRO, BATCH, STEPS, LR = 16, 4, 8, 3, 0.1
@@ -966,6 +967,38 @@ def test_a_call_of_the_whole_pipeline_made_by_one_stage_or_with_its_own_values_i
         for case, words in expected.items():
             assert all(w in found[case] for w in words), (case, found[case])
         assert found["written"] == "", found["written"]  # nothing committed, nothing begun
+
+
+def switch_alone_job(rank: int) -> str:
+    """PP2 x DP2: rank 0 alone turns a switch of its stage before the second step, then
+    every rank steps. The name of each rank's error."""
+    flatshard.set_checks(flatshard.Checks(timeout=30.0))
+    dps, pps = _groups(2, 2)
+    pp_rank, dp_rank = divmod(rank, 2)
+    torch.manual_seed(0)
+    module = flatshard.fully_shard(
+        nn.Sequential(Block(), Block()), auto_wrap_policy={Block}, process_group=dps[pp_rank]
+    )
+    stage = PipelineStage(module, pp_rank, 2, torch.device("cpu"), group=pps[dp_rank])
+    runner = Schedule1F1B(stage, MICRO, loss_fn=mse)
+    x, y = torch.randn(BATCH, DIM), torch.randn(BATCH, DIM)
+    try:
+        for step in range(2):
+            if rank == 0 and step == 1:
+                flatshard.set_reshard_after_forward(module, False)
+            runner.step(x) if pp_rank == 0 else runner.step(target=y)
+    except Exception as error:
+        return type(error).__name__
+    return "no error"
+
+
+def test_a_named_error_inside_a_stages_forward_comes_out_as_itself() -> None:
+    """torch wraps what a stage's forward raises in RuntimeError("[Stage 0] failed to
+    run forward"). Before: rank 1's flatshard.CollectiveMismatchError came out as that
+    RuntimeError, which ``except flatshard.CollectiveError`` missed. (Rank 3, waiting in
+    torch's receive for rank 1's activations, sees gloo's closed connection.)"""
+    outcomes = run_isolated(switch_alone_job, world_size=4)
+    assert outcomes[:3] == ["CollectiveMismatchError"] * 3, outcomes
 
 
 def held_unit_job(ctx: WorkerContext) -> int | None:

@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage as TorchPipelineStage
 from torch.distributed.pipelining.stage import _PipelineStage as TorchTracedStage
 
+from flatshard.comm import CollectiveError
 from flatshard.integrations._split_backward import WeightPass, input_pass, weight_pass
 from flatshard.runtime import pipeline_steps, unit_modules
 
@@ -73,7 +74,15 @@ class _ShardedStage:
         if self.has_backward:  # (schedule.eval(): forwards only, no step to run)
             pipeline_steps.begin_step(self.submod, self.owner)
             pipeline_steps.note(self.submod, f"F{fwd_chunk_id}", self.first_step)
-        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)  # type: ignore[misc]
+        try:
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)  # type: ignore[misc]
+        except RuntimeError as error:
+            # torch wraps what the stage's forward raised in "[Stage 0] failed to run
+            # forward"; flatshard's named errors come out as themselves, so that a program's
+            # ``except flatshard.CollectiveError`` sees them as it would without a pipeline.
+            if isinstance(error.__cause__, CollectiveError):
+                raise error.__cause__ from None
+            raise
 
     def backward_maybe_with_nosync(
         self, backward_type: str, bwd_kwargs: dict[str, Any], last_backward: bool = False

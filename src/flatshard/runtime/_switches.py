@@ -113,7 +113,8 @@ def set_all_reduce_hook(model: nn.Module, hook: Callable[[torch.Tensor], None] |
     (``flatshard.integrations.torchft``). None removes it. FSDP2's
     ``module.set_all_reduce_hook(hook)``, for every unit inside ``model``. Every rank
     makes the same call (agreed: a hook of another function or class on one rank is a
-    ``CollectiveMismatchError`` on every rank)."""
+    ``CollectiveMismatchError`` on every rank). The hook that averages torchft's replica
+    groups is not replaced by another (the replicas would drift apart)."""
     if hook is not None and not callable(hook):
         raise TypeError(
             f"flatshard.set_all_reduce_hook: hook must be callable or None, got {hook!r} "
