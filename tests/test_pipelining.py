@@ -937,6 +937,7 @@ def stages_calls_job(ctx: WorkerContext, folder: str) -> dict[str, str] | None:
             stage, f"{folder}/export", dtype=torch.bfloat16 if other else None
         ),
         "alone": step if other else lambda: flatshard.save_checkpoint(f"{folder}/alone", stage),
+        "divide": lambda: flatshard.set_gradient_divide_factor(stage, 1.0 if other else None),
     }
     found = {}
     for case, call in calls.items():
@@ -946,6 +947,16 @@ def stages_calls_job(ctx: WorkerContext, folder: str) -> dict[str, str] | None:
         except flatshard.CollectiveMismatchError as error:
             found[case] = str(error)
     found["written"] = " ".join(sorted(p.name for p in Path(folder).iterdir()))
+    built = flatshard.fully_shard(
+        _cut(Stack(2), [ctx.rank]), auto_wrap_policy={Block}, process_group=dps[ctx.rank]
+    )
+    if other:  # before the stage is built: the stage's own ranks agree (one rank)
+        flatshard.set_gradient_divide_factor(built, 1.0)
+    try:
+        PipelineStage(built, ctx.rank, 2, torch.device("cpu"), group=pps[0])
+        found["divide, built"] = "no error"
+    except ValueError as error:
+        found["divide, built"] = str(error)
     return found
 
 
@@ -955,13 +966,16 @@ def test_a_call_of_the_whole_pipeline_made_by_one_stage_or_with_its_own_values_i
     """Before: each stage clipped by its own max_norm (or norm type) the norm of every
     stage, silently; a checkpoint at a path of each stage's was committed without the
     other stage, and loaded as whole; an export wrote one stage in bfloat16; a save on
-    one stage hung until the process group's timeout while the other stage trained on."""
+    one stage hung until the process group's timeout while the other stage trained on;
+    a divide factor of one stage's scaled its gradients alone."""
     expected = {
         "clip": ("clip_grad_norm_(max_norm=0.1,", "clip_grad_norm_(max_norm=0.001,"),
         "torch clip": ("norm_type=2.0)", "norm_type=inf)"),
         "path": ("/stage0', optimizer=SGD", "/stage1', optimizer=SGD"),
         "dtype": ("dtype=None", "dtype=bfloat16"),
         "alone": ("rank 0: save_checkpoint(", "rank 1: pipeline schedule step"),
+        "divide": ("set_gradient_divide_factor(None)", "set_gradient_divide_factor(1.0)"),
+        "divide, built": ("divide their stages' gradients by other factors", ": 1.0"),
     }
     for found in pool.run(stages_calls_job, str(tmp_path))[:2]:
         for case, words in expected.items():

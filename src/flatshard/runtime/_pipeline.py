@@ -45,6 +45,7 @@ from flatshard.comm._collectives import all_gather_into
 from flatshard.comm._watchdog import NO_STEP, Tag, watchdog
 from flatshard.flat._flat_param import FlatParamGroup
 from flatshard.flat._reduction import Owed
+from flatshard.runtime._configuration import describe
 from flatshard.runtime._step import (
     PipelineSeat,
     ScheduledStep,
@@ -70,6 +71,16 @@ def join_pipeline(
         device,
         what="build pipeline stages with different numbers of stages",
         fix="Pass every rank's PipelineStage the same num_stages: the whole pipeline's.",
+        caller="integrations.pipelining.PipelineStage",
+    )
+    factors = sorted({describe(u.config.gradient_divide_factor) for c in contexts for u in c.units})
+    check_same_on_all_ranks(  # a norm over every stage adds gradients of one scale
+        [f"set_gradient_divide_factor: {', '.join(factors)}"],
+        group,
+        device,
+        what="divide their stages' gradients by other factors",
+        fix="Give every stage the same set_gradient_divide_factor (or none): each stage's "
+        "gradients would be scaled otherwise, the model's updates skewed.",
         caller="integrations.pipelining.PipelineStage",
     )
     inside = {id(m) for m in model.modules()}

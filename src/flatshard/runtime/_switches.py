@@ -164,7 +164,14 @@ def set_gradient_divide_factor(model: nn.Module, factor: float | None) -> None:
                 "no hook (flatshard.comm_hooks.register_comm_hook(model, None))."
             )
     value = None if factor is None else float(factor)
-    change_units(model, units, "set_gradient_divide_factor", value, gradient_divide_factor=value)
+    change_units(
+        model,
+        units,
+        "set_gradient_divide_factor",
+        value,
+        over_stages=True,  # one scale for the gradients of every stage
+        gradient_divide_factor=value,
+    )
 
 
 def set_unshard_in_backward(module: nn.Module, unshard_in_backward: bool) -> None:
@@ -228,7 +235,7 @@ def set_prefetch(
     alike (the order of the all-gathers changes).
     """
     owner = unit_or_error(module, "set_prefetch")
-    targets = {
+    targets: dict[str, Any] = {
         f"prefetch_{name}": tuple(unit_or_error(m, "set_prefetch") for m in modules)
         for name, modules in (("forward", forward), ("backward", backward))
         if modules is not None
@@ -264,11 +271,18 @@ def switch(contexts: list[StepContext], **changes: Any) -> None:
 
 
 def change_units(
-    model: nn.Module, units: list[Unit], caller: str, value: object, **changes: Any
+    model: nn.Module,
+    units: list[Unit],
+    caller: str,
+    value: object,
+    *,
+    over_stages: bool = False,
+    **changes: Any,
 ) -> None:
     """Set the ``UnitConfig`` fields ``changes`` of ``units`` (inside ``model``), once every
-    rank made the same call with ``value`` ([Note: the agreed configuration])."""
-    with collective_call(model, f"{caller}({describe(value)})"):
+    rank made the same call with ``value`` ([Note: the agreed configuration]); with
+    ``over_stages``, every rank of a pipeline too ([Note: calls over every stage])."""
+    with collective_call(model, f"{caller}({describe(value)})", over_stages):
         for unit in units:
             unit.configure(**changes)
 
