@@ -281,7 +281,7 @@ BAD_TOML = {
         (["--model", "hf:llama", "--lora", "rank=8,targets=q"], "--lora: expected r=, alpha="),
         (["--model", "hf:llama", "--lora", "r=0,targets=q"], "--lora: needs r >= 1, alpha > 0"),
         (["--init", "zeros"], "--init must be one of random, pretrained, got 'zeros'"),
-        (["--fit-memory", "lots"], "--fit-memory: expected e.g. 20GiB, 512MiB or 'device'"),
+        (["--fit-memory", "lots"], "--fit-memory: expected a number and a unit (TiB, TB, GiB"),
         (
             ["--model", "hf:llama", "--lora", "r=8,targets=q_proj", "--fit-memory", "1GiB"],
             "--fit-memory does not plan LoRA adapters yet; choose the setup by hand",
@@ -765,3 +765,13 @@ def test_ranks_write_where_the_launcher_writes_when_it_starts_them(tmp_path: Pat
         code, out, err = run_command([*argv, "--out-dir", str(tmp_path / run)])
         assert code == 0, out + err
         assert "step 1/1" in out and "held-out loss" in out, (run, out, err)
+
+
+def test_sizes_are_read_in_every_unit() -> None:
+    """Before: '600KiB' was refused as if the number were wrong ("expected e.g. 20GiB")."""
+    from flatshard.cli.sizes import parse_size
+
+    assert parse_size("600KiB", "--memory-budget", 0) == 600 * 1024
+    assert parse_size("2 KB", "--memory-budget", 0) == 2000
+    assert parse_size("1.5TiB", "--memory-budget", 0) == 3 * 2**39
+    assert parse_size("device", "--memory-budget", 7) == 7

@@ -17,11 +17,25 @@ def size(nbytes: float) -> str:
 
 
 def parse_size(text: str, option: str, device_bytes: int) -> int:
-    """'20GiB', '512MiB', '80GB' or 'device' (``device_bytes``) -> bytes."""
+    """'20GiB', '512MiB', '80GB', '600KiB' or 'device' (``device_bytes``) -> bytes."""
     if text == "device":
         return device_bytes
-    match = re.fullmatch(r"\s*([0-9.]+)\s*(GiB|GB|MiB|MB)\s*", text)
+    match = re.fullmatch(r"\s*([0-9]+\.?[0-9]*)\s*(" + "|".join(_UNITS) + r")\s*", text)
     if match is None:
-        raise ConfigError(f"{option}: expected e.g. 20GiB, 512MiB or 'device', got {text!r}")
-    scale = {"GiB": 1 << 30, "GB": 10**9, "MiB": 1 << 20, "MB": 10**6}[match.group(2)]
-    return int(float(match.group(1)) * scale)
+        raise ConfigError(
+            f"{option}: expected a number and a unit ({', '.join(_UNITS)}), e.g. 20GiB or "
+            f"512MiB, or 'device'; got {text!r}"
+        )
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+_UNITS = {
+    "TiB": 1 << 40,
+    "TB": 10**12,
+    "GiB": 1 << 30,
+    "GB": 10**9,
+    "MiB": 1 << 20,
+    "MB": 10**6,
+    "KiB": 1 << 10,
+    "KB": 10**3,
+}

@@ -356,6 +356,12 @@ def _check_values(members: UnitMembers, build: _UnitBuild, built_here: frozenset
             if o.fqn in names:
                 mark_awaiting(o.param, DIFFERED)
         return
+    if any(line.startswith("buffer '") for line in differing):
+        fix += (
+            " A buffer whose value is each rank's own by design (a per-rank offset or "
+            "seed): pass init=flatshard.InitOptions(check_consistency=False), which leaves "
+            "the values unchecked (sync_module_states would overwrite it with rank 0's)."
+        )
     raise_differences(every, "hold different values", fix, "fully_shard")
 
 
