@@ -58,6 +58,62 @@ def test_load_state_dict_errors_name_entries(pool: WorkerPool) -> None:
     pool.run(load_errors_job)
 
 
+def test_an_optimizer_of_the_same_groups_in_another_order_loads_by_name(
+    local_group: object,
+) -> None:
+    """A pipeline's checkpoint keeps each group's parameters stage by stage; the model
+    without a pipeline may order them otherwise (a model of two ModuleDicts cut into
+    stages across both). Before: refused, "(same names, other order)", with a fix that
+    could not be followed. Each parameter's state is its own, found by name."""
+    torch.manual_seed(0)
+    model = flatshard.fully_shard(build("mlp"))
+    optim = make_optimizer(model, 1e-2, "adamw")
+    model(torch.randn(4, 7)).sum().backward()
+    optim.step()
+    osd = flatshard.full_optim_state_dict(model, optim, rank0_only=False)
+    groups = [{**g, "params": list(reversed(g["params"]))} for g in optim.param_groups]
+    reordered = torch.optim.AdamW(groups)
+    flatshard.load_optim_state_dict(model, reordered, osd)
+    for param in model.parameters():
+        for key, value in optim.state[param].items():
+            assert torch.equal(reordered.state[param][key], value), key
+    assert [g["weight_decay"] for g in reordered.param_groups] == [0.1, 0.0]
+
+
+def holder_job(ctx: WorkerContext, folder: str) -> list[str] | None:
+    """A module holding a sharded model, given to the calls that write or read one
+    directory with the model's ranks together. Each call's error."""
+    group = ctx.group(2)
+    if group is None:
+        return None
+    holder = nn.ModuleDict({"model": shard(build("mlp"), group, "FULL_SHARD")})
+    said = []
+    for call in (
+        lambda: flatshard.save_checkpoint(f"{folder}/ckpt", holder),
+        lambda: flatshard.load_checkpoint(f"{folder}/ckpt", holder),
+        lambda: flatshard.export_safetensors(holder, f"{folder}/export"),
+    ):
+        try:
+            call()
+            said.append("no error")
+        except ValueError as error:
+            said.append(str(error))
+    return said
+
+
+def test_a_module_holding_a_sharded_model_is_refused_where_ranks_write_together(
+    pool: WorkerPool, tmp_path: Path
+) -> None:
+    """Before: each rank took the holder for an unsharded model and wrote alone: a
+    checkpoint of rank 0's rows only (its load then failed, "Missing: 'model.0.weight'"),
+    two ranks renaming one export (an interleaved pipeline's ModuleList of stages: half
+    the model written, the others' renames failing)."""
+    for said in pool.run(holder_job, str(tmp_path))[:2]:
+        for message in said:
+            assert "ModuleDict holds 1 sharded model(s) (model) and is not one" in message
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
 def _plain_checkpoint(path: Path, scale: float = 1.0) -> nn.Module:
     model = build("mlp")
     with torch.no_grad():
