@@ -155,8 +155,9 @@ def stages_spanning(group: dist.ProcessGroup, seat: PipelineSeat) -> dist.Proces
     stages_here = seat.stages // dist.get_world_size(seat.group)
     if stages_here != 1:
         raise ValueError(
-            f"flatshard: a checkpoint of a pipeline whose ranks hold {stages_here} stages "
-            "each is not supported; each call would write the directory with one stage. "
+            f"flatshard: a checkpoint or an export of a pipeline whose ranks hold "
+            f"{stages_here} stages each is not supported; each call would write the "
+            "directory with one stage. "
             "Save from a layout with one stage per rank, or save each stage's "
             "full_state_dict (original names) and merge them."
         )

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from flatshard.comm._agreement import StepLedger, check_same_on_all_ranks
+from flatshard.comm._agreement import StepLedger, check_same_on_all_ranks, global_rank
 from flatshard.comm._collectives import on_device
 from flatshard.comm._mesh import ShardGroups
 from flatshard.comm._watchdog import Tag, tagged, watchdog
@@ -520,6 +520,8 @@ def every_rank_calls(
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             model = args[model_arg] if len(args) > model_arg else kwargs["model"]
+            if over_stages:  # a directory of the whole model: written by its ranks together
+                _refuse_holder_of_sharded_models(model, caller)
             name = caller
             if agreed:
                 bound = signature.bind(*args, **kwargs)
@@ -532,6 +534,29 @@ def every_rank_calls(
         return cast(F, wrapper)
 
     return decorate
+
+
+def _refuse_holder_of_sharded_models(model: nn.Module, caller: str) -> None:
+    """A ValueError for a module that holds sharded models without being one (an
+    ``nn.ModuleList`` of a rank's pipeline stages, a wrapper around the model), given to
+    a call that writes or reads a directory with the model's ranks together: it takes
+    its group, and the rank that writes, from the model ``fully_shard`` made. Given a
+    holder it found none, and every rank wrote as if alone (a checkpoint of rank 0's
+    rows only; an export of half a pipeline, renames racing)."""
+    if context_of(model) is not None:
+        return
+    inside = {id(m): name for name, m in model.named_modules()}
+    units = [u for m in model.modules() if (u := unit_of(m)) is not None]
+    roots = [
+        inside[id(c.root)] or "<itself>" for c in distinct_contexts(units) if id(c.root) in inside
+    ]
+    if roots:
+        raise ValueError(
+            f"flatshard.{caller} (rank {global_rank()}): {type(model).__name__} holds "
+            f"{len(roots)} sharded model(s) ({', '.join(roots[:4])}) and is not one; pass "
+            "the module fully_shard returned, one at a time (a pipeline's stage module on "
+            "every rank writes one checkpoint or export of every stage together)."
+        )
 
 
 def _argument(value: object) -> str:

@@ -61,12 +61,12 @@ class ResumeState:
                     )
 
     def agreed_as(self) -> str:
-        """What every rank's resume state must share when saved or loaded: which parts it
-        keeps (their states are each rank's own; a sampler's rank differs by design)."""
+        """What every rank's resume state must share when saved or loaded: the schedulers
+        and the RNG it keeps (their states are each rank's own). Not the data position:
+        a pipeline's middle stage reads no data, while its first and last do."""
         schedulers = self.scheduler if isinstance(self.scheduler, list) else [self.scheduler]
         kinds = [type(s).__name__ for s in schedulers if s is not None]
-        data = type(self.data).__name__ if self.data is not None else None
-        return f"ResumeState(scheduler={kinds}, data={data}, rng={self.rng})"
+        return f"ResumeState(scheduler={kinds}, rng={self.rng})"
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state, as ``torch.load(weights_only=True)`` reads it."""
