@@ -69,6 +69,8 @@ class DyingAllReduce:
     """The all-reduce hook of a group that dies in the middle of step ``step``'s
     all-reduce: the sum is started, then the process ends before it completes."""
 
+    averages_replicas = True  # it wraps replicate_with's average: it may replace it
+
     def __init__(self, manager: Any, step: int, model: nn.Module, groups: int) -> None:
         from flatshard.integrations.torchft import ManagerAllReduce, layout_digest
 

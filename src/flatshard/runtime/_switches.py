@@ -114,7 +114,9 @@ def set_all_reduce_hook(model: nn.Module, hook: Callable[[torch.Tensor], None] |
     ``module.set_all_reduce_hook(hook)``, for every unit inside ``model``. Every rank
     makes the same call (agreed: a hook of another function or class on one rank is a
     ``CollectiveMismatchError`` on every rank). The hook that averages torchft's replica
-    groups is not replaced by another (the replicas would drift apart)."""
+    groups is not replaced by another (the replicas would drift apart), unless that one
+    averages them too and says so: a class attribute ``averages_replicas = True`` (a
+    hook wrapping ``ManagerAllReduce``)."""
     if hook is not None and not callable(hook):
         raise TypeError(
             f"flatshard.set_all_reduce_hook: hook must be callable or None, got {hook!r} "
@@ -131,7 +133,9 @@ def set_all_reduce_hook(model: nn.Module, hook: Callable[[torch.Tensor], None] |
             f"{type(replicas[0]).__qualname__} (set by flatshard.integrations.torchft's "
             "replicate_with); this hook would replace it and leave the groups' "
             "replicas apart, silently. Change the gradients after the step's reduction "
-            "instead (before optimizer.step()), or on every group alike before the sum."
+            "instead (before optimizer.step()); a hook of your own that averages the "
+            "groups too (wrapping ManagerAllReduce) says so with a class attribute "
+            "averages_replicas = True."
         )
     change_units(model, units, "set_all_reduce_hook", hook, all_reduce_hook=hook)
 
