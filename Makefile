@@ -62,11 +62,7 @@ TEST_WORKERS ?= auto
 unit: $(DEV_STAMP)
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-# mypy runs beside the suite: its half minute on a fresh clone fills the moments the
-# suite's workers wait (on peers, timeouts, process starts). mypy prints only when done;
-# either failing fails the target.
-test: lint
-	$(MAKE) --no-print-directory -j 2 typecheck unit
+test: lint typecheck unit
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .mypy_cache .ruff_cache .pytest_cache
