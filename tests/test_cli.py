@@ -775,3 +775,16 @@ def test_sizes_are_read_in_every_unit() -> None:
     assert parse_size("2 KB", "--memory-budget", 0) == 2000
     assert parse_size("1.5TiB", "--memory-budget", 0) == 3 * 2**39
     assert parse_size("device", "--memory-budget", 7) == 7
+
+
+def test_overrides_a_config_takes_in_are_not_refused() -> None:
+    """Llama's config takes rope_theta into its rope parameters and attn_implementation
+    into a field of its own: no attribute of that name holds them, yet they are known (a
+    first check of override names refused both)."""
+    transformers = pytest.importorskip("transformers")
+    from flatshard.cli.lm.config import TrainConfig
+    from flatshard.cli.lm.model import hf_config
+
+    overrides = "hidden_size=32,num_hidden_layers=1,rope_theta=500000.0,attn_implementation=eager"
+    built = hf_config(transformers, TrainConfig(model="hf:llama", hf_overrides=overrides))
+    assert built.num_hidden_layers == 1

@@ -256,8 +256,8 @@ def hf_config(transformers: Any, config: TrainConfig, fit_to_bytes: bool = True)
             make = transformers.AutoConfig.from_pretrained
         else:
             make = transformers.AutoConfig.for_model
-        _check_override_names(make(spec), overrides)
         loaded = make(spec, **overrides)  # (derived settings follow: head_dim, ...)
+        _check_override_names(make(spec), loaded, overrides)
     except cannot_load as error:
         raise ConfigError(f"--model {config.model}: {_first_line(error)}") from None
     if not fit_to_bytes:
@@ -277,18 +277,21 @@ def hf_config(transformers: Any, config: TrainConfig, fit_to_bytes: bool = True)
     return _fit_positions(loaded, config.seq_len)
 
 
-def _check_override_names(loaded: Any, overrides: dict[str, Any]) -> None:
-    """A ConfigError for an --hf-overrides key the config does not have: transformers keeps
+def _check_override_names(default: Any, built: Any, overrides: dict[str, Any]) -> None:
+    """A ConfigError for an --hf-overrides key the config does not know: transformers keeps
     any key as an attribute of its own, so a misspelled one (``n_layerz``) left the real
-    setting at its default, a model of another size, without a word."""
-    known = {name for name in dir(loaded) if not name.startswith("_")}
-    known |= set(inspect.signature(type(loaded).__init__).parameters) - {"self", "kwargs"}
+    setting at its default, a model of another size, without a word. A key the config
+    consumed (``attn_implementation``, ``rope_theta`` into its rope parameters) or holds
+    is known."""
+    parameters = set(inspect.signature(type(default).__init__).parameters) - {"self", "kwargs"}
     for key in overrides:
-        if key not in known:
-            close = difflib.get_close_matches(key, sorted(known), n=1)
+        kept_alone = key in vars(built) and key not in vars(default)
+        if kept_alone and key not in parameters and not hasattr(type(default), key):
+            known = sorted({n for n in vars(default) if not n.startswith("_")} | parameters)
+            close = difflib.get_close_matches(key, known, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(
-                f"--hf-overrides: {type(loaded).__name__} has no setting {key!r}{hint}"
+                f"--hf-overrides: {type(default).__name__} has no setting {key!r}{hint}"
             )
 
 
