@@ -32,7 +32,7 @@ from flatshard.state._state_dict import (
     Names,
     agree_on_names,
     entries_do_not_fit,
-    flat_params,
+    model_device,
     model_group,
     param_places,
     plain_state_dict,
@@ -125,8 +125,7 @@ def _check_same_checkpoint(model: nn.Module, files: dict[str, Path]) -> None:
     if group is None:
         return
     lines = [file_line(file) for file in sorted(set(files.values()))]
-    flat = next(flat_params(model), None)  # where the group communicates (NCCL: the GPU)
-    device = flat.compute_device if flat is not None else torch.device("cpu")
+    device = model_device(model)
     fix = "Pass the same checkpoint (the same files) to load_safetensors on every rank."
     check_same_on_all_ranks(
         lines, group, device, "read different checkpoints", fix, "load_safetensors"

@@ -210,10 +210,15 @@ def agree_on_names(model: nn.Module, names: Names | None, caller: str) -> None:
     if names is None or group is None or group.size() == 1:
         return
     lines = [f"{key} -> {names(key)}" for key in plain_state_dict(model)]
-    flat = next(flat_params(model), None)  # where the group communicates (NCCL: the GPU)
-    device = flat.compute_device if flat is not None else torch.device("cpu")
+    device = model_device(model)
     fix = "Pass every rank the same names function (the same name for every entry)."
     check_same_on_all_ranks(lines, group, device, "map entries to other names", fix, caller)
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Where the model's group communicates (NCCL: the GPU): its flat groups' device."""
+    flat = next(flat_params(model), None)
+    return flat.compute_device if flat is not None else torch.device("cpu")
 
 
 def model_group(model: nn.Module) -> dist.ProcessGroup | None:
@@ -385,8 +390,7 @@ def same_full_dict_on_all_ranks(
     group = model_group(model)
     if group is None or group.size() == 1:
         return
-    flat = next(flat_params(model), None)  # where the group communicates (NCCL: the GPU)
-    device = flat.compute_device if flat is not None else torch.device("cpu")
+    device = model_device(model)
     fix = (
         f"Pass the same {what} on every rank (each rank takes its own rows of it), or load "
         "rank 0's with from_rank0=True."
