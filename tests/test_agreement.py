@@ -521,6 +521,10 @@ def argument_alone_job(rank: int, case: str, folder: str) -> tuple[str, str, flo
         elif case == "resume_state":
             resume = None if other else flatshard.ResumeState()
             flatshard.save_checkpoint(ckpt, model, optim, resume_state=resume)
+        elif case == "names_on_one_rank":
+            export = os.path.join(folder, "export")
+            flatshard.export_safetensors(model, export)
+            flatshard.load_safetensors(model, export, names=None if other else str)
         elif case == "names_on_load":  # a names function built from a per-rank setting
             export = os.path.join(folder, "export")
             flatshard.export_safetensors(model, export)
@@ -567,6 +571,7 @@ ARGUMENTS = {  # case: (the error every rank raises, words every rank's message 
     "export_dtype": (MISMATCH, "dtype=bfloat16"),
     "resume_state": (MISMATCH, "resume_state=None"),
     "names_on_load": ("ValueError", "ranks map entries to other names"),
+    "names_on_one_rank": (MISMATCH, "dtype=None, names=None)"),
     "from_rank0": (MISMATCH, "from_rank0=True"),
     "full_dict": ("ValueError", "'blocks.1.lin.weight': digest"),
     "full_optim_dict": ("ValueError", "'blocks.1.lin.weight' momentum_buffer: digest"),

@@ -49,7 +49,7 @@ DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size
 
 @every_rank_calls(
     "export_safetensors",
-    agreed=("out_dir", "max_shard_bytes", "dtype"),
+    agreed=("out_dir", "max_shard_bytes", "dtype", "names"),
     over_stages=True,  # one directory of every stage ([Note: an export of pipeline stages])
 )
 def export_safetensors(

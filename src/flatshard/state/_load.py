@@ -46,7 +46,7 @@ _IN_TENSOR = 64  # bytes checksummed at the start, the middle and the end of eac
 SINGLE = "model.safetensors"
 
 
-@every_rank_calls("load_safetensors", agreed=("path", "strict", "dtype"))
+@every_rank_calls("load_safetensors", agreed=("path", "strict", "dtype", "names"))
 def load_safetensors(
     model: nn.Module,
     path: str | os.PathLike[str],
