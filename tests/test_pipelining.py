@@ -44,6 +44,7 @@ from torch.utils.checkpoint import checkpoint
 import flatshard
 from flatshard.integrations.pipelining import PipelineStage
 from flatshard.measure import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, RECV, SEND, CollectiveTracker
+from flatshard.testing.internals import agreements_on
 from flatshard.testing.isolated import run_isolated
 from flatshard.testing.workers import WorkerContext, WorkerPool
 
@@ -205,6 +206,7 @@ def pipeline_job(
     ref_optim = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=LR)
     flats = sum(f.requires_grad for m in modules for f in flatshard.sharding_summary(m).flat_params)
     gathers, reductions, norms, p2p = [], [], [], []
+    clip_agreements: list[int] = []
     for step in range(STEPS):
         gen = torch.Generator().manual_seed(step)
         xs = torch.randn(dp, BATCH, DIM, generator=gen)
@@ -213,10 +215,12 @@ def pipeline_job(
             first, last = 0 in ids, n_stages - 1 in ids
             args = (xs[dp_rank],) if first else ()
             runner.step(*args, target=ys[dp_rank] if last else None)
+            before = agreements_on(pipeline)
             if clip == "flatshard":
                 norms.append(float(flatshard.clip_grad_norm_(nn.ModuleList(modules), 0.5)))
             elif clip == "torch":
                 norms.append(float(torch.nn.utils.clip_grad_norm_(params, 0.5)))
+            clip_agreements.append(agreements_on(pipeline) - before)
             optim.step()
             optim.zero_grad()
         big = [(kind, size) for kind, size in tracker.ops if size > 64]  # not the digests
@@ -246,6 +250,8 @@ def pipeline_job(
         "flats": flats,
         "p2p": p2p,
         "p2p_formula": [(sends, sends)] * STEPS,
+        "clip_agreements": clip_agreements,
+        "clip": clip,
     }
 
 
@@ -275,6 +281,8 @@ def _check(results: list[dict[str, Any] | None]) -> list[dict[str, Any]]:
             assert math.isclose(ours, theirs, rel_tol=1e-5), norms  # the global norm
         if "p2p" in result:  # the first step's also exchange the stages' shapes
             assert result["p2p"][1:] == result["p2p_formula"][1:], result
+        if result.get("clip"):  # one round trip to the store per clip: the call's entry
+            assert result["clip_agreements"] == [1] * STEPS, result["clip_agreements"]
     return found
 
 
@@ -325,7 +333,10 @@ def debug_pipeline_job(ctx: WorkerContext, schedule: str) -> dict[str, Any] | No
     """``pipeline_job`` at PP2 with flatshard's clip, every collective agreed first."""
     flatshard.set_checks(flatshard.Checks(debug=True))
     try:
-        return pipeline_job(ctx, schedule, 2, 1, "FULL_SHARD", False, "flatshard")
+        result = pipeline_job(ctx, schedule, 2, 1, "FULL_SHARD", False, "flatshard")
+        if result is not None:  # debug mode agrees each collective too: no count to check
+            result.pop("clip")
+        return result
     finally:
         flatshard.set_checks(flatshard.Checks())
 

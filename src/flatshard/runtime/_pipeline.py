@@ -51,6 +51,7 @@ from flatshard.runtime._step import (
     ScheduledStep,
     StepContext,
     agree,
+    agreed_in_this_call,
     contexts_under,
 )
 from flatshard.runtime._unit import Hold
@@ -121,7 +122,9 @@ def pipeline_total(
     for seat in seats:
         mine[1 + seat.stage] += 1
     dog = watchdog()
-    if dog is not None:  # every stage's ranks make the call ([Note: a pipeline step ...])
+    # Every stage's ranks make the call ([Note: a pipeline step starts on every rank]):
+    # agreed here unless the call's own entry took the pipeline group already.
+    if dog is not None and not agreed_in_this_call(group):
         dog.entry(group, Tag(f"{caller} over every stage"))
     every = mine.new_empty(dist.get_world_size(group) * (1 + stages))
     all_gather_into(every, mine, group)

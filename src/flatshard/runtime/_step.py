@@ -411,7 +411,9 @@ def _release_at_exit(ref: weakref.ref[StepContext]) -> None:
         context.release_process_groups()
 
 
-_IN_CALL: ContextVar[bool] = ContextVar("flatshard_in_call", default=False)
+# The groups the call being made agreed on (none outside a call): a call reached inside
+# it is agreed already, and a collective of one of these groups needs no entry of its own.
+_IN_CALL: ContextVar[frozenset[int]] = ContextVar("flatshard_in_call", default=frozenset())
 # Calls made inside a training step (between backward and optimizer.step(), or between
 # its micro-batches): they leave the last backward's digests pending, for the next forward
 # ([Note: the digest without a host sync]); comparing them there would wait for the device.
@@ -468,7 +470,7 @@ def collective_call(model: nn.Module, caller: str, over_stages: bool = False) ->
     for group in groups.values():
         if dog is not None and group is not None:
             dog.entry(group, tag)
-    token = _IN_CALL.set(True)
+    token = _IN_CALL.set(frozenset(groups))
     try:
         with tagged(tag), on_device(units[0].compute_device):  # see on_device
             if caller.split("(")[0] not in _IN_THE_STEP:  # pending digests: compare first
@@ -477,6 +479,12 @@ def collective_call(model: nn.Module, caller: str, over_stages: bool = False) ->
             yield
     finally:
         _IN_CALL.reset(token)
+
+
+def agreed_in_this_call(group: dist.ProcessGroup) -> bool:
+    """Whether the ``collective_call`` being made agreed on ``group`` already (a norm over
+    the pipeline inside ``clip_grad_norm_``, agreed over every stage at its entry)."""
+    return id(group) in _IN_CALL.get()
 
 
 def agree(

@@ -270,3 +270,11 @@ def collective_tag() -> Tag:
 def gather_now(out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, tag: Tag) -> None:
     """One all-gather the way flatshard issues and waits for it (recorded, watched)."""
     _collectives.all_gather_into(out, shard, group, tag)
+
+
+def agreements_on(group: dist.ProcessGroup) -> int:
+    """How many times the ranks of ``group`` have agreed on a call through the store (each
+    one a round trip to it), since the watchdog started."""
+    dog = watchdog()
+    assert dog is not None, "the watchdog runs once a model is sharded"
+    return dog._agreements.get(group.group_name, 0)
