@@ -141,10 +141,13 @@ def other_optimizer_job(ctx: WorkerContext, path: str, kind: str) -> str | None:
     if kind == "scheduled":  # the same AdamW's groups, and a scheduler's 'initial_lr'
         optimizer = ScheduledAdamW(optimizer.param_groups)
         torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    weights = [p.detach().clone() for p in model.parameters()]
     try:
         flatshard.load_checkpoint(path, model, optimizer)
     except flatshard.CheckpointError as error:
-        return str(error)
+        now = list(model.parameters())
+        unchanged = all(torch.equal(a, b) for a, b in zip(weights, now, strict=True))
+        return f"{error} (weights unchanged: {unchanged})"
     return "loaded"
 
 
@@ -156,6 +159,7 @@ def test_a_checkpoint_of_another_optimizer_is_named(pool: WorkerPool, tmp_path: 
     for message in pool.run(other_optimizer_job, path, "sgd")[:2]:
         assert "holds the state of AdamW, and the optimizer given is SGD" in message, message
         assert "whose dampening, momentum, nesterov it lacks" in message, message
+        assert message.endswith("(weights unchanged: True)"), message  # refused before reading
     assert pool.run(other_optimizer_job, path, "scheduled")[:2] == ["loaded"] * 2
 
 

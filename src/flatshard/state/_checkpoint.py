@@ -404,8 +404,8 @@ def load_checkpoint(
     state: dict[str, Any] = _model_targets(model, saved, strict)
     if optimizers:
         state.update(_optim_targets(model, saved, target, len(optimizers)))
-        if CLASSES in saved:
-            state[CLASSES] = None
+        if CLASSES in saved:  # before any weight is read: a refused load changes nothing
+            _check_same_optimizers(target, optimizers)
     extra_key = f"{EXTRA}{rank}" if f"{EXTRA}{rank}" in saved else f"{EXTRA}0"
     state[extra_key] = None
     _read(target, state, group)
@@ -413,8 +413,6 @@ def load_checkpoint(
         if MODEL + key in saved:
             mark_loaded(tensor)  # [Note: tensors awaiting a load]
     agree_on_differed(model, model_group(model), before)
-    if state.get(CLASSES) is not None:
-        _check_same_optimizers(target, state, optimizers)
     for index, optimizer in enumerate(optimizers):
         load_optim_state_dict(model, optimizer, _optim_state(state, index))
     extra = state[extra_key]
@@ -504,14 +502,16 @@ def _optim_targets(
     return targets
 
 
-def _check_same_optimizers(
-    target: Path, state: dict[str, Any], optimizers: list[torch.optim.Optimizer]
-) -> None:
+def _check_same_optimizers(target: Path, optimizers: list[torch.optim.Optimizer]) -> None:
     """A checkpoint of another optimizer class that lacks this optimizer's own
     hyperparameters (AdamW's into SGD: no momentum) would load without a word, the first
     step then failing on the missing one (a bare ``KeyError: 'momentum'``). Where only the
     class name differs (a wrapper around the same optimizer, AdamW saved and Adam loaded),
-    or the groups carry more (an LR scheduler's ``initial_lr``, ``max_lr``...), it loads."""
+    or the groups carry more (an LR scheduler's ``initial_lr``, ``max_lr``...), it loads.
+    Each rank reads the saved classes and groups (small values) on its own."""
+    state: dict[str, Any] = {CLASSES: None}
+    state.update({_groups_key(index): None for index in range(len(optimizers))})
+    load_raw(target, state)
     for index, (saved_class, optimizer) in enumerate(zip(state[CLASSES], optimizers, strict=True)):
         mine = type(optimizer).__name__
         saved_keys = {k for g in state[_groups_key(index)] for k in g}
