@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -574,6 +575,57 @@ def test_torch_clip_grad_value_is_exact_on_shards(pool: WorkerPool) -> None:
     """clip_grad_value_ clamps each element alone: this rank's rows are clipped right."""
     config = ParityConfig(model="gpt", world_size=2, clip=1e-3, clip_with="value", optimizer="sgd")
     pool.run(parity_job, config, False)
+
+
+def nan_in_the_last_ranks_rows_job(ctx: WorkerContext, strategy: str, world: int) -> list[str]:
+    """A NaN in one gradient element of the last rank's rows (the trap of
+    ``torch.where(x > 0, x.sqrt(), 0)``): the inf-norm is NaN on every rank, as on the
+    unsharded model; ``error_if_nonfinite`` raises on every rank."""
+    group = ctx.group(world)
+    if group is None:
+        return []
+    config = ParityConfig(model="gpt", world_size=world, strategy=strategy, sharding_factor=2)
+    model: Any = build("gpt")
+    shard_with_flatshard(model, config, group)
+    batch = next(batches(model, 1))
+    model.loss(slice_batch(batch, dist.get_rank(group), world)).backward()
+    last = dist.get_rank(group) == world - 1
+    grads = [p.grad for p in model.parameters() if p.grad is not None and p.grad.numel()]
+    found = []
+    for clip in ("flatshard", "torch", "torch-raises"):
+        if last:
+            grads[-1].view(-1)[-1] = math.nan
+        try:
+            if clip == "flatshard":
+                norm = flatshard.clip_grad_norm_(model, 1.0, norm_type=math.inf)
+            else:
+                raises = clip == "torch-raises"
+                params = model.parameters()
+                norm = torch.nn.utils.clip_grad_norm_(
+                    params, 1.0, norm_type=math.inf, error_if_nonfinite=raises
+                )
+            found.append(f"{clip}: norm {float(norm)}")
+        except RuntimeError as error:
+            found.append(f"{clip}: raised {str(error)[:40]}")
+    return found
+
+
+@pytest.mark.parametrize(
+    ("strategy", "world"), [("FULL_SHARD", 2), ("FULL_SHARD", 4), ("HYBRID_SHARD_OPTIM", 4)]
+)
+def test_a_nan_gradient_on_a_later_rank_makes_the_inf_norm_nan(
+    pool: WorkerPool, strategy: str, world: int
+) -> None:
+    """Before: gloo's MAX dropped a NaN coming from a later rank: the norm was finite on
+    every rank, error_if_nonfinite passed, and the optimizer wrote the NaN into the
+    weights (torch on the unsharded model: NaN, or its "non-finite" error)."""
+    expected = [
+        "flatshard: norm nan",
+        "torch: norm nan",
+        "torch-raises: raised The total norm of order inf for gradient",
+    ]
+    for found in pool.run(nan_in_the_last_ranks_rows_job, strategy, world)[:world]:
+        assert found == expected, found
 
 
 def torch_norm_of_other_tensors_job(ctx: WorkerContext) -> None:

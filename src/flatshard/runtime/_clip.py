@@ -95,12 +95,27 @@ def sharded_norm(
     for groups, grads in buckets.values():  # the same order on every rank
         partial = _partial(grads, norm_type, device)
         for group in groups:
-            all_reduce(partial, group, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+            if inf:
+                partial = _max_over(partial, group)
+            else:
+                all_reduce(partial, group, op=dist.ReduceOp.SUM)
         partials.append(partial)
     stacked = torch.stack([p.to(device) for p in partials])  # offloaded norms: on the CPU
     total = stacked.max() if inf else stacked.sum()
     total = pipeline_total(distinct_contexts(units), total, inf, caller)
     return total if inf else total ** (1.0 / norm_type)
+
+
+def _max_over(partial: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The largest of the ranks' ``partial`` maxima, NaN if any rank's is NaN, as torch's
+    inf-norm of the unsharded gradient would be. A backend's MAX need not keep a NaN
+    (gloo's drops one that comes from a later rank: the norm came out finite, and
+    ``error_if_nonfinite`` passed a NaN gradient on to the optimizer), so a NaN goes as a
+    flag of its own, in the same all-reduce."""
+    nan = torch.isnan(partial)
+    pair = torch.stack([torch.where(nan, torch.zeros_like(partial), partial), nan.to(partial)])
+    all_reduce(pair, group, op=dist.ReduceOp.MAX)
+    return torch.where(pair[1] > 0, torch.full_like(pair[0], math.nan), pair[0])
 
 
 def _partial(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
