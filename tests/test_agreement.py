@@ -442,6 +442,56 @@ def test_an_optimizer_step_on_one_rank_is_named_on_every_rank(case: str, world: 
             assert "rank 0" in message, message
 
 
+def write_before_backward_job(ctx: WorkerContext, case: str, strategy: str) -> str | None:
+    """Every rank writes the weights between a forward and its backward: a load of other
+    weights, a write-back of a change inside ``summon_full_params`` ("summon_write"), or
+    a summon that only reads ("summon_read": no write, the backward runs)."""
+    group = ctx.group(2)
+    if group is None:
+        return None
+    torch.manual_seed(0)
+    model = flatshard.fully_shard(
+        ReluNet(),
+        auto_wrap_policy={ReluLinear},
+        process_group=group,
+        strategy=flatshard.ShardingStrategy[strategy],
+    )
+    other = {k: v + 1.0 for k, v in ReluNet().state_dict().items()}
+    loss = model(torch.randn(3, 4)).sum()
+    if case == "load_state_dict":
+        flatshard.load_state_dict(model, other)
+    with flatshard.summon_full_params(model, writeback=case == "summon_write"):
+        if case == "summon_write":
+            with torch.no_grad():
+                model.out.weight.mul_(0.5)
+    try:
+        loss.backward()
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+@pytest.mark.parametrize("case", ["load_state_dict", "summon_write", "summon_read"])
+def test_a_write_between_forward_and_backward_is_refused(
+    pool: WorkerPool, case: str, strategy: str
+) -> None:
+    """Before: a load (or a summon's write-back) between a forward and its backward gave
+    a gradient of neither the old nor the new weights (backward gathered the new ones
+    beside the old activations), silently; unsharded, torch refuses it ("modified by an
+    inplace operation"). A summon that only reads there stays allowed."""
+    for rank, message in enumerate(pool.run(write_before_backward_job, case, strategy)[:2]):
+        if case == "summon_read":
+            assert message == "no error", message
+            continue
+        what = "summon_full_params's write-back" if case == "summon_write" else case
+        assert message.startswith(f"flatshard: backward of unit '<root>' on rank {rank} after"), (
+            message
+        )
+        assert f"after {what} wrote its shards since its forward" in message, message
+        assert f"Call {what} between steps" in message, message
+
+
 def writeback_alone_job(rank: int) -> tuple[str, bool, bool]:
     """A change inside ``summon_full_params`` on rank 0 only (through ``.data``, which no
     version counter sees), then the same change on every rank."""

@@ -124,6 +124,9 @@ def summon_full_params(model: nn.Module, writeback: bool = True) -> Iterator[Non
                 module.__dict__[LOCKSTEP_MARK] = True
             for unit, hold in zip(units, holds, strict=True):
                 unit.hold = hold
+    for unit in units:  # (the write-backs are done: a pending backward is refused)
+        if any(s.changed for s in summoned if any(s.flat is f for f in unit.flat_params)):
+            unit.user_wrote("summon_full_params's write-back")
 
 
 def _written_alike(model: nn.Module, units: list[Unit], summoned: list[Summoned]) -> None:
@@ -135,7 +138,10 @@ def _written_alike(model: nn.Module, units: list[Unit], summoned: list[Summoned]
     and where any differs, every rank raises naming them and nothing is written back.
     One O(parameters) pass and one small all-gather per write-back summon.
     """
-    mine = [digest for s in summoned for digest in s.digests()]
+    exits = [s.digests() for s in summoned]
+    for s, at_exit in zip(summoned, exits, strict=True):
+        s.changed = at_exit != s.entered
+    mine = [digest for at_exit in exits for digest in at_exit]
     contexts = distinct_contexts(units)
     groups = {id(c.process_group): c.process_group for c in contexts if c.process_group}
     ranks: list[int] = []
@@ -242,14 +248,25 @@ def pack_rows(flat: FlatParamGroup, local_rows: list[torch.Tensor]) -> torch.Ten
 class Summoned:
     """A group's parameters, full-size for a while (``full_params``)."""
 
-    def __init__(self, flat: FlatParamGroup, views: list[torch.Tensor], given: list[torch.Tensor]):
+    def __init__(
+        self,
+        flat: FlatParamGroup,
+        views: list[torch.Tensor],
+        given: list[torch.Tensor],
+        writeback: bool,
+    ):
         self.writeback = True  # False: what was written is dropped (``discard``)
+        self.flat = flat
         # The originals every rank holds alike: all but a tensor-parallel part (this rank's)
         self._alike = [
             orig
             for orig, view, tensor in zip(flat.originals, views, given, strict=True)
             if orig.tp is None or tensor is not view
         ]
+        # What they held at entry, and whether that changed by the exit: decided alike on
+        # every rank, as every rank holds them alike (the exit compares them)
+        self.entered = self.digests() if writeback else []
+        self.changed = False
 
     def digests(self) -> list[tuple[str, str]]:
         """(name, checksum) of each parameter every rank must hold alike, as it is now."""
@@ -275,7 +292,7 @@ def full_params(flat: FlatParamGroup, writeback: bool) -> Iterator[Summoned]:
     ]
     for orig, tensor in zip(flat.originals, joined, strict=True):
         orig.param.data = tensor
-    summoned = Summoned(flat, views, joined)
+    summoned = Summoned(flat, views, joined, writeback)
     try:
         yield summoned
     finally:

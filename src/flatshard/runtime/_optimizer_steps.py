@@ -16,7 +16,7 @@ step (torch's global step pre-hook):
   kept gathered by ``set_reshard_after_backward(False)``, a replica's region);
 - the step joins the ledger the ranks compare ([Note: steps in the ledger]), and each unit
   whose parameters the optimizer holds counts it: a backward of a forward that ran before
-  it is refused (``Unit._refuse_step_since_forward``).
+  it is refused (``Unit._refuse_write_since_forward``).
 An optimizer of another model, on one rank or all, changes nothing here. An optimizer that
 holds parameters on the meta device was built before ``fully_shard`` materialized a
 meta-built model: it would step tensors no forward reads, so it is refused too. Matrix

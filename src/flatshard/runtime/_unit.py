@@ -174,10 +174,13 @@ class Unit:
         self.state = TrainingState.IDLE
         self.expects_backward = False  # a forward with grad ran: every rank must reduce
         self.pending_input_grads = 0  # forwards whose inputs' gradients are still to come
-        # Steps of optimizers holding the unit's parameters, in all and when its last
-        # forward with grad ran: a step between a forward and its backward is refused
-        self.optimizer_steps_taken = 0
-        self.forward_at_step = 0
+        # Writes of the unit's shards a user made (steps of optimizers holding its
+        # parameters, loads, summon write-backs), in all and when its last forward with
+        # grad ran, and the last one's name: one between a forward and its backward is
+        # refused (``_refuse_write_since_forward``)
+        self.writes = 0
+        self.forward_at_write = 0
+        self.last_write = ""
         # (name, tensor) left to flatshard.load_safetensors by skip_init (runtime/_changes.py)
         self.awaiting_load: list[tuple[str, torch.Tensor]] = []
 
@@ -417,7 +420,7 @@ class Unit:
                 return output  # recomputation inside backward: keep the parameters
             self.state = TrainingState.IDLE
             if needs_grad:
-                self.forward_at_step = self.optimizer_steps_taken
+                self.forward_at_write = self.writes
             # Kept until backward: the root and the last unit of the forward order
             # (backward starts with them, they would be gathered again at once, with no
             # compute to hide the wait), and units whose strategy keeps parameters from
@@ -451,7 +454,7 @@ class Unit:
 
     def pre_backward(self, *unused: Any) -> None:
         with traced(f"pre_backward {self.label}"):
-            self._refuse_step_since_forward()
+            self._refuse_write_since_forward()
             self._refuse_graph_over_freed()
             self.context.queue_finish_backward()
             self.state = TrainingState.BACKWARD
@@ -490,30 +493,44 @@ class Unit:
     def optimizer_steps(self, held: Collection[int]) -> None:
         """An optimizer holding the parameters ``held`` (ids) is about to step: the
         unit's shards are written if it holds any of them (then, and only then, a backward
-        of a forward before it is refused: ``_refuse_step_since_forward``)."""
+        of a forward before it is refused: ``_refuse_write_since_forward``)."""
         if any(id(o.param) in held for f in self.flat_params for o in f.originals):
-            self.optimizer_steps_taken += 1
+            self.user_wrote("optimizer.step()")
         for flat in self.flat_params:
             flat.shards_written()
 
-    # ------------------------------------------------------------------ hook helpers
-    def _refuse_step_since_forward(self) -> None:
-        """An optimizer step between a forward and its backward: refused here, on the
-        rank that stepped, before this backward issues anything.
+    def user_wrote(self, what: str) -> None:
+        """``what`` (a call of the user's) wrote the unit's shards: a backward of a forward
+        before it would mix the old activations with the new weights."""
+        self.writes += 1
+        self.last_write = what
 
-        Unsharded, torch refuses it too (the step wrote weights the graph saved: "modified
-        by an inplace operation"). Sharded, the backward would gather the new weights
-        beside the old activations, and a rank that stepped alone would gather again where
-        its peers reuse what forward kept: collectives of different sizes, an abort.
+    # ------------------------------------------------------------------ hook helpers
+    def _refuse_write_since_forward(self) -> None:
+        """An optimizer step, a load or a summon's write-back between a forward and its
+        backward: refused here, on the rank that wrote, before this backward issues
+        anything.
+
+        Unsharded, torch refuses it too (the write changed weights the graph saved:
+        "modified by an inplace operation"). Sharded, the backward would gather the new
+        weights beside the old activations (a gradient of neither), and a rank that wrote
+        alone would gather again where its peers reuse what forward kept: collectives of
+        different sizes, an abort.
         """
-        steps = self.optimizer_steps_taken - self.forward_at_step
-        if steps == 0:
+        writes = self.writes - self.forward_at_write
+        if writes == 0:
             return
+        last = self.last_write
+        fix = (
+            "Call optimizer.step() after loss.backward() (forward, backward, step)"
+            if last == "optimizer.step()"
+            else f"Call {last} between steps (after optimizer.step(), before the next forward)"
+        )
         raise RuntimeError(
             f"flatshard: backward of unit '{self.label}' on rank {global_rank()} after "
-            f"optimizer.step() wrote its shards since its forward ({steps} step(s) between "
-            "them): the gradient would mix the old activations with the new weights. Call "
-            "optimizer.step() after loss.backward() (forward, backward, step), on every rank."
+            f"{last} wrote its shards since its forward ({writes} write(s) between them): "
+            f"the gradient would mix the old activations with the new weights. {fix}, on "
+            "every rank."
         )
 
     def _refuse_graph_over_freed(self) -> None:

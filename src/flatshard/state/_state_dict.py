@@ -155,6 +155,7 @@ def reshard_for_load(model: nn.Module, caller: str) -> None:
             continue
         unit.require_idle(caller, "load between steps, not inside forward or backward.")
         unit.reshard()
+        unit.user_wrote(caller)  # a pending backward of an earlier forward is refused
         for flat in unit.flat_params:
             flat.shards_written()  # gathers after the load see it (and replicas refresh)
 
