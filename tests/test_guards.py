@@ -70,6 +70,9 @@ def changed_model_job(ctx: WorkerContext, change: str) -> str | None:
         model.to("cpu:0") if change == "moved" else model.double()
     elif change == "meta":  # torch replaces each parameter without registration hooks
         model.to("meta")
+    elif change == "replaced inside a unit":  # by a hook of the user's, during forward
+        block = cast(Any, model).blocks[1]
+        block.mlp[0].register_forward_pre_hook(lambda module, args: _replace_weight(model))
     return _error_of(lambda: _forward(model))
 
 
@@ -91,6 +94,16 @@ def test_parameters_replaced_after_sharding_are_named(pool: WorkerPool) -> None:
         assert "parameters changed after fully_shard" in message, message
         assert "added or replaced: 'blocks.1.mlp.0.weight'" in message
         assert "no longer in the model: 'blocks.1.mlp.0.weight'" in message
+
+
+def test_a_parameter_replaced_during_its_units_forward_is_named(pool: WorkerPool) -> None:
+    """Before: the unit's post-forward put its own entries back over the parameter a hook
+    of the user's had set: the replacement was dropped, silently (outputs off the unsharded
+    model's from the next step on). Found at the next forward only when made outside
+    every unit's forward."""
+    for message in pool.run(changed_model_job, "replaced inside a unit")[:2]:
+        assert "parameters changed after fully_shard" in message, message
+        assert "added or replaced: 'blocks.1.mlp.0.weight'" in message, message
 
 
 def test_a_model_moved_or_cast_after_sharding_is_named(pool: WorkerPool) -> None:

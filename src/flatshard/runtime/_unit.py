@@ -412,6 +412,9 @@ class Unit:
             self.passed_through -= 1
             return output
         with traced(f"post_forward {self.label}"):
+            # A parameter registered during this forward (a hook of the user's replacing
+            # one of the unit's): named now, before the unit's own entries go back over it
+            self.context.check_unchanged()
             needs_grad = [t for t in tensors_in(output) if t.requires_grad]
             if needs_grad:
                 self.expects_backward = True
