@@ -9,9 +9,11 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any, cast
 
+import pytest
 import torch
 from torch import nn
 
@@ -70,6 +72,12 @@ def changed_model_job(ctx: WorkerContext, change: str) -> str | None:
         model.to("cpu:0") if change == "moved" else model.double()
     elif change == "meta":  # torch replaces each parameter without registration hooks
         model.to("meta")
+    elif change in ("post-accumulate hook", "gradient hook"):  # e.g. an optimizer step per
+        weight = cast(Any, model).blocks[0].attn.qkv.weight  # parameter in backward
+        if change == "gradient hook":
+            weight.register_hook(lambda grad: grad.clamp(-1e-3, 1e-3))
+        else:
+            weight.register_post_accumulate_grad_hook(lambda param: None)
     elif change == "replaced inside a unit":  # by a hook of the user's, during forward
         block = cast(Any, model).blocks[1]
         block.mlp[0].register_forward_pre_hook(lambda module, args: _replace_weight(model))
@@ -104,6 +112,35 @@ def test_a_parameter_replaced_during_its_units_forward_is_named(pool: WorkerPool
     for message in pool.run(changed_model_job, "replaced inside a unit")[:2]:
         assert "parameters changed after fully_shard" in message, message
         assert "added or replaced: 'blocks.1.mlp.0.weight'" in message, message
+
+
+@pytest.mark.parametrize("change", ["post-accumulate hook", "gradient hook"])
+def test_a_gradient_hook_on_a_sharded_parameter_is_named(pool: WorkerPool, change: str) -> None:
+    """Before: never run, silently (forward computes with gathered copies): torch's
+    optimizer-in-backward recipe trained nothing, a gradient clamp clamped nothing."""
+    for message in pool.run(changed_model_job, change)[:2]:
+        assert "gradient hooks on sharded parameters" in message, message
+        assert "'blocks.0.attn.qkv.weight'" in message, message
+        assert "Step the optimizer after loss.backward()" in message, message
+
+
+def deepcopy_job(ctx: WorkerContext) -> str | None:
+    group = ctx.group(2)
+    if group is None:
+        return None
+    model = shard_units(build("gpt"), group, "FULL_SHARD")
+    try:
+        copy.deepcopy(model)  # an EMA model, torch's AveragedModel
+    except TypeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_deep_copy_of_a_sharded_model_is_named(pool: WorkerPool) -> None:
+    """Before: pickle's bare "cannot pickle 'ProcessGroup' object"."""
+    for message in pool.run(deepcopy_job)[:2]:
+        assert message.startswith("flatshard: a sharded model cannot be deep-copied"), message
+        assert "full_state_dict" in message, message
 
 
 def test_a_model_moved_or_cast_after_sharding_is_named(pool: WorkerPool) -> None:

@@ -89,6 +89,32 @@ def check_requires_grad(flat_params: list[FlatParamGroup]) -> None:
         )
 
 
+def check_no_parameter_hooks(flat_params: list[FlatParamGroup]) -> None:
+    """An error if a trainable original parameter has a gradient hook of its own
+    (``register_post_accumulate_grad_hook``, ``register_hook``): autograd never runs it.
+    Forward computes with views of the gathered buffer, not with the parameter, and the
+    parameter's ``.grad`` is this rank's rows of the reduced flat gradient, written at the
+    end of backward. Silently skipped, torch's optimizer-in-backward recipe (a step per
+    parameter in its post-accumulate hook) trained nothing."""
+    hooked = [
+        f"'{orig.fqn}'"
+        for flat in flat_params
+        if flat.requires_grad
+        for orig in flat.originals
+        if orig.param._post_accumulate_grad_hooks or orig.param._backward_hooks
+    ]
+    if hooked:
+        raise RuntimeError(
+            f"flatshard: gradient hooks on sharded parameters (rank {global_rank()}): "
+            f"{_listed(hooked)}. A hook registered on a parameter with "
+            "register_post_accumulate_grad_hook or register_hook never runs on a sharded "
+            "model: forward computes with gathered copies, and each parameter's .grad "
+            "(this rank's rows, reduced) is written at the end of backward. Step the "
+            "optimizer after loss.backward(), and change gradients there, on .grad (or "
+            "with flatshard.comm_hooks.register_comm_hook for the reduction itself)."
+        )
+
+
 def check_in_shards(flat_params: list[FlatParamGroup]) -> None:
     """An error if an original parameter no longer views its group's shard (one storage
     pointer per parameter: see [Note: cheap change detection])."""

@@ -71,7 +71,12 @@ from flatshard.comm._watchdog import Tag
 from flatshard.flat._flat_param import FlatParamGroup
 from flatshard.flat._mixed_precision import MixedPrecision
 from flatshard.measure._accounting import traced
-from flatshard.runtime._changes import check_in_shards, check_loaded, check_requires_grad
+from flatshard.runtime._changes import (
+    check_in_shards,
+    check_loaded,
+    check_no_parameter_hooks,
+    check_requires_grad,
+)
 from flatshard.runtime._configuration import UnitConfig
 from flatshard.runtime._prefetch import (
     BackwardPrefetch,
@@ -183,6 +188,19 @@ class Unit:
         self.last_write = ""
         # (name, tensor) left to flatshard.load_safetensors by skip_init (runtime/_changes.py)
         self.awaiting_load: list[tuple[str, torch.Tensor]] = []
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Unit:
+        """A sharded model copied (``copy.deepcopy``: an EMA model, torch's
+        ``AveragedModel``, a frozen reference) reaches its units: named here, where the
+        copy of the unit's process group would fail with pickle's bare error."""
+        raise TypeError(
+            f"flatshard: a sharded model cannot be deep-copied (unit '{self.label}', rank "
+            f"{global_rank()}): each rank holds only its rows of the parameters, and the "
+            "copy would need the model's process groups and hooks. Build the copy before "
+            "flatshard.fully_shard (and shard it too), or load flatshard.full_state_dict("
+            "model, rank0_only=False) into a fresh model; save with "
+            "flatshard.save_checkpoint."
+        )
 
     # ------------------------------------------------------------------ identity
     @property
@@ -387,6 +405,7 @@ class Unit:
                     check_loaded(self.label, self.awaiting_load)
                 if torch.is_grad_enabled():  # without, no gradient goes anywhere: peft's
                     check_requires_grad(self.flat_params)  # disable_adapter() flips them
+                    check_no_parameter_hooks(self.flat_params)
                 check_in_shards(self.flat_params)
                 if self.is_root:
                     self.context.check_unchanged()
